@@ -1,0 +1,405 @@
+"""Byte-level BPE tokenizer over the `tokenizers` library, plus chat-template rendering.
+
+Train a tiny tokenizer, load / save a Hugging Face tokenizer folder (tokenizer.json,
+tokenizer_config.json, chat_template.jinja) that transformers' AutoTokenizer reads back with the
+same ids, and render chats: a built-in ChatML renderer in plain Python, or a folder's own Jinja
+template. Walkthrough 2.1 (SFTTrainer.__init__: processing_class, apply_chat_template) and the
+dataset preparation of hf-reference 4.2; file layout as hf-reference 7.5.
+"""
+
+import json
+import os
+import re
+from datetime import datetime
+from functools import lru_cache
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as BackendTokenizer
+
+DEFAULT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+VERY_LARGE_INTEGER = int(1e30)  # transformers' "no limit" model_max_length
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# The built-in ChatML as Jinja, written to chat_template.jinja. `{% generation %}` marks the
+# assistant's trained span (content + "<|im_end|>\n"), so transformers' return_assistant_tokens_mask
+# and TRL's assistant_only_loss work on a saved folder without swapping templates.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
+    "{%- if message['role'] == 'assistant' %}\n"
+    "{%- generation %}\n"
+    "{{- message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endgeneration %}\n"
+    "{%- else %}\n"
+    "{{- message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def validate_messages(messages):
+    """Check a chat is a non-empty list of {"role", "content": str} dicts; errors name index and field.
+
+    Walkthrough 2.1 | Mirrors: transformers apply_chat_template input checks | Differs: stricter.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r:.80}")
+        if message.get("role") not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}]['role'] is {message.get('role')!r}; expected one of {CHAT_ROLES}")
+        if not isinstance(message.get("content"), str):
+            raise TypeError(f"messages[{i}]['content'] must be a str, got {type(message.get('content')).__name__}"
+                            " (fix: join multi-part content into one string)")
+
+
+def render_chatml(messages, add_generation_prompt=False):
+    """Render ChatML in plain Python; returns (text, assistant_spans) with char spans [start, end).
+
+    Walkthrough 2.1 | Mirrors: the Jinja CHATML_TEMPLATE rendered by transformers render_jinja_template.
+    """
+    validate_messages(messages)
+    text, spans = "", []
+    for message in messages:
+        text += f"<|im_start|>{message['role']}\n"
+        body = f"{message['content']}<|im_end|>\n"
+        if message["role"] == "assistant":  # the {% generation %} span of CHATML_TEMPLATE
+            spans.append((len(text), len(text) + len(body)))
+        text += body
+    if add_generation_prompt:
+        text += "<|im_start|>assistant\n"
+    return text, spans
+
+
+# Private-use characters framing {% generation %} output while rendering; removed afterwards.
+_GEN_START, _GEN_END = "\ue000", "\ue001"
+
+
+@lru_cache(maxsize=16)
+def _compile_jinja_template(template):
+    try:
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as error:
+        raise ImportError("rendering a Jinja chat template needs jinja2: `pip install jinja2` (or set "
+                          "tokenizer.chat_template = nanosft.tokenizer.CHATML_TEMPLATE for the built-in)") from error
+
+    class GenerationTag(Extension):  # {% generation %}...{% endgeneration %}, as transformers' AssistantTracker
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_frame"), [], [], body).set_lineno(lineno)
+
+        def _frame(self, caller):
+            return _GEN_START + caller() + _GEN_END
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    # trim_blocks / lstrip_blocks and the helpers below are what transformers gives templates.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_jinja_template(template, messages, add_generation_prompt=False, **special_tokens):
+    """Render a Jinja chat template; returns (text, spans of its {% generation %} blocks).
+
+    Walkthrough 2.1 | Mirrors: transformers render_jinja_template, _render_with_assistant_indices.
+    """
+    validate_messages(messages)
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers
+    if any(_GEN_START in m["content"] or _GEN_END in m["content"] for m in messages):
+        raise ValueError("message content contains U+E000/U+E001, reserved for {% generation %} tracking")
+    framed = _compile_jinja_template(template).render(
+        messages=messages, tools=None, documents=None,
+        add_generation_prompt=add_generation_prompt, **special_tokens)
+    text, spans, starts = "", [], []
+    for piece in re.split(f"([{_GEN_START}{_GEN_END}])", framed):
+        if piece == _GEN_START:
+            starts.append(len(text))
+        elif piece == _GEN_END:
+            spans.append((starts.pop(), len(text)))
+        else:
+            text += piece
+    return text, spans
+
+
+def _read_json(path):
+    """Parse a JSON file; a corrupt file raises naming the file, line and column."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return json.loads(text), text
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
+                         "fix or re-save the file, e.g. with Tokenizer.save_pretrained") from None
+
+
+def _token_content(value):
+    # tokenizer_config.json spells special tokens as "<s>" or as {"content": "<s>", ...}.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _write_files_atomically(folder, files):
+    """Write every {name: text} to a temp file first, then os.replace each into place."""
+    os.makedirs(folder, exist_ok=True)
+    temps = []
+    for name, text in files.items():
+        temp = os.path.join(folder, f".{name}.tmp{os.getpid()}")
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(text)
+        temps.append((temp, os.path.join(folder, name)))
+    for temp, final in temps:
+        os.replace(temp, final)
+
+
+def _add_missing_added_tokens(backend, added_tokens_decoder, config_file):
+    """Add tokenizer_config.json's added_tokens_decoder entries absent from tokenizer.json, checking ids."""
+    for index, entry in sorted(added_tokens_decoder.items(), key=lambda item: int(item[0])):
+        content = _token_content(entry)
+        if backend.token_to_id(content) is None and int(index) == backend.get_vocab_size():
+            special = entry.get("special", True) if isinstance(entry, dict) else True
+            backend.add_tokens([AddedToken(content, special=special, normalized=not special)])
+        if backend.token_to_id(content) != int(index):
+            raise ValueError(f"{config_file}: added_tokens_decoder[{index!r}] is {content!r}, but tokenizer.json "
+                             f"gives it id {backend.token_to_id(content)}; fix: make the two files agree")
+
+
+def _read_chat_template(folder, config):
+    """chat_template.jinja wins; else the legacy "chat_template" key of tokenizer_config.json."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # legacy named templates: [{"name": "default", "template": ...}]
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    return template
+
+
+def _special_token_property(key, as_id=False):
+    """A read-only property for a named special token (its string, or its id with as_id)."""
+    def get(self):
+        token = self._special[key]
+        return self.backend.token_to_id(token) if as_id and token is not None else token
+    name = key + "_id" if as_id else key
+    return property(get, doc=f"The {name} (None when unset). Walkthrough 2.1 | Mirrors: transformers {name}")
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus named special tokens and a chat template, HF-folder compatible.
+
+    Walkthrough 2.1 (processing_class) | Mirrors: transformers TokenizersBackend (PreTrainedTokenizerFast)
+    Differs: a special token missing from the vocabulary is an error, never silently appended.
+    """
+
+    def __init__(self, backend, *, bos_token=None, eos_token=None, pad_token=None, unk_token=None,
+                 chat_template=None, model_max_length=VERY_LARGE_INTEGER, source="Tokenizer(...)"):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.model_max_length = model_max_length
+        self._special = {"bos_token": bos_token, "eos_token": eos_token,
+                         "unk_token": unk_token, "pad_token": pad_token}
+        for key, token in self._special.items():
+            if token is not None and backend.token_to_id(token) is None:
+                raise ValueError(f"{source}: {key} {token!r} is not in the vocabulary; fix: add it to "
+                                 f"tokenizer.json's added_tokens or set {key} to an existing token")
+
+    @classmethod
+    def train(cls, texts, vocab_size, special_tokens=None, *, pad_token="<|endoftext|>",
+              eos_token="<|im_end|>", bos_token=None):
+        """Train a byte-level BPE (GPT-2 style, no BOS unless bos_token is given) on a list of strings.
+
+        Walkthrough 2.1 | Mirrors: tokenizers BpeTrainer with pre_tokenizers.ByteLevel (GPT-2 / Qwen family)
+        Ids: special tokens first (in order), then the 256 byte symbols, then merges. Deterministic.
+        """
+        specials = list(special_tokens if special_tokens is not None else DEFAULT_SPECIAL_TOKENS)
+        specials += [t for t in (pad_token, eos_token, bos_token) if t is not None and t not in specials]
+        texts = list(texts)
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+        alphabet = pre_tokenizers.ByteLevel.alphabet()  # all 256 bytes: any unicode text round-trips
+        if vocab_size < len(alphabet) + len(specials):
+            raise ValueError(f"vocab_size={vocab_size} is below {len(alphabet)} byte symbols + "
+                             f"{len(specials)} special tokens; fix: vocab_size >= {len(alphabet) + len(specials)}")
+        backend = BackendTokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                      initial_alphabet=alphabet, show_progress=False)
+        backend.train_from_iterator(texts, trainer)
+        # A TemplateProcessing post-processor, as transformers writes; it adds BOS only when asked.
+        single = f"{bos_token} $A" if bos_token else "$A"
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=f"{single} $B:1",
+            special_tokens=[(bos_token, backend.token_to_id(bos_token))] if bos_token else [])
+        return cls(backend, bos_token=bos_token, eos_token=eos_token, pad_token=pad_token,
+                   chat_template=CHATML_TEMPLATE)
+
+    @classmethod
+    def from_pretrained(cls, folder):
+        """Load a Hugging Face tokenizer folder: tokenizer.json, tokenizer_config.json, chat_template.jinja.
+
+        Walkthrough 2.1 | Mirrors: transformers AutoTokenizer.from_pretrained -> TokenizersBackend
+        Differs: local folders only; no slow-tokenizer conversion, no special_tokens_map.json.
+        """
+        tokenizer_file = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found; nanosft reads only the fast-tokenizer file. Fix: point at a "
+                "Hugging Face tokenizer folder, or convert one with transformers: "
+                "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
+        _, text = _read_json(tokenizer_file)
+        try:
+            backend = BackendTokenizer.from_str(text)
+        except Exception as error:  # noqa: BLE001 (tokenizers raises a bare Exception)
+            raise ValueError(f"{tokenizer_file}: the tokenizers library cannot read it ({error}); "
+                             "fix: re-save it with tokenizers >= 0.19") from None
+        config_file = os.path.join(folder, "tokenizer_config.json")
+        config = _read_json(config_file)[0] if os.path.isfile(config_file) else {}
+        _add_missing_added_tokens(backend, config.get("added_tokens_decoder", {}), config_file)
+        special = {key: _token_content(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
+        tokenizer = cls(backend, **special, chat_template=_read_chat_template(folder, config),
+                        model_max_length=config.get("model_max_length", VERY_LARGE_INTEGER),
+                        source=config_file)
+        if "add_bos_token" in config or "add_eos_token" in config:
+            tokenizer._rebuild_post_processor(config.get("add_bos_token"), config.get("add_eos_token"))
+        return tokenizer
+
+    def _rebuild_post_processor(self, add_bos, add_eos):
+        # An explicit add_bos_token/add_eos_token overrides tokenizer.json's post-processor, as in
+        # transformers TokenizersBackend.update_post_processor.
+        bos, eos = (self.bos_token if add_bos else None), (self.eos_token if add_eos else None)
+
+        def template(seq, type_id):  # e.g. "<s>:0 $A:0 </s>:0"
+            return " ".join(([f"{bos}:{type_id}"] if bos else []) + [f"${seq}:{type_id}"]
+                            + ([f"{eos}:{type_id}"] if eos else []))
+
+        used = dict.fromkeys(t for t in (bos, eos) if t is not None)
+        self.backend.post_processor = processors.TemplateProcessing(
+            single=template("A", 0), pair=template("A", 0) + " " + template("B", 1),
+            special_tokens=[(t, self.token_to_id(t)) for t in used])
+
+    def save_pretrained(self, folder):
+        """Write tokenizer.json, tokenizer_config.json (v5 layout) and chat_template.jinja atomically.
+
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.save_pretrained (hf-reference 7.5)
+        """
+        config = {"backend": "tokenizers"}
+        config.update({key: token for key, token in self._special.items() if token is not None})
+        config.update(model_max_length=self.model_max_length, tokenizer_class="TokenizersBackend")
+        files = {"tokenizer.json": self.backend.to_str(pretty=True),
+                 "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n"}
+        if self.chat_template is not None:
+            files["chat_template.jinja"] = self.chat_template
+        _write_files_atomically(folder, files)
+        return sorted(os.path.join(folder, name) for name in files)
+
+    # ---- vocabulary and special tokens -------------------------------------------------------
+    def __len__(self):
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self):
+        """Base vocabulary size without added tokens, as transformers' `vocab_size` (len() counts them)."""
+        return self.backend.get_vocab_size(with_added_tokens=False)
+
+    def token_to_id(self, token):
+        """Token string -> id, or None. Walkthrough 2.1 | Mirrors: transformers convert_tokens_to_ids"""
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, index):
+        """Id -> token string, or None. Walkthrough 2.1 | Mirrors: transformers convert_ids_to_tokens"""
+        return self.backend.id_to_token(index)
+
+    bos_token = _special_token_property("bos_token")
+    eos_token = _special_token_property("eos_token")
+    pad_token = _special_token_property("pad_token")
+    unk_token = _special_token_property("unk_token")
+    bos_token_id = _special_token_property("bos_token", as_id=True)
+    eos_token_id = _special_token_property("eos_token", as_id=True)
+    pad_token_id = _special_token_property("pad_token", as_id=True)
+    unk_token_id = _special_token_property("unk_token", as_id=True)
+
+    # ---- text <-> ids -----------------------------------------------------------------------
+    def encode(self, text, add_special_tokens=True):
+        """Text -> token ids; special-token strings in the text become their single ids.
+
+        Walkthrough 2.1 | Mirrors: transformers tokenizer(text)["input_ids"]
+        """
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text, add_special_tokens=False):
+        """Text -> (ids, offsets): offsets[i] = (start, end) char span of token i in `text`.
+
+        Walkthrough 2.1 | Mirrors: transformers return_offsets_mapping=True (what char_to_token reads)
+        """
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids, encoding.offsets
+
+    def decode(self, ids, skip_special_tokens=False):
+        """Token ids -> text. Walkthrough 2.1 | Mirrors: transformers tokenizer.decode"""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- chat templates ---------------------------------------------------------------------
+    def render_chat_with_spans(self, messages, add_generation_prompt=False):
+        """Render a chat; returns (text, assistant_spans): char spans [start, end) the model is trained on.
+
+        Walkthrough 2.1 | Mirrors: transformers render_jinja_template with return_assistant_tokens_mask
+        The built-in CHATML_TEMPLATE renders in plain Python (no jinja2 needed); others go through Jinja.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; fix: set tokenizer.chat_template "
+                             "(e.g. nanosft.tokenizer.CHATML_TEMPLATE) or add chat_template.jinja to the folder")
+        if self.chat_template == CHATML_TEMPLATE:
+            for token in ("<|im_start|>", "<|im_end|>"):
+                if self.token_to_id(token) is None:
+                    raise ValueError(f"the ChatML template needs {token!r} in the vocabulary; fix: train with "
+                                     "the default special_tokens or set another chat_template")
+            return render_chatml(messages, add_generation_prompt)
+        special = {key: token for key, token in self._special.items() if token is not None}
+        return render_jinja_template(self.chat_template, messages, add_generation_prompt, **special)
+
+    def render_chat(self, messages, add_generation_prompt=False):
+        """Render a chat to text. Walkthrough 2.1 | Mirrors: apply_chat_template(..., tokenize=False)"""
+        return self.render_chat_with_spans(messages, add_generation_prompt)[0]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True,
+                            return_assistant_tokens_mask=False):
+        """Render a chat and (by default) tokenize it with add_special_tokens=False, as transformers does.
+
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.apply_chat_template
+        Returns str (tokenize=False), list[int], or {"input_ids", "assistant_masks"} when asked for masks.
+        """
+        text, spans = self.render_chat_with_spans(messages, add_generation_prompt)
+        if not tokenize:
+            return text
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        if not return_assistant_tokens_mask:
+            return encoding.ids
+        # Char span -> tokens through char_to_token, exactly as transformers builds assistant_masks:
+        # every token touching [start, end) gets 1, so a token straddling the edge counts as assistant.
+        mask = [0] * len(encoding.ids)
+        for start, end in spans:
+            first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+            if first is None:  # span past the end of the text: transformers stops here too
+                break
+            for index in range(first, last + 1 if last else len(mask)):
+                mask[index] = 1
+        return {"input_ids": encoding.ids, "assistant_masks": mask}
