@@ -1,0 +1,118 @@
+"""Parity of nanosft.optim with transformers: schedule curves, decay grouping, one AdamW step.
+
+Compared: the learning rate after every scheduler.step() over 30 steps for every schedule name
+(nanosft.optim.get_scheduler vs transformers.get_scheduler, same optimizer settings and kwargs), the
+weight-decay names of a tiny transformers Llama (Trainer.get_decay_parameter_names vs ours), and the
+parameters after one step of the optimizer each side builds. Hermetic: the Llama is built in-process
+from a 2-layer config, nothing is downloaded. Run: python -m pytest -q tests/parity/test_optim_parity.py
+"""
+
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from nanosft.args import TrainingArguments  # noqa: E402
+from nanosft.optim import create_optimizer, get_decay_parameter_names, get_scheduler  # noqa: E402
+
+STEPS, WARMUP, LR = 30, 4, 1e-3
+
+# (schedule name, scheduler_specific_kwargs); each with warmup and a non-default knob where it has one.
+CASES = [
+    ("linear", None),
+    ("cosine", None),
+    ("cosine", {"num_cycles": 1.5}),
+    ("cosine_with_restarts", {"num_cycles": 3}),
+    ("polynomial", {"lr_end": 1e-5, "power": 2.0}),
+    ("constant", None),
+    ("constant_with_warmup", None),
+    ("inverse_sqrt", None),
+    ("inverse_sqrt", {"timescale": 7}),
+    ("cosine_with_min_lr", {"min_lr": 1e-4}),
+    ("cosine_with_min_lr", {"min_lr_rate": 0.2, "num_cycles": 0.25}),
+    ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
+    ("cosine_warmup_with_min_lr", {"min_lr": 1e-4, "warmup_lr_rate": 0.3}),
+    ("warmup_stable_decay", {"num_decay_steps": 10}),
+    ("warmup_stable_decay", {"num_decay_steps": 8, "warmup_type": "cosine", "decay_type": "1-sqrt",
+                             "min_lr_ratio": 0.1}),
+    ("warmup_stable_decay", {"num_decay_steps": 6, "num_stable_steps": 5, "warmup_type": "1-sqrt",
+                             "decay_type": "linear"}),
+]
+
+
+def _lr_curve(make_scheduler, name, kwargs):
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=LR)
+    sched = make_scheduler(name, opt, num_warmup_steps=WARMUP, num_training_steps=STEPS,
+                           scheduler_specific_kwargs=kwargs)
+    curve = []
+    for _ in range(STEPS + 3):  # a few steps past the end: schedules must keep their floor
+        curve.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return curve
+
+
+@pytest.mark.parametrize("name,kwargs", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_schedule_curve_equals_transformers(name, kwargs):
+    ours = _lr_curve(get_scheduler, name, kwargs)
+    theirs = _lr_curve(transformers.get_scheduler, name, kwargs)
+    # Same float operations in the same order: equal to the last bit (1e-12 leaves room for nothing else).
+    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+    starts_above_zero = name in ("constant", "cosine_warmup_with_min_lr") or "min_lr_ratio" in (kwargs or {})
+    if not starts_above_zero:
+        assert ours[0] == 0.0  # warmup starts at lr 0 (hf-reference 2.3), negative control for an off-by-one
+
+
+def test_plateau_scheduler_reduces_like_transformers():
+    curves = []
+    for make in (get_scheduler, transformers.get_scheduler):
+        param = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([param], lr=LR)
+        sched = make("reduce_lr_on_plateau", opt, scheduler_specific_kwargs={"patience": 1, "factor": 0.5})
+        lrs = []
+        for metric in (1.0, 0.9, 0.95, 0.97, 0.99, 0.5):
+            sched.step(metric)
+            lrs.append(opt.param_groups[0]["lr"])
+        curves.append(lrs)
+    assert curves[0] == curves[1]
+    assert curves[0][-1] < LR  # it did reduce
+
+
+def _tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_decay_names_equal_trainer_rule_on_llama():
+    model = _tiny_llama()
+    trainer_self = types.SimpleNamespace()  # the method reads nothing from self
+    theirs = transformers.Trainer.get_decay_parameter_names(trainer_self, model)
+    ours = get_decay_parameter_names(model)
+    assert ours == theirs
+    assert "model.norm.weight" not in ours and "model.layers.0.input_layernorm.weight" not in ours
+    assert "model.layers.0.self_attn.q_proj.weight" in ours
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_one_adamw_step_equals_transformers_trainer_optimizer(optim, tmp_path):
+    kw = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, optim=optim)
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+    ours_model, theirs_model = _tiny_llama(), _tiny_llama()
+    theirs_trainer = transformers.Trainer(model=theirs_model, args=hf_args)
+    theirs_opt = theirs_trainer.create_optimizer()
+    ours_opt = create_optimizer(ours_model, TrainingArguments(output_dir=str(tmp_path), **kw))
+    assert [g["weight_decay"] for g in ours_opt.param_groups] == [g["weight_decay"] for g in theirs_opt.param_groups]
+    assert ours_opt.defaults.get("fused") == theirs_opt.defaults.get("fused")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    for model, opt in ((ours_model, ours_opt), (theirs_model, theirs_opt)):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    for (name, p_ours), p_theirs in zip(ours_model.named_parameters(), theirs_model.parameters()):
+        # Same optimizer class, same kernel, same groups, same grads: bit-equal.
+        torch.testing.assert_close(p_ours, p_theirs, rtol=0, atol=0, msg=name)
