@@ -274,27 +274,11 @@ class Tokenizer:
         config_file = os.path.join(folder, "tokenizer_config.json")
         config = _read_json(config_file)[0] if os.path.isfile(config_file) else {}
         _add_missing_added_tokens(backend, config.get("added_tokens_decoder", {}), config_file)
+        # BOS/EOS insertion stays as tokenizer.json's post-processor says: transformers 5 drops the
+        # config's add_bos_token / add_eos_token whenever tokenizer.json exists.
         special = {key: _token_content(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
-        tokenizer = cls(backend, **special, chat_template=_read_chat_template(folder, config),
-                        model_max_length=config.get("model_max_length", VERY_LARGE_INTEGER),
-                        source=config_file)
-        if "add_bos_token" in config or "add_eos_token" in config:
-            tokenizer._rebuild_post_processor(config.get("add_bos_token"), config.get("add_eos_token"))
-        return tokenizer
-
-    def _rebuild_post_processor(self, add_bos, add_eos):
-        # An explicit add_bos_token/add_eos_token overrides tokenizer.json's post-processor, as in
-        # transformers TokenizersBackend.update_post_processor.
-        bos, eos = (self.bos_token if add_bos else None), (self.eos_token if add_eos else None)
-
-        def template(seq, type_id):  # e.g. "<s>:0 $A:0 </s>:0"
-            return " ".join(([f"{bos}:{type_id}"] if bos else []) + [f"${seq}:{type_id}"]
-                            + ([f"{eos}:{type_id}"] if eos else []))
-
-        used = dict.fromkeys(t for t in (bos, eos) if t is not None)
-        self.backend.post_processor = processors.TemplateProcessing(
-            single=template("A", 0), pair=template("A", 0) + " " + template("B", 1),
-            special_tokens=[(t, self.token_to_id(t)) for t in used])
+        return cls(backend, **special, chat_template=_read_chat_template(folder, config),
+                   model_max_length=config.get("model_max_length", VERY_LARGE_INTEGER), source=config_file)
 
     def save_pretrained(self, folder):
         """Write tokenizer.json, tokenizer_config.json (v5 layout) and chat_template.jinja atomically.
