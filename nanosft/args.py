@@ -1,0 +1,382 @@
+"""TrainingArguments and SFTConfig: every knob of a nanosft run, with Hugging Face names and defaults.
+
+Field names and defaults follow transformers 5.23 `TrainingArguments` and TRL 1.16 `SFTConfig`, so a
+config written for one reads the same in the other (walkthrough 1 and 2.3: num_train_epochs,
+gradient_accumulation_steps, max_steps; guide: optimizers and schedulers). Only the fields nanosft acts
+on exist; a wrong value fails in `__post_init__` with the field, the value and the fix.
+"""
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SCHEDULER_NAMES = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+    "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
+OPTIMIZER_NAMES = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd")
+INTERVAL_STRATEGIES = ("no", "steps", "epoch")
+REPORT_TO = ("none", "tensorboard")
+# Fields whose value may arrive as a JSON string (command line, JSON config), as transformers accepts.
+DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+
+
+def _fail(field_name, value, fix):
+    """Raise the one error shape every check here uses: field, bad value, how to fix it."""
+    raise ValueError(f"{field_name}={value!r} is invalid: {fix}")
+
+
+def _check_choice(field_name, value, choices):
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        _fail(field_name, value, f"choose one of {', '.join(choices)}{hint}")
+
+
+def _check_steps(field_name, value):
+    # "Should be an integer or a float in range [0,1)": a value < 1 is a ratio of max_steps.
+    if value < 0:
+        _fail(field_name, value, "use a positive step count, or a float in [0, 1) for a ratio of max_steps")
+    if value > 1 and value != int(value):
+        _fail(field_name, value, "a value above 1 is a step count and must be a whole number")
+    return int(value) if value >= 1 else value
+
+
+@dataclass
+class TrainingArguments:
+    """Settings of one training run (batching, optimiser, schedule, logging, saving, precision).
+
+    Walkthrough 2.3 | Mirrors: transformers TrainingArguments (5.23 names and defaults)
+    Differs: report_to stays the string "none" (transformers turns it into []); `overwrite_output_dir`
+    is kept from transformers 4 for old scripts and read by no one; fp16 without CUDA is refused.
+    """
+
+    output_dir: str | None = None  # None -> "trainer_output", as transformers 5
+    overwrite_output_dir: bool = False
+    # Schedule length and batches (walkthrough 1: num_train_epochs, max_steps, total_train_batch_size).
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    average_tokens_across_devices: bool = True
+    dataloader_drop_last: bool = False
+    dataloader_num_workers: int = 0
+    remove_unused_columns: bool = True
+    # Optimiser and schedule (guide: optimizers and schedulers).
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    optim: str = "adamw_torch_fused"
+    optim_args: str | None = None
+    lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict | str | None = None
+    warmup_steps: float = 0  # >= 1: a step count; in [0, 1): a ratio of the total steps
+    label_smoothing_factor: float = 0.0
+    # Logging.
+    logging_strategy: str = "steps"
+    logging_steps: float = 500
+    logging_first_step: bool = False
+    logging_nan_inf_filter: bool = True
+    include_num_input_tokens_seen: str | bool = "no"
+    disable_tqdm: bool | None = None
+    report_to: str | list | None = "none"
+    run_name: str | None = None
+    # Evaluation.
+    eval_strategy: str = "no"
+    eval_steps: float | None = None  # None -> logging_steps when eval_strategy="steps"
+    eval_on_start: bool = False
+    # Saving and best model.
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    save_only_model: bool = False
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    resume_from_checkpoint: str | None = None
+    ignore_data_skip: bool = False
+    # Seeds, precision, memory.
+    seed: int = 42
+    data_seed: int | None = None
+    bf16: bool = False
+    fp16: bool = False
+    activation_checkpointing: bool | None = None
+    activation_checkpointing_kwargs: dict | str | None = None
+    gradient_checkpointing: bool | None = None  # alias of activation_checkpointing, as transformers 5
+    gradient_checkpointing_kwargs: dict | str | None = None
+    torch_compile: bool = False
+    use_cpu: bool = False
+    # Distributed.
+    ddp_backend: str | None = None
+    ddp_timeout: int = 1800
+
+    def __post_init__(self):
+        self._fill_defaults()
+        self._validate()
+
+    def _fill_defaults(self):
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        self.output_dir = os.path.expanduser(self.output_dir)
+        for name in DICT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lstrip().startswith("{"):
+                setattr(self, name, json.loads(value))
+        # The old name only fills the new one when the new one is unset; afterwards both agree.
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if getattr(self, new) is None and getattr(self, old) is not None:
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing = False
+        if self.disable_tqdm is None:
+            self.disable_tqdm = False  # transformers: True only when its logger is quieter than WARNING
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        if self.report_to is None or self.report_to == ["none"]:
+            self.report_to = "none"
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            self.eval_steps = self.logging_steps  # "eval_steps defaults to logging_steps"
+        if self.metric_for_best_model is None and (
+            self.load_best_model_at_end or self.lr_scheduler_type == "reduce_lr_on_plateau"
+        ):
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    def _validate(self):
+        self._validate_numbers()
+        self._validate_choices()
+        self._validate_strategies()
+        self._validate_precision()
+        if os.path.isfile(self.output_dir):
+            _fail("output_dir", self.output_dir, "it is an existing file; pass a directory path")
+
+    def _validate_numbers(self):
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, value, "it must be a whole number >= 1")
+        if self.learning_rate < 0:
+            _fail("learning_rate", self.learning_rate, "a learning rate must be >= 0 (e.g. 2e-4 for LoRA)")
+        if self.weight_decay < 0:
+            _fail("weight_decay", self.weight_decay, "weight decay must be >= 0 (0.0 turns it off)")
+        if self.warmup_steps < 0:
+            _fail("warmup_steps", self.warmup_steps,
+                  "use >= 1 for a step count or a float in [0, 1) for a ratio of the total steps")
+        if self.warmup_steps > 1 and self.warmup_steps != int(self.warmup_steps):
+            _fail("warmup_steps", self.warmup_steps, "a value above 1 is a step count and must be whole")
+        if not 0.0 <= self.label_smoothing_factor < 1.0:
+            _fail("label_smoothing_factor", self.label_smoothing_factor, "use a value in [0, 1)")
+        if self.ddp_timeout <= 0:
+            _fail("ddp_timeout", self.ddp_timeout, "give the process-group timeout in seconds (> 0)")
+
+    def _validate_choices(self):
+        _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_NAMES)
+        _check_choice("optim", self.optim, OPTIMIZER_NAMES)
+        _check_choice("logging_strategy", self.logging_strategy, INTERVAL_STRATEGIES)
+        _check_choice("eval_strategy", self.eval_strategy, INTERVAL_STRATEGIES)
+        _check_choice("save_strategy", self.save_strategy, INTERVAL_STRATEGIES + ("best",))
+        _check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen,
+                      ("no", "all", "non_padding"))
+        for target in [self.report_to] if isinstance(self.report_to, str) else self.report_to:
+            _check_choice("report_to", target, REPORT_TO)
+        if self.lr_scheduler_kwargs is not None and not isinstance(self.lr_scheduler_kwargs, dict):
+            _fail("lr_scheduler_kwargs", self.lr_scheduler_kwargs, 'pass a dict, e.g. {"num_cycles": 1}')
+
+    def _validate_strategies(self):
+        if self.logging_strategy == "steps":
+            if self.logging_steps == 0:
+                _fail("logging_steps", 0, 'logging_strategy="steps" needs a non-zero logging_steps')
+            self.logging_steps = _check_steps("logging_steps", self.logging_steps)
+        if self.eval_strategy == "steps":
+            if not self.eval_steps:
+                _fail("eval_steps", self.eval_steps, 'eval_strategy="steps" needs eval_steps or logging_steps')
+            self.eval_steps = _check_steps("eval_steps", self.eval_steps)
+        if self.save_strategy == "steps":
+            self.save_steps = _check_steps("save_steps", self.save_steps)
+        if self.lr_scheduler_type == "reduce_lr_on_plateau" and self.eval_strategy == "no":
+            _fail("lr_scheduler_type", self.lr_scheduler_type,
+                  'it steps on an eval metric: set eval_strategy="steps" or "epoch"')
+        if self.load_best_model_at_end and self.save_strategy != "best":
+            if self.eval_strategy != self.save_strategy:
+                _fail("load_best_model_at_end", True,
+                      f"it needs save_strategy ({self.save_strategy!r}) to equal eval_strategy "
+                      f"({self.eval_strategy!r}), or save_strategy=\"best\"")
+            if self.eval_strategy == "steps" and not _is_multiple(self.save_steps, self.eval_steps):
+                _fail("save_steps", self.save_steps,
+                      f"load_best_model_at_end needs save_steps to be a multiple of eval_steps ({self.eval_steps})")
+
+    def _validate_precision(self):
+        if self.fp16 and self.bf16:
+            _fail("fp16", True, "fp16 and bf16 are both True; keep at most one")
+        if self.fp16 and self.device.type != "cuda":
+            # accelerate silently trains in fp32 when fp16 is asked for on a CPU; nanosft says so instead.
+            _fail("fp16", True, "fp16 autocast with a GradScaler needs a CUDA device; on CPU use bf16=True "
+                  "or leave both off")
+
+    # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job (torchrun WORLD_SIZE, 1 without torchrun)."""
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def process_index(self) -> int:
+        """Global rank of this process (torchrun RANK)."""
+        return int(os.environ.get("RANK", 0))
+
+    @property
+    def local_process_index(self) -> int:
+        """Rank of this process on its node (torchrun LOCAL_RANK); picks the GPU."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes shared files (only the main process does)."""
+        return self.process_index == 0
+
+    @property
+    def device(self) -> torch.device:
+        """cuda:LOCAL_RANK when CUDA is there and use_cpu is off, else cpu.
+
+        Mirrors: transformers TrainingArguments.device | Differs: no accelerate PartialState, no MPS/XPU.
+        """
+        if torch.cuda.is_available() and not self.use_cpu:
+            return torch.device("cuda", self.local_process_index)
+        return torch.device("cpu")
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs used by this process: 1 on CUDA, 0 on CPU (nanosft never uses DataParallel)."""
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def train_batch_size(self) -> int:
+        """Micro-batch size of one process (walkthrough 1: `self._train_batch_size`)."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Evaluation batch size of one process."""
+        return self.per_device_eval_batch_size
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup length in optimizer steps: `int(w)` when w >= 1, else `ceil(num_training_steps * w)`.
+
+        Guide: optimizers and schedulers | Mirrors: transformers TrainingArguments.get_warmup_steps
+        """
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(num_training_steps * self.warmup_steps)
+
+    # ----- serialisation -----
+    def to_dict(self) -> dict:
+        """All fields as a plain, JSON-ready dict.
+
+        Mirrors: transformers TrainingArguments.to_dict
+        """
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_json_string(self) -> str:
+        """The fields as indented, key-sorted JSON (what training_args.json holds)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "the config"):
+        """Build from a dict, refusing unknown keys by name (with the closest known field).
+
+        Differs: transformers' HfArgumentParser.parse_dict raises on unknown keys without suggestions.
+        """
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, known, n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"{source} has keys {cls.__name__} does not know: {', '.join(hints)}. "
+                             f"Remove or rename them.")
+        return cls(**values)
+
+    @classmethod
+    def from_json_file(cls, path: str):
+        """Build from a JSON file holding one object of field values; errors name the file and line."""
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {e.lineno} column {e.colno}: not valid JSON ({e.msg})") from e
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a JSON object of field values, got {type(values).__name__}")
+        return cls.from_dict(values, source=path)
+
+
+def _is_multiple(save_steps, eval_steps) -> bool:
+    # Ratios are compared on an integer grid so 0.3 % 0.1 is not a float-rounding false alarm.
+    scale = 1_000_000
+    return round(save_steps * scale) % round(eval_steps * scale) == 0
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+@dataclass
+class SFTConfig(TrainingArguments):
+    """TrainingArguments plus the dataset and loss settings of supervised fine-tuning.
+
+    Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16): learning_rate 2e-5, logging_steps 10,
+    gradient_checkpointing True, bf16 None -> not fp16.
+    Differs: bf16 is accepted on a CPU without use_cpu (transformers refuses); CPU autocast runs bf16
+    everywhere but is slow without AVX512-BF16/AMX, so pass bf16=False there. pad_to_multiple_of has no "auto".
+    """
+
+    learning_rate: float = 2e-5
+    logging_steps: float = 10
+    gradient_checkpointing: bool | None = True
+    bf16: bool | None = None
+    # Dataset preparation (TRL SFTTrainer._prepare_dataset).
+    dataset_text_field: str = "text"
+    max_length: int | None = 1024
+    truncation_mode: str = "keep_start"
+    shuffle_dataset: bool = False
+    packing: bool = False
+    packing_strategy: str = "bfd"
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+    completion_only_loss: bool | None = None
+    assistant_only_loss: bool = False
+    eos_token: str | None = None
+    pad_token: str | None = None
+    loss_type: str = "nll"
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = not self.fp16
+        super().__post_init__()
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+            _fail("max_length", self.max_length, "use a whole number of tokens >= 1, or None for no truncation")
+        _check_choice("packing_strategy", self.packing_strategy, ("bfd", "bfd_split", "wrapped"))
+        _check_choice("truncation_mode", self.truncation_mode, ("keep_start", "keep_end"))
+        _check_choice("loss_type", self.loss_type, ("nll",))
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            _fail("pad_to_multiple_of", self.pad_to_multiple_of, "use a whole number >= 1 or None")
