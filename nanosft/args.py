@@ -11,7 +11,7 @@ import difflib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -230,17 +230,17 @@ class TrainingArguments:
     @property
     def world_size(self) -> int:
         """Number of processes in the job (torchrun WORLD_SIZE, 1 without torchrun)."""
-        return int(os.environ.get("WORLD_SIZE", 1))
+        return int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def process_index(self) -> int:
         """Global rank of this process (torchrun RANK)."""
-        return int(os.environ.get("RANK", 0))
+        return int(os.environ.get("RANK", "0"))
 
     @property
     def local_process_index(self) -> int:
         """Rank of this process on its node (torchrun LOCAL_RANK); picks the GPU."""
-        return int(os.environ.get("LOCAL_RANK", 0))
+        return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
     def should_save(self) -> bool:
@@ -320,7 +320,7 @@ class TrainingArguments:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {e.lineno} column {e.colno}: not valid JSON ({e.msg})") from e
         if not isinstance(values, dict):
-            raise ValueError(f"{path}: expected a JSON object of field values, got {type(values).__name__}")
+            raise TypeError(f"{path}: expected a JSON object of field values, got {type(values).__name__}")
         return cls.from_dict(values, source=path)
 
 

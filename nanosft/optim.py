@@ -22,7 +22,7 @@ NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
 def _is_norm_module(module: nn.Module) -> bool:
     # nn.LayerNorm by type (as transformers); any *LayerNorm / *RMSNorm class (nanosft's, torch's) by name.
     name = type(module).__name__
-    return isinstance(module, nn.LayerNorm) or name.endswith("LayerNorm") or name.endswith("RMSNorm")
+    return isinstance(module, nn.LayerNorm) or name.endswith(("LayerNorm", "RMSNorm"))
 
 
 def get_decay_parameter_names(model: nn.Module) -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from nanosft.args import SFTConfig, TrainingArguments  # noqa: E402
+from nanosft.args import SFTConfig, TrainingArguments
 
 # Fields whose value differs on purpose (documented in nanosft/args.py).
 DOCUMENTED_DIFFERENCES = {"report_to", "output_dir", "use_cpu"}
@@ -69,7 +69,7 @@ def test_get_warmup_steps_equals_transformers(warmup, total, tmp_path):
 
 
 def test_eval_steps_and_best_metric_derivation_equal_transformers(tmp_path):
-    kw = dict(eval_strategy="steps", logging_steps=7, save_steps=14, load_best_model_at_end=True)
+    kw = {"eval_strategy": "steps", "logging_steps": 7, "save_steps": 14, "load_best_model_at_end": True}
     theirs = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kw)
     ours = TrainingArguments(output_dir=str(tmp_path), **kw)
     assert (ours.eval_steps, ours.metric_for_best_model, ours.greater_is_better) == (

@@ -14,8 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from nanosft.args import TrainingArguments  # noqa: E402
-from nanosft.optim import create_optimizer, get_decay_parameter_names, get_scheduler  # noqa: E402
+from nanosft.args import TrainingArguments
+from nanosft.optim import create_optimizer, get_decay_parameter_names, get_scheduler
 
 STEPS, WARMUP, LR = 30, 4, 1e-3
 
@@ -101,7 +101,7 @@ def test_decay_names_equal_trainer_rule_on_llama():
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_one_adamw_step_equals_transformers_trainer_optimizer(optim, tmp_path):
-    kw = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, optim=optim)
+    kw = {"learning_rate": 1e-2, "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": optim}
     hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
     ours_model, theirs_model = _tiny_llama(), _tiny_llama()
     theirs_trainer = transformers.Trainer(model=theirs_model, args=hf_args)
