@@ -1,0 +1,221 @@
+"""Behaviour of nanosft.nf4: the NF4 code table, blockwise quantization, storage cost, forward, state dict.
+
+Compared against formulas written out here: the QLoRA normal-quantile construction, nearest-code
+quantization with one absmax per 64-value block (first code in the high nibble), the byte count of
+each stored tensor, and y = x W_deq^T + b. Hermetic: tiny random layers on CPU, no files outside
+pytest's tmp_path. in_features are multiples of the blocksize (64) so blocks never cross rows; the
+bitsandbytes CPU dequantize kernel assumes that (hf-reference 6.4).
+Run: python -m pytest -q tests/test_nf4.py
+"""
+
+import math
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from nanosft.nf4 import (
+    Linear4bit,
+    bytes_per_parameter,
+    is_quantized,
+    nf4_code_values,
+    quantize_model,
+)
+
+EXACT = {"rtol": 0, "atol": 0}
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def unpack_codes(packed, numel):
+    """Two 4-bit indices per byte, the first element in the HIGH nibble (QLoRA / bnb layout)."""
+    b = packed.reshape(-1).to(torch.int64)
+    return torch.stack([b >> 4, b & 0xF], dim=1).reshape(-1)[:numel]
+
+
+def test_nf4_code_values_follow_the_qlora_construction_and_equal_bitsandbytes():
+    code = nf4_code_values()
+    assert code.shape == (16,) and code.dtype == torch.float32
+    assert torch.all(code[1:] > code[:-1])  # sorted, distinct
+    assert code[0] == -1.0 and code[-1] == 1.0 and (code == 0).sum() == 1  # exact zero (QLoRA 3)
+    assert (code > 0).sum() == 8 and (code < 0).sum() == 7  # asymmetric: one extra positive level
+    torch.testing.assert_close(code, bnbF.get_4bit_type("nf4", device="cpu"), **EXACT)
+
+
+def test_nf4_positive_levels_are_equal_mass_normal_quantiles():
+    # QLoRA eq. 4: q_i = 1/2 (Q(i/(2^k+1)) + Q((i+1)/(2^k+1))) is the idea; bnb uses evenly spaced
+    # probabilities from offset=0.9677083 to 0.5, so level k (counting down from 1.0) is Q(p_k)/Q(p_0)
+    p = torch.linspace(0.9677083, 0.5, 9)[:-1].double()
+    normal = torch.distributions.Normal(0.0, 1.0)
+    expected = (normal.icdf(p) / normal.icdf(p[:1])).float().flip(0)
+    torch.testing.assert_close(nf4_code_values()[8:], expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(8, 64), (16, 128)])
+def test_quantize_is_nearest_code_with_one_absmax_per_64_block(out_features, in_features):
+    w = torch.randn(out_features, in_features)
+    layer = Linear4bit.from_linear(_linear(w), compress_statistics=False)
+    blocks = w.reshape(-1, 64)  # contiguous blocks over the flattened row-major weight
+    absmax = blocks.abs().amax(dim=1)
+    torch.testing.assert_close(layer.quant_state.absmax, absmax, **EXACT)
+    idx = unpack_codes(layer.weight, w.numel()).reshape(-1, 64)
+    scaled = blocks / absmax[:, None]
+    code = nf4_code_values()
+    chosen_err = (scaled - code[idx]).abs()
+    best_err = (scaled[..., None] - code).abs().amin(dim=-1)
+    torch.testing.assert_close(chosen_err, best_err, rtol=0, atol=1e-6)
+
+
+def test_negative_control_low_nibble_first_unpacking_does_not_reproduce_the_weight():
+    w = torch.randn(4, 64)
+    layer = Linear4bit.from_linear(_linear(w), compress_statistics=False)
+    absmax = layer.quant_state.absmax.repeat_interleave(64)
+    code = nf4_code_values()
+    high_first = code[unpack_codes(layer.weight, w.numel())] * absmax
+    b = layer.weight.reshape(-1).to(torch.int64)
+    low_first = code[torch.stack([b & 0xF, b >> 4], 1).reshape(-1)] * absmax
+    deq = layer.dequantize().reshape(-1)
+    torch.testing.assert_close(deq, high_first, **EXACT)
+    assert not torch.allclose(deq, low_first)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_dequantize_error_is_within_half_the_largest_code_gap(double_quant):
+    w = torch.randn(32, 128)
+    layer = Linear4bit.from_linear(_linear(w), compress_statistics=double_quant)
+    absmax = w.reshape(-1, 64).abs().amax(dim=1)
+    qs = layer.quant_state
+    used = (
+        bnbF.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset if double_quant else qs.absmax
+    )
+    half_gap = (nf4_code_values().diff().max() / 2).item()  # worst rounding of a scaled value
+    # |code*a_used - w| <= |a_used - a| (absmax error, double quant only) + half_gap * a
+    bound = (used - absmax).abs() + half_gap * absmax + 1e-6
+    err = (layer.dequantize() - w).reshape(-1, 64).abs()
+    assert torch.all(err <= bound[:, None])
+    assert layer.dequantize().dtype == w.dtype and layer.dequantize().shape == w.shape
+
+
+def test_bytes_per_parameter_matches_the_format_arithmetic():
+    out_f, in_f = 256, 512
+    n, blocks = out_f * in_f, out_f * in_f // 64
+    lin = nn.Linear(in_f, out_f)
+    plain = Linear4bit.from_linear(lin, compress_statistics=False)
+    double = Linear4bit.from_linear(lin, compress_statistics=True)
+    # codes 0.5 B/weight; fp32 absmax per block; 16-entry fp32 code table
+    expected_plain = (n / 2 + 4 * blocks + 16 * 4) / n
+    # uint8 absmax per block; fp32 absmax per 256 blocks; 256-entry fp32 8-bit map; fp32 offset
+    expected_double = (n / 2 + blocks + 4 * math.ceil(blocks / 256) + 16 * 4 + 256 * 4 + 4) / n
+    assert bytes_per_parameter(plain) == pytest.approx(expected_plain, abs=1e-12)
+    assert bytes_per_parameter(double) == pytest.approx(expected_double, abs=1e-12)
+    # QLoRA 3: statistics cost 32/64 = 0.5 bit per weight, 8/64 + 32/(64*256) = 0.127 with double
+    # quantization (the fixed code tables, 1092 bytes a layer, vanish for real layer sizes)
+    tables = (16 * 4 + 256 * 4 + 4) / n
+    assert (expected_plain - 0.5 - 16 * 4 / n) * 8 == pytest.approx(0.5, abs=1e-9)
+    assert (expected_double - 0.5 - tables) * 8 == pytest.approx(8 / 64 + 32 / (64 * 256), abs=1e-9)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_and_backward_equal_a_float_linear_on_the_dequantized_weight(bias):
+    lin = nn.Linear(128, 16, bias=bias)
+    layer = Linear4bit.from_linear(lin)
+    x = torch.randn(2, 3, 128, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    w = layer.dequantize()
+    y, y_ref = layer(x), F.linear(x_ref, w, layer.bias)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **FP32)
+    assert layer.weight.grad is None and not layer.weight.requires_grad  # frozen 4-bit weight
+
+
+def test_compute_dtype_bf16_runs_the_matmul_in_bf16_and_returns_the_input_dtype():
+    lin = nn.Linear(64, 8)
+    layer = Linear4bit.from_linear(lin, compute_dtype=torch.bfloat16)
+    x = torch.randn(4, 64, requires_grad=True)
+    y = layer(x)
+    assert y.dtype == torch.float32
+    expected = F.linear(x.bfloat16(), layer.dequantize().bfloat16(), layer.bias.bfloat16()).float()
+    torch.testing.assert_close(y, expected, **EXACT)
+    assert layer.bias.dtype == torch.bfloat16  # bnb casts the stored bias in place, so do we
+
+
+def test_compute_dtype_is_taken_from_the_first_input_when_unset():
+    layer = Linear4bit.from_linear(nn.Linear(64, 8))
+    assert layer.compute_dtype is None
+    layer(torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True))
+    assert layer.compute_dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(
+    not bnbF.has_avx512bf16(), reason="CPU has no AVX512-BF16: bnb's inference kernel is off"
+)
+def test_cpu_eval_uses_the_bf16_inference_kernel_without_touching_the_stored_weight():
+    layer = Linear4bit.from_linear(nn.Linear(128, 32))
+    x = torch.randn(3, 128)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    train_out = layer(x)
+    with torch.no_grad():
+        eval_out = layer.eval()(x)
+    # the kernel keeps absmax in bf16, so it differs from the fp32 path by bf16-sized amounts
+    assert not torch.equal(eval_out, train_out)
+    torch.testing.assert_close(eval_out, train_out, rtol=0.05, atol=0.05)
+    for k, v in layer.state_dict().items():
+        torch.testing.assert_close(v, before[k], **EXACT)
+
+
+def test_state_dict_keys_and_safetensors_round_trip(tmp_path):
+    layer = Linear4bit.from_linear(nn.Linear(128, 16))
+    sd = layer.state_dict()
+    assert list(sd) == [
+        "weight",
+        "bias",
+        "weight.absmax",
+        "weight.quant_map",
+        "weight.nested_absmax",
+        "weight.nested_quant_map",
+        "weight.quant_state.bitsandbytes__nf4",
+    ]
+    assert sd["weight"].dtype == torch.uint8 and sd["weight"].shape == (128 * 16 // 2, 1)
+    save_file(sd, tmp_path / "m.safetensors")
+    loaded = Linear4bit(128, 16)  # random init, overwritten by the load
+    loaded.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, sd[k], **EXACT)
+    x = torch.randn(2, 128)
+    torch.testing.assert_close(loaded.train()(x), layer(x), **EXACT)
+
+
+def test_loading_a_float_checkpoint_quantizes_it_and_a_wrong_shape_is_named():
+    lin = nn.Linear(64, 8)
+    layer = Linear4bit(64, 8)
+    layer.load_state_dict(lin.state_dict())
+    torch.testing.assert_close(layer.weight, Linear4bit.from_linear(lin).weight, **EXACT)
+    with pytest.raises(ValueError, match=r"weight.*\(8, 32\).*\(8, 64\)"):
+        layer.load_state_dict(nn.Linear(32, 8).state_dict())
+    with pytest.raises(ValueError, match="expected"):
+        Linear4bit(64, 8, weight=torch.zeros(64, 8))
+
+
+def test_quantize_model_swaps_linears_except_lm_head_and_consumes_no_rng():
+    model = nn.Sequential(nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 64))
+    model.lm_head = nn.Linear(64, 10)
+    assert not is_quantized(model)
+    torch.manual_seed(3)
+    quantize_model(model)
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(1))  # LoRA init after quantization stays reproducible
+    assert is_quantized(model)
+    assert isinstance(model[0], Linear4bit) and isinstance(model[2], Linear4bit)
+    assert type(model.lm_head) is nn.Linear
+
+
+def _linear(w):
+    lin = nn.Linear(w.shape[1], w.shape[0])
+    lin.weight.data.copy_(w)
+    return lin
