@@ -263,11 +263,12 @@ def test_no_chat_template_and_chatml_without_its_tokens(tok):
         other.render_chat(CHAT)
 
 
-def test_missing_jinja2_is_a_clear_import_error(monkeypatch):
+def test_missing_jinja2_is_a_clear_import_error(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "jinja2", None)  # makes `import jinja2` fail
     tokmod._compile_jinja_template.cache_clear()
     try:
         with pytest.raises(ImportError, match="pip install jinja2"):
             render_jinja_template("{{ messages }}", CHAT)
+        assert tok.render_chat(CHAT).startswith("<|im_start|>system\n")  # the built-in needs no jinja2
     finally:
         tokmod._compile_jinja_template.cache_clear()
