@@ -1,0 +1,524 @@
+"""A hand-written Llama-family causal LM (llama, mistral, qwen2) that reads and writes HF checkpoints.
+
+It is the network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps, and its loss is what
+walkthrough 2.5 `compute_loss` reads as `outputs["loss"]`. RMSNorm, RoPE (default, linear, llama3),
+grouped-query attention over SDPA, SwiGLU MLP, a (k, v) cache for `generate`. State-dict keys equal
+transformers', so `model.safetensors` folders move both ways. Papers: LLaMA 2302.13971,
+RoFormer 2104.09864, GQA 2305.13245.
+"""
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _require(ok, message):
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Model hyper-parameters under transformers' LlamaConfig names and defaults.
+    Walkthrough 2.6 | Mirrors: transformers LlamaConfig, Qwen2Config, MistralConfig
+    Differs: rope_theta / rope_scaling stay flat fields; `to_dict` folds them into rope_parameters."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list | None = 2
+    pad_token_id: int | None = None
+    model_type: str = "llama"
+    dtype: str | None = None  # the checkpoint dtype as config.json names it, e.g. "bfloat16"
+
+    def __post_init__(self):
+        _require(self.model_type in ARCHITECTURES,
+                 f"config: model_type={self.model_type!r} is not supported; use one of {list(ARCHITECTURES)}")
+        self.attention_bias = self.attention_bias or self.model_type == "qwen2"  # Qwen2: q/k/v biases
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"config: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                 f"num_key_value_heads={self.num_key_value_heads}; fix one of them")
+        _require(self.hidden_act in ("silu", "swish"),
+                 f"config: hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'")
+        scaling = dict(self.rope_scaling or {})
+        rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")  # legacy key "type"
+        _require(rope_type in ROPE_TYPES and scaling.get("partial_rotary_factor", 1.0) == 1.0,
+                 f"config: rope {self.rope_scaling} is not supported; use rope_type in {ROPE_TYPES}")
+        if rope_type == "llama3":
+            scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        self.rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+
+    @classmethod
+    def from_dict(cls, d):
+        """Build a config from a config.json dict in transformers-5 or older spelling.
+        Walkthrough 2.1 | Mirrors: transformers RotaryEmbeddingConfigMixin.standardize_rope_params"""
+        model_type = d.get("model_type", "llama")
+        _require(model_type != "mistral" or d.get("sliding_window") is None,
+                 f"config.json: sliding_window={d.get('sliding_window')} is not supported (nanosft attends to "
+                 "the whole sequence); set it to null if your texts fit in the window")
+        _require(model_type != "qwen2" or not d.get("use_sliding_window"),
+                 "config.json: use_sliding_window=true is not supported; set it to false")
+        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        rope = dict(d.get("rope_parameters") or {})  # v5: {"rope_theta", "rope_type", factor, ...}
+        kwargs["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        kwargs["rope_scaling"] = rope or d.get("rope_scaling")
+        kwargs["dtype"] = d.get("dtype", d.get("torch_dtype"))
+        return cls(**kwargs)
+
+    def to_dict(self):
+        """The transformers-5 config.json dict: rope_parameters, dtype, architectures.
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.to_dict"""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("rope_")}
+        rope = self.rope_scaling or {"rope_type": "default"}
+        d.update(rope_parameters={"rope_theta": self.rope_theta, **rope}, dtype=self.dtype or "float32",
+                 architectures=[ARCHITECTURES[self.model_type]], attention_dropout=0.0, use_cache=True)
+        if self.model_type != "llama":
+            d.update(sliding_window=None, use_sliding_window=False)  # Mistral's default window is 4096
+        return dict(sorted(d.items()))
+
+    @classmethod
+    def from_pretrained(cls, model_dir):
+        """Read model_dir/config.json.
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.from_pretrained"""
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: a model folder needs config.json (save_pretrained writes it)")
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+
+
+@dataclass
+class CausalLMOutput:
+    """What CausalLM.forward returns, readable as `out.loss` or `out["loss"]`.
+    Walkthrough 2.5 | Mirrors: transformers CausalLMOutputWithPast"""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+    past_key_values: list | None = None
+
+    def __getitem__(self, key):
+        return getattr(self, key)
+
+
+def causal_lm_loss(logits, labels, num_items_in_batch=None):
+    """Next-token cross entropy over fp32 logits, -100 ignored; sum / num_items_in_batch when given, else mean.
+    Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss, fixed_cross_entropy"""
+    logits = logits.float()
+    # Shift the labels, not the logits: position t predicts labels[t+1] and the last position gets -100.
+    shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten(), ignore_index=-100, reduction=reduction)
+    return loss if num_items_in_batch is None else loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+
+
+def rope_inv_freq(config):
+    """Rotary inverse frequencies (fp32, head_dim/2 of them), with linear or llama3 scaling.
+    Walkthrough 2.6 | Mirrors: transformers compute_default_rope_parameters, _compute_llama3_parameters"""
+    hd, s = config.head_dim, config.rope_scaling or {"rope_type": "default"}
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"]
+    if s["rope_type"] == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len, wavelen = s["original_max_position_embeddings"], 2 * math.pi / inv_freq
+        # Wavelengths above old_len/low are slowed by `factor`, below old_len/high kept, in between blended.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv_freq
+
+
+def rotate_half(x):
+    """(x1, x2) -> (-x2, x1) over the two halves of the head dim (HF half-split layout, not interleaved).
+    Walkthrough 2.6 | Mirrors: transformers rotate_half"""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def packed_segment_ids(position_ids):
+    """Document index per token (B, T): a new document wherever position_ids does not step by +1.
+    Walkthrough 2.6 | Mirrors: transformers masking_utils.find_packed_sequence_indices"""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+def build_attention_mask(attention_mask, position_ids, q_len, past_len):
+    """Boolean SDPA mask (B|1, 1, T, past+T), True = attend; None where plain causal attention is exact.
+    Walkthrough 2.6 | Mirrors: transformers masking_utils.create_causal_mask (sdpa, packed sequences)"""
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    packed = attention_mask is None and past_len == 0 and bool(packed_segment_ids(position_ids)[:, -1].any())
+    if not padded and not packed and (past_len == 0 or q_len == 1):
+        return None  # fast path: SDPA's is_causal (a single new token may see the whole cache)
+    k_idx = torch.arange(past_len + q_len, device=position_ids.device)
+    mask = (k_idx[None, :] <= k_idx[past_len:, None])[None, None]  # (1, 1, T, S) causal
+    if padded:
+        mask = mask & attention_mask[:, None, None, : past_len + q_len].bool()
+    if packed:
+        seg = packed_segment_ids(position_ids)
+        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])  # block-diagonal per document
+    # A left-padding query sees no key at all and softmax over nothing is NaN: let it see every key
+    # (its output is never read, it is masked as a key and has label -100).
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm in fp32, cast back to the input dtype before the weight multiply.
+    Walkthrough 2.6 | Mirrors: transformers LlamaRMSNorm"""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(hidden_size)), eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE over SDPA, appending to an optional (k, v) cache.
+    Walkthrough 2.7 (the q/k/v/o_proj LoRA wraps) | Mirrors: transformers LlamaAttention, sdpa_attention_forward"""
+
+    def __init__(self, config):
+        super().__init__()
+        C, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim, bias = H, KV, D, config.attention_bias
+        self.q_proj = nn.Linear(C, H * D, bias=bias)
+        self.k_proj = nn.Linear(C, KV * D, bias=bias)
+        self.v_proj = nn.Linear(C, KV * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, C, bias=bias and config.model_type != "qwen2")
+
+    def forward(self, x, cos, sin, mask, past=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos, sin: (B|1, 1, T, D)
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        # enable_gqa: query head j reads kv head j // (H // KV), as transformers' repeat_kv.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and past is None and T > 1,
+                                           scale=self.head_dim**-0.5, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)).
+    Walkthrough 2.7 | Mirrors: transformers LlamaMLP"""
+
+    def __init__(self, config):
+        super().__init__()
+        C, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj, self.up_proj = nn.Linear(C, I, bias=bias), nn.Linear(C, I, bias=bias)
+        self.down_proj = nn.Linear(I, C, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)).
+    Walkthrough 2.6 | Mirrors: transformers LlamaDecoderLayer"""
+
+    def __init__(self, config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, mask, past=None):
+        a, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, past)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm: the `.model` inside CausalLM.
+    Walkthrough 2.6 | Mirrors: transformers LlamaModel.forward"""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing, self.checkpoint_kwargs = False, {}
+
+    def rotary(self, position_ids, dtype):
+        """cos, sin (B|1, 1, T, D) computed in fp32, then cast to the hidden-state dtype.
+        Walkthrough 2.6 | Mirrors: transformers LlamaRotaryEmbedding.forward"""
+        # Recomputed (a few flops) rather than a buffer that `.to(bfloat16)` would round; HF keeps it fp32 too.
+        freqs = position_ids[..., None].float() * rope_inv_freq(self.config).to(position_ids.device)  # (B|1, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                past_key_values=None, use_cache=False):
+        _require((input_ids is None) != (inputs_embeds is None), "pass exactly one of input_ids or inputs_embeds")
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
+        T, past_len = h.shape[1], past_key_values[0][0].shape[2] if past_key_values else 0
+        if position_ids is None:  # as transformers: arange, blind to padding (RoPE only sees differences)
+            position_ids = torch.arange(past_len, past_len + T, device=h.device)[None]
+        mask = build_attention_mask(attention_mask, position_ids, T, past_len)
+        cos, sin = self.rotary(position_ids, h.dtype)
+        use_checkpoint = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        cache = []
+        for i, layer in enumerate(self.layers):
+            args = (h, cos, sin, mask, past_key_values[i] if past_key_values else None)
+            # Checkpointing keeps only the layer input and recomputes the rest during backward.
+            h, kv = checkpoint(layer, *args, **self.checkpoint_kwargs) if use_checkpoint else layer(*args)
+            cache.append(kv)
+        return self.norm(h), (cache if use_cache else None)
+
+
+def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):
+    """One id per row of (B, V) logits: argmax at temperature 0, else sampling after temperature, top-k, top-p.
+    Walkthrough guide: generation | Mirrors: transformers TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper"""
+    if not temperature:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending: drop the low tail holding <= 1 - top_p
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1)[:, 0]
+
+
+def _read_safetensors(path):
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:  # a missing shard, a truncated or foreign file
+        error = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+        raise error(f"{path}: cannot read safetensors weights ({e}); re-save or re-download the model") from e
+
+
+def load_state_dict_from_hf(model_dir):
+    """Read model.safetensors, or every shard named in model.safetensors.index.json, into one dict.
+    Walkthrough 2.1 | Mirrors: transformers modeling_utils.load_state_dict, get_checkpoint_shard_files"""
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return _read_safetensors(single)
+    if not os.path.isfile(single + ".index.json"):
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}; nanosft reads "
+                                "safetensors only (re-save a pytorch_model.bin with transformers' save_pretrained)")
+    with open(single + ".index.json") as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    return {k: v for shard in shards for k, v in _read_safetensors(os.path.join(model_dir, shard)).items()}
+
+
+def _parse_size(size):
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    m = re.fullmatch(r"(\d+)\s*([GMK]I?B|B)", str(size).strip().upper())
+    _require(isinstance(size, int) or m, f"max_shard_size={size!r} is not a size; use bytes or e.g. '5GB', '500MiB'")
+    return size if isinstance(size, int) else int(m.group(1)) * units[m.group(2)]
+
+
+def _write_json(obj, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
+    """Write model.safetensors, or shards + index past max_shard_size, each via a temp file and os.replace.
+    Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained, split_torch_state_dict_into_shards"""
+    os.makedirs(model_dir, exist_ok=True)
+    limit, shards, used = _parse_size(max_shard_size), [{}], 0
+    for name, t in state_dict.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and used + nbytes > limit:  # a tensor over the limit gets a shard of its own
+            shards, used = shards + [{}], 0
+        shards[-1][name], used = t.detach().contiguous().cpu(), used + nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(model_dir, name + ".tmp"), metadata={"format": "pt"})
+        os.replace(os.path.join(model_dir, name + ".tmp"), os.path.join(model_dir, name))
+    if n > 1:
+        total = sum(t.numel() * t.element_size() for t in state_dict.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {k: f for f, s in zip(names, shards) for k in s}}
+        _write_json(index, os.path.join(model_dir, "model.safetensors.index.json"))
+        names.append("model.safetensors.index.json")
+    for old in os.listdir(model_dir):  # an earlier save's other layout would shadow or mix with this one
+        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old) and old not in names:
+            os.remove(os.path.join(model_dir, old))
+
+
+class CausalLM(nn.Module):
+    """The decoder plus lm_head: logits, the causal-LM loss, generation, HF checkpoint load and save.
+    Walkthrough 2.5, 2.6 | Mirrors: transformers LlamaForCausalLM (what PeftModelForCausalLM.forward wraps)"""
+
+    accepts_loss_kwargs = True  # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        self.tie_weights()  # after init, so lm_head's own draw is dropped and the zero padding row survives
+        self._input_grad_hook = None
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):  # norms are built as ones
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            module.weight.data[module.padding_idx] = 0
+
+    def tie_weights(self):
+        """Share the embedding matrix with lm_head when tie_word_embeddings is set.
+        Walkthrough 2.6 | Mirrors: transformers PreTrainedModel.tie_weights"""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self):
+        """The token embedding (peft's prompt tuning reads it). Mirrors: transformers get_input_embeddings"""
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        """The lm_head. Mirrors: transformers get_output_embeddings"""
+        return self.lm_head
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                num_items_in_batch=None, past_key_values=None, use_cache=False, **kwargs):
+        """Logits (B, T, V) and, given labels, loss = causal_lm_loss(logits, labels, num_items_in_batch).
+        Walkthrough 2.5 (`outputs = model(**inputs)`) | Mirrors: transformers LlamaForCausalLM.forward"""
+        h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds, past_key_values, use_cache)
+        logits = self.lm_head(h)
+        loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits, past_key_values=cache)
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0, top_k=None, top_p=None,
+                 eos_token_id=None, pad_token_id=None, streamer=None):
+        """Prompt + new ids (B, T + n) decoded with a (k, v) cache; rows that hit eos are padded afterwards.
+        Walkthrough guide: generation | Mirrors: transformers GenerationMixin._sample
+        streamer(ids), when given, is called with each step's (B,) new ids."""
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = None if eos is None else torch.tensor(eos, device=input_ids.device).reshape(-1)
+        pad = next((p for p in (pad_token_id, self.config.pad_token_id) if p is not None), None)
+        pad = int(eos[0]) if pad is None and eos is not None else pad
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        # Positions count real tokens only, so a left-padded row gets the positions it has alone.
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        ids, step_ids, cache = input_ids, input_ids, None
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            out = self(step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            cache, new = out.past_key_values, sample_next_token(out.logits[:, -1], temperature, top_k, top_p)
+            if eos is not None:
+                new = new.masked_fill(done, pad)
+                done = done | torch.isin(new, eos)
+            ids = torch.cat((ids, new[:, None]), dim=1)
+            if streamer is not None:
+                streamer(new)
+            if bool(done.all()):
+                break
+            step_ids, positions = new[:, None], positions[:, -1:] + 1
+            mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
+        return ids
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        """Recompute each decoder layer in backward (torch.utils.checkpoint, use_reentrant=False by default).
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.gradient_checkpointing_enable"""
+        self.model.checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self):
+        """Store activations again. Mirrors: transformers PreTrainedModel.gradient_checkpointing_disable"""
+        self.model.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self):
+        return self.model.gradient_checkpointing
+
+    def enable_input_require_grads(self):
+        """Make the embedding output require grad, so checkpointed layers over a frozen base backprop to LoRA.
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.enable_input_require_grads"""
+        if self._input_grad_hook is None:
+            hook = lambda module, args, output: output.requires_grad_(True)
+            self._input_grad_hook = self.model.embed_tokens.register_forward_hook(hook)
+
+    def num_parameters(self, only_trainable=False):
+        """Parameter count, tied weights once. Mirrors: transformers ModuleUtilsMixin.num_parameters"""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+
+    @classmethod
+    def from_pretrained(cls, model_dir, dtype=None):
+        """Load config.json and safetensors weights; dtype None -> float32, "auto" -> config.json's dtype.
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.from_pretrained
+        Differs: keys and shapes must match exactly; every mismatch is named."""
+        config = ModelConfig.from_pretrained(model_dir)
+        dtype = (config.dtype or "float32") if dtype == "auto" else (dtype or torch.float32)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        state_dict = load_state_dict_from_hf(model_dir)
+        with torch.device("meta"):  # no random init of weights about to be replaced
+            model = cls(config)
+        expected = model.state_dict()
+        if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
+            expected.pop("lm_head.weight"), state_dict.pop("lm_head.weight", None)
+        missing, unexpected = sorted(expected.keys() - state_dict.keys()), sorted(state_dict.keys() - expected.keys())
+        _require(not missing and not unexpected,
+                 f"{model_dir}: the weights do not match config.json: missing keys {missing[:8]}, unexpected keys "
+                 f"{unexpected[:8]} ({len(missing)}, {len(unexpected)} in all); check model_type, "
+                 "num_hidden_layers, attention_bias and tie_word_embeddings")
+        for name, t in state_dict.items():
+            _require(t.shape == expected[name].shape,
+                     f"{model_dir}: tensor {name} has shape {tuple(t.shape)} in the checkpoint but "
+                     f"{tuple(expected[name].shape)} from config.json; fix the sizes in config.json")
+        model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False, assign=True)
+        model.config.dtype = str(dtype).removeprefix("torch.")
+        model.tie_weights()
+        return model
+
+    def save_pretrained(self, save_directory, max_shard_size="5GB"):
+        """Write config.json (transformers-5 spelling), generation_config.json and safetensors weights.
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained"""
+        state_dict = self.state_dict()
+        if self.config.tie_word_embeddings:
+            state_dict.pop("lm_head.weight")  # loaders re-tie it to model.embed_tokens.weight
+        save_state_dict_to_hf(state_dict, save_directory, max_shard_size)
+        self.config.dtype = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        _write_json(self.config.to_dict(), os.path.join(save_directory, "config.json"))
+        ids = {k: getattr(self.config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        _write_json({"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}},
+                    os.path.join(save_directory, "generation_config.json"))
