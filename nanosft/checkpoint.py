@@ -1,0 +1,366 @@
+"""Checkpoints: atomic save and exact resume of the whole training state, in transformers' folder layout.
+
+A checkpoint-N folder holds the weights (model.safetensors, or adapter_model.safetensors + adapter_config.json
+for a LoRA model), optimizer.pt, scheduler.pt, scaler.pt, rng_state[_{rank}].pth, trainer_state.json and
+training_args.json (JSON instead of transformers' pickled training_args.bin). Walkthrough 2.3 (`_maybe_log_save_evaluate`
+-> `_save_checkpoint`); guide: 故障排除 (a resumed run must equal an uninterrupted one). A checkpoint is written in a
+hidden temp folder beside it, fsynced, then renamed into place, so a crash or a full disk never leaves half of one.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, safe_open, save_file
+
+TRAINER_STATE_NAME = "trainer_state.json"
+TRAINING_ARGS_NAME = "training_args.json"
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+WEIGHTS_NAME = "model.safetensors"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+PREFIX_CHECKPOINT_DIR = "checkpoint"
+TEMP_PREFIX = ".tmp-"  # ".tmp-checkpoint-20" while checkpoint-20 is being written
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+# ----------------------------------------------------------------------------- small file helpers
+def _fsync_tree(folder):
+    # Data first, then the directory entries, so the rename below publishes complete files.
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(root)
+
+
+def _fsync_dir(folder):
+    if hasattr(os, "O_DIRECTORY"):  # POSIX only; Windows cannot open a directory
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_json(obj, path):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _torch_save_atomic(obj, path):
+    tmp = path + ".tmp"
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _numpy_safe_globals():
+    # np.random.get_state() pickles an ndarray; weights_only=True loads it only with these allowed.
+    core = np._core if hasattr(np, "_core") else np.core
+    return torch.serialization.safe_globals(
+        [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))])
+
+
+def _load_or_explain(path, load):
+    """Run `load(path)`; any failure becomes one error naming the file and what to do."""
+    try:
+        return load(path)
+    except Exception as e:
+        folder = os.path.dirname(path)
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]  # torch's full text is a page long
+        raise ValueError(f"{path} could not be read ({type(e).__name__}: {first_line}). The checkpoint is damaged or was "
+                         f"written by an incompatible version; delete {folder} and resume from an earlier "
+                         f"checkpoint.") from e
+
+
+def _barrier(world_size):
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------- RNG state
+def rng_state_file(checkpoint_dir, rank=0, world_size=1):
+    """Path of this process's RNG file: rng_state.pth alone, rng_state_{rank}.pth in a multi-process run.
+
+    Mirrors: transformers Trainer._save_rng_state (file naming)
+    """
+    name = "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+    return os.path.join(checkpoint_dir, name)
+
+
+def save_rng_state(checkpoint_dir, rank=0, world_size=1):
+    """Write the python, numpy, torch CPU and (if present) CUDA generator states of this process.
+
+    Mirrors: transformers Trainer._save_rng_state
+    """
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state_all() if world_size > 1 else torch.cuda.random.get_rng_state()
+    _torch_save_atomic(states, rng_state_file(checkpoint_dir, rank, world_size))
+
+
+def load_rng_state(checkpoint_dir, rank=0, world_size=1) -> bool:
+    """Restore this process's generators from its RNG file; False (with a warning) when the file is absent.
+
+    Mirrors: transformers Trainer._load_rng_state
+    """
+    path = rng_state_file(checkpoint_dir, rank, world_size)
+    if not os.path.isfile(path):
+        warnings.warn(f"{path} not found: the data order and dropout masks after resuming will not repeat the "
+                      f"original run (was it saved with a different number of processes?)", stacklevel=2)
+        return False
+
+    def read(p):
+        with _numpy_safe_globals():
+            return torch.load(p, weights_only=True)
+
+    states = _load_or_explain(path, read)
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.random.set_rng_state(states["cpu"])
+    if torch.cuda.is_available() and "cuda" in states:
+        if world_size > 1:
+            torch.cuda.random.set_rng_state_all(states["cuda"])
+        else:
+            torch.cuda.random.set_rng_state(states["cuda"])
+    return True
+
+
+# ----------------------------------------------------------------------------- model weights
+def _unwrap(model):
+    # DistributedDataParallel keeps the real model in .module; the files must not carry a "module." prefix.
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _has_adapter(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "save_pretrained")
+
+
+def _dedupe_shared(state_dict):
+    """Drop exact aliases (tied weights: lm_head.weight == embed_tokens.weight) and clone partial views.
+
+    safetensors refuses tensors that share memory. Returns (tensors to write, {dropped name: kept name}).
+    """
+    seen, tensors, tied = {}, {}, {}
+    for name, t in state_dict.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        storage = t.untyped_storage().data_ptr()
+        if key in seen:
+            tied[name] = seen[key]
+            continue
+        shares = any(k[0] == storage for k in seen) and t.numel() > 0
+        seen[key] = name
+        tensors[name] = t.detach().clone().contiguous() if shares else t.detach().contiguous()
+    return tensors, tied
+
+
+def save_model_weights(model, folder):
+    """Write the adapter (PEFT format) for a LoRA model, else model.safetensors of the full state dict.
+
+    Mirrors: transformers Trainer.save_model -> save_pretrained (safe_serialization)
+    """
+    model = _unwrap(model)
+    if _has_adapter(model):
+        model.save_pretrained(folder)
+        return
+    tensors, tied = _dedupe_shared(model.state_dict())
+    save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt", "tied": json.dumps(tied)})
+
+
+def load_model_weights(model, folder):
+    """Copy the weights saved by save_model_weights into the live `model` in place; mismatches are errors."""
+    model = _unwrap(model)
+    if _has_adapter(model):
+        from nanosft.peft import set_peft_model_state_dict  # only LoRA models need it
+
+        path = os.path.join(folder, ADAPTER_WEIGHTS_NAME)
+        state = _load_or_explain(path, load_file)
+        set_peft_model_state_dict(model, state, adapter_name=getattr(model, "active_adapter", "default"), source=path)
+        return
+    path = os.path.join(folder, WEIGHTS_NAME)
+    state = _load_or_explain(path, load_file)
+    with safe_open(path, framework="pt") as f:
+        tied = json.loads((f.metadata() or {}).get("tied", "{}"))
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape mismatch: torch names the tensor and both shapes
+        raise ValueError(f"{path} does not fit this model: {e}") from e
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{path} does not fit this model: missing {missing[:5]}, unexpected "
+                         f"{result.unexpected_keys[:5]}; was it saved from another architecture or config?")
+
+
+# ----------------------------------------------------------------------------- save / load
+def _move_into_place(tmp, final):
+    # os.replace cannot replace a non-empty folder: park the old one, swap, then delete it.
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(os.path.dirname(final), TEMP_PREFIX + "old-" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_all(folder, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size):
+    save_model_weights(model, folder)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_NAME))
+    if lr_scheduler is not None:
+        torch.save(lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
+    if scaler is not None:
+        torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
+    save_rng_state(folder, 0, world_size)
+    _write_json(trainer_state, os.path.join(folder, TRAINER_STATE_NAME))
+    _write_json(args.to_dict() if hasattr(args, "to_dict") else args, os.path.join(folder, TRAINING_ARGS_NAME))
+
+
+def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, trainer_state: dict,
+                    args: dict, rank=0, world_size=1):
+    """Write a complete checkpoint folder atomically: all files go to a temp folder that is renamed at the end.
+
+    Walkthrough 2.3 | Mirrors: transformers Trainer._save_checkpoint
+    Rank 0 writes everything; other ranks add their rng_state_{rank}.pth once the folder exists.
+    """
+    checkpoint_dir = os.path.normpath(checkpoint_dir)
+    parent, name = os.path.split(checkpoint_dir)
+    if rank == 0:
+        os.makedirs(parent or ".", exist_ok=True)
+        tmp = os.path.join(parent, TEMP_PREFIX + name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            os.makedirs(tmp)
+            _write_all(tmp, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size)
+            _fsync_tree(tmp)
+            _move_into_place(tmp, checkpoint_dir)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(e.errno, f"saving {checkpoint_dir} failed ({e.strerror or e}); the partial folder was "
+                          "removed and earlier checkpoints are untouched. Free disk space or lower "
+                          "save_total_limit, then resume from the last checkpoint") from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    _barrier(world_size)
+    if rank != 0:
+        save_rng_state(checkpoint_dir, rank, world_size)
+    _barrier(world_size)
+
+
+def _missing_files(checkpoint_dir, model, optimizer, lr_scheduler):
+    weights = ADAPTER_WEIGHTS_NAME if _has_adapter(_unwrap(model)) else WEIGHTS_NAME
+    needed = [TRAINER_STATE_NAME, weights]
+    needed += [OPTIMIZER_NAME] if optimizer is not None else []
+    needed += [SCHEDULER_NAME] if lr_scheduler is not None else []
+    return [n for n in needed if not os.path.isfile(os.path.join(checkpoint_dir, n))]
+
+
+def check_is_checkpoint(checkpoint_dir, model=None, optimizer=None, lr_scheduler=None):
+    """Raise FileNotFoundError naming what is missing when `checkpoint_dir` is not a resumable checkpoint."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"resume_from_checkpoint={checkpoint_dir!r} is not a folder. Point it at an "
+                                "output_dir/checkpoint-N folder, or pass True to take the newest one.")
+    missing = _missing_files(checkpoint_dir, model, optimizer, lr_scheduler)
+    if missing:
+        inside = sorted(d for d in os.listdir(checkpoint_dir) if _CHECKPOINT_RE.match(d))
+        hint = f" It holds {', '.join(inside)}: did you mean {os.path.join(checkpoint_dir, inside[-1])}?" \
+            if inside else " A checkpoint folder is what save_checkpoint writes (output_dir/checkpoint-N)."
+        raise FileNotFoundError(f"{checkpoint_dir} is not a checkpoint: missing {', '.join(missing)}.{hint}")
+
+
+def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0, world_size=1) -> dict:
+    """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the trainer state.
+
+    Walkthrough 2.2 (resume_from_checkpoint) | Mirrors: transformers Trainer._load_from_checkpoint,
+    _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True.
+    """
+    check_is_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler)
+    load_model_weights(model, checkpoint_dir)
+
+    def read_pt(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    for obj, file_name in ((optimizer, OPTIMIZER_NAME), (lr_scheduler, SCHEDULER_NAME), (scaler, SCALER_NAME)):
+        path = os.path.join(checkpoint_dir, file_name)
+        if obj is None or not os.path.isfile(path):
+            continue
+        state = _load_or_explain(path, read_pt)
+        try:
+            obj.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"{path} does not fit this {type(obj).__name__} ({e}); was it saved with other "
+                             "trainable parameters or another optimizer?") from e
+    load_rng_state(checkpoint_dir, rank, world_size)
+
+    def read_json(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    return _load_or_explain(os.path.join(checkpoint_dir, TRAINER_STATE_NAME), read_json)
+
+
+# ----------------------------------------------------------------------------- finding and rotating
+def sorted_checkpoints(output_dir) -> list[str]:
+    """checkpoint-N folders of `output_dir`, oldest (smallest N) first.
+
+    Mirrors: transformers trainer_utils.sort_checkpoints | Differs: always by step number, never by mtime.
+    """
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), d) for d in os.listdir(output_dir)
+             if (m := _CHECKPOINT_RE.match(d)) and os.path.isdir(os.path.join(output_dir, d))]
+    return [os.path.join(output_dir, d) for _, d in sorted(found)]
+
+
+def get_last_checkpoint(output_dir):
+    """The checkpoint-N folder with the largest N, or None; leftover temp folders are skipped with a warning.
+
+    Mirrors: transformers trainer_utils.get_last_checkpoint | Differs: a missing output_dir gives None.
+    """
+    if os.path.isdir(output_dir):
+        partial = sorted(d for d in os.listdir(output_dir) if d.startswith(TEMP_PREFIX + PREFIX_CHECKPOINT_DIR))
+        if partial:
+            warnings.warn(f"{output_dir} holds {', '.join(partial)}: left by a save that was interrupted; ignored "
+                          "(safe to delete)", stacklevel=2)
+    checkpoints = sorted_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None) -> list[str]:
+    """Delete the oldest checkpoints beyond save_total_limit, never the newest nor the best one; return them.
+
+    Mirrors: transformers trainer_utils.rotate_checkpoints
+    """
+    if save_total_limit is None or save_total_limit <= 0:
+        return []
+    checkpoints = sorted_checkpoints(output_dir)
+    if len(checkpoints) <= save_total_limit:
+        return []
+    protected = {os.path.abspath(checkpoints[-1])}  # the newest: what a resume needs
+    if best_model_checkpoint is not None:
+        protected.add(os.path.abspath(best_model_checkpoint))
+    keep = max(save_total_limit, len(protected))
+    deleted = []
+    for path in checkpoints:
+        if len(checkpoints) - len(deleted) <= keep:
+            break
+        if os.path.abspath(path) not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    return deleted
