@@ -1,0 +1,232 @@
+"""Trainer loop invariants: derived counts, num_items_in_batch, the sync rule, nan filter, GradScaler skips,
+gradient accumulation == one big batch, and a resumed run bitwise equal to an uninterrupted one.
+
+Hermetic: a tiny nanosft CausalLM (hidden 32, vocab 64, 2 layers) and random token rows made in-process, CPU,
+one thread, fixed seeds; expected values come from the formulas of hf-reference section 1, written out here.
+Run: python -m pytest -q tests/test_trainer.py
+"""
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanosft.args import TrainingArguments
+from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft.model import CausalLM, ModelConfig
+from nanosft.trainer import Trainer, TrainerState
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # two threads on a shared 2-core box spin against each other; one is 100x faster here
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return CausalLM(ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def rows(n, seed=1, min_len=4, max_len=12):
+    """Rows of random ids whose first third is a prompt (label -100): supervised counts differ per row."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [t if j >= length // 3 else -100 for j, t in enumerate(ids)]})
+    return out
+
+
+def make_trainer(tmp_path, n_rows=10, model=None, **overrides):
+    kwargs = {"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 3,
+              "num_train_epochs": 1, "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no",
+              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3}
+    kwargs.update(overrides)
+    return Trainer(model or tiny_model(), TrainingArguments(**kwargs), train_dataset=rows(n_rows),
+                   data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+
+
+# (N, batch, GA, epochs, max_steps, drop_last) -> (epochs, update steps/epoch, max_steps, samples, total batch, steps_in_epoch)
+# from hf-reference 1.2: len = ceil(N/bs) (floor with drop_last); nupe = ceil(len/GA); epoch-based max_steps =
+# ceil(epochs*nupe); step-based epochs = ceil(max_steps/nupe), samples = max_steps*total.
+CASES = [
+    ((10, 2, 2, 3, -1, False), (3, 3, 9, 30, 4, 5)),       # 5 micro-batches, last window has 1
+    ((10, 2, 2, 2.5, -1, False), (3, 3, 8, 25, 4, 5)),     # fractional epochs: ceil(2.5 * 3)
+    ((10, 2, 2, 3, 7, False), (3, 3, 7, 28, 4, 5)),        # max_steps wins over epochs
+    ((10, 3, 4, 1, -1, False), (1, 1, 1, 10, 12, 4)),      # fewer micro-batches than GA: still one update
+    ((10, 3, 1, 2, -1, True), (2, 3, 6, 20, 3, 3)),        # drop_last drops the short 4th batch
+    ((7, 2, 3, 1, 10, False), (5, 2, 10, 60, 6, 4)),       # 4 micro-batches, GA 3 -> 2 updates/epoch
+]
+
+
+@pytest.mark.parametrize("case,expected", CASES)
+def test_set_initial_training_values(tmp_path, case, expected):
+    n, bs, ga, epochs, max_steps, drop_last = case
+    trainer = make_trainer(tmp_path, n_rows=n, per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+                           num_train_epochs=epochs, max_steps=max_steps, dataloader_drop_last=drop_last)
+    dl = trainer.get_train_dataloader()
+    got = trainer.set_initial_training_values(trainer.args, dl)
+    (num_train_epochs, nupe, num_examples, num_train_samples, total_bs, steps_in_epoch, got_max_steps) = got
+    assert (num_train_epochs, nupe, got_max_steps, num_train_samples, total_bs, steps_in_epoch) == expected
+    assert num_examples == n
+
+
+def test_data_order_is_randperm_of_seed_plus_epoch(tmp_path):
+    trainer = make_trainer(tmp_path, n_rows=9, per_device_train_batch_size=4)
+    dl = trainer.get_train_dataloader()
+    for epoch in (0, 1):
+        dl.batch_sampler.set_epoch(epoch)
+        perm = torch.randperm(9, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
+        assert list(dl.batch_sampler) == [perm[0:4], perm[4:8], perm[8:9]]
+
+
+def test_get_batch_samples_counts_shifted_labels(tmp_path):
+    trainer = make_trainer(tmp_path)
+    a = {"input_ids": torch.ones(2, 5, dtype=torch.long),
+         "labels": torch.tensor([[1, 2, -100, 3, 4], [-100, -100, 5, 6, -100]])}
+    b = {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.tensor([[7, -100, 8, 9]])}
+    batches, num_items = trainer.get_batch_samples(iter([a, b]), 3, torch.device("cpu"))
+    assert len(batches) == 2  # asked for 3, the iterator had 2: stops early
+    # shifted: row a0 [2,-100,3,4] -> 3, a1 [-100,5,6,-100] -> 2, b [-100,8,9] -> 2
+    assert num_items.dtype == torch.float32 and num_items.dim() == 0 and num_items.item() == 7
+    unshifted = sum(int((x["labels"] != -100).sum()) for x in (a, b))
+    assert unshifted == 9 != num_items.item()  # negative control: counting position 0 over-counts
+
+
+def test_sync_steps_and_short_last_window(tmp_path):
+    # 10 rows / batch 2 = 5 micro-batches, GA 3 -> windows of 3 and 2; optimizer steps after micro-steps 3 and 5
+    trainer = make_trainer(tmp_path, n_rows=10, num_train_epochs=2)
+    seen = []
+    original = trainer.training_step
+
+    def recording_step(model, inputs, num_items_in_batch=None):
+        seen.append((trainer.state.global_step, trainer.current_gradient_accumulation_steps, num_items_in_batch))
+        return original(model, inputs, num_items_in_batch)
+
+    trainer.training_step = recording_step
+    trainer.train()
+    assert [s[1] for s in seen] == [3, 3, 3, 2, 2] * 2
+    assert [s[0] for s in seen] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # global_step moves only at sync steps
+    assert trainer.state.global_step == 4
+    assert [h["epoch"] for h in trainer.state.log_history if "loss" in h] == [0.6, 1.0, 1.6, 2.0]
+
+
+def test_nan_inf_filter_adds_running_average(tmp_path):
+    losses = iter([2.0, float("nan"), 4.0, float("inf")])
+    for use_filter in (True, False):
+        trainer = make_trainer(tmp_path, n_rows=8, gradient_accumulation_steps=1, logging_steps=2,
+                               max_steps=2, logging_nan_inf_filter=use_filter)
+        trainer.training_step = lambda model, inputs, n=None: torch.tensor(next(losses))
+        trainer.train()
+        logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if use_filter:
+            assert logged == [(2.0 + 2.0 / 2) / 2]  # nan replaced by tr_loss / (1 + steps since last log)
+        else:
+            assert math.isinf(logged[0])  # negative control: the bad value reaches the log
+
+
+def test_nonfinite_guard_stops_training(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, n_rows=20, gradient_accumulation_steps=1, max_steps=10)
+    trainer.training_step = lambda model, inputs, n=None: torch.tensor(float("nan"))
+    trainer.train()
+    assert trainer.state.global_step == Trainer.max_nonfinite_logs
+    assert "lower learning_rate" in capsys.readouterr().out
+
+
+def test_gradscaler_inf_grad_skips_optimizer_and_scheduler(tmp_path):
+    trainer = make_trainer(tmp_path, n_rows=6, gradient_accumulation_steps=1, max_steps=3, warmup_steps=0)
+    # fp16 autocast needs CUDA in nanosft's args; the scaler path itself runs on CPU
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    weight = trainer.model.lm_head.weight
+    snapshots, lrs = [], []
+    original = trainer.training_step
+
+    def step_with_inf_on_second(model, inputs, n=None):
+        snapshots.append(weight.detach().clone())
+        lrs.append(trainer.lr_scheduler.last_epoch)
+        handle = weight.register_hook(lambda g: g * float("inf")) if trainer.state.global_step == 1 else None
+        out = original(model, inputs, n)
+        if handle:
+            handle.remove()
+        return out
+
+    trainer.training_step = step_with_inf_on_second
+    trainer.train()
+    snapshots.append(weight.detach().clone())
+    assert not torch.equal(snapshots[0], snapshots[1])  # step 1 updated
+    assert torch.equal(snapshots[1], snapshots[2])  # step 2 (inf grads) skipped the update ...
+    assert lrs == [0, 1, 1]  # ... and the scheduler did not step either
+    assert not torch.equal(snapshots[2], snapshots[3])  # step 3 updates again
+    assert trainer.scaler.get_scale() == 2.0**7  # the skip halved the scale
+
+
+def _microbatch_grads(trainer, batches):
+    model = trainer.model
+    model.zero_grad()
+    _, num_items = trainer.get_batch_samples(iter(batches), len(batches), torch.device("cpu"))
+    trainer.current_gradient_accumulation_steps = len(batches)
+    for b in batches:
+        trainer.training_step(model, b, num_items)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_accumulated_gradient_equals_one_big_batch(tmp_path):
+    trainer = make_trainer(tmp_path)
+    collate = DataCollatorForLanguageModeling(pad_token_id=0)
+    data = rows(6, seed=5, min_len=3, max_len=14)
+    micro = [collate(data[0:1]), collate(data[1:4]), collate(data[4:6])]
+    counts = [int((m["labels"][:, 1:] != -100).sum()) for m in micro]
+    assert len(set(counts)) == 3  # the micro-batches supervise different numbers of tokens
+    accumulated = _microbatch_grads(trainer, micro)
+    model = trainer.model
+    model.zero_grad()
+    model(**collate(data)).loss.backward()  # one batch: mean over all its supervised tokens
+    big = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(accumulated, big):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # negative control: averaging per-micro-batch means (the classic GA bug) gives another gradient
+    model.zero_grad()
+    for m in micro:
+        (model(**m).loss / len(micro)).backward()
+    diff = max((p.grad - b).abs().max().item() for p, b in zip(model.parameters(), big))
+    assert diff > 1e-4
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_resume_mid_epoch_is_bitwise_equal(tmp_path):
+    pytest.importorskip("nanosft.checkpoint")
+    common = {"n_rows": 14, "num_train_epochs": 2, "save_strategy": "steps", "save_steps": 2,
+              "weight_decay": 0.1, "warmup_steps": 1}
+    # 14 rows / 2 = 7 micro-batches, GA 3 -> 3 updates per epoch; checkpoint-2 sits mid-epoch 0 (6 batches seen)
+    full = make_trainer(tmp_path / "full", **common)
+    full.train()
+    kept = tmp_path / "resumed"
+    kept.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", kept / "checkpoint-2")
+    resumed = make_trainer(kept, model=tiny_model(seed=123), **common)  # other init: all must come from the checkpoint
+    out = resumed.train(resume_from_checkpoint=True)
+    assert out.global_step == full.state.global_step == 6
+    for key, value in _params(full.model).items():
+        assert torch.equal(value, resumed.model.state_dict()[key]), key
+    steps = lambda t: [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"])
+                       for h in t.state.log_history if "loss" in h]
+    assert steps(resumed) == steps(full)
+    assert os.path.isfile(kept / "metrics.jsonl")
+
+
+def test_trainer_state_round_trip():
+    state = TrainerState(global_step=5, epoch=1.25, log_history=[{"loss": 1.0, "step": 5}], best_metric=0.5)
+    assert TrainerState.from_dict({**state.to_dict(), "unknown_key": 1}) == state
