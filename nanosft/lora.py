@@ -269,7 +269,8 @@ class LoraLinear(nn.Module):
 
     def _mixed_batch_forward(self, x, adapter_names):
         # each row gets its own adapter's delta; "__base__" rows keep the plain base output
-        result = self.base_layer(x)
+        # cloned like the 2.7 path: bnb's MatMul4Bit output is a view that rows cannot be added into
+        result = self.base_layer(x).clone()
         for name in dict.fromkeys(adapter_names):  # unique names, first-seen order
             if name == "__base__" or name not in self.lora_A:
                 continue

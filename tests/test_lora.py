@@ -1,0 +1,266 @@
+"""Behaviour of nanosft.lora.LoraLinear on float and 4-bit bases, against formulas written out here.
+
+Checked: identity at init; y = base(x) + B A x * alpha/r (rsLoRA alpha/sqrt(r)); DoRA
+y = m/||W + sBA||_row (W + sBA) x + b with the norm detached (negative control: undetached grads
+differ); DoRA equals LoRA when m is initialised to ||W + sBA||; peft's RNG order for A/B init
+(negative control: skipping B's constructor changes A); merge/unmerge (exact up to fp32 rounding for
+a float base, within the NF4 requantization bound for a 4-bit base); disable; mixed batches;
+gradients; clear errors. Hermetic: tiny random layers on CPU, seeds fixed.
+Run: python -m pytest -q tests/test_lora.py
+"""
+
+import math
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanosft.lora import LoraLinear, dora_weight_norm
+from nanosft.nf4 import Linear4bit, nf4_code_values
+
+EXACT = {"rtol": 0, "atol": 0}
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+IN, OUT, R = 128, 32, 4  # in_features a multiple of the 64-value NF4 block
+
+
+def make_base(kind, double_quant=True):
+    lin = nn.Linear(IN, OUT)
+    if kind == "float":
+        return lin
+    return Linear4bit.from_linear(lin, compress_statistics=double_quant)
+
+
+def float_weight(layer):
+    base = layer.base_layer
+    return base.dequantize() if isinstance(base, Linear4bit) else base.weight.detach()
+
+
+def randomize_B(layer, name="default"):
+    with torch.no_grad():
+        layer.lora_B[name].weight.normal_(0, 0.1)
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_adapter_is_the_identity_at_init(kind, use_dora):
+    layer = LoraLinear(make_base(kind), r=R, lora_alpha=16, use_dora=use_dora)
+    x = torch.randn(2, 5, IN)
+    torch.testing.assert_close(layer(x), layer.base_layer(x), **EXACT)
+    assert torch.count_nonzero(layer.lora_B["default"].weight) == 0
+    bound = 1 / math.sqrt(IN)  # Kaiming-uniform with a=sqrt(5) is U(-1/sqrt(in), 1/sqrt(in))
+    assert layer.lora_A["default"].weight.abs().max() <= bound
+
+
+def test_init_consumes_the_rng_in_peft_order():
+    torch.manual_seed(7)
+    layer = LoraLinear(make_base("float"), r=R)
+    base = layer.base_layer
+    torch.manual_seed(7)
+    nn.Linear(IN, OUT)  # the base layer, built first as above
+    nn.Linear(IN, R, bias=False)  # A's constructor init
+    nn.Linear(R, OUT, bias=False)  # B's constructor init
+    expected = torch.empty(R, IN)
+    nn.init.kaiming_uniform_(expected, a=math.sqrt(5))  # A drawn again
+    torch.testing.assert_close(layer.lora_A["default"].weight, expected, **EXACT)
+    # negative control: forgetting B's constructor draw gives another A for the same seed
+    torch.manual_seed(7)
+    nn.Linear(IN, OUT)
+    nn.Linear(IN, R, bias=False)
+    wrong = torch.empty(R, IN)
+    nn.init.kaiming_uniform_(wrong, a=math.sqrt(5))
+    assert not torch.equal(wrong, expected)
+    assert base.weight.requires_grad  # LoraLinear leaves freezing the base to the model wrapper
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_lora_forward_equals_the_formula(kind, use_rslora):
+    layer = LoraLinear(make_base(kind), r=R, lora_alpha=16, use_rslora=use_rslora)
+    randomize_B(layer)
+    scaling = 16 / math.sqrt(R) if use_rslora else 16 / R
+    assert layer.scaling["default"] == scaling
+    x = torch.randn(2, 5, IN)
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    expected = F.linear(x, float_weight(layer), layer.base_layer.bias) + x @ A.T @ B.T * scaling
+    torch.testing.assert_close(layer(x), expected, **FP32)
+
+
+def dora_formula(x, W, b, A, B, m, s, detach_norm=True):
+    V = W + s * B @ A  # (out, in)
+    norm = V.norm(dim=1)
+    if detach_norm:
+        norm = norm.detach()
+    return (m / norm) * (x @ V.T) + b
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_dora_forward_and_grads_equal_the_formula_with_a_detached_norm(kind):
+    layer = LoraLinear(make_base(kind), r=R, lora_alpha=8, use_dora=True)
+    randomize_B(layer)
+    m = layer.lora_magnitude_vector["default"].weight
+    torch.testing.assert_close(m, float_weight(layer).norm(dim=1), **FP32)  # m0 = ||W||_row
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    x = torch.randn(3, IN)
+    g = torch.randn(3, OUT)
+    params = [A, B, m]
+    (layer(x) * g).sum().backward()
+    ours = [p.grad.clone() for p in params]
+    W, b = float_weight(layer), layer.base_layer.bias.detach()
+    for detach, should_match in [(True, True), (False, False)]:  # False: the classic bug
+        for p in params:
+            p.grad = None
+        y = dora_formula(x, W, b, A, B, m, 2.0, detach_norm=detach)
+        torch.testing.assert_close(layer(x), y, **FP32)  # same value either way...
+        (y * g).sum().backward()
+        same = all(torch.allclose(o, p.grad, rtol=1e-5, atol=1e-6) for o, p in zip(ours, params))
+        assert same == should_match  # ...but only the detached norm gives DoRA's gradients
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_dora_equals_lora_when_magnitude_is_initialised_to_the_current_norm(kind):
+    torch.manual_seed(1)
+    lora = LoraLinear(make_base(kind), r=R, lora_alpha=8)
+    dora = LoraLinear(lora.base_layer, r=R, lora_alpha=8, use_dora=True)
+    with torch.no_grad():
+        B = torch.randn(OUT, R) * 0.1
+        for layer in (lora, dora):
+            layer.lora_A["default"].weight.copy_(lora.lora_A["default"].weight)
+            layer.lora_B["default"].weight.copy_(B)
+        delta = B @ lora.lora_A["default"].weight
+        m = dora_weight_norm(float_weight(dora), delta, dora.scaling["default"])
+        dora.lora_magnitude_vector["default"].weight.copy_(m)
+    x = torch.randn(2, 5, IN)
+    torch.testing.assert_close(dora(x), lora(x), **FP32)
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_float_merge_then_forward_equals_unmerged_and_unmerge_restores(use_dora):
+    layer = LoraLinear(make_base("float"), r=R, lora_alpha=8, use_dora=use_dora)
+    randomize_B(layer)
+    w0 = layer.base_layer.weight.detach().clone()
+    x = torch.randn(4, IN)
+    y = layer(x)
+    layer.merge()
+    assert layer.merged and layer.merged_adapters == ["default"]
+    torch.testing.assert_close(layer(x), y, **FP32)  # fp32 rounding of W + dW only
+    torch.testing.assert_close(layer.base_layer(x), y, **FP32)  # the delta now lives in W
+    layer.unmerge()
+    assert not layer.merged
+    torch.testing.assert_close(layer.base_layer.weight, w0, rtol=0, atol=1e-6)
+
+
+def test_4bit_merge_requantizes_and_stays_within_the_nf4_rounding_bound():
+    # Merging into a 4-bit base cannot be exact: W_deq + dW is quantized again to NF4 codes, so each
+    # weight moves by up to half the largest gap between codes times its block's absmax.
+    layer = LoraLinear(make_base("4bit", double_quant=False), r=R, lora_alpha=8)
+    randomize_B(layer)
+    x = torch.randn(4, IN)
+    y = layer(x)
+    target = float_weight(layer) + layer.get_delta_weight("default")
+    layer.merge()
+    requant, _ = bnbF.quantize_4bit(target, blocksize=64, quant_type="nf4")
+    torch.testing.assert_close(layer.base_layer.weight.data, requant, **EXACT)
+    half_gap = (nf4_code_values().diff().max() / 2).item()
+    w_bound = (half_gap * target.reshape(-1, 64).abs().amax(dim=1)).repeat_interleave(64)
+    w_err = (float_weight(layer) - target).reshape(-1).abs()
+    assert torch.all(w_err <= w_bound + 1e-6)
+    y_bound = x.abs() @ w_bound.reshape(OUT, IN).T + 1e-5  # |x (W' - W)^T| <= |x| |W' - W|^T
+    assert torch.all((layer(x) - y).abs() <= y_bound)
+    assert not torch.allclose(layer(x), y, atol=1e-5)  # and it really is lossy
+
+
+def test_merging_several_adapters_equals_running_them_all():
+    layer = LoraLinear(make_base("float"), "a", r=R, lora_alpha=8)
+    layer.update_layer("b", r=2, lora_alpha=4)
+    randomize_B(layer, "a")
+    randomize_B(layer, "b")
+    layer.set_adapter(["a", "b"])
+    x = torch.randn(3, IN)
+    y = layer(x)
+    layer.merge()
+    assert layer.merged_adapters == ["a", "b"]
+    torch.testing.assert_close(layer(x), y, **FP32)
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_disable_adapters_gives_the_base_output_and_unmerges(kind):
+    layer = LoraLinear(make_base(kind), r=R, lora_alpha=8)
+    randomize_B(layer)
+    x = torch.randn(3, IN)
+    y_base = layer.base_layer(x)
+    layer.disable_adapters = True
+    torch.testing.assert_close(layer(x), y_base, **EXACT)
+    if kind == "float":
+        layer.disable_adapters = False
+        layer.merge()
+        layer.disable_adapters = True
+        torch.testing.assert_close(layer(x), y_base, rtol=0, atol=1e-5)
+        assert not layer.merged
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_mixed_batch_rows_equal_per_adapter_runs(kind):
+    layer = LoraLinear(make_base(kind), "a", r=R, lora_alpha=8)
+    layer.update_layer("b", r=R, lora_alpha=16)
+    randomize_B(layer, "a")
+    randomize_B(layer, "b")
+    x = torch.randn(4, 3, IN)
+    names = ["b", "__base__", "a", "b"]
+    mixed = layer(x, adapter_names=names)
+    expected = []
+    for i, name in enumerate(names):
+        if name == "__base__":
+            expected.append(layer.base_layer(x[i : i + 1]))
+        else:
+            layer.set_adapter(name)
+            expected.append(layer(x[i : i + 1]))
+    torch.testing.assert_close(mixed, torch.cat(expected), **FP32)
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_gradients_reach_input_and_adapters_but_not_the_4bit_weight(use_dora):
+    layer = LoraLinear(make_base("4bit"), r=R, lora_alpha=8, use_dora=use_dora)
+    randomize_B(layer)
+    x = torch.randn(2, IN, requires_grad=True)
+    layer(x).square().sum().backward()
+    trainable = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+    if use_dora:
+        trainable.append(layer.lora_magnitude_vector["default"].weight)
+    for p in [x, *trainable]:
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    assert layer.base_layer.weight.grad is None and not layer.base_layer.weight.requires_grad
+
+
+def test_set_adapter_controls_which_adapters_train():
+    layer = LoraLinear(make_base("float"), "a", r=R, use_dora=True)
+    layer.update_layer("b", r=R, lora_alpha=8, use_dora=True)
+    assert layer.active_adapters == ["a"]  # adding an adapter does not activate it (peft)
+    assert not layer.lora_A["b"].weight.requires_grad
+    layer.set_adapter("b")
+    assert layer.lora_magnitude_vector["b"].weight.requires_grad
+    assert not layer.lora_B["a"].weight.requires_grad
+    layer.enable_adapters(False)
+    assert layer.disable_adapters and not any(p.requires_grad for p in layer.lora_A.parameters())
+
+
+def test_errors_name_the_culprit():
+    for r in (0, -2):
+        with pytest.raises(ValueError, match=rf"positive int, got r={r}"):
+            LoraLinear(make_base("float"), r=r)
+    with pytest.raises(TypeError, match="Embedding"):
+        LoraLinear(nn.Embedding(4, 4))
+    layer = LoraLinear(make_base("float"), r=R)
+    with pytest.raises(ValueError, match=r"\(2, 7\).*in_features=128"):
+        layer(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="3 entries.*2 rows"):
+        layer(torch.randn(2, IN), adapter_names=["default"] * 3)
+    with pytest.raises(TypeError, match="list"):
+        layer.merge("default")
+    layer.merge()
+    with pytest.raises(ValueError, match="unmerge"):
+        layer(torch.randn(2, IN), adapter_names=["default", "__base__"])
+    dora = LoraLinear(make_base("float"), r=R, use_dora=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        dora(torch.randn(1, IN), adapter_names=["default"])
