@@ -218,10 +218,10 @@ class ModulesToSaveWrapper(nn.Module):
     """Keeps the frozen `original_module` and trains a full copy under `modules_to_save.<adapter>`.
     Walkthrough 2.1 | Mirrors: peft ModulesToSaveWrapper"""
 
-    def __init__(self, module, adapter_name):
+    def __init__(self, module, adapter_name, trainable=True):
         super().__init__()
         self.original_module = module.requires_grad_(False)
-        self.modules_to_save = nn.ModuleDict({adapter_name: copy.deepcopy(module).requires_grad_(True)})
+        self.modules_to_save = nn.ModuleDict({adapter_name: copy.deepcopy(module).requires_grad_(trainable)})
         self.active_adapter = adapter_name
 
     @property
@@ -232,33 +232,43 @@ class ModulesToSaveWrapper(nn.Module):
         return self.modules_to_save[self.active_adapter](*args, **kwargs)
 
 
+def inject_adapter(model, config, adapter_name="default"):
+    """Swap every target module for a `LoraLinear` (in place), in named_modules order so the RNG stream equals peft's.
+    Walkthrough 2.7 (what the forward then runs) | Mirrors: peft BaseTuner.inject_adapter, LoraModel._create_and_replace"""
+    names = find_target_modules(model, config)
+    config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
+    for name in names:
+        rng_state = torch.random.get_rng_state()
+        layer = LoraLinear(model.get_submodule(name), adapter_name, r=config.r, lora_alpha=config.lora_alpha,
+                           lora_dropout=config.lora_dropout, use_rslora=config.use_rslora, use_dora=config.use_dora)
+        if config.init_lora_weights is not True:
+            _apply_init(layer, adapter_name, config.init_lora_weights, rng_state)
+        _replace_module(model, name, layer)
+
+
+def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
+    """Freeze the base (bias per `config.bias`), wrap `modules_to_save`, keep fp16/bf16 adapters in fp32.
+    Walkthrough 2.1 | Mirrors: peft _mark_only_adapters_as_trainable, _set_trainable, cast_adapter_dtype"""
+    trainable = not config.inference_mode
+    for n, p in model.named_parameters():
+        bias = n.endswith(".bias") and (config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in n))
+        p.requires_grad = ("lora_" in n or bias) and trainable
+        if "lora_" in n and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()  # peft autocast_adapter_dtype: the adapter trains in fp32
+    for name, module in list(model.named_modules()):
+        if config.modules_to_save and _key_matches(config.modules_to_save, name) and ".lora_" not in name:
+            _replace_module(model, name, ModulesToSaveWrapper(module, adapter_name, trainable))
+
+
 class LoraModel(nn.Module):
     """Holds the CausalLM as `.model` after LoRA injection, so names read `base_model.model.model.layers...`.
-    Walkthrough 2.6 | Mirrors: peft LoraModel (BaseTuner.inject_adapter, _mark_only_adapters_as_trainable)"""
+    Walkthrough 2.6 | Mirrors: peft LoraModel"""
 
     def __init__(self, model, peft_config, adapter_name="default"):
         super().__init__()
         self.model, self.peft_config, self.active_adapter = model, peft_config, adapter_name
-        config = peft_config[adapter_name]
-        names = find_target_modules(model, config)
-        config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
-        for name in names:  # named_modules order: the RNG stream equals peft's
-            rng_state = torch.random.get_rng_state()
-            layer = LoraLinear(model.get_submodule(name), adapter_name, r=config.r, lora_alpha=config.lora_alpha,
-                               lora_dropout=config.lora_dropout, use_rslora=config.use_rslora, use_dora=config.use_dora)
-            if config.init_lora_weights is not True:
-                _apply_init(layer, adapter_name, config.init_lora_weights, rng_state)
-            _replace_module(model, name, layer)
-        for n, p in model.named_parameters():  # freeze the base: only lora_* trains
-            p.requires_grad = "lora_" in n and not config.inference_mode
-            if n.endswith(".bias") and (config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in n)):
-                p.requires_grad = not config.inference_mode
-        for name in [n for n, _ in model.named_modules() if config.modules_to_save and
-                     _key_matches(config.modules_to_save, n) and ".lora_" not in n]:
-            _replace_module(model, name, ModulesToSaveWrapper(model.get_submodule(name), adapter_name))
-        for n, p in model.named_parameters():  # peft autocast_adapter_dtype: fp16/bf16 adapters train in fp32
-            if "lora_" in n and p.dtype in (torch.float16, torch.bfloat16):
-                p.data = p.data.float()
+        inject_adapter(model, peft_config[adapter_name], adapter_name)
+        mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
 
     def lora_layers(self):
         return [m for m in self.model.modules() if isinstance(m, LoraLinear)]

@@ -18,21 +18,21 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from nanosft.model import CausalLM, ModelConfig  # noqa: E402
-from nanosft.peft import LoraConfig, PeftModelForCausalLM, PromptTuningConfig, get_peft_model  # noqa: E402
+from nanosft.model import CausalLM, ModelConfig
+from nanosft.peft import LoraConfig, PeftModelForCausalLM, PromptTuningConfig, get_peft_model
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
-TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the two sides use the same ops in the same order up to fusion
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64}
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32; the two sides use the same ops in the same order up to fusion
 LORA_CASES = {
-    "lora": dict(r=4, lora_alpha=8),
-    "rslora": dict(r=4, lora_alpha=8, use_rslora=True),
-    "dora": dict(r=4, lora_alpha=8, use_dora=True),
-    "all_linear": dict(r=2, lora_alpha=4, target_modules="all-linear"),
-    "regex": dict(r=2, lora_alpha=4, target_modules=r".*\.(k_proj|down_proj)"),
-    "init_false": dict(r=4, lora_alpha=8, init_lora_weights=False),
-    "gaussian_dora": dict(r=4, lora_alpha=8, init_lora_weights="gaussian", use_dora=True),
-    "modules_to_save": dict(r=4, lora_alpha=8, modules_to_save=["lm_head"]),
+    "lora": {"r": 4, "lora_alpha": 8},
+    "rslora": {"r": 4, "lora_alpha": 8, "use_rslora": True},
+    "dora": {"r": 4, "lora_alpha": 8, "use_dora": True},
+    "all_linear": {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"},
+    "regex": {"r": 2, "lora_alpha": 4, "target_modules": r".*\.(k_proj|down_proj)"},
+    "init_false": {"r": 4, "lora_alpha": 8, "init_lora_weights": False},
+    "gaussian_dora": {"r": 4, "lora_alpha": 8, "init_lora_weights": "gaussian", "use_dora": True},
+    "modules_to_save": {"r": 4, "lora_alpha": 8, "modules_to_save": ["lm_head"]},
 }
 
 
@@ -51,7 +51,7 @@ def _batch():
     attention_mask[1, 5:] = 0  # right padding on row 1
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[0, :2] = -100  # a "prompt" span
-    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 def _wrapped(kwargs):
