@@ -15,7 +15,7 @@ import torch
 
 def pad(sequences, padding_value, padding_side="right", pad_to_multiple_of=None):
     """Stack 1-D sequences into a (B, T) tensor, T = longest rounded up to a multiple.
-    Mirrors: trl.trainer.utils.pad, transformers _torch_collate_batch"""
+    Guide: data collators | Mirrors: trl.trainer.utils.pad, transformers _torch_collate_batch"""
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     seqs = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
@@ -33,7 +33,7 @@ def pad(sequences, padding_value, padding_side="right", pad_to_multiple_of=None)
 
 def position_ids_from_seq_lengths(seq_lengths):
     """Positions restarting at 0 for each packed document: [3, 2] -> [0, 1, 2, 0, 1].
-    Mirrors: trl DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths"""
+    Guide: data collators | Mirrors: trl get_position_ids_from_packed_seq_lengths"""
     return torch.cat([torch.arange(n) for n in seq_lengths])
 
 
@@ -159,7 +159,7 @@ class DataCollatorForLanguageModeling:
     def mask_tokens(self, inputs, special_tokens_mask):
         """BERT masking: pick mlm_probability of the non-special tokens; of those, mask_replace_prob
         become the mask token, random_replace_prob a random id, the rest stay. Same RNG draws, same order.
-        Mirrors: transformers DataCollatorForLanguageModeling.torch_mask_tokens"""
+        Guide: data collators | Mirrors: transformers DataCollatorForLanguageModeling.torch_mask_tokens"""
         g = self._get_generator()
         labels = inputs.clone()
         prob = torch.full(labels.shape, self.mlm_probability).masked_fill_(special_tokens_mask, 0.0)

@@ -11,6 +11,7 @@ import bisect
 import json
 import logging
 import os
+import warnings
 from collections import defaultdict, deque
 
 from nanosft.tokenizer import validate_messages
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 MAP_BATCH_SIZE = 1000  # datasets.map(batched=True) default: TRL's BFD bins form within each batch
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+FORMATS = ("language_modeling", "prompt_completion", "conversational", "conversational_prompt_completion")
 
 
 # ----------------------------------------------------------------------------- loading, formats
@@ -44,8 +46,8 @@ def _read_jsonl(path):
 
 
 def dataset_format(example, dataset_text_field="text"):
-    """Name an example's TRL format: language_modeling | prompt_completion | conversational |
-    conversational_prompt_completion. Walkthrough 2.1 | Mirrors: trl is_conversational, SFTTrainer tokenize_fn"""
+    """Name an example's TRL format (one of FORMATS); raises if it has none of their fields.
+    Walkthrough 2.1 | Mirrors: trl is_conversational and the branches of SFTTrainer tokenize_fn"""
     if "prompt" in example or "completion" in example:
         missing = "completion" if "prompt" in example else "prompt"
         if missing not in example:
@@ -113,7 +115,8 @@ def load_examples(source, dataset_text_field="text"):
 # ----------------------------------------------------------------------------- tokenizing, masks
 
 def common_prefix_length(ids, other_ids):
-    """Number of leading tokens two id lists share. Walkthrough 2.1 | Mirrors: trl common_prefix_length"""
+    """Number of leading tokens two id lists share.
+    Walkthrough 2.1 | Mirrors: trl common_prefix_length"""
     n = 0
     for a, b in zip(ids, other_ids):
         if a != b:
@@ -184,16 +187,18 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
             out["assistant_masks"] = assistant_token_mask(tokenizer, prompt + completion, full_ids)
     # The completion starts where prompt and prompt+completion diverge (tokens may merge across).
     n = common_prefix_length(prompt_ids, full_ids)
-    if n < len(prompt_ids):
-        logger.warning("the tokenized prompt is not a prefix of prompt+completion; the completion "
-                       "mask starts where they diverge (token %d)", n)
+    if n < len(prompt_ids):  # shown once per run, as TRL's warning_once
+        warnings.warn("the tokenized prompt is not a prefix of the tokenized prompt+completion (tokens "
+                      "merge across the boundary); the completion mask starts where they diverge. "
+                      "Fix: end prompts on a token boundary, e.g. without a trailing space", stacklevel=2)
     out["input_ids"] = full_ids
     out["completion_mask"] = [0] * n + [1] * (len(full_ids) - n)
     return out
 
 
 def build_labels(input_ids, masks):
-    """labels[i] = input_ids[i] where every mask is 1, else -100. Mirrors: trl SFTTrainer build_labels"""
+    """labels[i] = input_ids[i] where every mask is 1, else -100.
+    Walkthrough 2.1 | Mirrors: trl SFTTrainer._prepare_dataset build_labels"""
     return [tok if all(bits) else -100 for tok, *bits in zip(input_ids, *masks)]
 
 
@@ -202,7 +207,7 @@ def build_labels(input_ids, masks):
 def _bfd_bins(lengths, seq_length):
     """Best-Fit-Decreasing: longest first, each into the open bin with the least room that fits
     (oldest first among equal room), else a new bin. Returns bins as lists of indices.
-    Mirrors: trl _pack_bfd with its _SegmentTree (here a sorted list of free-space values)"""
+    Walkthrough 2.1 | Mirrors: trl _pack_bfd, _SegmentTree | Differs: a sorted list of free spaces."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable, as Arrow's sort
     bins, free, by_free = [], [], defaultdict(deque)  # free: sorted distinct spaces of open bins
     for i in order:
