@@ -171,6 +171,15 @@ def test_completion_only_masks_exactly_the_completion(tok):
     assert supervised_runs(tok, rows[0]) == [" four.<|im_end|>"]
 
 
+def test_prompt_merging_into_completion_warns_and_masks_from_the_divergence(tok):
+    # "the cat " + "sat": the trailing space merges into " sat", so the prompt's last token is not
+    # in prompt+completion; the completion mask starts where the two tokenizations diverge.
+    with pytest.warns(UserWarning, match="not a prefix of the tokenized prompt"):
+        rows = prepare_dataset([{"prompt": "the cat ", "completion": "sat"}], tok)
+    assert tok.encode("the cat ")[-1] not in rows[0]["input_ids"]
+    assert supervised_runs(tok, rows[0]) == [" sat<|im_end|>"]
+
+
 def test_completion_only_loss_false_trains_on_prompt_too(tok):
     rows = prepare_dataset([{"prompt": "the cat", "completion": " sat"}], tok, completion_only_loss=False)
     assert rows[0]["labels"] == rows[0]["input_ids"]

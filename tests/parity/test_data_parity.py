@@ -99,10 +99,11 @@ def test_plain_text_truncated(ref):
 def test_prompt_completion_and_fully_masked_drop(ref):
     examples = [{"prompt": "what is two plus two?", "completion": " four."},
                 {"prompt": "the cat sat on the mat. " * 3, "completion": " be nice."},  # prompt fills max_length
-                {"prompt": "hello", "completion": " world"}]
+                {"prompt": "hello", "completion": " world"},
+                {"prompt": "the cat ", "completion": "sat on the mat."}]  # space merges across
     theirs, _ = trl_prepare(ref, examples, max_length=16)
     ours = prepare_dataset(examples, ref.tok, max_length=16)
-    assert len(theirs) == 2 and ours == theirs
+    assert len(theirs) == 3 and ours == theirs
     assert_collators_agree(ref, ours)
     theirs, _ = trl_prepare(ref, examples, completion_only_loss=False)
     assert prepare_dataset(examples, ref.tok, completion_only_loss=False) == theirs
