@@ -46,14 +46,18 @@ def _check_examples(examples, keys=("input_ids",)):
                 raise KeyError(f"example {i} of the batch has no {k!r} (keys: {sorted(ex)})")
 
 
-def _example_labels(example, completion_only_loss):
-    """Labels of one example: its own `labels` (else its input_ids), -100 where a mask is 0."""
+def _example_labels(i, example, completion_only_loss):
+    """Labels of example i: its own `labels` (else its input_ids), -100 where a mask is 0."""
+    names = ["labels", "assistant_masks"] + (["completion_mask"] if completion_only_loss else [])
+    n = len(example["input_ids"])
+    for name in names:
+        if name in example and len(example[name]) != n:
+            raise ValueError(f"example {i} of the batch: {name} has {len(example[name])} entries but "
+                             f"input_ids has {n}; fix: build both from the same tokenization")
     labels = torch.tensor(example.get("labels", example["input_ids"]), dtype=torch.long)
-    masks = [example["assistant_masks"]] if "assistant_masks" in example else []
-    if completion_only_loss and "completion_mask" in example:
-        masks.append(example["completion_mask"])
-    for mask in masks:
-        labels[torch.tensor(mask, dtype=torch.long) == 0] = -100
+    for name in names[1:]:
+        if name in example:
+            labels[torch.tensor(example[name]) == 0] = -100
     return labels
 
 
@@ -77,8 +81,8 @@ def _pad_features(features, pad_token_id, padding_side, pad_to_multiple_of):
 @dataclass
 class DataCollatorForLanguageModeling:
     """Causal-LM (default) or masked-LM batches with -100 labels; padding-free rows on request.
-    Guide: data collators | Mirrors: trl DataCollatorForLanguageModeling, transformers DataCollatorForLanguageModeling
-    Differs: takes ids instead of a tokenizer; no cu_seq_lens_* (the model builds its mask from position_ids)."""
+    Guide: data collators | Mirrors: trl and transformers DataCollatorForLanguageModeling
+    Differs: takes ids, not a tokenizer; no cu_seq_lens_* (the model masks from position_ids)."""
 
     pad_token_id: int
     completion_only_loss: bool = True
@@ -116,7 +120,7 @@ class DataCollatorForLanguageModeling:
         if self.mlm:
             return self._mlm_batch(examples)
         input_ids = [torch.tensor(ex["input_ids"], dtype=torch.long) for ex in examples]
-        labels = [_example_labels(ex, self.completion_only_loss) for ex in examples]
+        labels = [_example_labels(i, ex, self.completion_only_loss) for i, ex in enumerate(examples)]
         if not self.padding_free:
             batch = {"input_ids": pad(input_ids, self.pad_token_id, self.padding_side, self.pad_to_multiple_of)}
             ones = [torch.ones_like(ids) for ids in input_ids]

@@ -147,6 +147,8 @@ def test_bad_collator_settings():
         DataCollatorForLanguageModeling(pad_token_id=0, padding_side="middle")([{"input_ids": [1]}])
     with pytest.raises(ValueError, match="empty batch"):
         DataCollatorForLanguageModeling(pad_token_id=0)([])
+    with pytest.raises(ValueError, match="example 0 of the batch: labels has 2 entries but input_ids has 3"):
+        DataCollatorForLanguageModeling(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [1, 2]}])
     with pytest.raises(KeyError, match="example 1 of the batch has no 'input_ids'"):
         DataCollatorForLanguageModeling(pad_token_id=0)([{"input_ids": [1]}, {"ids": [2]}])
 
