@@ -53,10 +53,10 @@ class TrainingArguments:
     """Settings of one training run (batching, optimiser, schedule, logging, saving, precision).
 
     Walkthrough 2.3 | Mirrors: transformers TrainingArguments (5.23 names and defaults)
-    Differs: report_to stays the string "none" (transformers turns it into []); `overwrite_output_dir`
-    is kept from transformers 4 for old scripts and read by no one; fp16 without CUDA is refused.
+    Differs: report_to stays "none" (not []); bf16 runs on CPU without use_cpu; fp16 needs CUDA.
     """
 
+    # overwrite_output_dir is kept from transformers 4 so old configs load; the Trainer ignores it.
     output_dir: str | None = None  # None -> "trainer_output", as transformers 5
     overwrite_output_dir: bool = False
     # Schedule length and batches (walkthrough 1: num_train_epochs, max_steps, total_train_batch_size).
@@ -344,12 +344,12 @@ def _jsonable(value):
 class SFTConfig(TrainingArguments):
     """TrainingArguments plus the dataset and loss settings of supervised fine-tuning.
 
-    Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16): learning_rate 2e-5, logging_steps 10,
-    gradient_checkpointing True, bf16 None -> not fp16.
-    Differs: bf16 is accepted on a CPU without use_cpu (transformers refuses); CPU autocast runs bf16
-    everywhere but is slow without AVX512-BF16/AMX, so pass bf16=False there. pad_to_multiple_of has no "auto".
+    Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16: lr 2e-5, logging_steps 10, gradient_checkpointing)
+    Differs: bf16 (None -> not fp16) is accepted on CPU; pad_to_multiple_of has no "auto".
     """
 
+    # CPU autocast runs bf16 on any CPU, but slowly without AVX512-BF16/AMX: pass bf16=False there.
+    # TRL's pad_to_multiple_of="auto" means 128 on Neuron, else None; nanosft has no Neuron path.
     learning_rate: float = 2e-5
     logging_steps: float = 10
     gradient_checkpointing: bool | None = True

@@ -125,16 +125,28 @@ def _warmup(step, num_warmup_steps):
 
 
 def constant_lambda(step):
+    """Factor 1 at every step.
+
+    Mirrors: transformers optimization._get_constant_lambda
+    """
     return 1
 
 
 def constant_with_warmup_lambda(step, *, num_warmup_steps):
+    """Linear warmup 0 -> 1 over num_warmup_steps, then 1.
+
+    Mirrors: transformers optimization._get_constant_schedule_with_warmup_lr_lambda
+    """
     if step < num_warmup_steps:
         return float(step) / float(max(1.0, num_warmup_steps))
     return 1.0
 
 
 def linear_lambda(step, *, num_warmup_steps, num_training_steps):
+    """Linear warmup, then a straight line down to 0 at num_training_steps.
+
+    Mirrors: transformers optimization._get_linear_schedule_with_warmup_lr_lambda
+    """
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     remaining = float(num_training_steps - step)
@@ -147,6 +159,10 @@ def _progress(step, num_warmup_steps, num_training_steps):
 
 
 def cosine_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=0.5, min_lr_rate=0.0):
+    """Linear warmup, then num_cycles cosine waves (half a wave: 1 -> 0), floored at min_lr_rate.
+
+    Mirrors: transformers optimization._get_cosine_schedule_with_warmup_lr_lambda (both of that name)
+    """
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     progress = _progress(step, num_warmup_steps, num_training_steps)
@@ -157,6 +173,10 @@ def cosine_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=0.5,
 
 
 def cosine_with_restarts_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=1):
+    """Linear warmup, then num_cycles cosine decays 1 -> 0, each restarting at 1.
+
+    Mirrors: transformers optimization._get_cosine_with_hard_restarts_schedule_with_warmup_lr_lambda
+    """
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     progress = _progress(step, num_warmup_steps, num_training_steps)
@@ -166,6 +186,10 @@ def cosine_with_restarts_lambda(step, *, num_warmup_steps, num_training_steps, n
 
 
 def polynomial_lambda(step, *, num_warmup_steps, num_training_steps, lr_end, power, lr_init):
+    """Linear warmup, then (lr_init - lr_end) * remaining**power + lr_end, as a factor of lr_init.
+
+    Mirrors: transformers optimization._get_polynomial_decay_schedule_with_warmup_lr_lambda
+    """
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     if step > num_training_steps:
@@ -175,6 +199,10 @@ def polynomial_lambda(step, *, num_warmup_steps, num_training_steps, lr_end, pow
 
 
 def inverse_sqrt_lambda(step, *, num_warmup_steps, timescale):
+    """Linear warmup, then 1 / sqrt((step + timescale - warmup) / timescale).
+
+    Mirrors: transformers optimization._get_inverse_sqrt_schedule_lr_lambda
+    """
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     return 1.0 / math.sqrt((step + timescale - num_warmup_steps) / timescale)
@@ -182,6 +210,10 @@ def inverse_sqrt_lambda(step, *, num_warmup_steps, timescale):
 
 def cosine_warmup_with_min_lr_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles,
                                      min_lr_rate, warmup_lr_rate=None):
+    """Warmup that starts above 0, then cosine down to min_lr_rate.
+
+    Mirrors: transformers optimization._get_cosine_with_min_lr_schedule_with_warmup_lr_rate_lambda
+    """
     step, num_warmup_steps, num_training_steps = float(step), float(num_warmup_steps), float(num_training_steps)
     if step < num_warmup_steps:
         # This variant starts warmup one step ahead, so the first step is not at lr 0.
@@ -214,6 +246,10 @@ def _wsd_decay(kind, progress, num_cycles):
 
 def warmup_stable_decay_lambda(step, *, num_warmup_steps, num_stable_steps, num_decay_steps,
                                warmup_type, decay_type, min_lr_ratio, num_cycles):
+    """Three phases: warmup (linear/cosine/1-sqrt), flat at 1, decay to min_lr_ratio; then min_lr_ratio.
+
+    Mirrors: transformers optimization._get_wsd_scheduler_lambda
+    """
     if step < num_warmup_steps:
         factor = _wsd_warmup(warmup_type, float(step) / float(max(1, num_warmup_steps)))
         return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
