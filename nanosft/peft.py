@@ -112,8 +112,8 @@ class PromptTuningConfig:
             raise ValueError(f"PromptTuningConfig.num_virtual_tokens must be a positive int, got {self.num_virtual_tokens!r}")
         if self.prompt_tuning_init not in ("RANDOM", "TEXT"):
             raise ValueError(f"prompt_tuning_init must be 'RANDOM' or 'TEXT', got {self.prompt_tuning_init!r}")
-        if self.prompt_tuning_init == "TEXT" and not (self.prompt_tuning_init_text and
-                                                      (self.tokenizer or self.tokenizer_name_or_path)):
+        text_ok = self.prompt_tuning_init_text and (self.tokenizer or self.tokenizer_name_or_path)
+        if self.prompt_tuning_init == "TEXT" and not self.inference_mode and not text_ok:  # loading needs no text
             raise ValueError("prompt_tuning_init='TEXT' needs prompt_tuning_init_text and a tokenizer "
                              "(tokenizer=... or tokenizer_name_or_path=...)")
 

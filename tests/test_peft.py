@@ -126,7 +126,7 @@ def test_prompt_tuning_forward_is_walkthrough_2_6_by_hand():
         model(**batch, position_ids=torch.arange(6).expand(2, -1))
 
 
-def test_prompt_tuning_text_init_repeats_the_text_tokens():
+def test_prompt_tuning_text_init_repeats_the_text_tokens(tmp_path):
     class Tok:
         def encode(self, text):
             return [5, 6]
@@ -135,6 +135,9 @@ def test_prompt_tuning_text_init_repeats_the_text_tokens():
                                                     prompt_tuning_init_text="hi", tokenizer=Tok()))
     expected = base.get_input_embeddings().weight[[5, 6, 5, 6, 5]]
     torch.testing.assert_close(model.prompt_encoder["default"].embedding.weight, expected, rtol=0, atol=0)
+    model.save_pretrained(tmp_path)  # reloading needs no tokenizer: the table comes from the file
+    loaded = PeftModelForCausalLM.from_pretrained(_model(seed=1), tmp_path)
+    assert torch.equal(loaded.prompt_encoder["default"].embedding.weight, expected)
 
 
 def test_save_load_round_trip_is_exact(tmp_path):
