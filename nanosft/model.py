@@ -1,27 +1,24 @@
-"""A hand-written Llama-family causal LM (llama, mistral, qwen2) that reads and writes HF checkpoints.
+"""A hand-written Llama-family causal LM (llama, mistral, qwen2) that loads and saves HF model folders.
 
-It is the network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps, and its loss is what
-walkthrough 2.5 `compute_loss` reads as `outputs["loss"]`. RMSNorm, RoPE (default, linear, llama3),
-grouped-query attention over SDPA, SwiGLU MLP, a (k, v) cache for `generate`. State-dict keys equal
-transformers', so `model.safetensors` folders move both ways. Papers: LLaMA 2302.13971,
-RoFormer 2104.09864, GQA 2305.13245.
+The network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps; its loss is the `outputs["loss"]` of
+walkthrough 2.5 `compute_loss`. RMSNorm, RoPE (default, linear, llama3), grouped-query SDPA attention,
+SwiGLU, a (k, v) cache for `generate`. State-dict keys equal transformers' (files: hub.py).
+Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
-import json
 import math
 import os
-import re
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nanosft import hub
+from nanosft.hub import load_state_dict_from_hf, save_state_dict_to_hf  # model API too
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _require(ok, message):
@@ -34,7 +31,6 @@ class ModelConfig:
     """Model hyper-parameters under transformers' LlamaConfig names and defaults.
     Walkthrough 2.6 | Mirrors: transformers LlamaConfig, Qwen2Config, MistralConfig
     Differs: rope_theta / rope_scaling stay flat fields; `to_dict` folds them into rope_parameters."""
-
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -63,15 +59,14 @@ class ModelConfig:
         self.attention_bias = self.attention_bias or self.model_type == "qwen2"  # Qwen2: q/k/v biases
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        _require(self.num_attention_heads % self.num_key_value_heads == 0,
-                 f"config: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                 f"num_key_value_heads={self.num_key_value_heads}; fix one of them")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, f"config: num_attention_heads="
+                 f"{self.num_attention_heads} is not a multiple of num_key_value_heads={self.num_key_value_heads}")
         _require(self.hidden_act in ("silu", "swish"),
                  f"config: hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'")
         scaling = dict(self.rope_scaling or {})
         rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")  # legacy key "type"
-        _require(rope_type in ROPE_TYPES and scaling.get("partial_rotary_factor", 1.0) == 1.0,
-                 f"config: rope {self.rope_scaling} is not supported; use rope_type in {ROPE_TYPES}")
+        _require(rope_type in ("default", "linear", "llama3") and scaling.get("partial_rotary_factor", 1.0) == 1.0,
+                 f"config: rope {self.rope_scaling} is not supported; use rope_type default, linear or llama3")
         if rope_type == "llama3":
             scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
         self.rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
@@ -81,9 +76,8 @@ class ModelConfig:
         """Build a config from a config.json dict in transformers-5 or older spelling.
         Walkthrough 2.1 | Mirrors: transformers RotaryEmbeddingConfigMixin.standardize_rope_params"""
         model_type = d.get("model_type", "llama")
-        _require(model_type != "mistral" or d.get("sliding_window") is None,
-                 f"config.json: sliding_window={d.get('sliding_window')} is not supported (nanosft attends to "
-                 "the whole sequence); set it to null if your texts fit in the window")
+        _require(model_type != "mistral" or d.get("sliding_window") is None, f"config.json: sliding_window="
+                 f"{d.get('sliding_window')} is not supported; set it to null if your texts fit in the window")
         _require(model_type != "qwen2" or not d.get("use_sliding_window"),
                  "config.json: use_sliding_window=true is not supported; set it to false")
         kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
@@ -108,21 +102,13 @@ class ModelConfig:
     def from_pretrained(cls, model_dir):
         """Read model_dir/config.json.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.from_pretrained"""
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: a model folder needs config.json (save_pretrained writes it)")
-        try:
-            with open(path) as f:
-                return cls.from_dict(json.load(f))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+        return cls.from_dict(hub.read_json(os.path.join(model_dir, "config.json")))
 
 
 @dataclass
 class CausalLMOutput:
     """What CausalLM.forward returns, readable as `out.loss` or `out["loss"]`.
     Walkthrough 2.5 | Mirrors: transformers CausalLMOutputWithPast"""
-
     loss: torch.Tensor | None
     logits: torch.Tensor
     past_key_values: list | None = None
@@ -196,7 +182,6 @@ def build_attention_mask(attention_mask, position_ids, q_len, past_len):
 class RMSNorm(nn.Module):
     """Root-mean-square norm in fp32, cast back to the input dtype before the weight multiply.
     Walkthrough 2.6 | Mirrors: transformers LlamaRMSNorm"""
-
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(hidden_size)), eps
@@ -210,14 +195,12 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE over SDPA, appending to an optional (k, v) cache.
     Walkthrough 2.7 (the q/k/v/o_proj LoRA wraps) | Mirrors: transformers LlamaAttention, sdpa_attention_forward"""
-
     def __init__(self, config):
         super().__init__()
         C, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim, bias = H, KV, D, config.attention_bias
         self.q_proj = nn.Linear(C, H * D, bias=bias)
-        self.k_proj = nn.Linear(C, KV * D, bias=bias)
-        self.v_proj = nn.Linear(C, KV * D, bias=bias)
+        self.k_proj, self.v_proj = nn.Linear(C, KV * D, bias=bias), nn.Linear(C, KV * D, bias=bias)
         self.o_proj = nn.Linear(H * D, C, bias=bias and config.model_type != "qwen2")
 
     def forward(self, x, cos, sin, mask, past=None):
@@ -237,7 +220,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)).
     Walkthrough 2.7 | Mirrors: transformers LlamaMLP"""
-
     def __init__(self, config):
         super().__init__()
         C, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -251,7 +233,6 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)).
     Walkthrough 2.6 | Mirrors: transformers LlamaDecoderLayer"""
-
     def __init__(self, config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -268,7 +249,6 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm: the `.model` inside CausalLM.
     Walkthrough 2.6 | Mirrors: transformers LlamaModel.forward"""
-
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -321,70 +301,9 @@ def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):
     return torch.multinomial(logits.softmax(-1), 1)[:, 0]
 
 
-def _read_safetensors(path):
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:  # a missing shard, a truncated or foreign file
-        error = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
-        raise error(f"{path}: cannot read safetensors weights ({e}); re-save or re-download the model") from e
-
-
-def load_state_dict_from_hf(model_dir):
-    """Read model.safetensors, or every shard named in model.safetensors.index.json, into one dict.
-    Walkthrough 2.1 | Mirrors: transformers modeling_utils.load_state_dict, get_checkpoint_shard_files"""
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.isfile(single):
-        return _read_safetensors(single)
-    if not os.path.isfile(single + ".index.json"):
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}; nanosft reads "
-                                "safetensors only (re-save a pytorch_model.bin with transformers' save_pretrained)")
-    with open(single + ".index.json") as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
-    return {k: v for shard in shards for k, v in _read_safetensors(os.path.join(model_dir, shard)).items()}
-
-
-def _parse_size(size):
-    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    m = re.fullmatch(r"(\d+)\s*([GMK]I?B|B)", str(size).strip().upper())
-    _require(isinstance(size, int) or m, f"max_shard_size={size!r} is not a size; use bytes or e.g. '5GB', '500MiB'")
-    return size if isinstance(size, int) else int(m.group(1)) * units[m.group(2)]
-
-
-def _write_json(obj, path):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
-
-
-def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
-    """Write model.safetensors, or shards + index past max_shard_size, each via a temp file and os.replace.
-    Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained, split_torch_state_dict_into_shards"""
-    os.makedirs(model_dir, exist_ok=True)
-    limit, shards, used = _parse_size(max_shard_size), [{}], 0
-    for name, t in state_dict.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and used + nbytes > limit:  # a tensor over the limit gets a shard of its own
-            shards, used = shards + [{}], 0
-        shards[-1][name], used = t.detach().contiguous().cpu(), used + nbytes
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(model_dir, name + ".tmp"), metadata={"format": "pt"})
-        os.replace(os.path.join(model_dir, name + ".tmp"), os.path.join(model_dir, name))
-    if n > 1:
-        total = sum(t.numel() * t.element_size() for t in state_dict.values())
-        index = {"metadata": {"total_size": total}, "weight_map": {k: f for f, s in zip(names, shards) for k in s}}
-        _write_json(index, os.path.join(model_dir, "model.safetensors.index.json"))
-        names.append("model.safetensors.index.json")
-    for old in os.listdir(model_dir):  # an earlier save's other layout would shadow or mix with this one
-        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old) and old not in names:
-            os.remove(os.path.join(model_dir, old))
-
-
 class CausalLM(nn.Module):
     """The decoder plus lm_head: logits, the causal-LM loss, generation, HF checkpoint load and save.
     Walkthrough 2.5, 2.6 | Mirrors: transformers LlamaForCausalLM (what PeftModelForCausalLM.forward wraps)"""
-
     accepts_loss_kwargs = True  # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
 
     def __init__(self, config):
@@ -434,9 +353,8 @@ class CausalLM(nn.Module):
         Walkthrough guide: generation | Mirrors: transformers GenerationMixin._sample
         streamer(ids), when given, is called with each step's (B,) new ids."""
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        eos = None if eos is None else torch.tensor(eos, device=input_ids.device).reshape(-1)
-        pad = next((p for p in (pad_token_id, self.config.pad_token_id) if p is not None), None)
-        pad = int(eos[0]) if pad is None and eos is not None else pad
+        eos = torch.tensor([] if eos is None else eos, dtype=torch.long, device=input_ids.device).reshape(-1)
+        pad = next(p for p in (pad_token_id, self.config.pad_token_id, *eos.tolist(), 0) if p is not None)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         # Positions count real tokens only, so a left-padded row gets the positions it has alone.
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -445,9 +363,8 @@ class CausalLM(nn.Module):
         for _ in range(max_new_tokens):
             out = self(step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
             cache, new = out.past_key_values, sample_next_token(out.logits[:, -1], temperature, top_k, top_p)
-            if eos is not None:
-                new = new.masked_fill(done, pad)
-                done = done | torch.isin(new, eos)
+            new = new.masked_fill(done, pad)  # finished rows only pad
+            done = done | torch.isin(new, eos)
             ids = torch.cat((ids, new[:, None]), dim=1)
             if streamer is not None:
                 streamer(new)
@@ -469,6 +386,7 @@ class CausalLM(nn.Module):
 
     @property
     def is_gradient_checkpointing(self):
+        """Whether decoder layers are checkpointed. Mirrors: transformers PreTrainedModel.is_gradient_checkpointing"""
         return self.model.gradient_checkpointing
 
     def enable_input_require_grads(self):
@@ -496,15 +414,7 @@ class CausalLM(nn.Module):
         expected = model.state_dict()
         if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
             expected.pop("lm_head.weight"), state_dict.pop("lm_head.weight", None)
-        missing, unexpected = sorted(expected.keys() - state_dict.keys()), sorted(state_dict.keys() - expected.keys())
-        _require(not missing and not unexpected,
-                 f"{model_dir}: the weights do not match config.json: missing keys {missing[:8]}, unexpected keys "
-                 f"{unexpected[:8]} ({len(missing)}, {len(unexpected)} in all); check model_type, "
-                 "num_hidden_layers, attention_bias and tie_word_embeddings")
-        for name, t in state_dict.items():
-            _require(t.shape == expected[name].shape,
-                     f"{model_dir}: tensor {name} has shape {tuple(t.shape)} in the checkpoint but "
-                     f"{tuple(expected[name].shape)} from config.json; fix the sizes in config.json")
+        hub.check_state_dict(state_dict, expected, model_dir)
         model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False, assign=True)
         model.config.dtype = str(dtype).removeprefix("torch.")
         model.tie_weights()
@@ -518,7 +428,7 @@ class CausalLM(nn.Module):
             state_dict.pop("lm_head.weight")  # loaders re-tie it to model.embed_tokens.weight
         save_state_dict_to_hf(state_dict, save_directory, max_shard_size)
         self.config.dtype = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
-        _write_json(self.config.to_dict(), os.path.join(save_directory, "config.json"))
+        hub.write_json(self.config.to_dict(), os.path.join(save_directory, "config.json"))
         ids = {k: getattr(self.config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        _write_json({"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}},
-                    os.path.join(save_directory, "generation_config.json"))
+        hub.write_json({"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}},
+                   os.path.join(save_directory, "generation_config.json"))

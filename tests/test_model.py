@@ -1,4 +1,5 @@
-"""Behaviour of nanosft.model: masks, positions, KV cache, loss, RoPE scaling, checkpoints and errors.
+"""Behaviour of nanosft.model (and the nanosft.hub files it writes): masks, positions, KV cache, loss,
+RoPE scaling, checkpoints and errors.
 
 Every expected value is computed in the test itself (a second forward pass, a formula written out
 here, a greedy loop without cache), never copied from earlier output. Hermetic: tiny random models
@@ -20,8 +21,9 @@ PAD, EOS = 0, 2
 
 
 def tiny_config(**overrides):
-    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS)
+    kw = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+          "pad_token_id": PAD, "eos_token_id": EOS}
     return ModelConfig(**{**kw, **overrides})
 
 

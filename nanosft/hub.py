@@ -1,0 +1,106 @@
+"""The files of a Hugging Face model folder: JSON configs and safetensors weights, single or sharded.
+
+What `CausalLM.from_pretrained` / `save_pretrained` (walkthrough 2.1's model loading) read and write:
+`model.safetensors` (metadata {"format": "pt"}) or `model-0000k-of-0000n.safetensors` shards with
+`model.safetensors.index.json`. Every write goes to a temp file moved into place with os.replace, and
+every read error names the file and the fix.
+"""
+
+import json
+import os
+import re
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_json(path):
+    """Load a JSON file; a missing or malformed file raises an error naming it.
+    Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig._dict_from_json_file"""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: a model folder needs it (save_pretrained writes it)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+
+
+def write_json(obj, path):
+    """Write JSON atomically: a temp file, then os.replace.
+    Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.to_json_file"""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def parse_size(size):
+    """Bytes from an int or a string such as "5GB" (10**9) or "500MiB" (2**20 each).
+    Walkthrough 2.1 | Mirrors: transformers utils.hub.convert_file_size_to_int"""
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    m = re.fullmatch(r"(\d+)\s*([GMK]I?B|B)", str(size).strip().upper())
+    if not isinstance(size, int) and not m:
+        raise ValueError(f"max_shard_size={size!r} is not a size; pass bytes or a string such as '5GB' or '500MiB'")
+    return size if isinstance(size, int) else int(m.group(1)) * units[m.group(2)]
+
+
+def check_state_dict(state_dict, expected, source):
+    """Raise a ValueError listing missing / unexpected keys, or naming a tensor whose shape differs.
+    Walkthrough 2.1 | Mirrors: transformers modeling_utils._find_missing_and_unexpected_keys, _find_mismatched_keys"""
+    missing, unexpected = sorted(expected.keys() - state_dict.keys()), sorted(state_dict.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"{source}: the weights do not match config.json: missing keys {missing[:8]}, unexpected "
+                         f"keys {unexpected[:8]} ({len(missing)} and {len(unexpected)} in all); check model_type, "
+                         "num_hidden_layers, attention_bias and tie_word_embeddings in config.json")
+    for name, t in state_dict.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)} in the checkpoint but "
+                             f"{tuple(expected[name].shape)} from config.json; fix the sizes in config.json")
+
+
+def _read_safetensors(path):
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:  # a missing shard, a truncated or foreign file
+        error = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+        raise error(f"{path}: cannot read safetensors weights ({e}); re-save or re-download the model") from e
+
+
+def load_state_dict_from_hf(model_dir):
+    """Read model.safetensors, or every shard named in model.safetensors.index.json, into one dict.
+    Walkthrough 2.1 | Mirrors: transformers modeling_utils.load_state_dict, get_checkpoint_shard_files"""
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return _read_safetensors(single)
+    if not os.path.isfile(os.path.join(model_dir, INDEX)):
+        raise FileNotFoundError(f"no model.safetensors or {INDEX} in {model_dir}; nanosft reads safetensors "
+                                "only (re-save a pytorch_model.bin with transformers' save_pretrained)")
+    shards = sorted(set(read_json(os.path.join(model_dir, INDEX))["weight_map"].values()))
+    return {k: v for shard in shards for k, v in _read_safetensors(os.path.join(model_dir, shard)).items()}
+
+
+def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
+    """Write model.safetensors, or shards + index past max_shard_size, each file atomically.
+    Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained, split_torch_state_dict_into_shards"""
+    os.makedirs(model_dir, exist_ok=True)
+    limit, shards, used = parse_size(max_shard_size), [{}], 0
+    for name, t in state_dict.items():  # fill shards in key order; a tensor over the limit gets its own
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and used + nbytes > limit:
+            shards, used = shards + [{}], 0
+        shards[-1][name], used = t.detach().contiguous().cpu(), used + nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(model_dir, name + ".tmp"), metadata={"format": "pt"})
+        os.replace(os.path.join(model_dir, name + ".tmp"), os.path.join(model_dir, name))
+    if n > 1:
+        total = sum(t.numel() * t.element_size() for t in state_dict.values())
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(model_dir, INDEX))
+        names.append(INDEX)
+    for old in os.listdir(model_dir):  # an earlier save's other layout would shadow or mix with this one
+        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old) and old not in names:
+            os.remove(os.path.join(model_dir, old))
