@@ -226,9 +226,11 @@ class ModulesToSaveWrapper(nn.Module):
 
     @property
     def weight(self):
+        """The trained copy's weight, for code that reads `lm_head.weight`."""
         return self.modules_to_save[self.active_adapter].weight
 
     def forward(self, *args, **kwargs):
+        """Run the trained copy, never the original."""
         return self.modules_to_save[self.active_adapter](*args, **kwargs)
 
 
@@ -271,9 +273,11 @@ class LoraModel(nn.Module):
         mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
 
     def lora_layers(self):
+        """Every LoraLinear inside the model, in module order."""
         return [m for m in self.model.modules() if isinstance(m, LoraLinear)]
 
     def forward(self, *args, **kwargs):
+        """The CausalLM's forward; the LoRA layers inside it do the rest. Mirrors: peft BaseTuner.forward"""
         return self.model(*args, **kwargs)
 
 
@@ -293,6 +297,7 @@ class PromptEmbedding(nn.Module):
                 self.embedding.weight.copy_(word_embeddings(torch.tensor(ids, device=word_embeddings.weight.device)))
 
     def forward(self, indices):
+        """Look up the virtual tokens' rows."""
         return self.embedding(indices)  # (B, n_virtual) -> (B, n_virtual, C)
 
 
@@ -407,10 +412,12 @@ class PeftModelForCausalLM(nn.Module):
 
     @property
     def active_peft_config(self):
+        """The config of the active adapter. Mirrors: peft PeftModel.active_peft_config"""
         return self.peft_config[self.active_adapter]
 
     @property
     def config(self):
+        """The base model's ModelConfig (peft forwards unknown attributes to the base model)."""
         return self.get_base_model().config
 
     def get_base_model(self):
@@ -506,8 +513,10 @@ class PeftModelForCausalLM(nn.Module):
 
     @contextlib.contextmanager
     def disable_adapter(self):
-        """Run the base model alone inside the `with` block (LoRA).
+        """Run the base model alone inside the `with` block (LoRA only).
         Mirrors: peft PeftModel.disable_adapter"""
+        if self.peft_type != "LORA":
+            raise ValueError("disable_adapter() is implemented for LoRA; for prompt tuning call get_base_model()")
         layers = self.base_model.lora_layers()
         for layer in layers:
             layer.enable_adapters(False)
@@ -557,6 +566,7 @@ class PeftModelForCausalLM(nn.Module):
         self.get_base_model().enable_input_require_grads()
 
     def get_input_embeddings(self):
+        """The base model's token embedding. Mirrors: transformers get_input_embeddings"""
         return self.get_base_model().get_input_embeddings()
 
 
