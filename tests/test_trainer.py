@@ -230,3 +230,83 @@ def test_resume_mid_epoch_is_bitwise_equal(tmp_path):
 def test_trainer_state_round_trip():
     state = TrainerState(global_step=5, epoch=1.25, log_history=[{"loss": 1.0, "step": 5}], best_metric=0.5)
     assert TrainerState.from_dict({**state.to_dict(), "unknown_key": 1}) == state
+
+
+def test_evaluate_weights_batch_losses_by_size(tmp_path):
+    eval_rows = rows(5, seed=9)
+    trainer = make_trainer(tmp_path, per_device_eval_batch_size=2)
+    metrics = trainer.evaluate(eval_rows)
+    collate = DataCollatorForLanguageModeling(pad_token_id=0)
+    total, correct, tokens = 0.0, 0, 0
+    with torch.no_grad():
+        for chunk in (eval_rows[0:2], eval_rows[2:4], eval_rows[4:5]):  # dataset order, batches of 2
+            batch = collate(chunk)
+            out = trainer.model(**batch)
+            total += out.loss.item() * len(chunk)
+            target = batch["labels"][:, 1:]
+            correct += int(((out.logits[:, :-1].argmax(-1) == target) & (target != -100)).sum())
+            tokens += int((target != -100).sum())
+    assert math.isclose(metrics["eval_loss"], total / 5, rel_tol=1e-6)
+    assert math.isclose(metrics["eval_perplexity"], math.exp(total / 5), rel_tol=1e-6)
+    assert math.isclose(metrics["eval_mean_token_accuracy"], correct / tokens, rel_tol=1e-6)
+    assert trainer.state.log_history[-1]["eval_loss"] == metrics["eval_loss"]
+
+
+def test_load_best_model_at_end_restores_best_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    trainer = make_trainer(tmp_path, n_rows=8, gradient_accumulation_steps=1, max_steps=4, learning_rate=0.05,
+                           eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                           load_best_model_at_end=True, save_total_limit=2)
+    trainer.eval_dataset = rows(4, seed=8)
+    trainer.train()
+    eval_losses = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best_step = min(eval_losses, key=eval_losses.get)
+    assert trainer.state.best_metric == eval_losses[best_step]
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
+    saved = load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
+    for key, value in saved.items():
+        assert torch.equal(trainer.model.state_dict()[key], value), key
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+    assert len(kept) <= 2 and f"checkpoint-{best_step}" in kept  # rotation never deletes the best
+
+
+def test_bf16_autocast_on_cpu(tmp_path):
+    seen = []
+    fp32 = make_trainer(tmp_path / "fp32", max_steps=1)
+    fp32.train()
+    bf16 = make_trainer(tmp_path / "bf16", max_steps=1, bf16=True)
+    bf16.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    bf16.train()
+    assert seen and set(seen) == {torch.bfloat16}  # the forward ran under autocast
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())  # master weights stay fp32
+    loss32, loss16 = (t.state.log_history[0]["loss"] for t in (fp32, bf16))
+    assert loss16 != loss32 and abs(loss16 - loss32) < 0.05  # bf16 rounding, same training
+
+
+def test_label_smoothing_formula(tmp_path):
+    from nanosft.trainer import label_smoothed_loss
+
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[1, 2, -100, 3, 4], [-100, 5, 6, -100, 0]])
+    eps = 0.1
+    lp = torch.log_softmax(logits[:, :-1], -1)
+    target, mask = labels[:, 1:], labels[:, 1:] != -100
+    nll = -(lp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
+    uniform = -(lp.mean(-1) * mask).sum() / mask.sum()  # cross-entropy against the uniform distribution
+    expected = (1 - eps) * nll + eps * uniform
+    torch.testing.assert_close(label_smoothed_loss(logits, labels, eps), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(label_smoothed_loss(logits, labels, 0.0, num_items_in_batch=torch.tensor(4.0)),
+                               nll * mask.sum() / 4, rtol=0, atol=1e-6)
+
+
+def test_resume_without_data_skip_differs(tmp_path):
+    # negative control for the resume test: replaying the epoch from its start is a different run
+    common = {"n_rows": 14, "num_train_epochs": 2, "save_strategy": "steps", "save_steps": 2}
+    full = make_trainer(tmp_path / "full", **common)
+    full.train()
+    (tmp_path / "again").mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "again" / "checkpoint-2")
+    again = make_trainer(tmp_path / "again", ignore_data_skip=True, **common)
+    again.train(resume_from_checkpoint=str(tmp_path / "again" / "checkpoint-2"))
+    assert not torch.equal(full.model.lm_head.weight, again.model.lm_head.weight)
