@@ -39,6 +39,14 @@ def bytes_per_parameter(layer):
     return total / (layer.in_features * layer.out_features)
 
 
+def cpu_kernels_decode(in_features, blocksize, device):
+    """False where bitsandbytes' CPU dequantize kernel is wrong: even rows not made of whole blocks.
+    hf-reference 6.4 | Mirrors: bitsandbytes backends/cpu dequantize_4bit (shape fallback)"""
+    return (
+        torch.device(device).type != "cpu" or in_features % blocksize == 0 or in_features % 2 == 1
+    )
+
+
 class Linear4bit(nn.Module):
     """A frozen linear layer whose weight lives as NF4 codes; forward dequantizes and matmuls.
     Walkthrough 2.7 base_layer | Mirrors: bitsandbytes.nn.Linear4bit, Params4bit
@@ -96,6 +104,12 @@ class Linear4bit(nn.Module):
     def set_weight(self, weight):
         """Quantize a float [out, in] tensor into this layer (also used by LoRA merge to requantize).
         QLoRA 3 | Mirrors: bitsandbytes Params4bit._quantize"""
+        if not cpu_kernels_decode(weight.shape[-1], self.blocksize, weight.device):
+            raise ValueError(
+                f"Linear4bit: in_features={weight.shape[-1]} is not a multiple of blocksize={self.blocksize}; "
+                "bitsandbytes' CPU 4-bit kernels decode such rows wrongly (blocks crossing rows). Use an "
+                "in_features divisible by the blocksize, or keep this layer in float (skip_modules)."
+            )
         packed, state = bnbF.quantize_4bit(
             weight.detach().contiguous(),
             blocksize=self.blocksize,
@@ -124,9 +138,10 @@ class Linear4bit(nn.Module):
         """y = x W^T + b with W dequantized inside `bnb.matmul_4bit`; on CPU in eval without grad, bnb's bf16 kernel.
         Walkthrough 2.7 base_layer | Mirrors: bitsandbytes.nn.Linear4bit.forward"""
         weight, quant_state = self.weight, self.quant_state
-        # CPU inference path (hf-reference 6.9): numerics differ from train mode
+        # CPU inference path (hf-reference 6.9): numerics differ from train mode. Its kernel packs
+        # 32 output rows at a time; bnb asserts on other shapes, we keep the regular path instead.
         cpu_eval = x.device.type == "cpu" and not self.training and not x.requires_grad
-        if cpu_eval and bnbF.has_avx512bf16():
+        if cpu_eval and self.out_features % 32 == 0 and bnbF.has_avx512bf16():
             weight, quant_state = self._cpu_inference_weight()
         if not self.compute_type_is_set:  # first call fixes the compute dtype from the input
             if x.dtype in (torch.float32, torch.bfloat16):
@@ -144,6 +159,13 @@ class Linear4bit(nn.Module):
         if bias is not None and bias.dtype != x.dtype:
             bias.data = bias.data.to(x.dtype)  # bnb casts the stored bias in place, so do we
         return bnb.matmul_4bit(x, weight, bias=bias, quant_state=quant_state).to(inp_dtype)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(device) moves weight and bias; the quant state's tensors must follow (bnb Params4bit.to)
+        super()._apply(fn, *args, **kwargs)
+        self.quant_state.to(self.weight.device)
+        self._cpu_packed = None
+        return self
 
     def extra_repr(self):
         return (
@@ -190,6 +212,15 @@ def quantize_model(model, skip_modules=("lm_head",), compute_dtype=None, compres
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and not cpu_kernels_decode(
+                child.in_features, 64, child.weight.device
+            ):
+                logger.warning(
+                    "quantize_model: %s stays in float (in_features=%d, not a multiple of 64)",
+                    full,
+                    child.in_features,
+                )
+                continue
             # exact type: subclasses such as MultiheadAttention's out_proj are read as .weight elsewhere
             if (
                 type(child) is nn.Linear

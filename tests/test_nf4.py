@@ -219,3 +219,30 @@ def _linear(w):
     lin = nn.Linear(w.shape[1], w.shape[0])
     lin.weight.data.copy_(w)
     return lin
+
+
+def test_in_features_not_made_of_whole_blocks_is_refused_on_cpu_and_skipped_by_quantize_model():
+    # bnb's CPU dequantize kernel decodes rows that do not hold whole 64-value blocks wrongly
+    with pytest.raises(ValueError, match="in_features=96 is not a multiple of blocksize=64"):
+        Linear4bit.from_linear(nn.Linear(96, 8))
+    model = nn.Sequential(nn.Linear(96, 64), nn.Linear(64, 8))
+    quantize_model(model)
+    assert type(model[0]) is nn.Linear and isinstance(model[1], Linear4bit)
+
+
+def test_eval_on_shapes_the_cpu_kernel_cannot_pack_falls_back_to_the_regular_path():
+    layer = Linear4bit.from_linear(nn.Linear(64, 8))  # 8 output rows: the bf16 kernel packs 32
+    x = torch.randn(2, 64)
+    train_out = layer(x)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.eval()(x), train_out, **EXACT)
+
+
+def test_module_to_keeps_bytes_and_quant_state_and_casts_the_bias():
+    layer = Linear4bit.from_linear(nn.Linear(64, 32))
+    packed, absmax = layer.weight.clone(), layer.quant_state.absmax.clone()
+    layer.to(torch.bfloat16)
+    assert layer.bias.dtype == torch.bfloat16 and layer.weight.dtype == torch.uint8
+    torch.testing.assert_close(layer.weight, packed, **EXACT)
+    torch.testing.assert_close(layer.quant_state.absmax, absmax, **EXACT)
+    assert layer.quant_state.absmax.device == layer.weight.device
