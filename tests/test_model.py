@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanosft.model import CausalLM, ModelConfig, causal_lm_loss, rope_inv_freq
+from nanosft.model import CausalLM, ModelConfig, build_attention_mask, causal_lm_loss, rope_inv_freq
 
 PAD, EOS = 0, 2
 
@@ -69,6 +69,19 @@ def test_packed_row_with_restarting_position_ids_equals_each_example_alone(model
     # Negative control: with a plain causal mask, b and c attend to the documents before them.
     leaky = model(packed, position_ids=pos, attention_mask=torch.ones_like(packed)).logits[0]
     assert not torch.allclose(leaky[4:], want[4:], atol=1e-3)
+
+
+def test_sdpa_fast_path_only_when_nothing_is_masked():
+    pos = torch.arange(6)[None]
+    assert build_attention_mask(None, pos, 6, 0) is None  # is_causal=True
+    assert build_attention_mask(torch.ones(2, 6), pos, 6, 0) is None
+    assert build_attention_mask(None, pos[:, -1:], 1, 5) is None  # one new token sees the whole cache
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    # With a cache and several new tokens, is_causal would align the wrong corner: an explicit mask.
+    torch.testing.assert_close(build_attention_mask(None, pos[:, 3:], 3, 3)[0, 0], causal[3:])
+    padded = build_attention_mask(torch.tensor([[0, 0, 1, 1, 1, 1]]), pos, 6, 0)[0, 0]
+    torch.testing.assert_close(padded[2:], causal[2:] & torch.tensor([0, 0, 1, 1, 1, 1]).bool())
+    assert padded[:2].all()  # pad queries with nothing to see attend everywhere instead of giving NaN
 
 
 def test_loss_is_token_sum_over_num_items_in_batch_and_mean_without_it(model):
@@ -178,6 +191,7 @@ def test_save_load_round_trip_is_exact(tmp_path, model):
     assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]
     for k, v in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0)
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in loaded.parameters())  # trainable
     x = torch.randint(3, 96, (1, 8))
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
 
