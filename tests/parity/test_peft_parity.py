@@ -123,8 +123,12 @@ def _prompt_pair():
     return ref, got
 
 
-def test_prompt_tuning_logits_loss_and_grad_equal_peft():
+def test_prompt_tuning_logits_loss_and_grad_equal_peft(capsys):
     ref, got = _prompt_pair()
+    ref.print_trainable_parameters()
+    got.print_trainable_parameters()
+    theirs, ours = capsys.readouterr().out.splitlines()
+    assert ours == theirs  # the embedding shared with word_embeddings is counted once
     assert [n for n, p in got.named_parameters() if p.requires_grad] == ["prompt_encoder.default.embedding.weight"]
     assert sorted(n for n, _ in got.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
     batch = _batch()
