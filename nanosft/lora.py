@@ -100,18 +100,21 @@ class LoraLinear(nn.Module):
 
     @property
     def merged(self):
+        """True while some adapter is folded into the base weight. Mirrors: peft BaseTunerLayer.merged"""
         return bool(self.merged_adapters)
 
-    # peft layers expose the base weight and bias, so code reading `q_proj.weight` keeps working
     @property
     def weight(self):
+        """The base layer's weight, so code reading `q_proj.weight` keeps working. Mirrors: peft .weight"""
         return self.base_layer.weight
 
     @property
     def bias(self):
+        """The base layer's bias. Mirrors: peft BaseTunerLayer.bias"""
         return self.base_layer.bias
 
     def get_base_layer(self):
+        """The wrapped frozen layer (2.7: `base_layer=self.get_base_layer()`). Mirrors: peft get_base_layer"""
         return self.base_layer
 
     def update_layer(

@@ -119,3 +119,12 @@ def test_bitsandbytes_state_dict_loads_into_nanosft():
         torch.testing.assert_close(ours_sd[k], sd[k], **EXACT)
     x = torch.randn(4, 128, requires_grad=True)
     torch.testing.assert_close(ours(x), ref(x), **EXACT)
+
+
+def test_constructor_draws_the_same_init_as_bitsandbytes():
+    torch.manual_seed(11)
+    ours = Linear4bit(128, 32)  # quantized at construction
+    torch.manual_seed(11)
+    ref = bnb.nn.Linear4bit(128, 32, quant_type="nf4").to("cpu")  # nn.Linear init, quantized on .to
+    torch.testing.assert_close(ours.weight.data, ref.weight.data, **EXACT)
+    torch.testing.assert_close(ours.bias, ref.bias, **EXACT)
