@@ -31,6 +31,7 @@ class ModelConfig:
     """Model hyper-parameters under transformers' LlamaConfig names and defaults.
     Walkthrough 2.6 | Mirrors: transformers LlamaConfig, Qwen2Config, MistralConfig
     Differs: rope_theta / rope_scaling stay flat fields; `to_dict` folds them into rope_parameters."""
+
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -109,6 +110,7 @@ class ModelConfig:
 class CausalLMOutput:
     """What CausalLM.forward returns, readable as `out.loss` or `out["loss"]`.
     Walkthrough 2.5 | Mirrors: transformers CausalLMOutputWithPast"""
+
     loss: torch.Tensor | None
     logits: torch.Tensor
     past_key_values: list | None = None
@@ -164,7 +166,8 @@ def build_attention_mask(attention_mask, position_ids, q_len, past_len):
     """Boolean SDPA mask (B|1, 1, T, past+T), True = attend; None where plain causal attention is exact.
     Walkthrough 2.6 | Mirrors: transformers masking_utils.create_causal_mask (sdpa, packed sequences)"""
     padded = attention_mask is not None and not bool(attention_mask.all())
-    packed = attention_mask is None and past_len == 0 and bool(packed_segment_ids(position_ids)[:, -1].any())
+    seg = packed_segment_ids(position_ids) if attention_mask is None and past_len == 0 else None
+    packed = seg is not None and bool(seg[:, -1].any())  # some row holds several documents
     if not padded and not packed and (past_len == 0 or q_len == 1):
         return None  # fast path: SDPA's is_causal (a single new token may see the whole cache)
     k_idx = torch.arange(past_len + q_len, device=position_ids.device)
@@ -172,7 +175,6 @@ def build_attention_mask(attention_mask, position_ids, q_len, past_len):
     if padded:
         mask = mask & attention_mask[:, None, None, : past_len + q_len].bool()
     if packed:
-        seg = packed_segment_ids(position_ids)
         mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])  # block-diagonal per document
     # A left-padding query sees no key at all and softmax over nothing is NaN: let it see every key
     # (its output is never read, it is masked as a key and has label -100).
@@ -182,6 +184,7 @@ def build_attention_mask(attention_mask, position_ids, q_len, past_len):
 class RMSNorm(nn.Module):
     """Root-mean-square norm in fp32, cast back to the input dtype before the weight multiply.
     Walkthrough 2.6 | Mirrors: transformers LlamaRMSNorm"""
+
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(hidden_size)), eps
@@ -195,6 +198,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE over SDPA, appending to an optional (k, v) cache.
     Walkthrough 2.7 (the q/k/v/o_proj LoRA wraps) | Mirrors: transformers LlamaAttention, sdpa_attention_forward"""
+
     def __init__(self, config):
         super().__init__()
         C, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -220,6 +224,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)).
     Walkthrough 2.7 | Mirrors: transformers LlamaMLP"""
+
     def __init__(self, config):
         super().__init__()
         C, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -233,6 +238,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)).
     Walkthrough 2.6 | Mirrors: transformers LlamaDecoderLayer"""
+
     def __init__(self, config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -249,6 +255,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm: the `.model` inside CausalLM.
     Walkthrough 2.6 | Mirrors: transformers LlamaModel.forward"""
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -304,6 +311,7 @@ def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):
 class CausalLM(nn.Module):
     """The decoder plus lm_head: logits, the causal-LM loss, generation, HF checkpoint load and save.
     Walkthrough 2.5, 2.6 | Mirrors: transformers LlamaForCausalLM (what PeftModelForCausalLM.forward wraps)"""
+
     accepts_loss_kwargs = True  # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
 
     def __init__(self, config):
