@@ -205,21 +205,6 @@ class Trainer:
                                               * self.args.gradient_accumulation_steps)
         return epochs_trained, steps_trained_in_current_epoch
 
-    def _print_banner(self, num_examples, num_train_epochs, num_update_steps_per_epoch, total_train_batch_size,
-                      max_steps):
-        if not distributed.is_main_process():
-            return
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        print("***** Running training *****")
-        print(f"  Num examples = {num_examples:,}")
-        print(f"  Num Epochs = {num_train_epochs:,}")
-        print(f"  Num update steps per epoch = {num_update_steps_per_epoch:,}")
-        print(f"  Instantaneous batch size per device = {self.args.per_device_train_batch_size:,}")
-        print(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_train_batch_size:,}")
-        print(f"  Gradient Accumulation steps = {self.args.gradient_accumulation_steps}")
-        print(f"  Total optimization steps = {max_steps:,}")
-        print(f"  Number of trainable parameters = {trainable:,}")
-
     def _inner_training_loop(self, args, resume_from_checkpoint=None) -> TrainOutput:
         """Epochs -> update steps -> micro-batches: accumulate, clip, step, schedule, log, evaluate, save.
 
@@ -236,9 +221,18 @@ class Trainer:
             max_steps, num_train_epochs, num_update_steps_per_epoch, resume_from_checkpoint)
         ga = args.gradient_accumulation_steps
 
-        # Train!
-        self._print_banner(num_examples, num_train_epochs, num_update_steps_per_epoch, total_train_batch_size,
-                           max_steps)
+        # Train!  (the lines transformers logs, printed by rank 0)
+        if distributed.is_main_process():
+            print("***** Running training *****")
+            print(f"  Num examples = {num_examples:,}")
+            print(f"  Num Epochs = {num_train_epochs:,}")
+            print(f"  Num update steps per epoch = {num_update_steps_per_epoch:,}")
+            print(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+            print(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_train_batch_size:,}")
+            print(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+            print(f"  Total optimization steps = {max_steps:,}")
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            print(f"  Number of trainable parameters = {trainable:,}")
         start_time = time.time()
         self._initial_global_step = self.state.global_step
         # "tr_loss is a tensor to avoid synchronization of TPUs through .item()"
@@ -247,7 +241,7 @@ class Trainer:
         self._total_loss_scalar = 0.0
         self._globalstep_last_logged = self.state.global_step
         self._window = {"start": time.time(), "tokens": 0, "samples": 0, "nonfinite": False}
-        self._nonfinite_logs = 0
+        self._nonfinite_logs, self._speed = 0, None
         self.control = TrainerControl()
         model.zero_grad()
         grad_norm, learning_rate = None, None
@@ -298,8 +292,9 @@ class Trainer:
                         grad_norm = self._clip_grad_norm(model)
                         optimizer_step_was_skipped = self._optimizer_step()
                         # "get leaning rate before update": the lr this optimizer step used
-                        learning_rate = self.lr_scheduler.get_last_lr()[0]
-                        if not optimizer_step_was_skipped:  # fp16 GradScaler skipped an inf/nan step
+                        learning_rate = self._get_learning_rate()
+                        # not after a step the fp16 GradScaler skipped (inf/nan grads); plateau steps in _evaluate
+                        if not optimizer_step_was_skipped and not self._is_plateau():
                             self.lr_scheduler.step()
                         model.zero_grad()
                         self.state.global_step += 1
@@ -439,6 +434,13 @@ class Trainer:
         self.scaler.update()  # ... and then lowers the scale, which is how a skip is detected
         return self.scaler.get_scale() < scale_before
 
+    def _is_plateau(self) -> bool:
+        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    def _get_learning_rate(self) -> float:
+        """Learning rate of param group 0. Mirrors: Trainer._get_learning_rate"""
+        return self.optimizer.param_groups[0]["lr"] if self._is_plateau() else self.lr_scheduler.get_last_lr()[0]
+
     # ----- logging, evaluation, saving -----
     def _on_step_end(self) -> None:
         """Set should_log / should_evaluate / should_save / should_training_stop. Mirrors: DefaultFlowCallback.on_step_end"""
@@ -466,15 +468,20 @@ class Trainer:
         """
         control = self.control
         if control.should_log and self.state.global_step > self._globalstep_last_logged:
-            tr_loss_scalar = distributed.all_reduce_sum(tr_loss.detach().clone()).item() / self.args.world_size
+            # mean over ranks of the summed step losses; the nan flag travels along so every rank stops together
+            flag = torch.tensor(float(self._window["nonfinite"]), device=tr_loss.device)
+            summed = distributed.all_reduce_sum(torch.stack([tr_loss.detach(), flag]))
+            tr_loss_scalar, nonfinite = summed[0].item() / self.args.world_size, summed[1].item() > 0
             tr_loss -= tr_loss  # reset in place
             logs = {"loss": tr_loss_scalar / (self.state.global_step - self._globalstep_last_logged)}
             if grad_norm is not None:
                 logs["grad_norm"] = grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm
-            logs["learning_rate"] = learning_rate if learning_rate is not None else self.lr_scheduler.get_last_lr()[0]
+            logs["learning_rate"] = learning_rate if learning_rate is not None else self._get_learning_rate()
             self._total_loss_scalar += tr_loss_scalar
             self._globalstep_last_logged = self.state.global_step
-            self._check_finite(logs)
+            self._check_finite(logs, nonfinite)
+            self._speed, self._window = self._window_speed(), {"start": time.time(), "tokens": 0, "samples": 0,
+                                                               "nonfinite": False}
             self.log(logs)
         control.should_log = False
         if control.should_evaluate:
@@ -486,15 +493,21 @@ class Trainer:
             self._save_checkpoint()
             control.should_save = False
 
-    def _check_finite(self, logs: dict) -> None:
+    def _check_finite(self, logs: dict, nonfinite: bool) -> None:
         """Stop after max_nonfinite_logs windows in a row with a nan/inf loss or grad_norm. Guide: troubleshooting"""
-        bad = self._window["nonfinite"] or not all(math.isfinite(logs.get(k, 0.0)) for k in ("loss", "grad_norm"))
+        bad = nonfinite or not all(math.isfinite(logs.get(k, 0.0)) for k in ("loss", "grad_norm"))
         self._nonfinite_logs = self._nonfinite_logs + 1 if bad else 0
         if self._nonfinite_logs >= self.max_nonfinite_logs:
             self.control.should_training_stop = True
             print(f"Stopping at step {self.state.global_step}: the loss or grad_norm was nan/inf in "
                   f"{self._nonfinite_logs} logging windows in a row. Try a lower learning_rate "
                   f"(now {self.args.learning_rate}), bf16 instead of fp16, or max_grad_norm=1.0 to clip gradients.")
+
+    def _window_speed(self) -> dict:
+        seconds = max(time.time() - self._window["start"], 1e-9)
+        world = self.args.world_size  # every rank sees about as many tokens as this one
+        return {"tokens_per_second": round(self._window["tokens"] * world / seconds, 1),
+                "samples_per_second": round(self._window["samples"] * world / seconds, 3)}
 
     def log(self, logs: dict, start_time=None) -> None:
         """Add epoch, append to state.log_history; rank 0 prints and appends a line to output_dir/metrics.jsonl.
@@ -506,15 +519,11 @@ class Trainer:
         if not distributed.is_main_process():
             return
         record = {**logs, "step": self.state.global_step}
-        window = getattr(self, "_window", None)
-        if window is not None and "loss" in logs:
-            seconds = max(time.time() - window["start"], 1e-9)
-            record["tokens_per_second"] = round(window["tokens"] * self.args.world_size / seconds, 1)
-            record["samples_per_second"] = round(window["samples"] * self.args.world_size / seconds, 3)
-            self._window = {"start": time.time(), "tokens": 0, "samples": 0, "nonfinite": False}
+        if "loss" in logs and getattr(self, "_speed", None):
+            record.update(self._speed)
             self._progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                        grad_norm=f"{logs.get('grad_norm', float('nan')):.3f}",
-                                       tok_s=record["tokens_per_second"])
+                                       tok_s=self._speed["tokens_per_second"])
         tqdm.write(str({k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}))
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
@@ -558,19 +567,19 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         metrics = self.evaluate()
-        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and self.state.global_step > 0:
+        if self._is_plateau() and self.state.global_step > 0:  # not for eval_on_start (skip_scheduler)
             self.lr_scheduler.step(metrics[f"eval_{self.args.metric_for_best_model.removeprefix('eval_')}"])
         return metrics
 
     def _is_new_best(self, metrics: dict) -> bool:
+        """Track state.best_metric for metric_for_best_model. Mirrors: Trainer._determine_best_metric"""
         name = self.args.metric_for_best_model
         if name is None:
             return False
         key = name if name.startswith("eval_") else f"eval_{name}"
         if key not in metrics:
             raise KeyError(f"metric_for_best_model={name!r}: {key!r} is not among the eval metrics {sorted(metrics)}.")
-        best = self.state.best_metric
-        value = metrics[key]
+        value, best = metrics[key], self.state.best_metric
         if best is not None and not (value > best if self.args.greater_is_better else value < best):
             return False
         self.state.best_metric, self.state.best_global_step = value, self.state.global_step

@@ -6,6 +6,7 @@ one thread, fixed seeds; expected values come from the formulas of hf-reference 
 Run: python -m pytest -q tests/test_trainer.py
 """
 
+import json
 import math
 import os
 import shutil
@@ -119,6 +120,10 @@ def test_sync_steps_and_short_last_window(tmp_path):
     assert [s[0] for s in seen] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # global_step moves only at sync steps
     assert trainer.state.global_step == 4
     assert [h["epoch"] for h in trainer.state.log_history if "loss" in h] == [0.6, 1.0, 1.6, 2.0]
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    train_lines = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 4] and all(r["tokens_per_second"] > 0 for r in train_lines)
 
 
 def test_nan_inf_filter_adds_running_average(tmp_path):
