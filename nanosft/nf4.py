@@ -40,7 +40,7 @@ def bytes_per_parameter(layer):
 
 
 def cpu_kernels_decode(in_features, blocksize, device):
-    """False where bitsandbytes' CPU dequantize kernel is wrong: even rows not made of whole blocks.
+    """False where bitsandbytes' CPU dequantize kernel can decode wrongly: even rows not of whole blocks.
     hf-reference 6.4 | Mirrors: bitsandbytes backends/cpu dequantize_4bit (shape fallback)"""
     return (
         torch.device(device).type != "cpu" or in_features % blocksize == 0 or in_features % 2 == 1
