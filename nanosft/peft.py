@@ -14,6 +14,7 @@ import os
 import re
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -109,7 +110,8 @@ class PromptTuningConfig:
 
     def __post_init__(self):
         if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens <= 0:
-            raise ValueError(f"PromptTuningConfig.num_virtual_tokens must be a positive int, got {self.num_virtual_tokens!r}")
+            raise ValueError("PromptTuningConfig.num_virtual_tokens must be a positive int, "
+                             f"got {self.num_virtual_tokens!r}")
         if self.prompt_tuning_init not in ("RANDOM", "TEXT"):
             raise ValueError(f"prompt_tuning_init must be 'RANDOM' or 'TEXT', got {self.prompt_tuning_init!r}")
         text_ok = self.prompt_tuning_init_text and (self.tokenizer or self.tokenizer_name_or_path)
@@ -161,7 +163,8 @@ def _key_matches(target, name):
 
 def resolve_target_modules(model, config):
     """`target_modules` as saved: None -> the architecture default, "all-linear" -> every linear's full name.
-    Walkthrough 2.1 | Mirrors: peft _maybe_include_all_linear_layers, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"""
+    Walkthrough 2.1 | Mirrors: peft _maybe_include_all_linear_layers,
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"""
     target = config.target_modules
     if target is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -236,7 +239,8 @@ class ModulesToSaveWrapper(nn.Module):
 
 def inject_adapter(model, config, adapter_name="default"):
     """Swap every target module for a `LoraLinear` (in place), in named_modules order so the RNG stream equals peft's.
-    Walkthrough 2.7 (what the forward then runs) | Mirrors: peft BaseTuner.inject_adapter, LoraModel._create_and_replace"""
+    Walkthrough 2.7 (what the forward then runs) | Mirrors: peft BaseTuner.inject_adapter,
+    LoraModel._create_and_replace"""
     names = find_target_modules(model, config)
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
     for name in names:
@@ -365,11 +369,6 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     model.load_state_dict({k: state_dict[saved] for saved, k in keys.items()}, strict=False)
 
 
-def _write_text(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def _atomic_write(path, write):
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + os.path.basename(path))
     os.close(fd)
@@ -486,12 +485,13 @@ class PeftModelForCausalLM(nn.Module):
         Walkthrough 2.6 | Mirrors: peft PeftModel.save_pretrained
         Differs: no README.md model card."""
         os.makedirs(save_directory, exist_ok=True)
-        tensors = {k: v.contiguous() for k, v in get_peft_model_state_dict(self, adapter_name=self.active_adapter).items()}
+        state = get_peft_model_state_dict(self, adapter_name=self.active_adapter)
+        tensors = {k: v.contiguous() for k, v in state.items()}
         _atomic_write(os.path.join(save_directory, "adapter_model.safetensors"),
                       lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         config = {**self.active_peft_config.to_dict(), "inference_mode": True}
         text = json.dumps(config, indent=2, sort_keys=True)
-        _atomic_write(os.path.join(save_directory, "adapter_config.json"), lambda tmp: _write_text(tmp, text))
+        _atomic_write(os.path.join(save_directory, "adapter_config.json"), lambda tmp: Path(tmp).write_text(text))
 
     @classmethod
     def from_pretrained(cls, model, model_id, adapter_name="default", is_trainable=False):
@@ -530,20 +530,12 @@ class PeftModelForCausalLM(nn.Module):
         """Fold every LoRA delta into its base weight and return the plain CausalLM.
         Walkthrough 2.7 merge | Mirrors: peft LoraModel.merge_and_unload
         A Linear4bit base is dequantized, merged and re-quantized in place by LoraLinear.merge, as peft does."""
-        return self._unload(merge=True)
-
-    def unload(self):
-        """Drop the LoRA layers (no merge) and return the plain CausalLM. Mirrors: peft LoraModel.unload"""
-        return self._unload(merge=False)
-
-    def _unload(self, merge):
         if self.peft_type != "LORA":
-            raise ValueError("merge_and_unload/unload apply to LoRA; a prompt-tuned model is get_base_model()")
+            raise ValueError("merge_and_unload() applies to LoRA; a prompt-tuned model's base is get_base_model()")
         model = self.base_model.model
         for name, module in list(model.named_modules()):
             if isinstance(module, LoraLinear):
-                if merge:
-                    module.merge()
+                module.merge()
                 _replace_module(model, name, module.base_layer)
             elif isinstance(module, ModulesToSaveWrapper):
                 _replace_module(model, name, module.modules_to_save[module.active_adapter])
