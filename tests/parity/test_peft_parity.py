@@ -5,7 +5,8 @@ weights after get_peft_model (LoRA, rsLoRA, DoRA, all-linear, regex, init False 
 modules_to_save); logits, loss and every adapter gradient after B is made non-zero (fp32, 1e-5);
 prompt tuning logits/loss/grad with the same prompt table; adapter files in both directions
 (nanosft save -> peft load, peft save -> nanosft load) and adapter_config.json key for key;
-print_trainable_parameters output. Hermetic: transformers' LlamaForCausalLM is built in-process from
+print_trainable_parameters output; LoRA/DoRA over transformers' own 4-bit bitsandbytes loading vs
+nanosft's quantize_model. Hermetic: transformers' LlamaForCausalLM is built in-process from
 a 2-layer config and its state_dict is loaded into nanosft's CausalLM (equal keys by design).
 Run: python -m pytest -q tests/parity/test_peft_parity.py
 """
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from nanosft.model import CausalLM, ModelConfig
+from nanosft.nf4 import quantize_model
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, PromptTuningConfig, get_peft_model
 
 TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -201,3 +203,35 @@ def test_merge_and_unload_equals_peft():
     assert sorted(merged_got.state_dict()) == sorted(merged_ref.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(merged_got(**batch).logits, merged_ref(**batch).logits, **TOL)
+
+
+@pytest.mark.parametrize("case", ["lora", "dora"])
+def test_lora_on_4bit_base_matches_peft_on_bnb_linear4bit(case, tmp_path, capsys):
+    # transformers' own bitsandbytes loading (BitsAndBytesConfig, device_map="cpu") vs nanosft quantize_model
+    hf, _ = _bases()
+    hf.save_pretrained(tmp_path)
+    bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                 bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+    hf4 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb_config,
+                                                           device_map="cpu", dtype=torch.float32)
+    ours4 = quantize_model(CausalLM.from_pretrained(tmp_path), compute_dtype=torch.float32)
+    kwargs = {**LORA_CASES[case], "target_modules": "all-linear"}
+    torch.manual_seed(42)
+    ref = peft.get_peft_model(hf4, peft.LoraConfig(task_type="CAUSAL_LM", **kwargs))
+    torch.manual_seed(42)
+    got = get_peft_model(ours4, LoraConfig(**kwargs))
+    ref_params, got_params = dict(ref.named_parameters()), dict(got.named_parameters())
+    assert sorted(got_params) == sorted(ref_params)
+    assert all(torch.equal(got_params[n], p) for n, p in ref_params.items())  # packed codes and adapters
+    ref.print_trainable_parameters()
+    got.print_trainable_parameters()
+    theirs, ours = capsys.readouterr().out.splitlines()[-2:]
+    assert ours == theirs  # a packed uint8 weight counts 2 parameters per byte on both sides
+    _randomize_lora_B(ref, got)
+    batch = _batch()
+    out_ref, out_got = _forward_backward(ref, batch), _forward_backward(got, batch)  # train mode: no CPU fast path
+    torch.testing.assert_close(out_got.logits, out_ref.logits, **TOL)
+    torch.testing.assert_close(out_got.loss, out_ref.loss, **TOL)
+    for name, p in got_params.items():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL)
