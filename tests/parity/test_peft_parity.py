@@ -6,8 +6,9 @@ modules_to_save); logits, loss and every adapter gradient after B is made non-ze
 prompt tuning logits/loss/grad with the same prompt table; adapter files in both directions
 (nanosft save -> peft load, peft save -> nanosft load) and adapter_config.json key for key;
 print_trainable_parameters output; LoRA/DoRA over transformers' own 4-bit bitsandbytes loading vs
-nanosft's quantize_model. Hermetic: transformers' LlamaForCausalLM is built in-process from
-a 2-layer config and its state_dict is loaded into nanosft's CausalLM (equal keys by design).
+nanosft's quantize_model, through merge_and_unload. Hermetic: transformers' LlamaForCausalLM is built
+in-process from a 2-layer config and its state_dict is loaded into nanosft's CausalLM (equal keys by
+design); the 4-bit case goes through a temp folder; nothing is downloaded.
 Run: python -m pytest -q tests/parity/test_peft_parity.py
 """
 
@@ -235,3 +236,8 @@ def test_lora_on_4bit_base_matches_peft_on_bnb_linear4bit(case, tmp_path, capsys
     for name, p in got_params.items():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL)
+    # merge_and_unload on 4-bit: dequantize, add the delta, re-quantize; the same codes come out on both sides
+    merged_ref, merged_got = ref.merge_and_unload(), got.merge_and_unload()
+    sd_ref, sd_got = merged_ref.state_dict(), merged_got.state_dict()
+    assert sorted(sd_got) == sorted(sd_ref)
+    assert all(torch.equal(sd_got[k], sd_ref[k]) for k in sd_ref)
