@@ -88,7 +88,10 @@ class Trainer:
         return self._dataloader(self.train_dataset, self.args.train_batch_size, True, self.args.dataloader_drop_last)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """Eval batches in dataset order, split over ranks. Mirrors: Trainer.get_eval_dataloader"""
+        """Eval batches in dataset order, split over ranks. Mirrors: Trainer.get_eval_dataloader
+
+        Differs: under DDP the last round repeats a few examples (accelerate's even batches); transformers drops them.
+        """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset; pass Trainer(..., eval_dataset=...).")
@@ -362,6 +365,8 @@ class Trainer:
         """Forward, loss, backward of one micro-batch; returns the (GA-scaled) loss, detached.
 
         Walkthrough 2.4 | Mirrors: Trainer.training_step
+        Differs: the walkthrough divides by args.gradient_accumulation_steps whenever the model takes no loss kwargs;
+        5.23 (and this code) divides by the real window size and only when num_items_in_batch did not normalise.
         """
         model.train()
         inputs = self._prepare_inputs(inputs)
