@@ -315,3 +315,35 @@ def test_resume_without_data_skip_differs(tmp_path):
     again = make_trainer(tmp_path / "again", ignore_data_skip=True, **common)
     again.train(resume_from_checkpoint=str(tmp_path / "again" / "checkpoint-2"))
     assert not torch.equal(full.model.lm_head.weight, again.model.lm_head.weight)
+
+
+def test_compute_loss_func_gets_window_count_and_is_not_divided_by_ga(tmp_path):
+    calls = []
+
+    def token_sum_loss(outputs, labels, num_items_in_batch=None):
+        calls.append((labels.shape, num_items_in_batch))
+        logits, target = outputs.logits[:, :-1], labels[:, 1:]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") \
+            / num_items_in_batch
+
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.compute_loss_func = token_sum_loss
+    trainer.model_accepts_loss_kwargs = False  # a model without loss kwargs: the count still reaches the function
+    trainer.train()
+    batches = list(trainer.get_train_dataloader())[:3]
+    expected_count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    assert [c[1].item() for c in calls] == [expected_count] * 3
+    # the window's loss is the token mean over all 3 micro-batches: no extra division by GA
+    model = tiny_model()
+    with torch.no_grad():
+        total = sum(torch.nn.functional.cross_entropy(model(**b).logits[:, :-1].flatten(0, 1),
+                                                      b["labels"][:, 1:].flatten(), reduction="sum") for b in batches)
+    assert math.isclose(trainer.state.log_history[0]["loss"], (total / expected_count).item(), rel_tol=1e-5)
+
+
+def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=1, eval_on_start=True)
+    trainer.eval_dataset = rows(3, seed=6)
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert "eval_loss" in first and first["step"] == 0

@@ -2,7 +2,8 @@
 
 The same tiny Llama (transformers LlamaForCausalLM built in-process, weights copied into nanosft CausalLM), the
 same pre-tokenized rows with prompt labels -100, seed, batch 2 x GA 3 (8 micro-batches per epoch, so every epoch
-ends on a short window), adamw_torch, linear warmup, clipping. Compared per optimizer step (21 steps): loss,
+ends on a short window), adamw_torch, linear warmup, clipping, with and without label smoothing. Compared per
+optimizer step (21 steps): loss,
 grad_norm, learning_rate, epoch, and TRL's entropy / mean_token_accuracy / num_tokens.
 Hermetic: CPU, fp32, no downloads (a WordLevel tokenizer built in memory). Tolerance 1e-5 (fp32; TRL's chunked
 log-softmax and our plain one differ by float rounding only).
@@ -78,13 +79,15 @@ def assert_logs_close(ours, ref, keys):
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=f"step {a['step']} {key}")
 
 
-def test_trainer_matches_transformers_trainer(tmp_path):
+@pytest.mark.parametrize("label_smoothing_factor", [0.0, 0.1])  # 0.1: transformers LabelSmoother path
+def test_trainer_matches_transformers_trainer(tmp_path, label_smoothing_factor):
     rows = make_rows()
     ref_model, our_model = make_models()
     collator = DataCollatorForLanguageModeling(pad_token_id=0)
-    ref = transformers.Trainer(model=ref_model, args=transformers.TrainingArguments(str(tmp_path / "ref"), **COMMON),
+    common = {**COMMON, "label_smoothing_factor": label_smoothing_factor}
+    ref = transformers.Trainer(model=ref_model, args=transformers.TrainingArguments(str(tmp_path / "ref"), **common),
                                train_dataset=datasets.Dataset.from_list(rows), data_collator=collator)
-    ours = Trainer(our_model, TrainingArguments(str(tmp_path / "ours"), **COMMON), train_dataset=rows,
+    ours = Trainer(our_model, TrainingArguments(str(tmp_path / "ours"), **common), train_dataset=rows,
                    data_collator=collator)
     ref_logs, our_logs = train_logs(ref), train_logs(ours)
     assert_logs_close(our_logs, ref_logs, KEYS)
