@@ -1,4 +1,4 @@
-"""torchrun environment -> process group, rank helpers, all-reduce of counts, batch sharding.
+"""torchrun environment -> process group, rank queries, all-reduce of counts, batch sharding.
 
 The guide's "distributed training" part: data parallelism (DDP) only. `torchrun --nproc_per_node N`
 sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `init_distributed` turns them into a

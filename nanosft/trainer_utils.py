@@ -95,7 +95,7 @@ class SeedableBatchSampler:
         self.drop_last, self.num_replicas, self.rank, self.epoch = drop_last, num_replicas, rank, 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Pick the order of `epoch` (the trainer calls this at every epoch start, as transformers)."""
+        """Pick the order of `epoch`; called at every epoch start. Mirrors: SeedableRandomSampler.set_epoch"""
         self.epoch = epoch
 
     def __iter__(self):
