@@ -12,6 +12,12 @@ SPEC = {"jobs": [job, ...], "result": path}. Each job builds a fresh tiny model 
                   optimizer, scheduler and RNG files, before trainer_state.json)
   no_rng          negative control: do not restore the RNG state from the checkpoint
   ignore_data_skip  negative control: replay the interrupted epoch from its first batch
+  kill_rank       with torchrun-style variables: only this rank kills itself (a peer that dies)
+  death_file      the SIGKILLed process first writes time.time() here
+  signal          "SIGKILL" (default) or "SIGSTOP": the process freezes instead of dying
+  fsize_limit     {"step": K, "bytes": N}: from the save of checkpoint-K on, no file may grow past N bytes
+                  (RLIMIT_FSIZE, SIGXFSZ ignored): every write then fails as on a full disk
+  record_error    store the exception of train() (type, errno, message) instead of failing the process
   trace           file that gets one JSON line per micro-batch: global step and a hash of the batch
 The SIGKILL comes from wrappers the worker puts on the trainer instance and on a checkpoint helper: the library
 is not edited. After every job that finishes, the final state dict, the logged (step, loss, grad_norm, lr) and the
@@ -24,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -110,9 +117,14 @@ def build_sft(job):
     return SFTTrainer(model, args, train_dataset=data, processing_class=tokenizer, peft_config=peft_config)
 
 
-def die():
+def die(job):
+    if int(os.environ.get("RANK", "0")) != job.get("kill_rank", int(os.environ.get("RANK", "0"))):
+        return
+    if job.get("death_file"):
+        with open(job["death_file"], "w") as f:
+            f.write(repr(time.time()))
     sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), getattr(signal, job.get("signal", "SIGKILL")))  # SIGSTOP: a hung, not a dead, peer
 
 
 def attach_hooks(trainer, job):
@@ -130,7 +142,7 @@ def attach_hooks(trainer, job):
                 f.write(json.dumps({"step": trainer.state.global_step, "batch": digest}) + "\n")
         if trainer.state.global_step == job.get("kill_at_step"):
             if micro_in_kill_step[0] == job.get("kill_micro", 0):
-                die()
+                die(job)
             micro_in_kill_step[0] += 1
         return loss
 
@@ -141,10 +153,22 @@ def attach_hooks(trainer, job):
 
         def write_json_or_die(obj, path):
             if partial in path and path.endswith(checkpoint.TRAINER_STATE_NAME):
-                die()
+                die(job)
             write_json(obj, path)
 
         checkpoint._write_json = write_json_or_die
+    if job.get("fsize_limit"):
+        import resource
+
+        save_weights, limit = checkpoint.save_model_weights, job["fsize_limit"]
+
+        def save_weights_on_full_disk(model, folder):
+            if folder.endswith(f"checkpoint-{limit['step']}"):
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit["bytes"], resource.RLIM_INFINITY))
+            save_weights(model, folder)
+
+        checkpoint.save_model_weights = save_weights_on_full_disk
     if job.get("no_rng"):
         checkpoint.load_rng_state = lambda *args, **kwargs: False
 
@@ -160,7 +184,13 @@ def run_job(job):
         resumed_from = checkpoint.get_last_checkpoint(job["output_dir"])
     elif job.get("resume"):
         resumed_from = job["resume"]
-    trainer.train(resume_from_checkpoint=job.get("resume"))
+    try:
+        trainer.train(resume_from_checkpoint=job.get("resume"))
+    except Exception as error:
+        if not job.get("record_error"):
+            raise
+        return {"error": type(error).__name__, "errno": getattr(error, "errno", None), "message": str(error),
+                "global_step": trainer.state.global_step}
     logs = [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"])
             for h in trainer.state.log_history if "loss" in h]
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
