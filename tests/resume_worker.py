@@ -19,7 +19,7 @@ SPEC = {"jobs": [job, ...], "result": path}. Each job builds a fresh tiny model 
                   (RLIMIT_FSIZE, SIGXFSZ ignored): every write then fails as on a full disk
   record_error    store the exception of train() (type, errno, message) instead of failing the process
   trace           file that gets one JSON line per micro-batch: global step and a hash of the batch
-The SIGKILL comes from wrappers the worker puts on the trainer instance and on a checkpoint helper: the library
+The SIGKILL comes from wrappers the worker puts on the trainer instance and on a checkpoint function: the library
 is not edited. After every job that finishes, the final state dict, the logged (step, loss, grad_norm, lr) and the
 checkpoint the job resumed from are stored under the job's name in SPEC["result"] (rank 0 only under torchrun-style
 environment variables). One thread and fixed seeds: two processes doing the same work get the same bits.

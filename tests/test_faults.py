@@ -297,6 +297,6 @@ def test_ddp_peer_failure_makes_survivor_exit_within_timeout(tmp_path, how):
     # the bound: the timeout plus a margin for a loaded CI machine; without a timeout a hung peer blocks forever
     assert exited - died < ddp_timeout + 20, f"rank 0 took {exited - died:.1f} s after its peer failed"
     if how == "SIGSTOP":
-        assert exited - died >= ddp_timeout - 1, "rank 0 gave up before ddp_timeout"
+        assert exited - died >= ddp_timeout - 3, "rank 0 gave up before ddp_timeout"
     assert "RuntimeError" in log  # gloo's error reached the top, nothing swallowed it
     assert os.path.isfile(tmp_path / "run" / "checkpoint-1" / "rng_state_1.pth")  # the last save was complete

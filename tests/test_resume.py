@@ -5,8 +5,8 @@ same float operations in the same order, so any lost or replayed batch, any RNG 
 restored, shows up as a changed bit): the final parameters, the logged (step, loss, grad_norm, learning_rate) of
 every optimizer step, and the sequence of micro-batches (a hash per batch). The killed process runs
 tests/resume_worker.py with save_steps=1 and SIGKILLs itself part-way through the optimizer step after
-checkpoint-<k> (its partial gradients die with it); a new process calls train(resume_from_checkpoint=True) and then,
-for the reference, trains the same job from scratch. Cases: full fine-tuning (Trainer), LoRA with dropout and QLoRA
+checkpoint-<k> (its partial gradients die with it); a new process calls train(resume_from_checkpoint=True, or the
+checkpoint path) and then, for the reference, trains the same job from scratch. Cases: full fine-tuning (Trainer), LoRA with dropout and QLoRA
 (NF4 base) through SFTTrainer; gradient_accumulation_steps 1 and 2; killed mid-window, in the short last window of
 an epoch and right at an epoch boundary; and 2-process DDP (gloo). Negative controls: resuming without the RNG
 state (LoRA dropout masks change) or without skipping the seen batches (ignore_data_skip) gives other parameters.
@@ -49,7 +49,8 @@ CASES = {
     # LoRA with dropout 0.1: the dropout masks after resuming come from the restored RNG state
     "lora-ga2-mid-epoch": {"kind": "lora", "ga": 2, "kill_at_step": 2, "kill_micro": 1},
     # QLoRA, 3 steps per epoch: checkpoint-3 closes epoch 0, dies at the end of epoch 1's first window
-    "qlora-ga2-epoch-boundary": {"kind": "qlora", "ga": 2, "kill_at_step": 3, "kill_micro": 1},
+    # ... resumed with an explicit checkpoint path instead of True
+    "qlora-ga2-epoch-boundary": {"kind": "qlora", "ga": 2, "kill_at_step": 3, "kill_micro": 1, "by_path": True},
 }
 
 
@@ -83,7 +84,8 @@ def single_process_runs(tmp_path_factory):
     shutil.copytree(root / "full-ga2-mid-window", root / "full-no-data-skip")
     jobs = []
     for name, case in CASES.items():
-        jobs.append(_job(name, case, root, tokenizer_dir, resume=True, trace=str(root / f"{name}.resumed.trace")))
+        resume = str(root / name / f"checkpoint-{case['kill_at_step']}") if case.get("by_path") else True
+        jobs.append(_job(name, case, root, tokenizer_dir, resume=resume, trace=str(root / f"{name}.resumed.trace")))
         jobs.append(_job(f"{name}-reference", case, root, tokenizer_dir))
     jobs.append(_job("lora-no-rng", CASES["lora-ga2-mid-epoch"], root, tokenizer_dir, resume=True, no_rng=True))
     jobs.append(_job("full-no-data-skip", CASES["full-ga2-mid-window"], root, tokenizer_dir, resume=True,
