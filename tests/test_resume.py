@@ -125,6 +125,40 @@ def test_killed_then_resumed_run_is_bitwise_equal(single_process_runs, name):
     assert [t for t in killed_trace if t["step"] < k] + resumed_trace == _trace(root / f"{name}-reference.trace")
 
 
+def _same_tree(a, b, where):
+    """Nested dicts / lists / tuples of tensors, arrays and numbers, compared exactly."""
+    if torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_tree(x, y, f"{where}[{i}]")
+    elif hasattr(a, "shape"):  # numpy RNG key array
+        assert (a == b).all(), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_final_checkpoint_equals_the_uninterrupted_runs(single_process_runs, name):
+    # optimizer moments and step counts, scheduler position and the generators' final states: the resumed run
+    # did exactly the work of the uninterrupted one (an extra or missing dropout draw moves the RNG state)
+    root, results, _ = single_process_runs
+    last = f"checkpoint-{results[name]['global_step']}"
+    resumed, reference = root / name / last, root / f"{name}-reference" / last
+    for file_name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        _same_tree(torch.load(resumed / file_name, weights_only=False),
+                   torch.load(reference / file_name, weights_only=False), file_name)
+    keys = ("step", "epoch", "loss", "grad_norm", "learning_rate")  # SFT's running num_tokens restarts, as TRL's
+    history = lambda path: [{k: h.get(k) for k in keys}
+                            for h in json.loads((path / "trainer_state.json").read_text())["log_history"]]
+    assert history(resumed) == history(reference)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_kill_between_saves_leaves_two_complete_checkpoints(single_process_runs, name):
     _, _, left = single_process_runs
