@@ -1,0 +1,707 @@
+"""Side by side: nanosft beside transformers Trainer / TRL SFTTrainer + peft / bitsandbytes and a bare PyTorch loop.
+
+The same tiny Llama (weights copied, so every stack starts identical), the same synthetic token sequences and the
+same arguments go through full fine-tuning, LoRA, DoRA and QLoRA (walkthrough 2.3 - 2.7), with reference and nanosft
+repetitions interleaved so machine noise hits both. Reported per pair: non-pad tokens/s, seconds per optimizer step
+(median after warmup), peak memory during train() and the largest per-step loss difference.
+Papers: LoRA 2106.09685, QLoRA 2305.14314, DoRA 2402.09353.
+Run: python benchmarks/bench_sft.py --sizes small,medium --steps 12 --reps 2   (--quick: a ~1 minute smoke run)
+"""
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+VOCAB_SIZE = 1000
+SIZES = {  # Llama shapes: intermediate ~ 8/3 hidden rounded to a multiple of 64 (the NF4 block), multi-head attention
+    "small": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "medium": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4},
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODES = ("full", "lora", "dora", "qlora")  # the four training set-ups of the walkthrough path
+EXTRAS = ("gc", "compile", "bf16", "padfree")  # on LoRA, both stacks: checkpointing, compile, bf16, padding-free
+
+
+@dataclasses.dataclass
+class Options:
+    """What every stack receives: the same batch, accumulation, optimizer and schedule."""
+
+    steps: int = 10
+    warmup: int = 2
+    batch_size: int = 8
+    grad_accum: int = 2
+    learning_rate: float = 2e-4
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    lora_r: int = 16
+    lora_alpha: int = 32
+    device: str = "cpu"
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark row: a training set-up and the switches layered on it."""
+
+    mode: str  # full | lora | dora | qlora
+    gradient_checkpointing: bool = False
+    torch_compile: bool = False
+    bf16: bool = False
+    padding_free: bool = False  # SFT only: one row per micro-batch, positions restart per example
+
+    @property
+    def name(self):
+        extra = [n for n, on in (("gc", self.gradient_checkpointing), ("compile", self.torch_compile),
+                                 ("bf16", self.bf16), ("padfree", self.padding_free)) if on]
+        return "+".join([self.mode, *extra])
+
+
+# ----------------------------------------------------------------------------- data and the bare loop (pure torch)
+def make_examples(num_examples, vocab_size=VOCAB_SIZE, min_len=75, max_len=250, seed=0):
+    """Deterministic token sequences of min_len..max_len tokens ending in EOS, with labels = input_ids.
+
+    Each token has four likely successors (a fixed random grammar), so the loss can fall; ids 0-2 are pad/bos/eos.
+    """
+    rng = random.Random(seed)
+    successors = [[rng.randrange(3, vocab_size) for _ in range(4)] for _ in range(vocab_size)]
+    rows = []
+    for _ in range(num_examples):
+        length = rng.randint(min_len, max_len)
+        token = rng.randrange(3, vocab_size)
+        ids = [token]
+        for _ in range(length - 2):
+            token = rng.choice(successors[token]) if rng.random() < 0.9 else rng.randrange(3, vocab_size)
+            ids.append(token)
+        ids.append(EOS_ID)
+        rows.append({"input_ids": ids, "labels": list(ids)})
+    return rows
+
+
+def step_plan(num_examples, batch_size, grad_accum, steps, seed=42, epoch=0):
+    """Example indices per optimizer step, each a list of micro-batches: randperm(N, seed + epoch) sliced in order.
+
+    Mirrors: accelerate SeedableRandomSampler (the order transformers Trainer and nanosft Trainer both use).
+    """
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    micro = [order[i : i + batch_size] for i in range(0, num_examples, batch_size)]
+    plan = [micro[i : i + grad_accum] for i in range(0, len(micro), grad_accum)]
+    if len(plan) < steps:
+        raise ValueError(f"step_plan: {num_examples} examples give {len(plan)} steps of {batch_size}x{grad_accum}, "
+                         f"fewer than steps={steps}; pass more examples")
+    return plan[:steps]
+
+
+def collate_padded(rows, pad_id=PAD_ID):
+    """Right-padded input_ids, attention_mask and labels (-100 on padding), as TRL's collator in padded mode."""
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.tensor(r["input_ids"])
+        labels[i, :n] = torch.tensor(r["labels"])
+        attention_mask[i, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def tokens_per_step(rows, plan):
+    """Non-pad tokens seen by each optimizer step of `plan`."""
+    return [sum(len(rows[i]["input_ids"]) for mb in step for i in mb) for step in plan]
+
+
+def next_token_loss(logits, labels, num_items_in_batch):
+    """Σ -log p(label[t+1] | ..t) over supervised positions (fp32), / the accumulation window's token count."""
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:].to(logits.device)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return loss / num_items_in_batch
+
+
+def bare_loop(model, rows, plan, opts, bf16=False):
+    """The framework-free floor: collate, forward, loss / window tokens, backward, clip, fused AdamW, linear decay.
+
+    Returns the per-step losses (the sum of the micro-batch losses, as the trainers log them).
+    """
+    device = torch.device(opts.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=opts.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                  fused=True)
+    steps = len(plan)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, (steps - s) / steps))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    model.train()
+    losses = []
+    for step in plan:
+        batches = [collate_padded([rows[i] for i in mb]) for mb in step]
+        num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        total = torch.zeros((), device=device)
+        for b in batches:
+            with autocast:
+                logits = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device)).logits
+            loss = next_token_loss(logits, b["labels"], num_items)
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, opts.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    return losses
+
+
+# ----------------------------------------------------------------------------- measurement
+class StepClock:
+    """Timestamps every optimizer.step() of any optimizer (a global post-step hook), whatever stack drives it."""
+
+    def __enter__(self):
+        self.times, self.cpu_times = [], []
+        self._handle = register_optimizer_step_post_hook(lambda *_: self._tick())
+        return self
+
+    def _tick(self):
+        self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())  # CPU seconds of this process: less hurt by a busy machine
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
+def _proc_status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+class PeakMemory:
+    """Peak memory above the level at entry, in MiB: CUDA max_memory_allocated, else peak RSS (VmHWM reset).
+
+    On Linux the RSS high-water mark is reset by writing 5 to /proc/self/clear_refs, so the peak is exact and free.
+    """
+
+    def __init__(self, device):
+        self.device, self.peak_mib = torch.device(device), float("nan")
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            return self
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so the baseline is honest
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._base = _proc_status_kib("VmRSS") * 1024
+        except OSError:
+            self._base = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak_mib = (torch.cuda.max_memory_allocated() - self._base) / 2**20
+        elif self._base is not None:
+            self.peak_mib = (_proc_status_kib("VmHWM") * 1024 - self._base) / 2**20
+
+
+@dataclasses.dataclass
+class Run:
+    """One repetition of one stack on one case."""
+
+    losses: list
+    step_times: list  # seconds of each optimizer step after warmup
+    tokens_per_s: float
+    tokens_per_cpu_s: float  # per CPU second of this process (all its threads)
+    peak_mib: float
+    wall_s: float
+
+
+def measure(train, tokens, opts, warmup):
+    """Run train() -> per-step losses under the step clock and the memory probe; derive the speed of the timed steps."""
+    start = time.perf_counter()
+    with PeakMemory(opts.device) as mem, StepClock() as clock, open(os.devnull, "w") as quiet:
+        with contextlib.redirect_stdout(quiet):  # banners and log dicts: every stack prints, none to the terminal
+            losses = train()
+        if opts.device == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    t = clock.times
+    if len(t) != len(tokens):
+        raise RuntimeError(f"measure: {len(t)} optimizer steps were timed, {len(tokens)} planned")
+    step_times = [t[i] - t[i - 1] for i in range(warmup, len(t))]
+    tokens_per_s = sum(tokens[warmup:]) / (t[-1] - t[warmup - 1])
+    tokens_per_cpu_s = sum(tokens[warmup:]) / (clock.cpu_times[-1] - clock.cpu_times[warmup - 1])
+    return Run(losses, step_times, tokens_per_s, tokens_per_cpu_s, mem.peak_mib, wall)
+
+
+# ----------------------------------------------------------------------------- the shared fixture
+class Fixture:
+    """One size: the base weights, the examples, a tokenizer folder and the per-step token counts."""
+
+    def __init__(self, size, opts, workdir):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.size, self.opts, self.workdir = size, opts, workdir
+        shape = SIZES[size]
+        self.hf_config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=512, tie_word_embeddings=False,
+                                     rms_norm_eps=1e-6, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
+                                     eos_token_id=EOS_ID, **shape)
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(self.hf_config)
+        self.state_dict = {k: v.detach().clone() for k, v in base.state_dict().items()}
+        self.model_dir = os.path.join(workdir, f"base-{size}")
+        base.save_pretrained(self.model_dir)  # QLoRA reference loads it through BitsAndBytesConfig
+        del base
+        self.max_steps = opts.warmup + opts.steps
+        self.rows = make_examples(self.max_steps * opts.batch_size * opts.grad_accum, seed=1)
+        self.plan = step_plan(len(self.rows), opts.batch_size, opts.grad_accum, self.max_steps, opts.seed)
+        self.tokens = tokens_per_step(self.rows, self.plan)
+        self.tokenizer_dir = _tokenizer_folder(workdir)
+
+    def hf_model(self, quantized=False):
+        from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+        if quantized:
+            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                     bnb_4bit_compute_dtype=torch.float32)
+            return LlamaForCausalLM.from_pretrained(self.model_dir, quantization_config=bnb, dtype=torch.float32,
+                                                    device_map=self.opts.device)
+        model = LlamaForCausalLM(self.hf_config)
+        model.load_state_dict(self.state_dict)
+        return model.to(self.opts.device)
+
+    def nano_model(self, quantized=False):
+        from nanosft import nf4
+        from nanosft.model import CausalLM, ModelConfig
+
+        c = self.hf_config
+        config = ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                             num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                             num_key_value_heads=c.num_key_value_heads, max_position_embeddings=512,
+                             rms_norm_eps=1e-6, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+        model = CausalLM(config)
+        model.load_state_dict(self.state_dict)
+        model = model.to(self.opts.device)
+        if quantized:
+            nf4.quantize_model(model, compute_dtype=torch.float32)
+        return model
+
+
+def _tokenizer_folder(workdir):
+    """A tiny BPE (pad = <|endoftext|> = id 0) saved as an HF folder: both SFT trainers need a processing_class."""
+    from nanosft.tokenizer import Tokenizer
+
+    folder = os.path.join(workdir, "tokenizer")
+    if not os.path.isdir(folder):
+        texts = [f"example {i}: the quick brown fox {i * 7} jumps" for i in range(200)]
+        tok = Tokenizer.train(texts, vocab_size=300)
+        if tok.pad_token_id != PAD_ID:
+            raise RuntimeError(f"tokenizer: pad id {tok.pad_token_id}, the data pads with {PAD_ID}")
+        tok.save_pretrained(folder)
+    return folder
+
+
+def _trainer_kwargs(case, opts, steps, output_dir):
+    """The arguments every trainer gets, under the names transformers, TRL and nanosft share."""
+    return {"output_dir": output_dir, "per_device_train_batch_size": opts.batch_size,
+            "gradient_accumulation_steps": opts.grad_accum, "max_steps": steps, "learning_rate": opts.learning_rate,
+            "lr_scheduler_type": "linear", "warmup_steps": 0, "weight_decay": 0.0,
+            "max_grad_norm": opts.max_grad_norm, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+            "disable_tqdm": True, "seed": opts.seed, "bf16": case.bf16, "fp16": False,
+            "gradient_checkpointing": case.gradient_checkpointing, "torch_compile": case.torch_compile,
+            "use_cpu": opts.device == "cpu", "dataloader_num_workers": 0}
+
+
+def _logged_losses(log_history):
+    return [h["loss"] for h in log_history if "loss" in h and "train_loss" not in h]
+
+
+def _cast_adapters_bf16(model):
+    """TRL's QLoRA step: trainable params except DoRA magnitudes become bf16 (hf-reference 4.1 step 6)."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and "lora_magnitude_vector" not in name:
+            p.data = p.data.to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- the stacks
+def run_reference(fx, case, workdir):
+    """transformers Trainer (full) or TRL SFTTrainer + peft LoRA / DoRA / QLoRA (BitsAndBytesConfig NF4)."""
+    import datasets
+    from transformers import AutoTokenizer, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    opts = fx.opts
+    kwargs = _trainer_kwargs(case, opts, fx.max_steps, os.path.join(workdir, "ref-out"))
+    dataset = datasets.Dataset.from_list(fx.rows)
+    model = fx.hf_model(quantized=case.mode == "qlora")
+    if case.mode == "full":
+        trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=dataset,
+                          data_collator=DataCollatorForLanguageModeling(pad_token_id=PAD_ID))
+    else:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=0.0,
+                                 target_modules=LORA_TARGETS, use_dora=case.mode == "dora", task_type="CAUSAL_LM")
+        tokenizer = AutoTokenizer.from_pretrained(fx.tokenizer_dir)
+        sft_args = SFTConfig(**kwargs, max_length=None, padding_free=case.padding_free)
+        trainer = SFTTrainer(model=model, args=sft_args, train_dataset=dataset,
+                             processing_class=tokenizer, peft_config=peft_config)
+    return measure(lambda: (trainer.train(), _logged_losses(trainer.state.log_history))[1],
+                   fx.tokens, opts, _warmup(case, opts))
+
+
+def run_nanosft(fx, case, workdir):
+    """nanosft Trainer (full) or nanosft SFTTrainer + LoRA / DoRA / QLoRA (nanosft.nf4 over bitsandbytes)."""
+    from nanosft.args import SFTConfig, TrainingArguments
+    from nanosft.collator import DataCollatorForLanguageModeling
+    from nanosft.peft import LoraConfig
+    from nanosft.sft import SFTTrainer
+    from nanosft.tokenizer import Tokenizer
+    from nanosft.trainer import Trainer
+
+    opts = fx.opts
+    kwargs = _trainer_kwargs(case, opts, fx.max_steps, os.path.join(workdir, "nano-out"))
+    model = fx.nano_model(quantized=case.mode == "qlora")
+    rows = [dict(r) for r in fx.rows]
+    if case.mode == "full":
+        trainer = Trainer(model, TrainingArguments(**kwargs), train_dataset=rows,
+                          data_collator=DataCollatorForLanguageModeling(pad_token_id=PAD_ID))
+    else:
+        peft_config = LoraConfig(r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=0.0,
+                                 target_modules=LORA_TARGETS, use_dora=case.mode == "dora")
+        sft_args = SFTConfig(**kwargs, max_length=None, padding_free=case.padding_free)
+        trainer = SFTTrainer(model, sft_args, train_dataset=rows,
+                             processing_class=Tokenizer.from_pretrained(fx.tokenizer_dir), peft_config=peft_config)
+    return measure(lambda: (trainer.train(), _logged_losses(trainer.state.log_history))[1],
+                   fx.tokens, opts, _warmup(case, opts))
+
+
+def run_bare(fx, case, workdir, which):
+    """bare_loop over the reference model (+ peft adapters) or over nanosft's model (+ nanosft adapters)."""
+    opts = fx.opts
+    quantized = case.mode == "qlora"
+    if which == "hf":
+        model = fx.hf_model(quantized)
+        torch.manual_seed(opts.seed)  # as both SFT trainers: seed right before get_peft_model draws LoRA A
+        if case.mode != "full":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=0.0,
+                                                     target_modules=LORA_TARGETS, use_dora=case.mode == "dora",
+                                                     task_type="CAUSAL_LM"))
+    else:
+        model = fx.nano_model(quantized)
+        torch.manual_seed(opts.seed)
+        if case.mode != "full":
+            from nanosft.peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=0.0,
+                                                     target_modules=LORA_TARGETS, use_dora=case.mode == "dora"))
+    if quantized:
+        _cast_adapters_bf16(model)
+    if case.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if case.torch_compile:
+        model = torch.compile(model)
+    return measure(lambda: bare_loop(model, fx.rows, fx.plan, opts, bf16=case.bf16), fx.tokens, opts,
+                   _warmup(case, opts))
+
+
+def _warmup(case, opts):
+    # compile: the first shapes compile, the next ones recompile with dynamic shapes
+    return max(opts.warmup, 3) if case.torch_compile else opts.warmup
+
+
+STACKS = {"ref": run_reference, "nano": run_nanosft,
+          "bare-hf": lambda fx, case, wd: run_bare(fx, case, wd, "hf"),
+          "bare-nano": lambda fx, case, wd: run_bare(fx, case, wd, "nano")}
+
+
+def stacks_for(case, bare):
+    """Which stacks a case runs: the bare loops only for the four plain fp32 set-ups."""
+    if case.gradient_checkpointing or case.torch_compile or case.bf16 or case.padding_free:
+        return ["ref", "nano"]
+    return ["ref", "nano", *[f"bare-{b}" for b in bare]]
+
+
+def build_cases(modes, extras):
+    cases = [Case(m) for m in modes]
+    if "gc" in extras:
+        cases.append(Case("lora", gradient_checkpointing=True))
+    if "compile" in extras:
+        cases.append(Case("lora", torch_compile=True))
+    if "bf16" in extras:
+        cases.append(Case("lora", bf16=True))
+    if "padfree" in extras:
+        cases.append(Case("lora", padding_free=True))
+    return cases
+
+
+def run_all(sizes, cases, opts, reps, bare, workdir, log=print):
+    """Every (size, case, stack) `reps` times, interleaved: each repetition alternates which stack goes first."""
+    results = {}  # (size, case name, stack) -> [Run]
+    for size in sizes:
+        fx = Fixture(size, opts, workdir)
+        for rep in range(reps):
+            for case in cases:
+                stacks = stacks_for(case, bare)
+                if rep % 2 == 1:
+                    stacks = stacks[::-1]
+                for stack in stacks:
+                    run = STACKS[stack](fx, case, workdir)
+                    results.setdefault((size, case.name, stack), []).append(run)
+                    log(f"[{size} rep {rep} {case.name:14s} {stack:9s}] {run.tokens_per_s:8.0f} tok/s  "
+                        f"{run.tokens_per_cpu_s:8.0f} tok/cpu-s  "
+                        f"{statistics.median(run.step_times):.3f} s/step  peak {run.peak_mib:7.1f} MiB  "
+                        f"wall {run.wall_s:5.1f} s  loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}")
+                    gc.collect()
+    return results
+
+
+# ----------------------------------------------------------------------------- report
+def _median_run(runs):
+    """Medians over repetitions of one (size, case, stack)."""
+    return {"tok_s": statistics.median(r.tokens_per_s for r in runs),
+            "tok_cpu_s": statistics.median(r.tokens_per_cpu_s for r in runs),
+            "s_step": statistics.median(t for r in runs for t in r.step_times),
+            "peak": statistics.median(r.peak_mib for r in runs), "losses": runs[0].losses}
+
+
+def _max_dloss(a, b):
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def summarize(results, sizes, cases, bare):
+    """One row per (size, case): medians over repetitions, ratios nanosft / reference and / bare loops, and for
+    the switches (gc, compile, bf16, padfree) nanosft against its own plain fp32 LoRA run."""
+    rows = []
+    for size in sizes:
+        plain_lora = results.get((size, "lora", "nano"))
+        for case in cases:
+            row = {"size": size, "case": case.name}
+            for stack in ("ref", "nano", *[f"bare-{b}" for b in bare]):
+                if results.get((size, case.name, stack)):
+                    row[stack] = _median_run(results[(size, case.name, stack)])
+            nano, ref = row.get("nano"), row.get("ref")
+            if nano and ref:
+                row["vs_ref"], row["vs_ref_cpu"] = nano["tok_s"] / ref["tok_s"], nano["tok_cpu_s"] / ref["tok_cpu_s"]
+                row["dloss"] = _max_dloss(nano["losses"], ref["losses"])
+            for b in bare:
+                floor = row.get(f"bare-{b}")
+                if nano and floor:
+                    row[f"vs_bare-{b}"] = nano["tok_s"] / floor["tok_s"]
+                    row[f"vs_bare-{b}_cpu"] = nano["tok_cpu_s"] / floor["tok_cpu_s"]
+            if ref and row.get("bare-hf"):
+                row["bare_dloss"] = _max_dloss(row["bare-hf"]["losses"], ref["losses"])
+            if nano and plain_lora and case.name != "lora" and case.mode == "lora":
+                base = _median_run(plain_lora)
+                row["vs_plain"] = nano["tok_s"] / base["tok_s"]
+                row["vs_plain_cpu"] = nano["tok_cpu_s"] / base["tok_cpu_s"]
+                row["peak_vs_plain"] = nano["peak"] - base["peak"]
+                row["dloss_plain"] = _max_dloss(nano["losses"], base["losses"])
+            rows.append(row)
+    return rows
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _get(row, stack, key):
+    return (row.get(stack) or {}).get(key)
+
+
+def _ratio_cell(row, key):
+    """'wall (cpu)' ratio text, or '-' when the row has no such pair."""
+    return "-" if row.get(key) is None else f"{row[key]:.2f} ({row[key + '_cpu']:.2f})"
+
+
+def table(rows, bare):
+    """Markdown table: speeds (wall clock), the ratios by wall clock and by CPU time, s/step, peak memory, dloss."""
+    head = ["size", "case", "ref tok/s", "nanosft tok/s", *[f"bare-{b} tok/s" for b in bare],
+            "nanosft/ref (cpu)", *[f"nanosft/bare-{b} (cpu)" for b in bare], "ref s/step", "nanosft s/step",
+            "ref peak MiB", "nanosft peak MiB", "max abs dloss"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["size"], r["case"], _fmt(_get(r, "ref", "tok_s"), ".0f"), _fmt(_get(r, "nano", "tok_s"), ".0f"),
+                 *[_fmt(_get(r, f"bare-{b}", "tok_s"), ".0f") for b in bare], _ratio_cell(r, "vs_ref"),
+                 *[_ratio_cell(r, f"vs_bare-{b}") for b in bare], _fmt(_get(r, "ref", "s_step"), ".3f"),
+                 _fmt(_get(r, "nano", "s_step"), ".3f"), _fmt(_get(r, "ref", "peak"), ".0f"),
+                 _fmt(_get(r, "nano", "peak"), ".0f"), _fmt(r.get("dloss"), ".1e")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def switch_table(rows):
+    """nanosft with a switch on against its plain fp32 LoRA run: speed, memory and loss change."""
+    lines = ["| size | switch | nanosft tok/s vs plain LoRA (cpu) | peak MiB change | max abs dloss vs plain |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        if "vs_plain" in r:
+            lines.append(f"| {r['size']} | {r['case']} | {r['vs_plain']:.2f} ({r['vs_plain_cpu']:.2f}) | "
+                         f"{r['peak_vs_plain']:+.0f} | {r['dloss_plain']:.1e} |")
+    return "\n".join(lines)
+
+
+def machine_info():
+    """CPU model, cores, bf16 matrix units, load, library versions and the nanosft commit."""
+    import importlib.metadata as md
+
+    cpu, flags = platform.processor() or "unknown", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    versions = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            versions[name] = md.version(name)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "loadavg": os.getloadavg(), "python": platform.python_version(), "versions": versions,
+            "nanosft_commit": commit or "unknown"}
+
+
+def write_results(path, text):
+    """Write atomically: a temp file in the same folder, then os.replace."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".results-", suffix=".md")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def render_results(rows, bare, info_before, info_after, command, opts, started, finished, notes=""):
+    info = info_before
+    lines = [
+        "# nanosft benchmark results", "",
+        f"Command: `{command}`", "",
+        (f"Run {started} to {finished} UTC. Machine: {info['cpu']}, {info['cores']} cores "
+        f"(torch threads {info['torch_threads']}), AVX512-BF16 {'yes' if info['avx512_bf16'] else 'no'}, "
+        f"AMX-BF16 {'yes' if info['amx_bf16'] else 'no'}. Load average at start "
+        f"{', '.join(f'{x:.1f}' for x in info_before['loadavg'])}, at end "
+        f"{', '.join(f'{x:.1f}' for x in info_after['loadavg'])}."), "",
+        "Versions: Python " + info["python"] + ", " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+        + f", nanosft at commit {info['nanosft_commit']}.", "",
+        (f"Set-up: fp32 unless the case says bf16; batch {opts.batch_size} x accumulation {opts.grad_accum}; "
+        f"{opts.warmup} warmup + {opts.steps} timed optimizer steps; lr {opts.learning_rate}, linear decay, "
+        f"max_grad_norm {opts.max_grad_norm}; LoRA r={opts.lora_r} alpha={opts.lora_alpha} on {', '.join(LORA_TARGETS)}; "
+        f"vocab {VOCAB_SIZE}, sequences 75-250 tokens, right-padded per micro-batch on every stack except the "
+        "padfree rows (padding_free=True on both SFT trainers); logging every step on every stack; trainer "
+        "output sent to /dev/null."), "",
+        table(rows, bare), "",
+        ("tok/s: non-pad tokens per second of wall clock over the timed steps (median over repetitions). "
+        "Ratios are by wall clock, and in parentheses by tokens per CPU-second of the benchmark process, which "
+        "other processes on a shared machine disturb less. s/step: median seconds per optimizer step after "
+        "warmup. peak MiB: peak RSS above the level at the start of train() (CPU; in-process, so allocator reuse "
+        "between runs blurs it by tens of MiB) or max_memory_allocated (CUDA). max abs dloss: largest per-step "
+        "difference of the logged loss, nanosft against the reference. bare-hf: a plain PyTorch loop over the "
+        "reference model (+ peft adapters); bare-nano: the same loop over nanosft's model (+ nanosft adapters)."), "",
+        "Switches, nanosft against its own plain fp32 LoRA run of the same size:", "",
+        switch_table(rows), "",
+        "Analysis, profiles and recommendations: benchmarks/README.md.",
+    ]
+    if notes:
+        lines += ["", notes]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- profiling
+def profile(fx, case, stack, workdir, top=25):
+    """One run under torch.profiler; prints the ops with the largest self CPU time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        run = STACKS[stack](fx, case, workdir)
+    print(f"{stack} {case.name}: {run.tokens_per_s:.0f} tok/s, {statistics.median(run.step_times):.3f} s/step")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+    return run
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="small,medium", help=f"comma list of {list(SIZES)}")
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per run (after warmup)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--extras", default=",".join(EXTRAS), help="gc,compile,bf16,padfree on LoRA ('' for none)")
+    p.add_argument("--bare", default="hf,nano", help="bare loops over the reference model and/or nanosft's model")
+    p.add_argument("--quick", action="store_true", help="~1 minute smoke run: small size, 3 steps, 1 rep")
+    p.add_argument("--profile", default=None, help="STACK:CASE, e.g. nano:lora or ref:full; prints top ops")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--out", default=None, help="results file (default benchmarks/RESULTS.md; not with --quick)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.quick:
+        args.sizes, args.steps, args.warmup, args.reps = "small", 3, 1, 1
+        args.extras = "gc,bf16,padfree" if args.extras == ",".join(EXTRAS) else args.extras
+    sizes = [s for s in args.sizes.split(",") if s]
+    for s in sizes:
+        if s not in SIZES:
+            raise SystemExit(f"--sizes: unknown size {s!r}; choose from {list(SIZES)}")
+    modes = [m for m in args.modes.split(",") if m]
+    extras = [e for e in args.extras.split(",") if e]
+    bare = [b for b in args.bare.split(",") if b]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device; use --device cpu")
+    opts = Options(steps=args.steps, warmup=args.warmup, device=args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built in-process; never reach for the network
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    info_before = machine_info()
+    with tempfile.TemporaryDirectory(prefix="bench-sft-") as workdir:
+        if args.profile:
+            stack, case_name = args.profile.split(":")
+            case = next(c for c in build_cases(MODES, EXTRAS) if c.name == case_name)
+            profile(Fixture(sizes[-1], opts, workdir), case, stack, workdir)
+            return
+        cases = [c for c in build_cases(modes, extras)]
+        results = run_all(sizes, cases, opts, args.reps, bare, workdir)
+    rows = summarize(results, sizes, cases, bare)
+    print(table(rows, bare))
+    print(switch_table(rows))
+    out = args.out or (None if args.quick else os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    if out:
+        command = "python " + " ".join([os.path.relpath(sys.argv[0]) if argv is None else "bench_sft.py",
+                                        *(sys.argv[1:] if argv is None else argv)])
+        text = render_results(rows, bare, info_before, machine_info(), command, opts, started,
+                              time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+        write_results(out, text)
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
