@@ -17,6 +17,8 @@ SPEC = {"jobs": [job, ...], "result": path}. Each job builds a fresh tiny model 
   signal          "SIGKILL" (default) or "SIGSTOP": the process freezes instead of dying
   fsize_limit     {"step": K, "bytes": N}: from the save of checkpoint-K on, no file may grow past N bytes
                   (RLIMIT_FSIZE, SIGXFSZ ignored): every write then fails as on a full disk
+  grad_scaler     {"init_scale": S, "growth_interval": G}: give the trainer a CPU torch.amp.GradScaler (what fp16
+                  sets up on CUDA), so scaler.pt is saved and restored; a huge S makes some steps overflow and skip
   record_error    store the exception of train() (type, errno, message) instead of failing the process
   trace           file that gets one JSON line per micro-batch: global step and a hash of the batch
 The SIGKILL comes from wrappers the worker puts on the trainer instance and on a checkpoint function: the library
@@ -178,6 +180,8 @@ def run_job(job):
 
     torch.manual_seed(1234)  # whatever ran before this job, it starts from the same global RNG state
     trainer = build_full(job) if job["kind"] == "full" else build_sft(job)
+    if job.get("grad_scaler"):
+        trainer.scaler = torch.amp.GradScaler("cpu", **job["grad_scaler"])
     attach_hooks(trainer, job)
     resumed_from = None
     if job.get("resume") is True:

@@ -8,8 +8,9 @@ tests/resume_worker.py with save_steps=1 and SIGKILLs itself part-way through th
 checkpoint-<k> (its partial gradients die with it); a new process calls train(resume_from_checkpoint=True, or the
 checkpoint path) and then, for the reference, trains the same job from scratch. Cases: full fine-tuning (Trainer), LoRA with dropout and QLoRA
 (NF4 base) through SFTTrainer; gradient_accumulation_steps 1 and 2; killed mid-window, in the short last window of
-an epoch and right at an epoch boundary; and 2-process DDP (gloo). Negative controls: resuming without the RNG
-state (LoRA dropout masks change) or without skipping the seen batches (ignore_data_skip) gives other parameters.
+an epoch and right at an epoch boundary; with a GradScaler whose scale makes some steps overflow (scaler.pt); and
+2-process DDP (gloo). Negative controls: resuming without the RNG state (LoRA dropout masks change), without
+skipping the seen batches (ignore_data_skip) or without scaler.pt gives other parameters.
 Hermetic: tiny models (hidden 32/64, 2 layers, vocab <= 300) and a dozen examples built in-process, a tokenizer
 trained in tmp_path, CPU, one thread per process, fixed seeds, localhost-only process group; no network, no files
 outside tmp_path.
@@ -46,6 +47,9 @@ CASES = {
     "full-ga2-short-last-window": {"kind": "full", "ga": 2, "kill_at_step": 3, "kill_micro": 0},
     # GA 1, 7 steps per epoch: checkpoint-7 closes epoch 0, dies on epoch 1's first batch (epoch boundary)
     "full-ga1-epoch-boundary": {"kind": "full", "ga": 1, "kill_at_step": 7, "kill_micro": 0},
+    # a GradScaler at 2**120 doubling every step: steps 6 and 7 overflow and are skipped, from the restored scale
+    "full-ga2-grad-scaler": {"kind": "full", "ga": 2, "kill_at_step": 3, "kill_micro": 0,
+                             "grad_scaler": {"init_scale": 2.0**120, "growth_interval": 1}},
     # LoRA with dropout 0.1: the dropout masks after resuming come from the restored RNG state
     "lora-ga2-mid-epoch": {"kind": "lora", "ga": 2, "kill_at_step": 2, "kill_micro": 1},
     # QLoRA, 3 steps per epoch: checkpoint-3 closes epoch 0, dies at the end of epoch 1's first window
@@ -72,7 +76,8 @@ def single_process_runs(tmp_path_factory):
     worker.make_tokenizer(tokenizer_dir)
     killed = {}
     for name, case in CASES.items():
-        job = _job(name, case, root, tokenizer_dir, kill_at_step=case["kill_at_step"], kill_micro=case["kill_micro"])
+        job = _job(name, case, root, tokenizer_dir, kill_at_step=case["kill_at_step"], kill_micro=case["kill_micro"],
+                   grad_scaler=case.get("grad_scaler"))
         killed[name] = (worker.spawn({"jobs": [job]}, str(root / f"{name}.kill.json")), str(root / f"{name}.kill.json"))
     codes = {}
     for name, (proc, spec_path) in killed.items():
@@ -82,14 +87,20 @@ def single_process_runs(tmp_path_factory):
     # negative controls resume copies of two killed runs (resuming writes new checkpoints into output_dir)
     shutil.copytree(root / "lora-ga2-mid-epoch", root / "lora-no-rng")
     shutil.copytree(root / "full-ga2-mid-window", root / "full-no-data-skip")
+    shutil.copytree(root / "full-ga2-grad-scaler", root / "full-no-scaler-state")
+    os.remove(root / "full-no-scaler-state" / "checkpoint-3" / "scaler.pt")
     jobs = []
     for name, case in CASES.items():
         resume = str(root / name / f"checkpoint-{case['kill_at_step']}") if case.get("by_path") else True
-        jobs.append(_job(name, case, root, tokenizer_dir, resume=resume, trace=str(root / f"{name}.resumed.trace")))
-        jobs.append(_job(f"{name}-reference", case, root, tokenizer_dir))
+        jobs.append(_job(name, case, root, tokenizer_dir, resume=resume, trace=str(root / f"{name}.resumed.trace"),
+                         grad_scaler=case.get("grad_scaler")))
+        jobs.append(_job(f"{name}-reference", case, root, tokenizer_dir, grad_scaler=case.get("grad_scaler")))
     jobs.append(_job("lora-no-rng", CASES["lora-ga2-mid-epoch"], root, tokenizer_dir, resume=True, no_rng=True))
     jobs.append(_job("full-no-data-skip", CASES["full-ga2-mid-window"], root, tokenizer_dir, resume=True,
                      ignore_data_skip=True))
+    scaler_case = CASES["full-ga2-grad-scaler"]
+    jobs.append(_job("full-no-scaler-state", scaler_case, root, tokenizer_dir, resume=True,
+                     grad_scaler=scaler_case["grad_scaler"]))
     spec_path = str(root / "resume.json")
     proc = worker.spawn({"jobs": jobs, "result": str(root / "results.pt")}, spec_path)
     assert proc.wait(timeout=WAIT_S) == 0, worker.log_tail(spec_path)
@@ -100,6 +111,11 @@ def _assert_same_state(got, want):
     assert got.keys() == want.keys()
     different = [k for k in want if not torch.equal(got[k], want[k])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def _exact(logs):
+    """Logged numbers as their repr: exact float round-trip, and a nan (a skipped step's grad_norm) equals itself."""
+    return repr(logs)
 
 
 def _differs(got, want):
@@ -115,7 +131,7 @@ def test_killed_then_resumed_run_is_bitwise_equal(single_process_runs, name):
     assert resumed["resumed_from"] == f"checkpoint-{k}"
     assert resumed["global_step"] == reference["global_step"] > k
     _assert_same_state(resumed["state"], reference["state"])
-    assert resumed["logs"] == reference["logs"]  # steps 1..k from trainer_state.json, the rest recomputed
+    assert _exact(resumed["logs"]) == _exact(reference["logs"])  # 1..k from trainer_state.json, the rest recomputed
     # the data order: the steps the killed run finished + what the resumed run did == the uninterrupted run
     killed_trace = _trace(root / f"{name}.trace")
     lost = [t for t in killed_trace if t["step"] == k]
@@ -150,13 +166,16 @@ def test_final_checkpoint_equals_the_uninterrupted_runs(single_process_runs, nam
     root, results, _ = single_process_runs
     last = f"checkpoint-{results[name]['global_step']}"
     resumed, reference = root / name / last, root / f"{name}-reference" / last
-    for file_name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+    for file_name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt"):
+        if file_name == "scaler.pt" and "grad_scaler" not in CASES[name]:
+            assert not (resumed / file_name).exists()
+            continue
         _same_tree(torch.load(resumed / file_name, weights_only=False),
                    torch.load(reference / file_name, weights_only=False), file_name)
     keys = ("step", "epoch", "loss", "grad_norm", "learning_rate")  # SFT's running num_tokens restarts, as TRL's
     history = lambda path: [{k: h.get(k) for k in keys}
                             for h in json.loads((path / "trainer_state.json").read_text())["log_history"]]
-    assert history(resumed) == history(reference)
+    assert _exact(history(resumed)) == _exact(history(reference))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -182,6 +201,16 @@ def test_negative_control_resume_without_data_skip_differs(single_process_runs):
     reference, replayed = results["full-ga2-mid-window-reference"], results["full-no-data-skip"]
     assert _trace(root / "full-no-data-skip.trace")[0] != _trace(root / "full-ga2-mid-window.resumed.trace")[0]
     assert _differs(replayed["state"], reference["state"])
+
+
+def test_negative_control_resume_without_scaler_state_differs(single_process_runs):
+    root, results, _ = single_process_runs
+    reference, fresh_scale = results["full-ga2-grad-scaler-reference"], results["full-no-scaler-state"]
+    # same batches, but the scale restarts at 2**120: steps 6 and 7 no longer overflow and are not skipped
+    assert _trace(root / "full-no-scaler-state.trace") == _trace(root / "full-ga2-grad-scaler.resumed.trace")
+    assert _differs(fresh_scale["state"], reference["state"])
+    skipped = lambda logs: [lr for _, _, _, lr in logs]  # a skipped step leaves the scheduler (and lr) in place
+    assert skipped(fresh_scale["logs"]) != skipped(reference["logs"])
 
 
 def _free_port():
@@ -224,7 +253,7 @@ def test_ddp_two_ranks_killed_then_resumed_is_bitwise_equal(tmp_path):
     assert results["resumed"]["resumed_from"] == "checkpoint-1"
     assert results["resumed"]["global_step"] == results["reference"]["global_step"] == 6
     _assert_same_state(results["resumed"]["state"], results["reference"]["state"])
-    assert results["resumed"]["logs"] == results["reference"]["logs"]
+    assert _exact(results["resumed"]["logs"]) == _exact(results["reference"]["logs"])
     for rank in (0, 1):  # each rank went on with its own share of the batches
         done = [t for t in _trace(tmp_path / f"ddp.trace.rank{rank}") if t["step"] < 1]
         assert done + _trace(tmp_path / f"resumed.trace.rank{rank}") == _trace(tmp_path / f"ref.trace.rank{rank}")
