@@ -1,0 +1,186 @@
+"""Tutorial 13: distributed data parallel on two CPU processes (guide: 分布式训练 / 数据并行 DDP).
+
+The guide's picture: every rank holds a model replica and the replicas 梯度同步 (all-reduce) their gradients.
+Walkthrough 2.3 adds when: gradients are synchronised only on the window's last micro-batch (DDP `no_sync` on
+the others), and `num_items_in_batch` counts the supervised tokens of *all* ranks (an all-reduce), while each
+rank's loss is multiplied by world_size to undo DDP's averaging. Together: 2 ranks x batch 2 x GA 2 give the
+gradient of one process with batch 4 x GA 2 on the same 8 rows, which we check at the optimizer step.
+Run:      torchrun --standalone --nproc_per_node=2 tutorials/13_ddp.py
+          (or python tutorials/13_ddp.py, which starts the 2 gloo processes itself)
+Runtime:  about 5 s on two CPU cores.
+You should see:
+  - per micro-step: DDP sync False then True, each rank's own token count, and one num_items_in_batch for both;
+  - rank 0 and rank 1 gradients different after the no_sync micro-step and identical after the sync step;
+  - max |2-rank grad - one big batch by hand| and max |2-rank grad - 1-process Trainer grad| ~1e-8;
+  - "OK: DDP checked".
+"""
+
+# %%
+import contextlib
+import io
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from nanosft.args import TrainingArguments
+from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft.distributed import cleanup
+from nanosft.model import CausalLM, ModelConfig
+from nanosft.trainer import Trainer
+
+TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+COLLATOR = DataCollatorForLanguageModeling(pad_token_id=0)
+WORLD = 2
+
+
+def make_rows():
+    """8 rows with uneven numbers of trained tokens, so the ranks' counts differ."""
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for _ in range(8):
+        length = int(torch.randint(4, 14, (1,), generator=g))
+        ids = torch.randint(1, TINY["vocab_size"], (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)]})
+    return rows
+
+
+def banner(title):
+    print(f"\n{'=' * 20} {title} {'=' * 20}", flush=True)
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(**TINY))
+
+
+def one_step_trainer(per_device_train_batch_size):
+    """A Trainer for one optimizer step (GA 2) with lr 0: we look at the gradient the optimizer receives."""
+    model = tiny_model()
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=per_device_train_batch_size,
+                             gradient_accumulation_steps=2, max_steps=1, logging_steps=1, save_strategy="no",
+                             use_cpu=True, report_to="none", disable_tqdm=True, seed=0, ddp_timeout=120,
+                             max_grad_norm=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = Trainer(model, args, train_dataset=make_rows(), data_collator=COLLATOR, optimizers=(optimizer, None))
+    seen = {}
+    optimizer.register_step_pre_hook(
+        lambda *_: seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return trainer, seen
+
+
+def gather(value):
+    """[value on rank 0, value on rank 1] (a float each), via all_gather."""
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
+    return [t.item() for t in out]
+
+
+def max_diff(a, b):
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+# %% [markdown]
+# ## Two ranks: no_sync, num_items_in_batch, the sync step
+# We wrap training_step to read, per micro-batch: whether DDP will all-reduce in this backward
+# (`require_backward_grad_sync`, False inside no_sync), this rank's tokens, the num_items_in_batch it got,
+# and a fingerprint of its lm_head gradient after backward, gathered from both ranks.
+
+# %%
+def run_two_ranks(rank):
+    trainer, seen = one_step_trainer(per_device_train_batch_size=2)
+    records = []
+    original = trainer.training_step
+
+    def training_step(model, inputs, num_items_in_batch=None):
+        sync = getattr(model, "require_backward_grad_sync", True)  # DDP's flag; no_sync() sets it False
+        own = int((inputs["labels"][:, 1:] != -100).sum())
+        loss = original(model, inputs, num_items_in_batch)
+        fingerprint = trainer.model.lm_head.weight.grad.double().norm().item()
+        records.append((type(model).__name__, sync, gather(own), num_items_in_batch.item(), gather(fingerprint)))
+        return loss
+
+    trainer.training_step = training_step
+    with contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext():
+        trainer.train()  # rank 0 prints the banner: note "Total train batch size ... = 8"
+    return seen, records
+
+
+def report_two_ranks(records):
+    banner("梯度同步 / gradient sync: no_sync on non-sync micro-steps, num_items_in_batch all-reduced")
+    print(f"training_step receives the wrapped model: {records[0][0]}")
+    print(" micro-step | DDP sync | tokens rank0, rank1 | num_items_in_batch | lm_head grad norm rank0, rank1")
+    for step, (_, sync, owns, num_items, prints) in enumerate(records):
+        print(f"     {step}      |  {sync!s:5}   |       {owns[0]:g}, {owns[1]:g}        |"
+              f"        {num_items:g}          | {prints[0]:.8f}, {prints[1]:.8f}")
+    window_tokens = sum(sum(owns) for _, _, owns, _, _ in records)
+    assert records[0][0] == "DistributedDataParallel"
+    assert [sync for _, sync, _, _, _ in records] == [False, True]  # no_sync, then the sync step
+    assert all(num_items == window_tokens for _, _, _, num_items, _ in records)  # both ranks' whole window
+    assert records[0][2][0] != records[0][2][1]  # the ranks really hold different numbers of tokens
+    first, last = records[0][4], records[-1][4]
+    print(f"after the no_sync micro-step the ranks' gradients differ: {first[0] != first[1]}; "
+          f"after the sync step they are identical: {last[0] == last[1]}")
+    assert first[0] != first[1] and last[0] == last[1]
+
+
+# %% [markdown]
+# ## The same gradient as one big batch
+# One process sees the same 8 rows: the token-weighted mean of -log p over all their supervised tokens.
+
+# %%
+def big_batch_gradient(rows):
+    model = tiny_model()
+    batch = COLLATOR(rows)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    (loss / (targets != -100).sum()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def main():
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    two_rank_grads, records = run_two_ranks(rank)
+    if rank == 0:
+        report_two_ranks(records)
+    cleanup()
+    if rank != 0:
+        return
+    banner("2 ranks == 1 process: the gradient at the optimizer step")
+    by_hand = big_batch_gradient(make_rows())  # all 8 rows form the one accumulation window of max_steps=1
+    print(f"max |2-rank grad - one big batch by hand| = {max_diff(two_rank_grads, by_hand):.1e}")
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")  # the process group is gone: one process now
+    single, single_grads = one_step_trainer(per_device_train_batch_size=4)
+    with contextlib.redirect_stdout(io.StringIO()):
+        single.train()
+    print(f"max |2-rank grad - 1-process Trainer grad (batch 4 x GA 2)| = {max_diff(two_rank_grads, single_grads):.1e}")
+    assert max_diff(two_rank_grads, by_hand) < 1e-6 and max_diff(two_rank_grads, single_grads) < 1e-6
+    print("\nOK: DDP checked")
+
+
+def _spawned(rank, port):
+    """What torchrun would set up, for `python tutorials/13_ddp.py`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    main()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:  # started by torchrun
+        main()
+    else:
+        print(f"not started by torchrun: spawning {WORLD} gloo processes on this machine", flush=True)
+        mp.spawn(_spawned, args=(free_port(),), nprocs=WORLD, join=True)
