@@ -44,6 +44,7 @@ def _load_worker():
 
 
 worker = _load_worker()
+posix_only = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals and RLIMIT_FSIZE")
 WAIT_S = 240
 
 
@@ -83,6 +84,7 @@ def killed_in_save(tmp_path_factory):
     return root, left, partial
 
 
+@posix_only
 def test_kill_during_save_leaves_previous_checkpoint_and_partial_one_ignored(killed_in_save):
     root, left, partial = killed_in_save
     assert left == [".tmp-checkpoint-3", "checkpoint-1", "checkpoint-2", "metrics.jsonl"]
@@ -94,6 +96,7 @@ def test_kill_during_save_leaves_previous_checkpoint_and_partial_one_ignored(kil
         checkpoint.check_is_checkpoint(str(root / "run" / ".tmp-checkpoint-3"))
 
 
+@posix_only
 def test_previous_checkpoint_loads_after_kill_during_save(killed_in_save, tmp_path):
     root, _, _ = killed_in_save
     trainer = worker.build_full(_full_job(tmp_path, "fresh"))
@@ -104,6 +107,7 @@ def test_previous_checkpoint_loads_after_kill_during_save(killed_in_save, tmp_pa
     assert state["global_step"] == 2 and len(trainer.optimizer.state) > 0
 
 
+@posix_only
 def test_resume_after_kill_during_save_is_bitwise_equal(killed_in_save):
     root, _, _ = killed_in_save
     work = root / "resume-copy"
@@ -180,6 +184,7 @@ def real_write_failure(tmp_path_factory):
     return root, torch.load(root / "results.pt", weights_only=False)["run"]
 
 
+@posix_only
 def test_real_write_failure_keeps_last_checkpoint(real_write_failure):
     root, result = real_write_failure
     assert "error" in result and result["global_step"] == 3  # step 3 trained, its save failed
@@ -187,6 +192,7 @@ def test_real_write_failure_keeps_last_checkpoint(real_write_failure):
     assert checkpoint.get_last_checkpoint(str(root / "run")) == str(root / "run" / "checkpoint-2")
 
 
+@posix_only
 @pytest.mark.xfail(strict=True, reason="checkpoint.save_checkpoint rewords only OSError; a failing write inside "
                    "safetensors.save_file (SafetensorError) or torch.save (RuntimeError) surfaces unexplained")
 def test_real_write_failure_message_names_checkpoint_and_fix(real_write_failure):
@@ -268,6 +274,7 @@ def test_nonfinite_windows_not_in_a_row_do_not_stop(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- a DDP peer dies
+@posix_only
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"], ids=["peer-killed", "peer-hung"])
 def test_ddp_peer_failure_makes_survivor_exit_within_timeout(tmp_path, how):

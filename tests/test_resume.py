@@ -37,6 +37,7 @@ def _load_worker():
 
 
 worker = _load_worker()
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals (SIGKILL)")
 WAIT_S = 240  # a hung child fails the test instead of hanging the suite
 
 # name -> job; 14 random rows / batch 2 = 7 micro-batches per epoch (full), 12 SFT examples = 6 (lora, qlora)
