@@ -7,6 +7,7 @@ training_args.json (JSON instead of transformers' pickled training_args.bin). Wa
 hidden temp folder beside it, fsynced, then renamed into place, so a crash or a full disk never leaves half of one.
 """
 
+import errno
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import warnings
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -249,9 +251,10 @@ def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
             _write_all(tmp, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size)
             _fsync_tree(tmp)
             _move_into_place(tmp, checkpoint_dir)
-        except OSError as e:
+        except (OSError, RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap I/O errors
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(e.errno, f"saving {checkpoint_dir} failed ({e.strerror or e}); the partial folder was "
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
+            raise OSError(getattr(e, "errno", None) or errno.EIO, f"saving {checkpoint_dir} failed ({reason}); the partial folder was "
                           "removed and earlier checkpoints are untouched. Free disk space or lower "
                           "save_total_limit, then resume from the last checkpoint") from e
         except BaseException:

@@ -63,6 +63,16 @@ def token_metrics(logits, labels):
     return torch.stack([mask.sum().float(), (entropy * mask).sum(), correct.sum().float()])
 
 
+def _check_token_ids_fit(model, tokenizer, rows) -> None:
+    """Refuse ids without an embedding row here, naming both sizes (the forward would say "index out of range")."""
+    rows_in_model = model.get_input_embeddings().num_embeddings
+    largest = max((max(r["input_ids"]) for r in rows if len(r["input_ids"])), default=-1)
+    if largest >= rows_in_model:
+        raise ValueError(f"SFTTrainer: the tokenizer ({len(tokenizer)} tokens) produced token id {largest}, but the "
+                         f"model's embedding has only {rows_in_model} rows; use the tokenizer saved with this model, "
+                         "or resize the model's embeddings to the tokenizer before training")
+
+
 class SFTTrainer(Trainer):
     """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL's token metrics.
 
@@ -107,6 +117,7 @@ class SFTTrainer(Trainer):
                 pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
                 padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
         train_dataset = self._prepare(train_dataset, processing_class, args)
+        _check_token_ids_fit(model, processing_class, train_dataset)
         if eval_dataset is not None:
             eval_dataset = self._prepare(eval_dataset, processing_class, args)
 

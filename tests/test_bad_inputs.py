@@ -436,14 +436,8 @@ def case_resume_checkpoint_of_another_model(tmp, shared):
 
 
 # ----------------------------------------------------------------------------- the test
-XFAIL = {
-    "cli_tokenizer_larger_than_model": "the token ids of the tokenizer exceed the model's embedding rows; "
-    "nothing checks it, so training dies in the forward with IndexError 'index out of range in self' "
-    "(proposed: SFTTrainer.__init__ compares the prepared dataset's largest id with get_input_embeddings())",
-}
 CASES = [(name[len("case_"):], fn) for name, fn in globals().items() if name.startswith("case_")]
-PARAMS = [pytest.param(fn, id=name, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[name])] if name in XFAIL
-                       else []) for name, fn in CASES]
+PARAMS = [pytest.param(fn, id=name) for name, fn in CASES]
 
 
 def _snapshot(root):

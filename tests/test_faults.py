@@ -193,8 +193,6 @@ def test_real_write_failure_keeps_last_checkpoint(real_write_failure):
 
 
 @posix_only
-@pytest.mark.xfail(strict=True, reason="checkpoint.save_checkpoint rewords only OSError; a failing write inside "
-                   "safetensors.save_file (SafetensorError) or torch.save (RuntimeError) surfaces unexplained")
 def test_real_write_failure_message_names_checkpoint_and_fix(real_write_failure):
     root, result = real_write_failure
     assert str(root / "run" / "checkpoint-3") in result["message"]
