@@ -4,19 +4,23 @@ Walkthrough 1 总体逻辑 / 核心训练逻辑: 初始化 SFTTrainer -> 执行 
 -> get_batch_samples -> training_step -> compute_loss -> PeftModelForCausalLM.forward -> Linear4bit.forward
 -> backward -> (do_sync_step) optimizer.step / lr_scheduler.step / zero_grad / global_step += 1.
 We build a tiny NF4-quantized Llama, wrap it with LoRA through SFTTrainer, switch on nanosft.trace and
-run two optimizer steps: the trace prints every line of the outline live, with the real shapes and numbers.
+run two optimizer steps: the trace prints the first one line by line, live, with the real shapes and numbers.
 Run:      python tutorials/01_overview.py
-Runtime:  about 5 s on one CPU core.
+Runtime:  about 6 s on one CPU core (importing bitsandbytes is a good part of it).
 You should see:
   - the SFTTrainer pieces: a PeftModelForCausalLM over Linear4bit layers, the collator, the prepared rows;
   - "[trace] [2.2] Trainer.train()" down to "[trace] [2.7] ... Linear4bit.forward" and "[2.3] optimizer.step()";
   - do_sync_step False then True (gradient_accumulation_steps=2), and global_step 1;
-  - the loss of each micro-batch equal to a hand-made forward, and "OK: walkthrough 1 traced end to end".
+  - each logged loss equal to the sum of its window's micro-batch losses, the method names found in the
+    transformers / peft sources, and "OK: walkthrough 1 traced end to end".
 """
 
 # %%
+import ast
 import contextlib
+import importlib.util
 import io
+import pathlib
 import re
 import tempfile
 
@@ -76,7 +80,8 @@ print(f"trainer.model: {type(trainer.model).__name__}   collator: {type(trainer.
 print(f"first prepared row: input_ids {trainer.train_dataset[0]['input_ids']}")
 print(f"                    labels    {trainer.train_dataset[0]['labels']}")
 trainer.model.print_trainable_parameters()
-assert isinstance(trainer.model, PeftModelForCausalLM)
+q_lora = trainer.model.base_model.model.model.layers[0].self_attn.q_proj  # the LoRA layer over the Linear4bit
+assert isinstance(trainer.model, PeftModelForCausalLM) and type(q_lora.base_layer).__name__ == "Linear4bit"
 assert trainer.train_dataset[0]["labels"][0] == -100  # the prompt is not trained on (completion_only_loss)
 
 # %% [markdown]
@@ -144,21 +149,34 @@ for h, s in zip(logged, step_losses):
 assert result.global_step == 2 and len(losses_seen) == 4
 
 # %%
-banner("reference: the same call tree in transformers / peft")
+banner("reference: the same call tree in the transformers / peft sources")
+
+
+def methods_in_source(module, class_name):
+    """Method names of `class_name` in `module`'s source file, read with ast (importing transformers is slow)."""
+    package, *parts = module.split(".")
+    spec = importlib.util.find_spec(package)  # a top-level find_spec imports nothing
+    if spec is None:
+        raise ImportError(f"{package} is not installed")
+    path = pathlib.Path(spec.submodule_search_locations[0]).joinpath(*parts).with_suffix(".py")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
 try:
-    from peft import PeftModelForCausalLM as HFPeftModelForCausalLM
-    from peft.tuners.lora.bnb import Linear4bit as HFLinear4bit
-    from transformers import Trainer as HFTrainer
+    tree = [("transformers.trainer", "Trainer", "train", type(trainer)),
+            ("transformers.trainer", "Trainer", "_inner_training_loop", type(trainer)),
+            ("transformers.trainer", "Trainer", "get_batch_samples", type(trainer)),
+            ("transformers.trainer", "Trainer", "training_step", type(trainer)),
+            ("transformers.trainer", "Trainer", "compute_loss", type(trainer)),
+            ("peft.peft_model", "PeftModelForCausalLM", "forward", PeftModelForCausalLM),
+            ("peft.tuners.lora.bnb", "Linear4bit", "forward", type(q_lora))]
+    for module, class_name, name, ours in tree:
+        reference = f"{module}.{class_name}.{name}"
+        print(f"  {reference:55s} nanosft: {ours.__name__}.{name}")
+        assert name in methods_in_source(module, class_name) and hasattr(ours, name)
 except ImportError:
     print("transformers / peft not installed: skipping the name check")
-else:
-    tree = [(HFTrainer, "train"), (HFTrainer, "_inner_training_loop"), (HFTrainer, "get_batch_samples"),
-            (HFTrainer, "training_step"), (HFTrainer, "compute_loss"), (HFPeftModelForCausalLM, "forward"),
-            (HFLinear4bit, "forward")]
-    for cls, name in tree:
-        ours = {"Trainer": type(trainer), "PeftModelForCausalLM": PeftModelForCausalLM,
-                "Linear4bit": type(trainer.model.base_model.model.model.layers[0].self_attn.q_proj)}[cls.__name__]
-        reference = f"{cls.__module__}.{cls.__name__}.{name}"
-        print(f"  {reference:55s} nanosft: {ours.__name__}.{name}")
-        assert hasattr(cls, name) and hasattr(ours, name)
+
 print("\nOK: walkthrough 1 traced end to end")

@@ -7,7 +7,7 @@ rank's loss is multiplied by world_size to undo DDP's averaging. Together: 2 ran
 gradient of one process with batch 4 x GA 2 on the same 8 rows, which we check at the optimizer step.
 Run:      torchrun --standalone --nproc_per_node=2 tutorials/13_ddp.py
           (or python tutorials/13_ddp.py, which starts the 2 gloo processes itself)
-Runtime:  about 5 s on two CPU cores.
+Runtime:  about 9 s of CPU over the two processes (starting them is most of it).
 You should see:
   - per micro-step: DDP sync False then True, each rank's own token count, and one num_items_in_batch for both;
   - rank 0 and rank 1 gradients different after the no_sync micro-step and identical after the sync step;
