@@ -3,7 +3,7 @@
 Compared: exit code 0 (the script asserts DDP sync False then True across the window, one all-reduced
 num_items_in_batch equal to both ranks' tokens, rank gradients different after no_sync and identical after the
 sync step, and the 2-rank optimizer-step gradient equal to one big batch by hand and to a 1-process Trainer) and
-the printed table behind those asserts.
+the printed table behind those asserts, plus the negative control (per-rank token counts differ).
 Hermetic: localhost gloo on CPU, a tiny CausalLM and random rows from a fixed seed; no network.
 Run: python -m pytest -q tests/test_tutorial_13.py
 """
@@ -31,4 +31,6 @@ def test_tutorial_13_ddp_under_torchrun():
     assert rows[0][5] != rows[0][6] and rows[1][5] == rows[1][6]
     diffs = [float(x) for x in re.findall(r"^max \|2-rank grad - .+\| = ([0-9.e+-]+)$", out, re.MULTILINE)]
     assert len(diffs) == 2 and max(diffs) < 1e-6
+    control = re.search(r"no all-reduce of the count\): max \|grad - one big batch\| = ([0-9.e+-]+)", out)
+    assert float(control.group(1)) > 1e-4  # negative control: per-rank counts give another gradient
     assert "OK: DDP checked" in out

@@ -11,7 +11,8 @@ Runtime:  about 9 s of CPU over the two processes (starting them is most of it).
 You should see:
   - per micro-step: DDP sync False then True, each rank's own token count, and one num_items_in_batch for both;
   - rank 0 and rank 1 gradients different after the no_sync micro-step and identical after the sync step;
-  - max |2-rank grad - one big batch by hand| and max |2-rank grad - 1-process Trainer grad| ~1e-8;
+  - max |2-rank grad - one big batch by hand| and max |2-rank grad - 1-process Trainer grad| ~1e-8, while
+    ranks dividing by their own token counts (no all-reduce) would be off by ~1e-2;
   - "OK: DDP checked".
 """
 
@@ -108,7 +109,12 @@ def run_two_ranks(rank):
     trainer.training_step = training_step
     with contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext():
         trainer.train()  # rank 0 prints the banner: note "Total train batch size ... = 8"
-    return seen, records
+    sampler = trainer.get_train_dataloader().batch_sampler  # this rank's share of the seeded epoch order
+    sampler.set_epoch(0)
+    mine = [i for batch in sampler for i in batch]
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    return seen, records, shares
 
 
 def report_two_ranks(records):
@@ -135,6 +141,7 @@ def report_two_ranks(records):
 
 # %%
 def big_batch_gradient(rows):
+    """Gradient of sum(-log p) / (number of supervised tokens) over `rows` as one batch."""
     model = tiny_model()
     batch = COLLATOR(rows)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -147,7 +154,7 @@ def big_batch_gradient(rows):
 def main():
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    two_rank_grads, records = run_two_ranks(rank)
+    two_rank_grads, records, shares = run_two_ranks(rank)
     if rank == 0:
         report_two_ranks(records)
     cleanup()
@@ -156,6 +163,13 @@ def main():
     banner("2 ranks == 1 process: the gradient at the optimizer step")
     by_hand = big_batch_gradient(make_rows())  # all 8 rows form the one accumulation window of max_steps=1
     print(f"max |2-rank grad - one big batch by hand| = {max_diff(two_rank_grads, by_hand):.1e}")
+    # negative control: each rank normalising by its own tokens, then DDP's average of the two rank gradients
+    rows = make_rows()
+    per_rank = [big_batch_gradient([rows[i] for i in share]) for share in shares]
+    own_counts = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in by_hand}
+    print(f"rows per rank {shares}; if each rank divided by its own tokens (no all-reduce of the count): "
+          f"max |grad - one big batch| = {max_diff(own_counts, by_hand):.1e}")
+    assert max_diff(own_counts, by_hand) > 1e-4
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")  # the process group is gone: one process now
     single, single_grads = one_step_trainer(per_device_train_batch_size=4)
     with contextlib.redirect_stdout(io.StringIO()):
