@@ -115,6 +115,10 @@ for name, accepts, num_items, loss_func, window, expected in cases:
 trainer.model_accepts_loss_kwargs, trainer.compute_loss_func = True, None  # back to the default set-up
 
 # %% [markdown]
+# The walkthrough's `if self.args.n_gpu > 1: loss = loss.mean()` (DataParallel) and `amp.scale_loss` (apex)
+# branches have no counterpart in nanosft: TRL refuses DataParallel and apex is gone from transformers 5;
+# multi-GPU is DDP (tutorial 13) and fp16 loss scaling is the GradScaler (tutorial 12).
+#
 # ## self.accelerator.backward(loss); return loss.detach()
 # backward adds into .grad (that is how micro-batches accumulate); the returned loss carries no graph.
 

@@ -98,6 +98,10 @@ else:
     torch.testing.assert_close(hf_mean, loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(hf_sum, loss_n, rtol=1e-6, atol=1e-6)
 
+# %% [markdown]
+# Under DDP compute_loss also multiplies this loss by world_size (average_tokens_across_devices): the count
+# already covers every rank's tokens and DDP averages the ranks' gradients. Tutorial 13 checks that.
+
 # %%
 banner('2.5 compute_loss: "The model did not return a loss from the inputs"')
 try:
