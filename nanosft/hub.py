@@ -9,6 +9,8 @@ every read error names the file and the fix.
 import json
 import os
 import re
+import tempfile
+from pathlib import Path
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -28,12 +30,24 @@ def read_json(path):
         raise ValueError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
 
 
-def write_json(obj, path):
-    """Write JSON atomically: a temp file, then os.replace.
+def atomic_write(path, write):
+    """Call `write(tmp)` on a hidden temp file beside `path`, then os.replace it into place; on failure no file.
+    Walkthrough 2.1 | Mirrors: transformers save_pretrained (which writes in place; we never leave half a file)"""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-" + os.path.basename(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(obj, path, sort_keys=False):
+    """Write JSON (indent 2) atomically.
     Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.to_json_file"""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+    text = json.dumps(obj, indent=2, sort_keys=sort_keys)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def parse_size(size):
@@ -94,8 +108,7 @@ def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(model_dir, name + ".tmp"), metadata={"format": "pt"})
-        os.replace(os.path.join(model_dir, name + ".tmp"), os.path.join(model_dir, name))
+        atomic_write(os.path.join(model_dir, name), lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in state_dict.values())
         weight_map = {k: name for name, shard in zip(names, shards) for k in shard}

@@ -12,14 +12,13 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from nanosft import hub
 from nanosft.lora import LoraLinear, base_weight, dora_weight_norm
 from nanosft.nf4 import Linear4bit, is_quantized
 
@@ -369,17 +368,6 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     model.load_state_dict({k: state_dict[saved] for saved, k in keys.items()}, strict=False)
 
 
-def _atomic_write(path, write):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 # ----------------------------------------------------------------------------- the wrapper
 
 class PeftModelForCausalLM(nn.Module):
@@ -487,11 +475,10 @@ class PeftModelForCausalLM(nn.Module):
         os.makedirs(save_directory, exist_ok=True)
         state = get_peft_model_state_dict(self, adapter_name=self.active_adapter)
         tensors = {k: v.contiguous() for k, v in state.items()}
-        _atomic_write(os.path.join(save_directory, "adapter_model.safetensors"),
-                      lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        hub.atomic_write(os.path.join(save_directory, "adapter_model.safetensors"),
+                         lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         config = {**self.active_peft_config.to_dict(), "inference_mode": True}
-        text = json.dumps(config, indent=2, sort_keys=True)
-        _atomic_write(os.path.join(save_directory, "adapter_config.json"), lambda tmp: Path(tmp).write_text(text))
+        hub.write_json(config, os.path.join(save_directory, "adapter_config.json"), sort_keys=True)
 
     @classmethod
     def from_pretrained(cls, model, model_id, adapter_name="default", is_trainable=False):
