@@ -108,7 +108,8 @@ def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     for name, shard in zip(names, shards):
-        atomic_write(os.path.join(model_dir, name), lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
+        write = lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"})
+        atomic_write(os.path.join(model_dir, name), write)
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in state_dict.values())
         weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
