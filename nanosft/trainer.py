@@ -283,10 +283,13 @@ class Trainer:
                     with sync:
                         tr_loss_step = self.training_step(model, inputs, num_items_in_batch)
 
-                    if args.logging_nan_inf_filter and not torch.isfinite(tr_loss_step):
-                        # "if loss is nan or inf simply add the average of previous logged losses"
-                        self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
-                        self._window["nonfinite"] = True
+                    if args.logging_nan_inf_filter:
+                        # "if loss is nan or inf simply add the average of previous logged losses"; a
+                        # torch.where, not a Python `if`, so no host sync per micro-batch
+                        finite = torch.isfinite(tr_loss_step)
+                        average = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                        self._tr_loss += torch.where(finite, tr_loss_step, average)
+                        self._window["nonfinite"] = self._window["nonfinite"] | ~finite  # a 0-d bool tensor
                     else:
                         self._tr_loss += tr_loss_step
                     self._count_tokens(inputs)
@@ -474,7 +477,7 @@ class Trainer:
         control = self.control
         if control.should_log and self.state.global_step > self._globalstep_last_logged:
             # mean over ranks of the summed step losses; the nan flag travels along so every rank stops together
-            flag = torch.tensor(float(self._window["nonfinite"]), device=tr_loss.device)
+            flag = torch.as_tensor(self._window["nonfinite"], dtype=torch.float32, device=tr_loss.device)
             summed = distributed.all_reduce_sum(torch.stack([tr_loss.detach(), flag]))
             tr_loss_scalar, nonfinite = summed[0].item() / self.args.world_size, summed[1].item() > 0
             tr_loss -= tr_loss  # reset in place
