@@ -50,14 +50,15 @@ def _pad_token_id(args, tokenizer) -> int:
     return token_id
 
 
-def token_metrics(logits, labels):
+def token_metrics(logits, labels, log_probs=None):
     """(supervised tokens, summed entropy, correct top-1 guesses) of shifted logits (B, T, V) vs labels (B, T).
 
     Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction outputs entropy / is_top1 (first-index argmax ties)
+    `log_probs`: log_softmax(logits[:, :-1].float()) when the loss already has it (a full (B, T-1, V) pass saved).
     """
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
     mask = targets != IGNORE_INDEX
-    log_probs = torch.log_softmax(logits, dim=-1)
+    log_probs = torch.log_softmax(logits, dim=-1) if log_probs is None else log_probs
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # H = logZ - E_p[z]
     correct = logits.argmax(-1).eq(targets) & mask
     return torch.stack([mask.sum().float(), (entropy * mask).sum(), correct.sum().float()])
@@ -147,29 +148,36 @@ class SFTTrainer(Trainer):
         mode = "train" if model.training else "eval"
         labels = inputs["labels"]
         outputs = self._forward(model, {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False})
+        log_probs = None
         if self.args.label_smoothing_factor != 0:
             loss = label_smoothed_loss(outputs.logits, labels, self.args.label_smoothing_factor, num_items_in_batch)
         else:
             logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]  # position t predicts token t+1
             mask = targets != IGNORE_INDEX
-            log_probs = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            log_probs = torch.log_softmax(logits, -1)  # (B, T-1, V), reused by the token metrics
+            target_log_probs = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
             num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
-            loss = -(log_probs * mask).sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            loss = -(target_log_probs * mask).sum() / torch.as_tensor(num_tokens).clamp(min=1)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages, the count is global
-        self._record_metrics(mode, outputs.logits.detach(), labels, inputs)
+        self._record_metrics(mode, outputs.logits.detach(), labels, inputs,
+                             None if log_probs is None else log_probs.detach())
         return (loss, outputs) if return_outputs else loss
 
-    def _record_metrics(self, mode, logits, labels, inputs) -> None:
+    def _record_metrics(self, mode, logits, labels, inputs, log_probs=None) -> None:
         """Per micro-batch entropy and mean_token_accuracy (summed over ranks); running num_tokens (train)."""
         with torch.no_grad():
-            valid, entropy, correct = distributed.all_reduce_sum(token_metrics(logits, labels)).tolist()
+            stats = token_metrics(logits, labels, log_probs)  # float32 [valid, entropy, correct]
+            if mode == "train":  # this micro-batch's tokens ride along: one all-reduce and one sync, not two
+                mask = inputs.get("attention_mask")
+                local = mask.sum() if mask is not None else inputs["position_ids"].size(1)
+                stats = torch.cat([stats, torch.as_tensor(local, dtype=stats.dtype, device=stats.device)[None]])
+            sums = distributed.all_reduce_sum(stats).tolist()  # float32 counts are exact below 2**24 tokens
+        valid, entropy, correct = sums[:3]
         self._metrics[mode]["entropy"].append(entropy / valid if valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
         if mode == "train":
-            mask = inputs.get("attention_mask")
-            local = mask.sum() if mask is not None else torch.tensor(inputs["position_ids"].size(1))
-            self._total_train_tokens += int(distributed.all_reduce_sum(local.to(self.args.device)).item())
+            self._total_train_tokens += int(sums[3])
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
     def log(self, logs: dict, start_time=None) -> None:
