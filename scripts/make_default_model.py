@@ -145,6 +145,7 @@ def main():
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".default-")
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the package folder is world-readable
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     write_jsonl(os.path.join(tmp, "sft_train.jsonl"), [chat_example(question(a, b), str(a + b)) for a, b in train_pairs])
