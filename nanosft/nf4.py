@@ -212,28 +212,15 @@ def quantize_model(model, skip_modules=("lm_head",), compute_dtype=None, compres
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if type(child) is nn.Linear and not cpu_kernels_decode(
-                child.in_features, 64, child.weight.device
-            ):
-                logger.warning(
-                    "quantize_model: %s stays in float (in_features=%d, not a multiple of 64)",
-                    full,
-                    child.in_features,
-                )
-                continue
             # exact type: subclasses such as MultiheadAttention's out_proj are read as .weight elsewhere
-            if (
-                type(child) is nn.Linear
-                and child_name not in skip_modules
-                and full not in skip_modules
-            ):
-                setattr(
-                    module,
-                    child_name,
-                    Linear4bit.from_linear(
-                        child, compute_dtype=compute_dtype, compress_statistics=compress_statistics
-                    ),
-                )
+            if type(child) is not nn.Linear or child_name in skip_modules or full in skip_modules:
+                continue
+            if not cpu_kernels_decode(child.in_features, 64, child.weight.device):
+                logger.warning("quantize_model: %s stays in float (in_features=%d, not a multiple of 64)",
+                               full, child.in_features)
+                continue
+            setattr(module, child_name, Linear4bit.from_linear(child, compute_dtype=compute_dtype,
+                                                               compress_statistics=compress_statistics))
     return model
 
 

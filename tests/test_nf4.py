@@ -230,6 +230,15 @@ def test_in_features_not_made_of_whole_blocks_is_refused_on_cpu_and_skipped_by_q
     assert type(model[0]) is nn.Linear and isinstance(model[1], Linear4bit)
 
 
+def test_quantize_model_warns_only_for_layers_it_would_have_quantized(caplog):
+    model = nn.Sequential(nn.Linear(96, 64))
+    model.lm_head = nn.Linear(96, 8)  # skipped anyway: no "stays in float" for it
+    with caplog.at_level("WARNING", logger="nanosft.nf4"):
+        quantize_model(model)
+    assert "0 stays in float" in caplog.text
+    assert "lm_head" not in caplog.text
+
+
 def test_eval_on_shapes_the_cpu_kernel_cannot_pack_falls_back_to_the_regular_path():
     layer = Linear4bit.from_linear(nn.Linear(64, 8))  # 8 output rows: the bf16 kernel packs 32
     x = torch.randn(2, 64)
