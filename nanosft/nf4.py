@@ -42,9 +42,7 @@ def bytes_per_parameter(layer):
 def cpu_kernels_decode(in_features, blocksize, device):
     """False where bitsandbytes' CPU dequantize kernel can decode wrongly: even rows not of whole blocks.
     hf-reference 6.4 | Mirrors: bitsandbytes backends/cpu dequantize_4bit (shape fallback)"""
-    return (
-        torch.device(device).type != "cpu" or in_features % blocksize == 0 or in_features % 2 == 1
-    )
+    return torch.device(device).type != "cpu" or in_features % blocksize == 0 or in_features % 2 == 1
 
 
 class Linear4bit(nn.Module):
@@ -52,18 +50,8 @@ class Linear4bit(nn.Module):
     Walkthrough 2.7 base_layer | Mirrors: bitsandbytes.nn.Linear4bit, Params4bit
     Differs: quantizes at construction (not on `.to(device)`); the CPU eval repack is done on a copy."""
 
-    def __init__(
-        self,
-        in_features,
-        out_features,
-        bias=True,
-        compute_dtype=None,
-        compress_statistics=True,
-        blocksize=64,
-        quant_type="nf4",
-        *,
-        weight=None,
-    ):
+    def __init__(self, in_features, out_features, bias=True, compute_dtype=None, compress_statistics=True,
+                 blocksize=64, quant_type="nf4", *, weight=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype, self.compute_type_is_set = compute_dtype, compute_dtype is not None
@@ -74,10 +62,8 @@ class Linear4bit(nn.Module):
             linear = nn.Linear(in_features, out_features, bias=bias)
             weight, init = linear.weight.data, linear.bias.data if bias else None
         if tuple(weight.shape) != (out_features, in_features):
-            raise ValueError(
-                f"Linear4bit: weight has shape {tuple(weight.shape)}, expected "
-                f"(out_features, in_features) = ({out_features}, {in_features})"
-            )
+            raise ValueError(f"Linear4bit: weight has shape {tuple(weight.shape)}, expected "
+                             f"(out_features, in_features) = ({out_features}, {in_features})")
         # weight registered before bias, so state_dict order is bnb's: weight, bias, quant keys
         self.set_weight(weight)
         self.bias = nn.Parameter(init.to(weight.device)) if bias else None
@@ -86,36 +72,22 @@ class Linear4bit(nn.Module):
     def from_linear(cls, linear, compute_dtype=None, blocksize=64, compress_statistics=True):
         """Quantize an `nn.Linear` (weight and bias copied, no RNG consumed) into a new `Linear4bit`.
         Walkthrough 2.7 | Mirrors: transformers bnb loading (quantize_4bit of the checkpoint weight)"""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            compute_dtype=compute_dtype,
-            compress_statistics=compress_statistics,
-            blocksize=blocksize,
-            weight=linear.weight.data,
-        )
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=compute_dtype,
+                    compress_statistics=compress_statistics, blocksize=blocksize, weight=linear.weight.data)
         if linear.bias is not None:
-            layer.bias = nn.Parameter(
-                linear.bias.data.clone(), requires_grad=linear.bias.requires_grad
-            )
+            layer.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=linear.bias.requires_grad)
         return layer
 
     def set_weight(self, weight):
         """Quantize a float [out, in] tensor into this layer (also used by LoRA merge to requantize).
         QLoRA 3 | Mirrors: bitsandbytes Params4bit._quantize"""
         if not cpu_kernels_decode(weight.shape[-1], self.blocksize, weight.device):
-            raise ValueError(
-                f"Linear4bit: in_features={weight.shape[-1]} is not a multiple of blocksize={self.blocksize}; "
-                "bitsandbytes' CPU 4-bit kernels decode such rows wrongly (blocks crossing rows). Use an "
-                "in_features divisible by the blocksize, or keep this layer in float (skip_modules)."
-            )
-        packed, state = bnbF.quantize_4bit(
-            weight.detach().contiguous(),
-            blocksize=self.blocksize,
-            compress_statistics=self.compress_statistics,
-            quant_type=self.quant_type,
-        )
+            raise ValueError(f"Linear4bit: in_features={weight.shape[-1]} is not a multiple of "
+                             f"blocksize={self.blocksize}; bitsandbytes' CPU 4-bit kernels decode such rows wrongly "
+                             "(blocks crossing rows). Use an in_features divisible by the blocksize, or keep this "
+                             "layer in float (skip_modules).")
+        packed, state = bnbF.quantize_4bit(weight.detach().contiguous(), blocksize=self.blocksize,
+                                           compress_statistics=self.compress_statistics, quant_type=self.quant_type)
         # ((out*in+1)//2, 1) uint8: two 4-bit codes a byte, the first in the high nibble
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.quant_state, self._cpu_packed = state, None
@@ -129,9 +101,8 @@ class Linear4bit(nn.Module):
         # bnb repacks its weight in place for an AVX512-BF16 kernel (bf16 absmax); we repack a copy
         # so dequantize(), DoRA and state_dict keep seeing the canonical layout.
         if self._cpu_packed is None:
-            self._cpu_packed = bnbF._convert_weight_packed_for_cpu(
-                self.weight.data.clone(), copy.deepcopy(self.quant_state)
-            )
+            self._cpu_packed = bnbF._convert_weight_packed_for_cpu(self.weight.data.clone(),
+                                                                   copy.deepcopy(self.quant_state))
         return self._cpu_packed
 
     def forward(self, x):
@@ -147,10 +118,8 @@ class Linear4bit(nn.Module):
             if x.dtype in (torch.float32, torch.bfloat16):
                 self.compute_dtype = x.dtype
             elif x.dtype == torch.float16 and self.compute_dtype in (None, torch.float32):
-                logger.warning(
-                    "Input type into Linear4bit is torch.float16, but compute_dtype is float32 "
-                    "(default). This will lead to slow inference or training speed."
-                )
+                logger.warning("Input type into Linear4bit is torch.float16, but compute_dtype is float32 "
+                               "(default). This will lead to slow inference or training speed.")
             self.compute_type_is_set = True
         inp_dtype = x.dtype
         if self.compute_dtype is not None:
@@ -168,11 +137,9 @@ class Linear4bit(nn.Module):
         return self
 
     def extra_repr(self):
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"quant_type={self.quant_type}, blocksize={self.blocksize}, "
-            f"double_quant={self.compress_statistics}, compute_dtype={self.compute_dtype}"
-        )
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"quant_type={self.quant_type}, blocksize={self.blocksize}, "
+                f"double_quant={self.compress_statistics}, compute_dtype={self.compute_dtype}")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # weight (packed uint8) and bias, then the quant state under "weight.<key>" as bnb writes it
@@ -188,18 +155,14 @@ class Linear4bit(nn.Module):
         quant = {k[len(key) + 1 :]: v for k, v in state_dict.items() if k.startswith(key + ".")}
         if weight is not None and quant:
             self.quant_state = bnbF.QuantState.from_dict(quant, device=self.weight.device)
-            self.weight = nn.Parameter(
-                torch.empty_like(weight, device=self.weight.device), requires_grad=False
-            )
+            self.weight = nn.Parameter(torch.empty_like(weight, device=self.weight.device), requires_grad=False)
             self._cpu_packed = None
             # torch would report the dotted quant keys as unexpected; they are consumed here
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith(key + ".")}
         elif weight is not None and weight.is_floating_point():
             if tuple(weight.shape) != (self.out_features, self.in_features):
-                raise ValueError(
-                    f"{key}: float checkpoint weight has shape {tuple(weight.shape)} but this "
-                    f"Linear4bit is ({self.out_features}, {self.in_features}); fix the model config"
-                )
+                raise ValueError(f"{key}: float checkpoint weight has shape {tuple(weight.shape)} but this "
+                                 f"Linear4bit is ({self.out_features}, {self.in_features}); fix the model config")
             self.set_weight(weight.to(self.weight.device))
             # the default loader below now copies our own freshly quantized bytes
             state_dict = {**state_dict, key: self.weight.data}
