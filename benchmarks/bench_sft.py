@@ -75,6 +75,7 @@ def make_examples(num_examples, vocab_size=VOCAB_SIZE, min_len=75, max_len=250, 
     """Deterministic token sequences of min_len..max_len tokens ending in EOS, with labels = input_ids.
 
     Each token has four likely successors (a fixed random grammar), so the loss can fall; ids 0-2 are pad/bos/eos.
+    Walkthrough 2.1 | Mirrors: a pre-tokenized TRL dataset (input_ids present: _prepare_dataset is skipped)
     """
     rng = random.Random(seed)
     successors = [[rng.randrange(3, vocab_size) for _ in range(4)] for _ in range(vocab_size)]
@@ -94,7 +95,7 @@ def make_examples(num_examples, vocab_size=VOCAB_SIZE, min_len=75, max_len=250, 
 def step_plan(num_examples, batch_size, grad_accum, steps, seed=42, epoch=0):
     """Example indices per optimizer step, each a list of micro-batches: randperm(N, seed + epoch) sliced in order.
 
-    Mirrors: accelerate SeedableRandomSampler (the order transformers Trainer and nanosft Trainer both use).
+    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler (the order both Trainers use, hf-reference 1.3)
     """
     order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     micro = [order[i : i + batch_size] for i in range(0, num_examples, batch_size)]
@@ -106,7 +107,8 @@ def step_plan(num_examples, batch_size, grad_accum, steps, seed=42, epoch=0):
 
 
 def collate_padded(rows, pad_id=PAD_ID):
-    """Right-padded input_ids, attention_mask and labels (-100 on padding), as TRL's collator in padded mode."""
+    """Right-padded input_ids, attention_mask and labels (-100 on padding).
+    Guide: data collators | Mirrors: trl DataCollatorForLanguageModeling (padded mode)"""
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -125,7 +127,8 @@ def tokens_per_step(rows, plan):
 
 
 def next_token_loss(logits, labels, num_items_in_batch):
-    """Σ -log p(label[t+1] | ..t) over supervised positions (fp32), / the accumulation window's token count."""
+    """Σ -log p(label[t+1] | ..t) over supervised positions (fp32), / the accumulation window's token count.
+    Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss with num_items_in_batch (hf-reference 1.8)"""
     logits = logits[:, :-1].float()
     targets = labels[:, 1:].to(logits.device)
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
@@ -136,6 +139,7 @@ def bare_loop(model, rows, plan, opts, bf16=False):
     """The framework-free floor: collate, forward, loss / window tokens, backward, clip, fused AdamW, linear decay.
 
     Returns the per-step losses (the sum of the micro-batch losses, as the trainers log them).
+    Walkthrough 2.3 - 2.5 | Mirrors: custom-training-loop.md (the loop with no Trainer)
     """
     device = torch.device(opts.device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -278,6 +282,7 @@ class Fixture:
         self.tokenizer_dir = _tokenizer_folder(workdir)
 
     def hf_model(self, quantized=False):
+        """transformers LlamaForCausalLM with the shared weights; quantized: loaded through BitsAndBytesConfig NF4."""
         from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
         if quantized:
@@ -290,6 +295,7 @@ class Fixture:
         return model.to(self.opts.device)
 
     def nano_model(self, quantized=False):
+        """nanosft CausalLM with the shared weights; quantized: nanosft.nf4.quantize_model (lm_head kept)."""
         from nanosft import nf4
         from nanosft.model import CausalLM, ModelConfig
 
@@ -440,12 +446,13 @@ STACKS = {"ref": run_reference, "nano": run_nanosft,
 
 def stacks_for(case, bare):
     """Which stacks a case runs: the bare loops only for the four plain fp32 set-ups."""
-    if case.gradient_checkpointing or case.torch_compile or case.bf16 or case.padding_free:
+    if not _is_plain(case):
         return ["ref", "nano"]
     return ["ref", "nano", *[f"bare-{b}" for b in bare]]
 
 
 def build_cases(modes, extras):
+    """The plain set-ups, then the switches, each on LoRA."""
     cases = [Case(m) for m in modes]
     if "gc" in extras:
         cases.append(Case("lora", gradient_checkpointing=True))
@@ -458,14 +465,20 @@ def build_cases(modes, extras):
     return cases
 
 
-def run_all(sizes, cases, opts, reps, bare, workdir, log=print):
-    """Every (size, case, stack) `reps` times, interleaved: each repetition alternates which stack goes first."""
-    results = {}  # (size, case name, stack) -> [Run]
-    for size in sizes:
-        fx = Fixture(size, opts, workdir)
-        for rep in range(reps):
+def run_all(sizes, cases, opts, reps, bare, workdir, only=None, extras_sizes=None, on_rep=None, log=print):
+    """Every (size, case, stack) `reps` times, interleaved: each repetition alternates which stack goes first.
+
+    `only`: stack names to run (e.g. {"nano"} under a sampling profiler); `extras_sizes`: sizes that also run the
+    switch cases (default: all); `on_rep(results)` is called after each size of each repetition (partial results on disk).
+    """
+    results, fixtures = {}, {}  # (size, case name, stack) -> [Run]; size -> Fixture
+    for rep in range(reps):  # repetitions outermost: partial results on disk always cover every size
+        for size in sizes:
+            fx = fixtures.get(size) or fixtures.setdefault(size, Fixture(size, opts, workdir))
             for case in cases:
-                stacks = stacks_for(case, bare)
+                if not _is_plain(case) and extras_sizes is not None and size not in extras_sizes:
+                    continue
+                stacks = [st for st in stacks_for(case, bare) if only is None or st in only]
                 if rep % 2 == 1:
                     stacks = stacks[::-1]
                 for stack in stacks:
@@ -476,7 +489,13 @@ def run_all(sizes, cases, opts, reps, bare, workdir, log=print):
                         f"{statistics.median(run.step_times):.3f} s/step  peak {run.peak_mib:7.1f} MiB  "
                         f"wall {run.wall_s:5.1f} s  loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}")
                     gc.collect()
+            if on_rep is not None:
+                on_rep(results)
     return results
+
+
+def _is_plain(case):
+    return not (case.gradient_checkpointing or case.torch_compile or case.bf16 or case.padding_free)
 
 
 # ----------------------------------------------------------------------------- report
@@ -499,6 +518,8 @@ def summarize(results, sizes, cases, bare):
     for size in sizes:
         plain_lora = results.get((size, "lora", "nano"))
         for case in cases:
+            if not any(results.get((size, case.name, st)) for st in ("ref", "nano")):
+                continue  # not run at this size (switches run at --extras-sizes only)
             row = {"size": size, "case": case.name}
             for stack in ("ref", "nano", *[f"bare-{b}" for b in bare]):
                 if results.get((size, case.name, stack)):
@@ -597,6 +618,7 @@ def write_results(path, text):
 
 
 def render_results(rows, bare, info_before, info_after, command, opts, started, finished, notes=""):
+    """RESULTS.md: machine, versions, command, set-up, the tables and how to read them."""
     info = info_before
     lines = [
         "# nanosft benchmark results", "",
@@ -645,6 +667,7 @@ def profile(fx, case, stack, workdir, top=25):
 
 
 def parse_args(argv=None):
+    """The command line (see the module docstring for a run)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="small,medium", help=f"comma list of {list(SIZES)}")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per run (after warmup)")
@@ -653,15 +676,18 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--extras", default=",".join(EXTRAS), help="gc,compile,bf16,padfree on LoRA ('' for none)")
+    p.add_argument("--extras-sizes", default=None, help="sizes that run the switches (default: the last of --sizes)")
     p.add_argument("--bare", default="hf,nano", help="bare loops over the reference model and/or nanosft's model")
     p.add_argument("--quick", action="store_true", help="~1 minute smoke run: small size, 3 steps, 1 rep")
     p.add_argument("--profile", default=None, help="STACK:CASE, e.g. nano:lora or ref:full; prints top ops")
+    p.add_argument("--stacks", default=None, help="run only these stacks: ref,nano,bare-hf,bare-nano")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="results file (default benchmarks/RESULTS.md; not with --quick)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
+    """Run the interleaved benchmark (or one profile) and write RESULTS.md after every repetition."""
     args = parse_args(argv)
     if args.quick:
         args.sizes, args.steps, args.warmup, args.reps = "small", 3, 1, 1
@@ -688,19 +714,28 @@ def main(argv=None):
             case = next(c for c in build_cases(MODES, EXTRAS) if c.name == case_name)
             profile(Fixture(sizes[-1], opts, workdir), case, stack, workdir)
             return
-        cases = [c for c in build_cases(modes, extras)]
-        results = run_all(sizes, cases, opts, args.reps, bare, workdir)
-    rows = summarize(results, sizes, cases, bare)
-    print(table(rows, bare))
-    print(switch_table(rows))
-    out = args.out or (None if args.quick else os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
-    if out:
+        cases = build_cases(modes, extras)
+        only = set(args.stacks.split(",")) if args.stacks else None
+        extras_sizes = set(args.extras_sizes.split(",")) if args.extras_sizes else {sizes[-1]}
+        out = args.out or (None if args.quick else os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                "RESULTS.md"))
         command = "python " + " ".join([os.path.relpath(sys.argv[0]) if argv is None else "bench_sft.py",
                                         *(sys.argv[1:] if argv is None else argv)])
-        text = render_results(rows, bare, info_before, machine_info(), command, opts, started,
-                              time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
-        write_results(out, text)
-        print(f"wrote {out}")
+
+        def report(results, final=False):
+            rows = summarize(results, sizes, cases, bare)
+            if final:
+                print(table(rows, bare))
+                print(switch_table(rows))
+            if out:
+                note = "" if final else "PARTIAL: the run was still going when this was written."
+                write_results(out, render_results(rows, bare, info_before, machine_info(), command, opts, started,
+                                                  time.strftime("%Y-%m-%d %H:%M", time.gmtime()), note))
+
+        results = run_all(sizes, cases, opts, args.reps, bare, workdir, only, extras_sizes, report)
+        report(results, final=True)
+        if out:
+            print(f"wrote {out}")
 
 
 if __name__ == "__main__":
