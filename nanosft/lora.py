@@ -47,10 +47,10 @@ class DoraMagnitude(nn.Module):
         self.weight = nn.Parameter(weight_norm)
 
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None):
+        """The DoRA term (B, T, out) that turns `base_result` into m / ||W + s B A|| * (W x + s B A x).
+        Walkthrough 2.7 | Mirrors: peft DoraLinearLayer.forward"""
         # B @ A computed through the modules on an identity, as peft does: (in, in) -> (in, out) -> T
-        eye = torch.eye(
-            lora_A.weight.shape[1], device=lora_A.weight.device, dtype=lora_A.weight.dtype
-        )
+        eye = torch.eye(lora_A.weight.shape[1], device=lora_A.weight.device, dtype=lora_A.weight.dtype)
         lora_weight = lora_B(lora_A(eye)).T.to(x.dtype)  # (out, in)
         weight = base_weight(base_layer).to(x.dtype)  # 4-bit: dequantized again on every call
         # DoRA 4.3: "treat ||V + dV||_c as a constant", so the norm gets no gradient
@@ -72,22 +72,12 @@ class LoraLinear(nn.Module):
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
     Differs: one class for float and 4-bit bases; DoRA merge computes the unmerged weight on a copy."""
 
-    def __init__(
-        self,
-        base_layer,
-        adapter_name="default",
-        r=8,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        use_rslora=False,
-        use_dora=False,
-    ):
+    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0, use_rslora=False,
+                 use_dora=False):
         super().__init__()
         if not isinstance(base_layer, (nn.Linear, Linear4bit)):
-            raise TypeError(
-                f"LoraLinear: base_layer must be nn.Linear or nanosft.nf4.Linear4bit, "
-                f"got {type(base_layer).__name__}"
-            )
+            raise TypeError(f"LoraLinear: base_layer must be nn.Linear or nanosft.nf4.Linear4bit, "
+                            f"got {type(base_layer).__name__}")
         self.base_layer = base_layer
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.lora_A, self.lora_B = nn.ModuleDict(), nn.ModuleDict()
@@ -117,20 +107,14 @@ class LoraLinear(nn.Module):
         """The wrapped frozen layer (2.7: `base_layer=self.get_base_layer()`). Mirrors: peft get_base_layer"""
         return self.base_layer
 
-    def update_layer(
-        self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False, use_dora=False
-    ):
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False, use_dora=False):
         """Add adapter `adapter_name`: A Kaiming-uniform, B zero (so it starts as the identity), scaling, DoRA m.
         Walkthrough 2.7 | Mirrors: peft LoraLayer.update_layer, reset_lora_parameters, DoraLinearVariant.init"""
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-            raise ValueError(
-                f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a positive int, "
-                f"got r={r!r}; pass e.g. r=8"
-            )
+            raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a positive int, "
+                             f"got r={r!r}; pass e.g. r=8")
         self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
-        self.lora_dropout[adapter_name] = (
-            nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
-        )
+        self.lora_dropout[adapter_name] = nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
         # RNG order as peft: A's constructor init, B's constructor init, then A is drawn again below
         self.lora_A[adapter_name] = nn.Linear(self.in_features, r, bias=False)
         self.lora_B[adapter_name] = nn.Linear(r, self.out_features, bias=False)
@@ -145,9 +129,7 @@ class LoraLinear(nn.Module):
         for d in (self.lora_A, self.lora_B):
             d[adapter_name] = d[adapter_name].to(device=w.device, dtype=dtype)
         if use_dora:
-            self.lora_magnitude_vector[adapter_name] = DoraMagnitude(
-                self._dora_init_norm(adapter_name)
-            )
+            self.lora_magnitude_vector[adapter_name] = DoraMagnitude(self._dora_init_norm(adapter_name))
         self.set_adapter(self.active_adapters)
 
     @torch.no_grad()
@@ -157,9 +139,7 @@ class LoraLinear(nn.Module):
         half = A.dtype == torch.float16  # peft computes B @ A of fp16 adapters in fp32
         lora_weight = B.float() @ A.float() if half else B @ A
         weight = base_weight(self.base_layer).to(A.device)
-        return dora_weight_norm(
-            weight, lora_weight.half() if half else lora_weight, self.scaling[name]
-        )
+        return dora_weight_norm(weight, lora_weight.half() if half else lora_weight, self.scaling[name])
 
     def set_adapter(self, adapter_names):
         """Make `adapter_names` the active adapters; only their parameters require grad.
@@ -202,9 +182,7 @@ class LoraLinear(nn.Module):
         delta = self.get_delta_weight(name)
         if not self.use_dora[name]:
             return weight - delta.to(weight.dtype)
-        factor = (self.lora_magnitude_vector[name].weight / self._dora_merged_norm[name]).view(
-            -1, 1
-        )
+        factor = (self.lora_magnitude_vector[name].weight / self._dora_merged_norm[name]).view(-1, 1)
         return (weight / factor - delta).to(weight.dtype)
 
     def _unmerged_base_weight(self):
@@ -220,13 +198,9 @@ class LoraLinear(nn.Module):
         Walkthrough 2.7 (merged) | Mirrors: peft lora.Linear.merge, lora.bnb.Linear4bit.merge"""
         names = self.active_adapters if adapter_names is None else adapter_names
         if isinstance(names, str):
-            raise TypeError(
-                f"merge: adapter_names must be a list of names, got the string {names!r}"
-            )
+            raise TypeError(f"merge: adapter_names must be a list of names, got the string {names!r}")
         for name in [n for n in names if n not in self.merged_adapters and n in self.lora_A]:
-            set_base_weight(
-                self.base_layer, self._merged_weight(name, base_weight(self.base_layer))
-            )
+            set_base_weight(self.base_layer, self._merged_weight(name, base_weight(self.base_layer)))
             self.merged_adapters.append(name)
 
     @torch.no_grad()
@@ -238,33 +212,23 @@ class LoraLinear(nn.Module):
             return
         while self.merged_adapters:
             name = self.merged_adapters.pop()
-            set_base_weight(
-                self.base_layer, self._unmerged_weight(name, base_weight(self.base_layer))
-            )
+            set_base_weight(self.base_layer, self._unmerged_weight(name, base_weight(self.base_layer)))
             self._dora_merged_norm.pop(name, None)
 
     def _check_forward_args(self, x, adapter_names):
         if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"LoraLinear: input x has shape {tuple(x.shape)} but the layer expects last dim "
-                f"in_features={self.in_features}"
-            )
+            raise ValueError(f"LoraLinear: input x has shape {tuple(x.shape)} but the layer expects last dim "
+                             f"in_features={self.in_features}")
         if adapter_names is None:
             return
         if len(adapter_names) != len(x):
-            raise ValueError(
-                f"adapter_names has {len(adapter_names)} entries but x has {len(x)} rows; "
-                f"give one adapter name (or '__base__') per row"
-            )
+            raise ValueError(f"adapter_names has {len(adapter_names)} entries but x has {len(x)} rows; "
+                             f"give one adapter name (or '__base__') per row")
         if self.merged:
-            raise ValueError(
-                "Cannot pass adapter_names while adapters are merged; call unmerge() first."
-            )
+            raise ValueError("Cannot pass adapter_names while adapters are merged; call unmerge() first.")
         dora = sorted({n for n in adapter_names if self.use_dora.get(n, False)})
         if dora:
-            raise ValueError(
-                f"Cannot pass adapter_names for DoRA adapters {dora}; mixed batches support LoRA only."
-            )
+            raise ValueError(f"Cannot pass adapter_names for DoRA adapters {dora}; mixed batches support LoRA only.")
 
     @staticmethod
     def _cast_input_dtype(x, dtype):
@@ -323,13 +287,8 @@ class LoraLinear(nn.Module):
                     # kept local: later adapters see the undropped x, as in peft's DoRA variant
                     x_dora, base_result = dropout(x), None
                 output = self.lora_magnitude_vector[active_adapter](
-                    x_dora,
-                    lora_A=lora_A,
-                    lora_B=lora_B,
-                    scaling=scaling,
-                    base_layer=self.get_base_layer(),
-                    base_result=base_result,
-                )
+                    x_dora, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=self.get_base_layer(),
+                    base_result=base_result)
             if requires_conversion:
                 output = output.to(expected_dtype)
             result = result + output
