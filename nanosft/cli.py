@@ -1,59 +1,438 @@
-"""The `nanosft` command line (also `python -m nanosft`).
+"""The `nanosft` command line (also `python -m nanosft`): demo, train, generate, chat, merge.
 
-`nanosft demo` trains a tiny tokenizer, builds a tiny random Llama-family model and greedily
-generates a few tokens for a ChatML prompt: the objects of walkthrough 2.1 (model,
-processing_class) end to end, in about a second on a CPU.
+A thin door over the library: `train` builds an SFTConfig / LoraConfig from flags (one typed flag per
+dataclass field) and a JSON config file, then runs SFTTrainer (walkthrough 1: SFTTrainer.__init__ ->
+trainer.train()); `demo` does the same on the embedded default model (nanosft.demo). Mistakes a user can
+make (bad path, bad JSONL line, bad value) end in a one-paragraph message on stderr and exit status 2;
+NANOSFT_DEBUG=1 shows the traceback instead. `--trace` / NANOSFT_TRACE=1 prints the walkthrough trace.
 """
 
 import argparse
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import shutil
 import sys
+import tempfile
+import types
+import typing
 
-DEMO_CORPUS = [
-    "What is two plus two? Two plus two is four.",
-    "What is the capital of France? The capital of France is Paris.",
-    "Name a primary colour. Red is a primary colour.",
-]
+from nanosft import trace as walkthrough_trace
+
+# Fields that are fixed by the command itself, so no flag is generated for them.
+FIXED_FIELDS = {"peft_type", "task_type", "inference_mode", "base_model_name_or_path"}
+TRUE, FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
-def run_demo(args):
-    """Tiny tokenizer + tiny random CausalLM + greedy generation; prints the prompt and new text.
+# ----------------------------------------------------------------------------- typed flags from dataclasses
 
-    Walkthrough 2.1 | Mirrors: a transformers `model.generate(**tokenizer.apply_chat_template(...))` call
+def _kinds(annotation) -> tuple:
+    """The plain types an annotation allows: `bool | None` -> (bool, NoneType)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return tuple(k for arg in typing.get_args(annotation) for k in _kinds(arg))
+    return (typing.get_origin(annotation) or annotation,)
+
+
+def value_parser(name, annotation):
+    """A function turning the text of `--name` into a value of the field's type (the error names both).
+
+    Mirrors: transformers HfArgumentParser (one flag per dataclass field) | Differs: unions parsed left to right.
     """
-    import torch  # imported here so `nanosft --help` stays fast
+    kinds = _kinds(annotation)
 
-    from nanosft.model import CausalLM, ModelConfig
+    def parse(text):
+        low = text.strip().lower()
+        if type(None) in kinds and low in ("none", "null"):
+            return None
+        if bool in kinds and low in TRUE | FALSE:
+            return low in TRUE
+        for kind in (int, float):
+            if kind in kinds:
+                try:
+                    return kind(text)
+                except ValueError:
+                    pass
+        if (dict in kinds or list in kinds) and low[:1] in "{[":
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as error:
+                raise argparse.ArgumentTypeError(f"--{name}: {text!r} is not valid JSON ({error.msg})") from None
+        if list in kinds and "," in text:
+            return [part.strip() for part in text.split(",") if part.strip()]
+        if str in kinds:
+            return text
+        names = " or ".join(k.__name__ for k in kinds)
+        raise argparse.ArgumentTypeError(f"--{name} expects {names}, got {text!r}")
+
+    parse.__name__ = "/".join(k.__name__ for k in kinds)  # argparse shows it in "invalid <type> value"
+    return parse
+
+
+def add_dataclass_flags(parser, cls, prefix):
+    """One `--field VALUE` flag per dataclass field (dest `<prefix>field`, unset unless given). Returns the names."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(f"{cls.__name__} fields (Hugging Face names and defaults)")
+    names = []
+    for field in dataclasses.fields(cls):
+        if field.name in FIXED_FIELDS or not field.init or field.name == "tokenizer":
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else "(computed)"
+        kinds = _kinds(hints[field.name])
+        flag_only_bool = set(kinds) <= {bool, type(None)}
+        group.add_argument(f"--{field.name}", dest=prefix + field.name, default=argparse.SUPPRESS,
+                           type=value_parser(field.name, hints[field.name]), metavar="VALUE",
+                           nargs="?" if flag_only_bool else None, const=True if flag_only_bool else None,
+                           help=f"default: {default!r}")
+        names.append(field.name)
+    return names
+
+
+def read_config_file(path, allowed: dict) -> dict:
+    """A JSON object of field values; an unknown key is an error naming it, the file and the closest field."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config {path}: no such file; give a JSON file such as "
+                                '{"learning_rate": 2e-4, "r": 16}')
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config {path}: invalid JSON at line {error.lineno} column {error.colno} "
+                         f"({error.msg}); fix the file") from None
+    if not isinstance(values, dict):
+        raise TypeError(f"--config {path}: expected a JSON object of field names to values, "
+                         f"got a {type(values).__name__}")
+    for key in values:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, list(allowed), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--config {path}: unknown key {key!r}{hint}. Keys must be SFTConfig or LoraConfig "
+                             "field names; `nanosft train --help` lists them all")
+    return values
+
+
+def collect(args, prefix):
+    """The flags the user actually gave for one dataclass, as {field: value}."""
+    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
+
+
+# ----------------------------------------------------------------------------- loading models
+
+def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
+    """A CausalLM (fp32, or NF4 when asked) from a Hugging Face folder, with a PEFT adapter on top when given."""
+    from nanosft import nf4
+    from nanosft.model import CausalLM
+    from nanosft.peft import PeftModelForCausalLM
+
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"--model {model_dir}: no such folder; give a Hugging Face model folder "
+                                "(config.json, model.safetensors, tokenizer.json)")
+    if adapter_dir is not None and not os.path.isdir(adapter_dir):
+        raise FileNotFoundError(f"--adapter {adapter_dir}: no such folder; give the folder `nanosft train` or "
+                                "`nanosft demo` saved (adapter_config.json, adapter_model.safetensors)")
+    model = CausalLM.from_pretrained(model_dir).to(device)
+    if load_in_4bit:
+        model = nf4.quantize_model(model)
+    if adapter_dir is not None:
+        model = PeftModelForCausalLM.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+def load_tokenizer(model_dir):
     from nanosft.tokenizer import Tokenizer
 
-    torch.manual_seed(args.seed)
-    tokenizer = Tokenizer.train(DEMO_CORPUS * 4, vocab_size=300)
-    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=128, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = CausalLM(config).eval()
-    messages = [{"role": "user", "content": "What is two plus two?"}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    output = model.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens)
-    new_ids = output[0, len(prompt):].tolist()
-    print(f"model: {model.num_parameters():,} parameters (random weights), vocab {len(tokenizer)}")
-    print("prompt:", repr(tokenizer.decode(prompt)))
-    print(f"generated {len(new_ids)} tokens: {new_ids}")
-    print("generated text:", repr(tokenizer.decode(new_ids)))
+    return Tokenizer.from_pretrained(model_dir)
+
+
+def pick_device(name):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ----------------------------------------------------------------------------- demo
+
+def run_demo(args):
+    """QLoRA SFT of the embedded default, with before/after held-out answers. Walkthrough 1 end to end"""
+    from nanosft import demo
+
+    if args.full and (args.dora or args.no_quant):
+        raise ValueError("--full trains every weight of a full-precision model; drop --dora / --no-quant")
+    mode = "full" if args.full else ("dora" if args.dora else "lora") if args.no_quant else \
+        ("qdora" if args.dora else "qlora")
+    return demo.run(output_dir=args.output_dir, mode=mode, device=pick_device(args.device), steps=args.steps,
+                    report_to=args.report_to, trace=walkthrough_trace.is_enabled())
+
+
+# ----------------------------------------------------------------------------- train
+
+def build_train_configs(args, sft_names, lora_names):
+    """(SFTConfig, LoraConfig | PromptTuningConfig | None) from --config then the flags (flags win)."""
+    from nanosft.args import SFTConfig
+    from nanosft.peft import LoraConfig, PromptTuningConfig
+
+    allowed = {**dict.fromkeys(sft_names, "sft"), **dict.fromkeys(lora_names, "lora"), "num_virtual_tokens": "pt"}
+    from_file = read_config_file(args.config, allowed) if args.config else {}
+    values = {"sft": {}, "lora": {}, "pt": {}}
+    for key, value in from_file.items():
+        values[allowed[key]][key] = value
+    values["sft"].update(collect(args, "SFTConfig."))
+    values["lora"].update(collect(args, "LoraConfig."))
+    if args.num_virtual_tokens is not None:
+        values["pt"]["num_virtual_tokens"] = args.num_virtual_tokens
+    if not values["sft"].get("output_dir"):
+        raise ValueError("--output_dir is required (where the adapter or model, metrics.jsonl and checkpoints go)")
+    chosen = [name for name in ("qlora", "full", "prompt_tuning") if getattr(args, name)]
+    if len(chosen) > 1:
+        raise ValueError(f"--{' and --'.join(chosen)} cannot be combined; pick one way to train")
+    if args.dora:
+        values["lora"]["use_dora"] = True
+    if walkthrough_trace.is_enabled():
+        values["sft"].setdefault("disable_tqdm", True)  # the progress bar would cut through the trace lines
+    sft_config = SFTConfig(**values["sft"])
+    if args.full:
+        return sft_config, None
+    if args.prompt_tuning:
+        return sft_config, PromptTuningConfig(num_virtual_tokens=values["pt"].get("num_virtual_tokens", 8))
+    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", **values["lora"]}
+    return sft_config, LoraConfig(**lora)
+
+
+def run_train(args):
+    """SFT of --model on --data: walkthrough 2.1 (SFTTrainer.__init__) then 2.2 (trainer.train()). Works under torchrun."""
+    from nanosft import distributed, nf4
+    from nanosft.sft import SFTTrainer
+
+    sft_config, peft_config = build_train_configs(args, args.sft_names, args.lora_names)
+    for flag, path in (("--data", args.data), ("--eval_data", args.eval_data)):
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag} {path}: no such file; give a JSONL file with one example per line "
+                                    '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]})')
+    model = load_model(args.model, device=sft_config.device)
+    model.train()
+    if args.qlora:
+        model = nf4.quantize_model(model)
+    tokenizer = load_tokenizer(args.model)
+    trainer = SFTTrainer(model, args=sft_config, train_dataset=args.data, eval_dataset=args.eval_data,
+                         processing_class=tokenizer, peft_config=peft_config)
+    walkthrough_trace.attach(trainer)
+    result = trainer.train()
+    if distributed.is_main_process():
+        trainer.model.save_pretrained(sft_config.output_dir)  # adapter (PEFT format) or the whole model
+        tokenizer.save_pretrained(sft_config.output_dir)
+        if "tensorboard" in sft_config.report_to:
+            _tensorboard(trainer, sft_config.output_dir)
+        kind = "adapter" if peft_config is not None else "model"
+        print(f"saved the {kind} and tokenizer to {sft_config.output_dir} "
+              f"(train_loss {result.training_loss:.4f}, {result.global_step} steps)")
+    distributed.cleanup()
     return 0
+
+
+def _tensorboard(trainer, output_dir):
+    from nanosft import demo
+
+    log_dir = os.path.join(output_dir, "runs")
+    if demo.write_tensorboard_events(trainer.state.log_history, log_dir):
+        print(f"TensorBoard events: {log_dir}  (tensorboard --logdir {log_dir})")
+    else:
+        print('report_to="tensorboard": tensorboard is not installed; pip install "nanosft[tensorboard]"')
+
+
+# ----------------------------------------------------------------------------- generate, chat, merge
+
+def make_streamer(tokenizer, out=None):
+    """A `streamer(new_ids)` for CausalLM.generate printing text as it arrives (one row), silent after EOS.
+
+    Mirrors: transformers TextStreamer | Differs: decodes the whole reply each step, prints the new suffix.
+    """
+    out = out if out is not None else sys.stdout  # looked up now: tests and callers may swap sys.stdout
+    ids, printed, done = [], [""], [False]
+
+    def streamer(new_ids):
+        token = int(new_ids[0])
+        if done[0] or token == tokenizer.eos_token_id:
+            done[0] = True
+            return
+        ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            out.write(text[len(printed[0]):])
+            out.flush()
+            printed[0] = text
+
+    streamer.text = lambda: printed[0]
+    return streamer
+
+
+def stream_reply(model, tokenizer, messages, args):
+    """Render the chat, generate with the sampling flags and stream the reply; returns its text."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    if args.no_chat_template:
+        prompt = tokenizer.encode(messages[-1]["content"])
+    else:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    streamer = make_streamer(tokenizer)
+    device = next(model.parameters()).device
+    model.generate(torch.tensor([prompt], device=device), max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   eos_token_id=tokenizer.eos_token_id, streamer=streamer)
+    print(flush=True)
+    return streamer.text()
+
+
+def run_generate(args):
+    """One chat-templated prompt -> streamed reply. Mirrors: model.generate(**tokenizer.apply_chat_template(...))"""
+    model = load_model(args.model, args.adapter, args.load_in_4bit, pick_device(args.device))
+    stream_reply(model, load_tokenizer(args.model), [{"role": "user", "content": args.prompt}], args)
+    return 0
+
+
+def run_chat(args):
+    """An interactive chat: one user turn per stdin line, replies streamed, history kept, ends at EOF."""
+    model = load_model(args.model, args.adapter, args.load_in_4bit, pick_device(args.device))
+    tokenizer = load_tokenizer(args.model)
+    messages = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("chat with the model; an empty line resets the history, Ctrl-D ends")
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            messages = []
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        print("assistant> ", end="", flush=True)
+        messages.append({"role": "assistant", "content": stream_reply(model, tokenizer, messages, args)})
+
+
+def run_merge(args):
+    """Fold the adapter into the full-precision base and write a Hugging Face folder transformers loads.
+
+    Walkthrough 2.7 (merge) | Mirrors: peft merge_and_unload + save_pretrained
+    """
+    if os.path.exists(args.out) and os.listdir(args.out):
+        raise FileExistsError(f"--out {args.out} exists and is not empty; give a new folder (nothing is overwritten)")
+    model = load_model(args.model, args.adapter).merge_and_unload()
+    parent = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".merge-")
+    try:
+        model.save_pretrained(tmp)
+        load_tokenizer(args.model).save_pretrained(tmp)
+        if os.path.isdir(args.out):
+            os.rmdir(args.out)  # empty, checked above
+        os.replace(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"merged {args.adapter} into {args.model}: {args.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser and main
+
+def _add_sampling_flags(parser):
+    parser.add_argument("--model", required=True, help="a Hugging Face model folder")
+    parser.add_argument("--adapter", help="a PEFT adapter folder to put on the model")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--load_in_4bit", action="store_true", help="quantize the base to NF4 first")
+    parser.add_argument("--no_chat_template", action="store_true", help="feed the text as is (base models)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
 
 def build_parser():
     """The argparse parser with one sub-command per door. Mirrors: trl's `trl sft` CLI layout"""
+    from nanosft.args import SFTConfig
+    from nanosft.peft import LoraConfig
+
     parser = argparse.ArgumentParser(prog="nanosft", description="A from-scratch QLoRA SFT path.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser("demo", help="tiny tokenizer + tiny random model + greedy generation")
-    demo.add_argument("--max_new_tokens", type=int, default=8, help="tokens to generate (default 8)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+
+    demo = commands.add_parser("demo", help="QLoRA SFT of the embedded tiny model, before/after answers")
+    demo.add_argument("--dora", action="store_true", help="DoRA instead of LoRA")
+    demo.add_argument("--no-quant", dest="no_quant", action="store_true", help="LoRA on a full-precision base")
+    demo.add_argument("--full", action="store_true", help="full fine-tuning (no adapter, no quantization)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    demo.add_argument("--trace", action="store_true", help="print the walkthrough trace of the first step")
+    demo.add_argument("--steps", type=int, default=120, help="optimizer steps (default 120)")
+    demo.add_argument("--output_dir", default="nanosft-demo", help="where the adapter and metrics go")
+    demo.add_argument("--report_to", choices=("none", "tensorboard"), default="none")
     demo.set_defaults(run=run_demo)
+
+    train = commands.add_parser("train", help="SFT of your model folder on your JSONL data",
+                                usage="nanosft train --model DIR --data FILE.jsonl --output_dir DIR [--config FILE.json] "
+                                      "[--qlora | --full | --prompt_tuning] [--dora] [--trace] [--<field> VALUE ...]")
+    train.add_argument("--model", required=True, help="a Hugging Face model folder (weights + tokenizer)")
+    train.add_argument("--data", required=True, help="train JSONL: text, prompt/completion or messages")
+    train.add_argument("--eval_data", help="optional eval JSONL (set --eval_strategy steps to use it)")
+    train.add_argument("--config", help="JSON file of SFTConfig / LoraConfig fields (flags override it)")
+    train.add_argument("--qlora", action="store_true", help="quantize the base to NF4 (QLoRA)")
+    train.add_argument("--dora", action="store_true", help="DoRA (use_dora=True)")
+    train.add_argument("--full", action="store_true", help="full fine-tuning, no adapter")
+    train.add_argument("--prompt_tuning", action="store_true", help="prompt tuning instead of LoRA")
+    train.add_argument("--num_virtual_tokens", type=int, default=None, help="prompt tuning length (default 8)")
+    train.add_argument("--trace", action="store_true", help="print the walkthrough trace of the first step")
+    sft_names = add_dataclass_flags(train, SFTConfig, "SFTConfig.")
+    lora_names = add_dataclass_flags(train, LoraConfig, "LoraConfig.")
+    train.set_defaults(run=run_train, sft_names=sft_names, lora_names=lora_names)
+
+    generate = commands.add_parser("generate", help="answer one prompt (streamed)")
+    _add_sampling_flags(generate)
+    generate.add_argument("--prompt", required=True, help="the user message")
+    generate.set_defaults(run=run_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat on stdin until EOF")
+    _add_sampling_flags(chat)
+    chat.set_defaults(run=run_chat)
+
+    merge = commands.add_parser("merge", help="fold an adapter into its base, write a HF folder")
+    merge.add_argument("--model", required=True, help="the base model folder the adapter was trained on")
+    merge.add_argument("--adapter", required=True, help="the adapter folder")
+    merge.add_argument("--out", required=True, help="a new folder for the merged model")
+    merge.set_defaults(run=run_merge)
+    for command in (demo, train, generate, chat, merge):  # for "did you mean" on a mistyped flag
+        command.set_defaults(known_flags=[o for a in command._actions for o in a.option_strings])
     return parser
+
+
+def _fail(command, message) -> int:
+    print(f"nanosft {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv=None):
     """Parse argv and run the chosen command; returns the exit status. Mirrors: console_scripts entry point"""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return args.run(args)
+    # bitsandbytes warns at import time about an optional CPU kernel package; not the user's concern here
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        close = difflib.get_close_matches(flag, args.known_flags, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return _fail(args.command, f"unrecognized argument {unknown[0]!r}{hint}; "
+                                   f"`nanosft {args.command} --help` lists the flags.")
+    if getattr(args, "trace", False) or os.environ.get("NANOSFT_TRACE", "") not in ("", "0"):
+        walkthrough_trace.enable_trace()
+    try:
+        return args.run(args) or 0
+    except (OSError, ValueError, TypeError) as error:  # the errors a user's paths, files and values cause
+        if os.environ.get("NANOSFT_DEBUG"):
+            raise
+        message = " ".join(str(error).split())  # one paragraph
+        return _fail(args.command, f"{message} (NANOSFT_DEBUG=1 shows the traceback)")
+    finally:
+        walkthrough_trace.enable_trace(False)

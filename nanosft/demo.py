@@ -1,0 +1,235 @@
+"""The pieces of `nanosft demo`: the embedded default model, held-out exact match, the before/after table, plots.
+
+The default (nanosft/assets/default, made by scripts/make_default_model.py) is a tiny Llama-family base that
+read sums as plain sentences ("7 plus 5 equals 12.") but was never asked one in chat form. QLoRA SFT on 300
+chat examples teaches the form; the 100 held-out prompts ask sums the base read but SFT never showed, so a
+right answer after training means the adapter unlocked knowledge of the base. Walkthrough 1 (the whole
+prepare-train path run once); QLoRA 2305.14314.
+"""
+
+import json
+import os
+import time
+
+import torch
+
+from nanosft.data import load_examples
+
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "default")
+TRAIN_FILE, EVAL_FILE = "sft_train.jsonl", "sft_eval.jsonl"
+
+
+def default_model_dir() -> str:
+    """The embedded default model folder; an error naming the fix if the package was installed without it."""
+    if not os.path.isfile(os.path.join(DEFAULT_DIR, "config.json")):
+        raise FileNotFoundError(f"the embedded default model is missing from {DEFAULT_DIR}; reinstall nanosft, or "
+                                "rebuild it with `python scripts/make_default_model.py` from a source checkout")
+    return DEFAULT_DIR
+
+
+def held_out_prompts(path):
+    """(prompt messages, expected answer) pairs from a conversational JSONL whose last turn is the assistant's."""
+    pairs = []
+    for i, example in enumerate(load_examples(path)):
+        messages = example.get("messages")
+        if not messages or messages[-1]["role"] != "assistant":
+            raise ValueError(f"{path}, example {i}: held-out prompts need 'messages' ending in an assistant turn "
+                             "(the expected answer)")
+        pairs.append((messages[:-1], messages[-1]["content"]))
+    return pairs
+
+
+def _reply_text(tokenizer, new_ids):
+    if tokenizer.eos_token_id in new_ids:
+        new_ids = new_ids[: new_ids.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+
+
+@torch.no_grad()
+def chat_answers(model, tokenizer, chats, max_new_tokens=6, device="cpu"):
+    """Greedy replies to many chats, cut at EOS and stripped; prompts of equal length share one batch (no padding).
+
+    Walkthrough 1 (what SFT changes) | Mirrors: a batched transformers `generate` without padding
+    """
+    prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True) for messages in chats]
+    replies = [None] * len(prompts)
+    for length in sorted({len(p) for p in prompts}):
+        rows = [i for i, p in enumerate(prompts) if len(p) == length]
+        out = model.generate(torch.tensor([prompts[i] for i in rows], device=device), max_new_tokens=max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id)
+        for i, new_ids in zip(rows, out[:, length:].tolist()):
+            replies[i] = _reply_text(tokenizer, new_ids)
+    return replies
+
+
+def _linear4bit_modules(model):
+    from nanosft.nf4 import Linear4bit
+
+    return [m for m in model.modules() if isinstance(m, Linear4bit)]
+
+
+def exact_match(model, tokenizer, pairs, device="cpu"):
+    """(answers, accuracy): a reply counts only if it equals the expected answer exactly (after strip).
+
+    Differs: on CPU the Linear4bit layers stay in train mode, so they dequantize and matmul instead of taking
+    bitsandbytes' CPU inference kernel, which is ~10x slower without its optional `kernels` package. Nothing in
+    them depends on the mode (no dropout), and the rest of the model is in eval mode.
+    """
+    was_training = model.training
+    model.eval()
+    if device == "cpu":
+        for layer in _linear4bit_modules(model):
+            layer.train()
+    answers = chat_answers(model, tokenizer, [messages for messages, _ in pairs], device=device)
+    model.train(was_training)
+    correct = sum(a == expected for a, (_, expected) in zip(answers, pairs))
+    return answers, correct / max(len(pairs), 1)
+
+
+def before_after_table(pairs, before, after, rows=8) -> str:
+    """A plain-text table: prompt | expected | before | after, for the first `rows` held-out prompts."""
+    def cell(text, width):
+        text = text.replace("\n", "\\n")
+        return (text[: width - 1] + "…") if len(text) > width else text.ljust(width)
+
+    lines = [f"{'held-out prompt':<24} {'expected':<8} {'before SFT':<26} {'after SFT':<12}", "-" * 73]
+    for (messages, expected), b, a in list(zip(pairs, before, after))[:rows]:
+        mark_b, mark_a = ("✓" if b == expected else "✗"), ("✓" if a == expected else "✗")
+        lines.append(f"{cell(messages[-1]['content'], 24)} {cell(expected, 8)} {mark_b} {cell(b, 24)} "
+                     f"{mark_a} {cell(a, 10)}")
+    return "\n".join(lines)
+
+
+def save_loss_curve(log_history, path):
+    """Write a PNG of the logged training loss; returns the path, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    points = [(r["step"], r["loss"]) for r in log_history if "loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o")
+    ax.set_xlabel("optimizer step (global_step)")
+    ax.set_ylabel("training loss")
+    ax.set_title("nanosft demo: QLoRA SFT loss")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def write_tensorboard_events(log_history, log_dir):
+    """Write the logged scalars as TensorBoard events (report_to="tensorboard"); False when it is not installed.
+
+    Mirrors: transformers TensorBoardCallback.on_log | Differs: written once after training, not live.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return False
+    writer = SummaryWriter(log_dir=log_dir)
+    for record in log_history:
+        for key, value in record.items():
+            if key not in ("step", "epoch") and isinstance(value, (int, float)):
+                writer.add_scalar(f"train/{key}" if not key.startswith("eval_") else key, value, record["step"])
+    writer.close()
+    return True
+
+
+def write_summary(path, summary: dict) -> None:
+    """demo_summary.json (accuracies, timings) written atomically."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, path)
+
+
+def demo_config(output_dir, steps, mode, device, report_to="none", trace=False):
+    """The SFTConfig of the demo: small batches, a high LoRA learning rate, assistant-only loss, no checkpoints.
+
+    Walkthrough 2.1 (args) | Mirrors: trl SFTConfig | Differs: gradient checkpointing off (the model is tiny).
+    """
+    from nanosft.args import SFTConfig
+
+    return SFTConfig(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=16, gradient_accumulation_steps=1,
+        learning_rate=5e-4 if mode == "full" else 2e-3, lr_scheduler_type="cosine", warmup_steps=0.1,
+        logging_steps=max(1, steps // 10), logging_first_step=True, save_strategy="no", report_to=report_to,
+        gradient_checkpointing=False, bf16=False, use_cpu=device == "cpu", assistant_only_loss=True,
+        max_length=64, seed=0, disable_tqdm=trace)  # the trace prints its own lines: keep the bar out of them
+
+
+def load_demo_model(model_dir, mode, device):
+    """The base for the demo: NF4-quantized (qlora, dora), or full precision (lora with --no-quant, full)."""
+    from nanosft import nf4
+    from nanosft.model import CausalLM
+
+    model = CausalLM.from_pretrained(model_dir)
+    if mode in ("qlora", "qdora"):
+        model = nf4.quantize_model(model.to(device))  # bitsandbytes quantizes on the device it runs on
+    return model.to(device)
+
+
+def demo_peft_config(mode):
+    """LoRA on every linear layer (r=16, alpha=32); DoRA adds the magnitude vector; None for full fine-tuning."""
+    from nanosft.peft import LoraConfig
+
+    if mode == "full":
+        return None
+    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", use_dora=mode in ("qdora", "dora"))
+
+
+def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", trace=False):
+    """Held-out answers before, SFTTrainer.train(), answers after, then save adapter, metrics and plots.
+
+    Walkthrough 1 (SFTTrainer.__init__ -> trainer.train()) | Mirrors: a TRL QLoRA recipe
+    """
+    from nanosft import trace as walkthrough_trace
+    from nanosft.sft import SFTTrainer
+    from nanosft.tokenizer import Tokenizer
+
+    start = time.time()
+    model_dir = default_model_dir()
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    pairs = held_out_prompts(os.path.join(model_dir, EVAL_FILE))
+    model = load_demo_model(model_dir, mode, device)
+    print(f"nanosft demo: {mode} SFT of the embedded default ({model.num_parameters():,} parameters, "
+          f"{len(tokenizer)} tokens) on {device}; {len(pairs)} held-out prompts")
+    before, accuracy_before = exact_match(model, tokenizer, pairs, device)
+    print(f"before SFT: held-out exact match {accuracy_before:.1%}")
+
+    config = demo_config(output_dir, steps, mode, device, report_to, trace)
+    trainer = SFTTrainer(model, args=config, train_dataset=os.path.join(model_dir, TRAIN_FILE),
+                         processing_class=tokenizer, peft_config=demo_peft_config(mode))
+    walkthrough_trace.attach(trainer)
+    train_start = time.time()
+    result = trainer.train()
+    train_seconds = time.time() - train_start
+    after, accuracy_after = exact_match(trainer.model, tokenizer, pairs, device)
+
+    print()
+    print(before_after_table(pairs, before, after))
+    print(f"\nheld-out exact match: before {accuracy_before:.1%} -> after {accuracy_after:.1%} "
+          f"({result.global_step} steps, {train_seconds:.0f}s of training)")
+    saved = os.path.join(output_dir, "model" if mode == "full" else "adapter")
+    trainer.model.save_pretrained(saved)  # PEFT adapter_config.json + adapter_model.safetensors, or a full model
+    if mode == "full":
+        tokenizer.save_pretrained(saved)
+    print(f"saved the {'model' if mode == 'full' else 'adapter (PEFT format)'} to {saved}; "
+          f"log: {os.path.join(output_dir, 'metrics.jsonl')}")
+    plot = save_loss_curve(trainer.state.log_history, os.path.join(output_dir, "loss.png"))
+    print(f"loss curve: {plot}" if plot else 'loss curve: pip install "nanosft[plot]" to draw loss.png')
+    if report_to == "tensorboard":
+        log_dir = os.path.join(output_dir, "runs")
+        ok = write_tensorboard_events(trainer.state.log_history, log_dir)
+        print(f"TensorBoard events: {log_dir}" if ok else 'tensorboard: pip install "nanosft[tensorboard]"')
+    write_summary(os.path.join(output_dir, "demo_summary.json"), {
+        "mode": mode, "steps": result.global_step, "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after, "train_seconds": round(train_seconds, 2),
+        "total_seconds": round(time.time() - start, 2), "train_loss": result.training_loss})
+    return 0
