@@ -345,6 +345,22 @@ def get_last_checkpoint(output_dir):
     return checkpoints[-1] if checkpoints else None
 
 
+def resolve_resume_checkpoint(resume_from_checkpoint, output_dir):
+    """The folder to resume from: None (fresh run), the newest checkpoint-N for True, else the given folder.
+
+    Walkthrough 2.2 | Mirrors: transformers Trainer.train (resume_from_checkpoint handling)
+    """
+    if resume_from_checkpoint is True:
+        resume_from_checkpoint = get_last_checkpoint(output_dir)
+        if resume_from_checkpoint is None:
+            raise ValueError(f"resume_from_checkpoint=True but no checkpoint-* folder in {output_dir!r}; "
+                             "train without resuming first, or pass the checkpoint folder.")
+    if resume_from_checkpoint and not os.path.isdir(resume_from_checkpoint):
+        raise ValueError(f"resume_from_checkpoint: {resume_from_checkpoint!r} is not a folder; pass a "
+                         "checkpoint-<step> folder written by this trainer, or True for the latest one.")
+    return resume_from_checkpoint or None
+
+
 def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None) -> list[str]:
     """Delete the oldest checkpoints beyond save_total_limit, never the newest nor the best one; return them.
 

@@ -152,18 +152,11 @@ class Trainer:
         Walkthrough 2.2 | Mirrors: Trainer.train
         """
         args = self.args
-        resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = checkpoint.get_last_checkpoint(args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but no checkpoint-* folder in {args.output_dir!r}; "
-                                 "train without resuming first, or pass the checkpoint folder.")
-        if resume_from_checkpoint and not os.path.isdir(resume_from_checkpoint):
-            raise ValueError(f"resume_from_checkpoint: {resume_from_checkpoint!r} is not a folder; pass a "
-                             "checkpoint-<step> folder written by this trainer, or True for the latest one.")
+        resume_from_checkpoint = checkpoint.resolve_resume_checkpoint(
+            resume_from_checkpoint or args.resume_from_checkpoint, args.output_dir)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-        return self._inner_training_loop(args, resume_from_checkpoint or None)
+        return self._inner_training_loop(args, resume_from_checkpoint)
 
     def _prepare_for_training(self, max_steps):
         """Optimizer, DDP / compile wrapping, then the scheduler (created after the optimizer is final).
