@@ -517,6 +517,7 @@ def summarize(results, sizes, cases, bare):
     rows = []
     for size in sizes:
         plain_lora = results.get((size, "lora", "nano"))
+        plain_ref = results.get((size, "lora", "ref"))
         for case in cases:
             if not any(results.get((size, case.name, st)) for st in ("ref", "nano")):
                 continue  # not run at this size (switches run at --extras-sizes only)
@@ -541,6 +542,10 @@ def summarize(results, sizes, cases, bare):
                 row["vs_plain_cpu"] = nano["tok_cpu_s"] / base["tok_cpu_s"]
                 row["peak_vs_plain"] = nano["peak"] - base["peak"]
                 row["dloss_plain"] = _max_dloss(nano["losses"], base["losses"])
+            if ref and plain_ref and case.name != "lora" and case.mode == "lora":
+                base = _median_run(plain_ref)
+                row["ref_vs_plain"] = f"{ref['tok_s'] / base['tok_s']:.2f} ({ref['tok_cpu_s'] / base['tok_cpu_s']:.2f})"
+                row["ref_peak_vs_plain"] = f"{ref['peak'] - base['peak']:+.0f}"
             rows.append(row)
     return rows
 
@@ -576,12 +581,15 @@ def table(rows, bare):
 
 def switch_table(rows):
     """nanosft with a switch on against its plain fp32 LoRA run: speed, memory and loss change."""
-    lines = ["| size | switch | nanosft tok/s vs plain LoRA (cpu) | peak MiB change | max abs dloss vs plain |",
-             "|---|---|---|---|---|"]
+    if not any("vs_plain" in r for r in rows):
+        return "(no switch was run beside a plain LoRA run)"
+    lines = [("| size | switch | nanosft tok/s vs plain LoRA (cpu) | nanosft peak MiB change | max abs dloss vs plain "
+              "| reference tok/s vs its plain LoRA (cpu) | reference peak MiB change |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "vs_plain" in r:
             lines.append(f"| {r['size']} | {r['case']} | {r['vs_plain']:.2f} ({r['vs_plain_cpu']:.2f}) | "
-                         f"{r['peak_vs_plain']:+.0f} | {r['dloss_plain']:.1e} |")
+                         f"{r['peak_vs_plain']:+.0f} | {r['dloss_plain']:.1e} | {r.get('ref_vs_plain', '-')} | "
+                         f"{r.get('ref_peak_vs_plain', '-')} |")
     return "\n".join(lines)
 
 
