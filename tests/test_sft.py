@@ -9,10 +9,10 @@ Run: python -m pytest -q tests/test_sft.py
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
 from nanosft.args import SFTConfig
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.model import CausalLM, ModelConfig
 from nanosft.nf4 import quantize_model
 from nanosft.peft import LoraConfig, PeftModelForCausalLM
 from nanosft.sft import SFTTrainer
@@ -25,24 +25,13 @@ PAIRS = [{"prompt": "what is two plus two?", "completion": " four"},
          {"prompt": "first letter?", "completion": " a"}] * 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return Tokenizer.train(TEXTS + [p["prompt"] + p["completion"] for p in PAIRS], vocab_size=300)
 
 
-def tiny_model(tokenizer):
-    torch.manual_seed(0)
-    return CausalLM(ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                max_position_embeddings=128))
+def model_for(tokenizer):
+    return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=128)
 
 
 def config(tmp_path, **overrides):
@@ -53,7 +42,7 @@ def config(tmp_path, **overrides):
 
 
 def test_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
-    trainer = SFTTrainer(tiny_model(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
     assert trainer.completion_only_loss
     row, example = trainer.train_dataset[0], PAIRS[0]
     n_prompt = len(tokenizer.encode(example["prompt"]))
@@ -65,14 +54,14 @@ def test_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
 def test_pad_token_falls_back_to_eos(tmp_path):
     tok = Tokenizer.train(TEXTS, vocab_size=300, pad_token=None)
     assert tok.pad_token is None
-    trainer = SFTTrainer(tiny_model(tok), config(tmp_path), train_dataset=[{"text": t} for t in TEXTS],
+    trainer = SFTTrainer(model_for(tok), config(tmp_path), train_dataset=[{"text": t} for t in TEXTS],
                          processing_class=tok)
     assert trainer.data_collator.pad_token_id == tok.eos_token_id
     assert trainer.model.config.pad_token_id == tok.eos_token_id
 
 
 def test_lora_trains_adapters_only(tmp_path, tokenizer):
-    model = tiny_model(tokenizer)
+    model = model_for(tokenizer)
     base_before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = SFTTrainer(model, config(tmp_path, gradient_checkpointing=True), train_dataset=PAIRS,
                          processing_class=tokenizer, peft_config=LoraConfig(r=4, lora_alpha=8))
@@ -88,7 +77,7 @@ def test_lora_trains_adapters_only(tmp_path, tokenizer):
 
 
 def test_qlora_casts_adapters_to_bf16_but_not_dora_magnitude(tmp_path, tokenizer):
-    model = quantize_model(tiny_model(tokenizer))
+    model = quantize_model(model_for(tokenizer))
     trainer = SFTTrainer(model, config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer,
                          peft_config=LoraConfig(r=4, lora_alpha=8, use_dora=True))
     dtypes = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -98,20 +87,20 @@ def test_qlora_casts_adapters_to_bf16_but_not_dora_magnitude(tmp_path, tokenizer
 
 
 def test_bfd_packing_gives_padding_free_batches(tmp_path, tokenizer):
-    trainer = SFTTrainer(tiny_model(tokenizer), config(tmp_path, packing=True, max_length=32),
+    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path, packing=True, max_length=32),
                          train_dataset=[{"text": t} for t in TEXTS * 3], processing_class=tokenizer)
     assert trainer.padding_free
     batch = next(iter(trainer.get_train_dataloader()))
     assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
     assert (batch["labels"][batch["position_ids"] == 0] == -100).all()  # no target across documents
     with pytest.raises(ValueError, match="padding_free"):
-        SFTTrainer(tiny_model(tokenizer), config(tmp_path, packing=True, max_length=32),
+        SFTTrainer(model_for(tokenizer), config(tmp_path, packing=True, max_length=32),
                    train_dataset=[{"text": t} for t in TEXTS], processing_class=tokenizer,
                    data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
 
 
 def test_sft_loss_is_shifted_cross_entropy_over_num_items(tmp_path, tokenizer):
-    trainer = SFTTrainer(tiny_model(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     num_items = torch.tensor(37.0)  # any window count: the loss divides by it, not by this batch's tokens
     loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=num_items)
@@ -128,7 +117,7 @@ def test_sft_loss_is_shifted_cross_entropy_over_num_items(tmp_path, tokenizer):
 
 
 def test_logs_carry_trl_metrics(tmp_path, tokenizer):
-    trainer = SFTTrainer(tiny_model(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert list(logs[0]) == ["loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens",

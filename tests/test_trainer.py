@@ -13,28 +13,13 @@ import shutil
 
 import pytest
 import torch
+from tiny import TINY_LLAMA, one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer, TrainerState
 
-VOCAB = 64
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # two threads on a shared 2-core box spin against each other; one is 100x faster here
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return CausalLM(ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+VOCAB = TINY_LLAMA["vocab_size"]
 
 
 def rows(n, seed=1, min_len=4, max_len=12):

@@ -18,6 +18,7 @@ trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
+from tiny import one_thread  # noqa: F401 (an autouse fixture)
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -38,14 +39,6 @@ COMMON = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "n
           "save_strategy": "no", "use_cpu": True, "bf16": False, "fp16": False, "optim": "adamw_torch", "seed": 11,
           "report_to": "none", "disable_tqdm": True}
 KEYS = ("loss", "grad_norm", "learning_rate", "epoch")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core box: two threads spin against each other
-    yield
-    torch.set_num_threads(before)
 
 
 def make_rows(n=16, seed=2):

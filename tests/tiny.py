@@ -1,0 +1,29 @@
+"""Tiny in-process pieces shared by the trainer-level tests: a seeded 2-layer Llama CausalLM and a one-thread fixture.
+
+Not a test module (pytest collects test_*.py only). Test files import it as `from tiny import ...`: pytest puts
+tests/ on sys.path because tests/conftest.py lives there. Sizes stay within the hermetic-test budget
+(hidden <= 64, vocab <= 512, 2 layers); seeds are explicit, so a model is the same in every file that builds it.
+"""
+
+import pytest
+import torch
+
+from nanosft.model import CausalLM, ModelConfig
+
+TINY_LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def tiny_model(seed=0, **overrides) -> CausalLM:
+    """A CausalLM of TINY_LLAMA (fields overridable), initialised right after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return CausalLM(ModelConfig(**{**TINY_LLAMA, **overrides}))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread for the test: on a shared 2-core box two threads spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
