@@ -1,0 +1,65 @@
+"""nanosft.trace: silent unless enabled; attach() traces one optimizer step and then leaves no wrapper or hook behind.
+
+Compared: printed lines (none when off), the trainer's / model's / optimizer's instance state before and after a
+traced run (instance attributes shadowing methods, forward hooks, optimizer step hooks). Hermetic: the tiny
+default model in nanosft/assets/default and four in-memory chat examples; CPU only.
+Run: python -m pytest -q tests/test_trace.py
+"""
+
+import pytest
+
+from nanosft import demo, trace
+from nanosft.args import SFTConfig
+from nanosft.model import CausalLM
+from nanosft.peft import LoraConfig
+from nanosft.sft import SFTTrainer
+from nanosft.tokenizer import Tokenizer
+
+CHATS = [{"messages": [{"role": "user", "content": f"What is {a} plus 2?"},
+                       {"role": "assistant", "content": str(a + 2)}]} for a in range(4)]
+
+
+@pytest.fixture
+def tracing():
+    trace.enable_trace()
+    yield
+    trace.enable_trace(False)
+
+
+def make_trainer(tmp_path):
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, save_strategy="no",
+                     gradient_checkpointing=False, bf16=False, disable_tqdm=True, learning_rate=1e-3)
+    return SFTTrainer(CausalLM.from_pretrained(demo.DEFAULT_DIR), args=args, train_dataset=CHATS,
+                      processing_class=Tokenizer.from_pretrained(demo.DEFAULT_DIR),
+                      peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]))
+
+
+def hook_counts(model):
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+
+
+def test_trace_prints_nothing_and_attach_does_nothing_when_off(tmp_path, capsys):
+    trace.trace("2.3", "do_sync_step", do_sync_step=True)
+    trainer = make_trainer(tmp_path)
+    assert trace.attach(trainer) is None
+    assert "train" not in vars(trainer)  # no instance wrapper
+    trainer.train()
+    assert trace.PREFIX not in capsys.readouterr().out
+
+
+def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(tracing, tmp_path, capsys):
+    trainer = make_trainer(tmp_path)
+    before = hook_counts(trainer.model)
+    handle = trace.attach(trainer)
+    assert "training_step" in vars(trainer)  # wrapped on this instance only
+    trainer.train()
+    out = capsys.readouterr().out
+    assert out.count("training_step(model, inputs, num_items_in_batch)") == 1  # 2 steps run, 1 traced
+    assert handle.done
+    wrapped = {"train", "_inner_training_loop", "get_train_dataloader", "set_initial_training_values",
+               "_prepare_for_training", "get_batch_samples", "training_step", "compute_loss", "_clip_grad_norm",
+               "_on_step_end"}
+    assert not wrapped & set(vars(trainer))  # the class methods show through again
+    assert "step" not in vars(trainer.lr_scheduler) and "zero_grad" not in vars(trainer.model)
+    assert not trainer.optimizer._optimizer_step_pre_hooks
+    assert hook_counts(trainer.model) == before
