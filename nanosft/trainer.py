@@ -24,6 +24,7 @@ from nanosft.collator import default_data_collator
 from nanosft.optim import create_optimizer, get_scheduler
 from nanosft.trainer_utils import (
     IGNORE_INDEX,
+    LogWindow,
     SeedableBatchSampler,
     TrainerControl,
     TrainerState,
@@ -236,7 +237,7 @@ class Trainer:
         # "_total_loss_scalar is updated everytime .item() has to be called on tr_loss"
         self._total_loss_scalar = 0.0
         self._globalstep_last_logged = self.state.global_step
-        self._window = {"start": time.time(), "tokens": 0, "samples": 0, "nonfinite": False}
+        self._window = LogWindow()
         self._nonfinite_logs, self._speed = 0, None
         self.control = TrainerControl()
         model.zero_grad()
@@ -282,10 +283,10 @@ class Trainer:
                         finite = torch.isfinite(tr_loss_step)
                         average = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
                         self._tr_loss += torch.where(finite, tr_loss_step, average)
-                        self._window["nonfinite"] = self._window["nonfinite"] | ~finite  # a 0-d bool tensor
+                        self._window.nonfinite = self._window.nonfinite | ~finite
                     else:
                         self._tr_loss += tr_loss_step
-                    self._count_tokens(inputs)
+                    self._window.add(inputs)
 
                     if do_sync_step:
                         grad_norm = self._clip_grad_norm(model)
@@ -406,11 +407,6 @@ class Trainer:
             loss = loss * self.args.world_size
         return (loss, outputs) if return_outputs else loss
 
-    def _count_tokens(self, inputs: dict) -> None:
-        mask = inputs.get("attention_mask")
-        self._window["tokens"] += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
-        self._window["samples"] += len(inputs["input_ids"])
-
     # ----- the sync step: clip, optimizer, scheduler -----
     def _clip_grad_norm(self, model) -> torch.Tensor:
         """Pre-clip global 2-norm of the gradients; clips to max_grad_norm when it is > 0.
@@ -470,7 +466,7 @@ class Trainer:
         control = self.control
         if control.should_log and self.state.global_step > self._globalstep_last_logged:
             # mean over ranks of the summed step losses; the nan flag travels along so every rank stops together
-            flag = torch.as_tensor(self._window["nonfinite"], dtype=torch.float32, device=tr_loss.device)
+            flag = torch.as_tensor(self._window.nonfinite, dtype=torch.float32, device=tr_loss.device)
             summed = distributed.all_reduce_sum(torch.stack([tr_loss.detach(), flag]))
             tr_loss_scalar, nonfinite = summed[0].item() / self.args.world_size, summed[1].item() > 0
             tr_loss -= tr_loss  # reset in place
@@ -481,8 +477,7 @@ class Trainer:
             self._total_loss_scalar += tr_loss_scalar
             self._globalstep_last_logged = self.state.global_step
             self._check_finite(logs, nonfinite)
-            self._speed, self._window = self._window_speed(), {"start": time.time(), "tokens": 0, "samples": 0,
-                                                               "nonfinite": False}
+            self._speed, self._window = self._window.speed(self.args.world_size), LogWindow()
             self.log(logs)
         control.should_log = False
         if control.should_evaluate:
@@ -503,12 +498,6 @@ class Trainer:
             print(f"Stopping at step {self.state.global_step}: the loss or grad_norm was nan/inf in "
                   f"{self._nonfinite_logs} logging windows in a row. Try a lower learning_rate "
                   f"(now {self.args.learning_rate}), bf16 instead of fp16, or max_grad_norm=1.0 to clip gradients.")
-
-    def _window_speed(self) -> dict:
-        seconds = max(time.time() - self._window["start"], 1e-9)
-        world = self.args.world_size  # every rank sees about as many tokens as this one
-        return {"tokens_per_second": round(self._window["tokens"] * world / seconds, 1),
-                "samples_per_second": round(self._window["samples"] * world / seconds, 3)}
 
     def log(self, logs: dict, start_time=None) -> None:
         """Add epoch, append to state.log_history; rank 0 prints and appends a line to output_dir/metrics.jsonl.

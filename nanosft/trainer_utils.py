@@ -1,5 +1,5 @@
-"""Pieces the Trainer is built from: seeding, TrainOutput, TrainerState/TrainerControl, the seeded batch sampler,
-resume skipping, label smoothing, and the loss-kwargs check.
+"""Pieces the Trainer is built from: seeding, TrainOutput, TrainerState/TrainerControl, the logging window, the
+seeded batch sampler, resume skipping, label smoothing, and the loss-kwargs check.
 
 Walkthrough 2.3 - 2.5. The split mirrors transformers, where these live beside trainer.py in trainer_utils.py
 (set_seed, TrainOutput), trainer_callback.py (TrainerState, TrainerControl), trainer_pt_utils.py (LabelSmoother)
@@ -9,6 +9,7 @@ and accelerate data_loader.py (SeedableRandomSampler, skip_first_batches).
 import inspect
 import math
 import random
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
@@ -82,6 +83,31 @@ class TrainerControl:
     should_evaluate: bool = False
     should_save: bool = False
     should_training_stop: bool = False
+
+
+@dataclass
+class LogWindow:
+    """Tokens, samples, wall time and a nan/inf flag since the last log: tokens/s and the stop-on-nan check.
+
+    Guide: troubleshooting, monitoring | Mirrors: transformers speed_metrics, Trainer.num_input_tokens_seen
+    """
+
+    start: float = field(default_factory=time.time)
+    tokens: int = 0
+    samples: int = 0
+    nonfinite: torch.Tensor | bool = False  # becomes a 0-d bool tensor, so flagging a loss needs no host sync
+
+    def add(self, inputs: dict) -> None:
+        """Count one (host-side) micro-batch: its attention_mask ones, or every id when padding-free."""
+        mask = inputs.get("attention_mask")
+        self.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+        self.samples += len(inputs["input_ids"])
+
+    def speed(self, world_size: int) -> dict:
+        """tokens/s and samples/s of all ranks (each rank sees about as many tokens as this one)."""
+        seconds = max(time.time() - self.start, 1e-9)
+        return {"tokens_per_second": round(self.tokens * world_size / seconds, 1),
+                "samples_per_second": round(self.samples * world_size / seconds, 3)}
 
 
 class SeedableBatchSampler:
