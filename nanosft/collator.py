@@ -116,6 +116,8 @@ class DataCollatorForLanguageModeling:
         self.generator = None
 
     def __call__(self, examples):
+        """One batch of tensors: input_ids, attention_mask (padded) or position_ids (padding-free), labels.
+        Guide: data collators | Mirrors: trl DataCollatorForLanguageModeling.torch_call"""
         _check_examples(examples)
         if self.mlm:
             return self._mlm_batch(examples)
@@ -193,6 +195,7 @@ class DataCollatorWithPadding:
     return_tensors: str = "pt"
 
     def __call__(self, features):
+        """Padded tensors; `label` / `label_ids` renamed to `labels`. Mirrors: DataCollatorWithPadding.__call__"""
         _check_examples(features)
         batch = _pad_features(features, self.pad_token_id, self.padding_side, self.pad_to_multiple_of)
         for old in ("label", "label_ids"):
@@ -213,6 +216,7 @@ class DataCollatorForTokenClassification:
     return_tensors: str = "pt"
 
     def __call__(self, features):
+        """Padded tensors with labels padded by label_pad_token_id. Mirrors: torch_call of the same class"""
         _check_examples(features)
         name = "label" if "label" in features[0] else "labels"
         rest = [{k: v for k, v in f.items() if k != name} for f in features]

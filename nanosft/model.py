@@ -190,6 +190,7 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(hidden_size)), eps
 
     def forward(self, x):
+        """x / rms(x) * weight over the last dim, (..., C) -> (..., C)."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -208,6 +209,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, C, bias=bias and config.model_type != "qwen2")
 
     def forward(self, x, cos, sin, mask, past=None):
+        """(B, T, C) -> (B, T, C) and the layer's (k, v) cache, each (B, KV, past + T, D)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
@@ -232,6 +234,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, C, bias=bias)
 
     def forward(self, x):
+        """(B, T, C) -> (B, T, I) -> (B, T, C)."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -247,6 +250,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, h, cos, sin, mask, past=None):
+        """(B, T, C) residual stream in and out, plus this layer's (k, v)."""
         a, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, past)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), kv
@@ -274,6 +278,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 past_key_values=None, use_cache=False):
+        """Final-norm hidden states (B, T, C), plus the per-layer (k, v) cache when use_cache."""
         _require((input_ids is None) != (inputs_embeds is None), "pass exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         T, past_len = h.shape[1], past_key_values[0][0].shape[2] if past_key_values else 0
