@@ -73,7 +73,7 @@ class LoraLinear(nn.Module):
     Differs: one class for float and 4-bit bases; DoRA merge computes the unmerged weight on a copy."""
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0, use_rslora=False,
-                 use_dora=False):
+                 use_dora=False, init_lora_weights=True):
         super().__init__()
         if not isinstance(base_layer, (nn.Linear, Linear4bit)):
             raise TypeError(f"LoraLinear: base_layer must be nn.Linear or nanosft.nf4.Linear4bit, "
@@ -86,7 +86,7 @@ class LoraLinear(nn.Module):
         self.merged_adapters, self.active_adapters = [], [adapter_name]
         self.disable_adapters = False
         self._dora_merged_norm = {}  # weight norms cached at merge time, needed to unmerge DoRA
-        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, use_dora)
+        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, use_dora, init_lora_weights)
 
     @property
     def merged(self):
@@ -107,12 +107,16 @@ class LoraLinear(nn.Module):
         """The wrapped frozen layer (2.7: `base_layer=self.get_base_layer()`). Mirrors: peft get_base_layer"""
         return self.base_layer
 
-    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False, use_dora=False):
-        """Add adapter `adapter_name`: A Kaiming-uniform, B zero (so it starts as the identity), scaling, DoRA m.
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False, use_dora=False,
+                     init_lora_weights=True):
+        """Add adapter `adapter_name`: A and B (B zero by default, so it starts as the identity), scaling, DoRA m.
         Walkthrough 2.7 | Mirrors: peft LoraLayer.update_layer, reset_lora_parameters, DoraLinearVariant.init"""
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a positive int, "
                              f"got r={r!r}; pass e.g. r=8")
+        if init_lora_weights not in (True, False, "gaussian"):
+            raise ValueError(f"LoraLinear adapter {adapter_name!r}: init_lora_weights={init_lora_weights!r} is not "
+                             "implemented; use True (peft's default), False or 'gaussian'")
         self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
         self.lora_dropout[adapter_name] = nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
         # RNG order as peft: A's constructor init, B's constructor init, then A is drawn again below
@@ -120,9 +124,7 @@ class LoraLinear(nn.Module):
         self.lora_B[adapter_name] = nn.Linear(r, self.out_features, bias=False)
         self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
         self.use_rslora[adapter_name], self.use_dora[adapter_name] = use_rslora, use_dora
-        # init_lora_weights=True: A ~ Kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0
-        nn.init.kaiming_uniform_(self.lora_A[adapter_name].weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B[adapter_name].weight)
+        self.reset_lora_parameters(adapter_name, init_lora_weights)
         # to the base's device, and its dtype only if floating (a 4-bit uint8 weight leaves fp32 adapters)
         w = self.base_layer.weight
         dtype = w.dtype if w.dtype.is_floating_point else None
@@ -132,9 +134,22 @@ class LoraLinear(nn.Module):
             self.lora_magnitude_vector[adapter_name] = DoraMagnitude(self._dora_init_norm(adapter_name))
         self.set_adapter(self.active_adapters)
 
+    def reset_lora_parameters(self, adapter_name, init_lora_weights=True):
+        """True: A ~ Kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0. "gaussian": A ~ N(0, 1/r), B = 0.
+        False: both keep nn.Linear's init, so the adapter does not start as the identity (for tests).
+        Walkthrough 2.7 | Mirrors: peft LoraLayer.reset_lora_parameters"""
+        if init_lora_weights is False:
+            return
+        A = self.lora_A[adapter_name].weight
+        if init_lora_weights == "gaussian":
+            nn.init.normal_(A, std=1 / self.r[adapter_name])
+        else:
+            nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B[adapter_name].weight)
+
     @torch.no_grad()
     def _dora_init_norm(self, name):
-        # m starts as ||W + s B A||_row, i.e. the row norms of W (dequantized for 4-bit) since B = 0
+        # m starts as ||W + s B A||_row: the row norms of W (dequantized for 4-bit) when B = 0
         A, B = self.lora_A[name].weight, self.lora_B[name].weight
         half = A.dtype == torch.float16  # peft computes B @ A of fp16 adapters in fp32
         lora_weight = B.float() @ A.float() if half else B @ A

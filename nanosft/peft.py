@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nanosft import hub
-from nanosft.lora import LoraLinear, base_weight, dora_weight_norm
+from nanosft.lora import LoraLinear
 from nanosft.nf4 import Linear4bit, is_quantized
 
 PEFT_FORMAT_VERSION = "0.21.2"  # the peft release whose adapter files we read and write
@@ -199,23 +199,6 @@ def _replace_module(model, name, new):
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _apply_init(layer, name, how, rng_state):
-    # LoraLinear inits as peft's default (A ctor, B ctor, A kaiming again, B zero). For the other inits
-    # rewind the RNG and replay only the two constructor draws, so later layers see peft's RNG stream.
-    A, B = layer.lora_A[name], layer.lora_B[name]
-    torch.random.set_rng_state(rng_state)
-    a, b = nn.Linear(A.in_features, A.out_features, bias=False), nn.Linear(B.in_features, B.out_features, bias=False)
-    if how == "gaussian":
-        nn.init.normal_(a.weight, std=1 / layer.r[name])
-        nn.init.zeros_(b.weight)
-    with torch.no_grad():
-        A.weight.copy_(a.weight)
-        B.weight.copy_(b.weight)
-        if layer.use_dora[name]:  # m = ||W + s B A||_row (DoRA 4.1), redone for the new B A
-            m = layer.lora_magnitude_vector[name].weight
-            m.copy_(dora_weight_norm(base_weight(layer.base_layer), B.weight @ A.weight, layer.scaling[name]))
-
-
 class ModulesToSaveWrapper(nn.Module):
     """Keeps the frozen `original_module` and trains a full copy under `modules_to_save.<adapter>`.
     Walkthrough 2.1 | Mirrors: peft ModulesToSaveWrapper"""
@@ -243,11 +226,9 @@ def inject_adapter(model, config, adapter_name="default"):
     names = find_target_modules(model, config)
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
     for name in names:
-        rng_state = torch.random.get_rng_state()
         layer = LoraLinear(model.get_submodule(name), adapter_name, r=config.r, lora_alpha=config.lora_alpha,
-                           lora_dropout=config.lora_dropout, use_rslora=config.use_rslora, use_dora=config.use_dora)
-        if config.init_lora_weights is not True:
-            _apply_init(layer, adapter_name, config.init_lora_weights, rng_state)
+                           lora_dropout=config.lora_dropout, use_rslora=config.use_rslora, use_dora=config.use_dora,
+                           init_lora_weights=config.init_lora_weights)
         _replace_module(model, name, layer)
 
 

@@ -3,7 +3,7 @@
 Checked: identity at init; y = base(x) + B A x * alpha/r (rsLoRA alpha/sqrt(r)); DoRA
 y = m/||W + sBA||_row (W + sBA) x + b with the norm detached (negative control: undetached grads
 differ); DoRA equals LoRA when m is initialised to ||W + sBA||; peft's RNG order for A/B init
-(negative control: skipping B's constructor changes A); merge/unmerge (exact up to fp32 rounding for
+(init_lora_weights True, False, "gaussian"; negative control: skipping B's constructor changes A); merge/unmerge (exact up to fp32 rounding for
 a float base, within the NF4 requantization bound for a 4-bit base); disable; mixed batches;
 gradients; clear errors. Hermetic: tiny random layers on CPU, seeds fixed.
 Run: python -m pytest -q tests/test_lora.py
@@ -72,6 +72,24 @@ def test_init_consumes_the_rng_in_peft_order():
     nn.init.kaiming_uniform_(wrong, a=math.sqrt(5))
     assert not torch.equal(wrong, expected)
     assert base.weight.requires_grad  # LoraLinear leaves freezing the base to the model wrapper
+
+
+def test_init_lora_weights_false_and_gaussian_draw_as_peft():
+    # False: A and B keep their nn.Linear constructor draws; "gaussian": A ~ N(0, 1/r) drawn after them, B = 0
+    torch.manual_seed(7)
+    plain = LoraLinear(make_base("float"), r=R, init_lora_weights=False)
+    torch.manual_seed(7)
+    gauss = LoraLinear(make_base("float"), r=R, init_lora_weights="gaussian")
+    torch.manual_seed(7)
+    nn.Linear(IN, OUT)
+    A, B = nn.Linear(IN, R, bias=False).weight, nn.Linear(R, OUT, bias=False).weight
+    normal = torch.empty(R, IN).normal_(0, 1 / R)
+    torch.testing.assert_close(plain.lora_A["default"].weight, A, **EXACT)
+    torch.testing.assert_close(plain.lora_B["default"].weight, B, **EXACT)
+    torch.testing.assert_close(gauss.lora_A["default"].weight, normal, **EXACT)
+    assert not gauss.lora_B["default"].weight.any()
+    with pytest.raises(ValueError, match="init_lora_weights='pissa' is not implemented"):
+        LoraLinear(make_base("float"), r=R, init_lora_weights="pissa")
 
 
 @pytest.mark.parametrize("kind", ["float", "4bit"])
