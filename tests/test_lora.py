@@ -3,9 +3,9 @@
 Checked: identity at init; y = base(x) + B A x * alpha/r (rsLoRA alpha/sqrt(r)); DoRA
 y = m/||W + sBA||_row (W + sBA) x + b with the norm detached (negative control: undetached grads
 differ); DoRA equals LoRA when m is initialised to ||W + sBA||; peft's RNG order for A/B init
-(init_lora_weights True, False, "gaussian"; negative control: skipping B's constructor changes A); merge/unmerge (exact up to fp32 rounding for
-a float base, within the NF4 requantization bound for a 4-bit base); disable; mixed batches;
-gradients; clear errors. Hermetic: tiny random layers on CPU, seeds fixed.
+(init_lora_weights True, False, "gaussian"; negative control: skipping B's constructor changes A);
+merge/unmerge (exact up to fp32 rounding for a float base, within the NF4 requantization bound for a
+4-bit base); disable; mixed batches; gradients; clear errors. Hermetic: tiny random layers on CPU, seeds fixed.
 Run: python -m pytest -q tests/test_lora.py
 """
 
