@@ -71,7 +71,8 @@ def value_parser(name, annotation):
 
 
 def add_dataclass_flags(parser, cls, prefix):
-    """One `--field VALUE` flag per dataclass field (dest `<prefix>field`, unset unless given). Returns the names."""
+    """One `--field VALUE` flag per dataclass field (dest `<prefix>field`, unset unless given); returns the names.
+    Walkthrough 2.1 (args, peft_config) | Mirrors: transformers HfArgumentParser._add_dataclass_arguments"""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} fields (Hugging Face names and defaults)")
     names = []
@@ -90,7 +91,8 @@ def add_dataclass_flags(parser, cls, prefix):
 
 
 def read_config_file(path, allowed: dict) -> dict:
-    """A JSON object of field values; an unknown key is an error naming it, the file and the closest field."""
+    """A JSON object of field values; an unknown key is an error naming it, the file and the closest field.
+    Walkthrough 2.1 | Mirrors: transformers HfArgumentParser.parse_json_file(allow_extra_keys=False)"""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file; give a JSON file such as "
                                 '{"learning_rate": 2e-4, "r": 16}')
@@ -113,14 +115,15 @@ def read_config_file(path, allowed: dict) -> dict:
 
 
 def collect(args, prefix):
-    """The flags the user actually gave for one dataclass, as {field: value}."""
+    """The flags the user actually gave for one dataclass, as {field: value}. Walkthrough 2.1"""
     return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
 
 
 # ----------------------------------------------------------------------------- loading models
 
 def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
-    """A CausalLM (fp32, or NF4 when asked) from a Hugging Face folder, with a PEFT adapter on top when given."""
+    """A CausalLM (fp32, or NF4 when asked) from a Hugging Face folder, with a PEFT adapter on top when given.
+    Walkthrough 2.1 (model loading) | Mirrors: AutoModelForCausalLM.from_pretrained + PeftModel.from_pretrained"""
     from nanosft import nf4
     from nanosft.model import CausalLM
     from nanosft.peft import PeftModelForCausalLM
@@ -140,12 +143,14 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
 
 
 def load_tokenizer(model_dir):
+    """The model folder's tokenizer (tokenizer.json, chat template). Mirrors: AutoTokenizer.from_pretrained"""
     from nanosft.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(model_dir)
 
 
 def pick_device(name):
+    """"cpu" / "cuda" as asked (an error if CUDA is missing), else cuda when available. Mirrors: args.device"""
     import torch
 
     if name == "cuda" and not torch.cuda.is_available():
@@ -156,7 +161,8 @@ def pick_device(name):
 # ----------------------------------------------------------------------------- demo
 
 def run_demo(args):
-    """QLoRA SFT of the embedded default, with before/after held-out answers. Walkthrough 1 end to end"""
+    """QLoRA SFT of the embedded default, with before/after held-out answers.
+    Walkthrough 1 (end to end) | Mirrors: a TRL QLoRA recipe run by `trl sft`"""
     from nanosft import demo
 
     if args.full and (args.dora or args.no_quant):
@@ -170,7 +176,8 @@ def run_demo(args):
 # ----------------------------------------------------------------------------- train
 
 def build_train_configs(args, sft_names, lora_names):
-    """(SFTConfig, LoraConfig | PromptTuningConfig | None) from --config then the flags (flags win)."""
+    """(SFTConfig, LoraConfig | PromptTuningConfig | None) from --config then the flags (flags win).
+    Walkthrough 2.1 (args, peft_config) | Mirrors: trl TrlParser (config file, then command line)"""
     from nanosft.args import SFTConfig
     from nanosft.peft import LoraConfig, PromptTuningConfig
 
@@ -197,12 +204,12 @@ def build_train_configs(args, sft_names, lora_names):
         return sft_config, None
     if args.prompt_tuning:
         return sft_config, PromptTuningConfig(num_virtual_tokens=values["pt"].get("num_virtual_tokens", 8))
-    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", **values["lora"]}
-    return sft_config, LoraConfig(**lora)
+    return sft_config, LoraConfig(**values["lora"])  # peft's defaults: r=8, lora_alpha=8, q_proj and v_proj
 
 
 def run_train(args):
-    """SFT of --model on --data: walkthrough 2.1 (SFTTrainer.__init__) then 2.2 (trainer.train()). Works under torchrun."""
+    """SFT of --model on --data: SFTTrainer.__init__ then trainer.train(); works under torchrun (rank 0 saves).
+    Walkthrough 2.1, 2.2 | Mirrors: `trl sft` (trl.scripts.sft.main)"""
     from nanosft import distributed, nf4
     from nanosft.sft import SFTTrainer
 
@@ -269,7 +276,8 @@ def make_streamer(tokenizer, out=None):
 
 
 def stream_reply(model, tokenizer, messages, args):
-    """Render the chat, generate with the sampling flags and stream the reply; returns its text."""
+    """Render the chat, generate with the sampling flags and stream the reply; returns its text.
+    Mirrors: transformers apply_chat_template + generate(streamer=TextStreamer)"""
     import torch
 
     torch.manual_seed(args.seed)
@@ -294,7 +302,8 @@ def run_generate(args):
 
 
 def run_chat(args):
-    """An interactive chat: one user turn per stdin line, replies streamed, history kept, ends at EOF."""
+    """An interactive chat: one user turn per stdin line, replies streamed, history kept, ends at EOF.
+    Mirrors: `transformers chat` | Differs: an empty line resets the history; no slash commands."""
     model = load_model(args.model, args.adapter, args.load_in_4bit, pick_device(args.device))
     tokenizer = load_tokenizer(args.model)
     messages = []

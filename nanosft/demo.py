@@ -20,7 +20,8 @@ TRAIN_FILE, EVAL_FILE = "sft_train.jsonl", "sft_eval.jsonl"
 
 
 def default_model_dir() -> str:
-    """The embedded default model folder; an error naming the fix if the package was installed without it."""
+    """The embedded default model folder; an error naming the fix if the package was installed without it.
+    Walkthrough 1 (the model SFTTrainer starts from) | Mirrors: a Hub model id, here shipped in the package"""
     if not os.path.isfile(os.path.join(DEFAULT_DIR, "config.json")):
         raise FileNotFoundError(f"the embedded default model is missing from {DEFAULT_DIR}; reinstall nanosft, or "
                                 "rebuild it with `python scripts/make_default_model.py` from a source checkout")
@@ -28,7 +29,8 @@ def default_model_dir() -> str:
 
 
 def held_out_prompts(path):
-    """(prompt messages, expected answer) pairs from a conversational JSONL whose last turn is the assistant's."""
+    """(prompt messages, expected answer) pairs from a conversational JSONL whose last turn is the assistant's.
+    Walkthrough 1 | Mirrors: an eval split in TRL's conversational format"""
     pairs = []
     for i, example in enumerate(load_examples(path)):
         messages = example.get("messages")
@@ -87,7 +89,8 @@ def exact_match(model, tokenizer, pairs, device="cpu"):
 
 
 def before_after_table(pairs, before, after, rows=8) -> str:
-    """A plain-text table: prompt | expected | before | after, for the first `rows` held-out prompts."""
+    """A plain-text table: prompt | expected | before | after, for the first `rows` held-out prompts.
+    Walkthrough 1 | Mirrors: nothing (the demo's report)"""
     def cell(text, width):
         text = text.replace("\n", "\\n")
         return (text[: width - 1] + "…") if len(text) > width else text.ljust(width)
@@ -101,7 +104,8 @@ def before_after_table(pairs, before, after, rows=8) -> str:
 
 
 def save_loss_curve(log_history, path):
-    """Write a PNG of the logged training loss; returns the path, or None when matplotlib is missing."""
+    """Write a PNG of the logged training loss; returns the path, or None when matplotlib is missing.
+    Guide: monitoring | Mirrors: the loss plot of trainer.state.log_history people draw after training"""
     try:
         import matplotlib
 
@@ -142,7 +146,7 @@ def write_tensorboard_events(log_history, log_dir):
 
 
 def write_summary(path, summary: dict) -> None:
-    """demo_summary.json (accuracies, timings) written atomically."""
+    """demo_summary.json (accuracies, timings) written atomically. Walkthrough 1 | Mirrors: Trainer.save_metrics"""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
@@ -165,7 +169,8 @@ def demo_config(output_dir, steps, mode, device, report_to="none", trace=False):
 
 
 def load_demo_model(model_dir, mode, device):
-    """The base for the demo: NF4-quantized (qlora, dora), or full precision (lora with --no-quant, full)."""
+    """The base for the demo: NF4-quantized (qlora, qdora), or full precision (lora, dora with --no-quant; full).
+    Walkthrough 2.1 (model loading) | Mirrors: from_pretrained(quantization_config=BitsAndBytesConfig(nf4))"""
     from nanosft import nf4
     from nanosft.model import CausalLM
 
@@ -176,7 +181,8 @@ def load_demo_model(model_dir, mode, device):
 
 
 def demo_peft_config(mode):
-    """LoRA on every linear layer (r=16, alpha=32); DoRA adds the magnitude vector; None for full fine-tuning."""
+    """LoRA on every linear layer (r=16, alpha=32); DoRA adds the magnitude vector; None for full fine-tuning.
+    Walkthrough 2.1 (peft_config) | Mirrors: peft LoraConfig as in TRL's QLoRA examples"""
     from nanosft.peft import LoraConfig
 
     if mode == "full":

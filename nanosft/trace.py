@@ -23,7 +23,7 @@ def enable_trace(on: bool = True) -> None:
 
 
 def is_enabled() -> bool:
-    """Whether `trace` prints. Walkthrough 1"""
+    """Whether `trace` prints. Walkthrough 1 | Mirrors: nothing (a teaching aid)"""
     return _enabled
 
 
