@@ -610,6 +610,11 @@ def machine_info():
             versions[name] = md.version(name)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--short", "--", "nanosft"], check=False, capture_output=True,
+                           text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.split("\n")
+    dirty = [line[3:] for line in dirty if line.strip()]
+    if dirty:
+        commit = f"{commit or 'unknown'} (uncommitted changes in {', '.join(dirty)})"
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "loadavg": os.getloadavg(), "python": platform.python_version(), "versions": versions,
