@@ -51,10 +51,8 @@ def _check_steps(field_name, value):
 @dataclass
 class TrainingArguments:
     """Settings of one training run (batching, optimiser, schedule, logging, saving, precision).
-
     Walkthrough 2.3 | Mirrors: transformers TrainingArguments (5.23 names and defaults)
-    Differs: report_to stays "none" (not []); bf16 runs on CPU without use_cpu; fp16 needs CUDA.
-    """
+    Differs: report_to stays "none" (not []); bf16 runs on CPU without use_cpu; fp16 needs CUDA."""
 
     # overwrite_output_dir is kept from transformers 4 so old configs load; the Trainer ignores it.
     output_dir: str | None = None  # None -> "trainer_output", as transformers 5
@@ -250,9 +248,7 @@ class TrainingArguments:
     @property
     def device(self) -> torch.device:
         """cuda:LOCAL_RANK when CUDA is there and use_cpu is off, else cpu.
-
-        Mirrors: transformers TrainingArguments.device | Differs: no accelerate PartialState, no MPS/XPU.
-        """
+        Mirrors: transformers TrainingArguments.device | Differs: no accelerate PartialState, no MPS/XPU."""
         if torch.cuda.is_available() and not self.use_cpu:
             return torch.device("cuda", self.local_process_index)
         return torch.device("cpu")
@@ -274,9 +270,7 @@ class TrainingArguments:
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
         """Warmup length in optimizer steps: `int(w)` when w >= 1, else `ceil(num_training_steps * w)`.
-
-        Guide: optimizers and schedulers | Mirrors: transformers TrainingArguments.get_warmup_steps
-        """
+        Guide: optimizers and schedulers | Mirrors: transformers TrainingArguments.get_warmup_steps"""
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
         return math.ceil(num_training_steps * self.warmup_steps)
@@ -284,9 +278,7 @@ class TrainingArguments:
     # ----- serialisation -----
     def to_dict(self) -> dict:
         """All fields as a plain, JSON-ready dict.
-
-        Mirrors: transformers TrainingArguments.to_dict
-        """
+        Mirrors: transformers TrainingArguments.to_dict"""
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def to_json_string(self) -> str:
@@ -296,9 +288,7 @@ class TrainingArguments:
     @classmethod
     def from_dict(cls, values: dict, source: str = "the config"):
         """Build from a dict, refusing unknown keys by name (with the closest known field).
-
-        Differs: transformers' HfArgumentParser.parse_dict raises on unknown keys without suggestions.
-        """
+        Differs: transformers' HfArgumentParser.parse_dict raises on unknown keys without suggestions."""
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in values if k not in known]
         if unknown:
@@ -343,10 +333,8 @@ def _jsonable(value):
 @dataclass
 class SFTConfig(TrainingArguments):
     """TrainingArguments plus the dataset and loss settings of supervised fine-tuning.
-
     Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16: lr 2e-5, logging_steps 10, gradient_checkpointing)
-    Differs: bf16 (None -> not fp16) is accepted on CPU; pad_to_multiple_of has no "auto".
-    """
+    Differs: bf16 (None -> not fp16) is accepted on CPU; pad_to_multiple_of has no "auto"."""
 
     # CPU autocast runs bf16 on any CPU, but slowly without AVX512-BF16/AMX: pass bf16=False there.
     # TRL's pad_to_multiple_of="auto" means 128 on Neuron, else None; nanosft has no Neuron path.

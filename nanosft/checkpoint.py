@@ -96,18 +96,14 @@ def _barrier(world_size):
 # ----------------------------------------------------------------------------- RNG state
 def rng_state_file(checkpoint_dir, rank=0, world_size=1):
     """Path of this process's RNG file: rng_state.pth alone, rng_state_{rank}.pth in a multi-process run.
-
-    Mirrors: transformers Trainer._save_rng_state (file naming)
-    """
+    Mirrors: transformers Trainer._save_rng_state (file naming)"""
     name = "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
     return os.path.join(checkpoint_dir, name)
 
 
 def save_rng_state(checkpoint_dir, rank=0, world_size=1):
     """Write the python, numpy, torch CPU and (if present) CUDA generator states of this process.
-
-    Mirrors: transformers Trainer._save_rng_state
-    """
+    Mirrors: transformers Trainer._save_rng_state"""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.random.get_rng_state_all() if world_size > 1 else torch.cuda.random.get_rng_state()
@@ -116,9 +112,7 @@ def save_rng_state(checkpoint_dir, rank=0, world_size=1):
 
 def load_rng_state(checkpoint_dir, rank=0, world_size=1) -> bool:
     """Restore this process's generators from its RNG file; False (with a warning) when the file is absent.
-
-    Mirrors: transformers Trainer._load_rng_state
-    """
+    Mirrors: transformers Trainer._load_rng_state"""
     path = rng_state_file(checkpoint_dir, rank, world_size)
     if not os.path.isfile(path):
         warnings.warn(f"{path} not found: the data order and dropout masks after resuming will not repeat the "
@@ -153,9 +147,7 @@ def _has_adapter(model) -> bool:
 
 def _dedupe_shared(state_dict):
     """Drop exact aliases (tied weights: lm_head.weight == embed_tokens.weight) and clone partial views.
-
-    safetensors refuses tensors that share memory. Returns (tensors to write, {dropped name: kept name}).
-    """
+    safetensors refuses tensors that share memory. Returns (tensors to write, {dropped name: kept name})."""
     seen, tensors, tied = {}, {}, {}
     for name, t in state_dict.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -171,9 +163,7 @@ def _dedupe_shared(state_dict):
 
 def save_model_weights(model, folder):
     """Write the adapter (PEFT format) for a LoRA model, else model.safetensors of the full state dict.
-
-    Mirrors: transformers Trainer.save_model -> save_pretrained (safe_serialization)
-    """
+    Mirrors: transformers Trainer.save_model -> save_pretrained (safe_serialization)"""
     model = _unwrap(model)
     if _has_adapter(model):
         model.save_pretrained(folder)
@@ -236,10 +226,8 @@ def _write_all(folder, model, optimizer, lr_scheduler, scaler, trainer_state, ar
 def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, trainer_state: dict,
                     args: dict, rank=0, world_size=1):
     """Write a complete checkpoint folder atomically: all files go to a temp folder that is renamed at the end.
-
     Walkthrough 2.3 | Mirrors: transformers Trainer._save_checkpoint
-    Rank 0 writes everything; other ranks add their rng_state_{rank}.pth once the folder exists.
-    """
+    Rank 0 writes everything; other ranks add their rng_state_{rank}.pth once the folder exists."""
     checkpoint_dir = os.path.normpath(checkpoint_dir)
     parent, name = os.path.split(checkpoint_dir)
     if rank == 0:
@@ -289,10 +277,8 @@ def check_is_checkpoint(checkpoint_dir, model=None, optimizer=None, lr_scheduler
 
 def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0, world_size=1) -> dict:
     """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the trainer state.
-
     Walkthrough 2.2 (resume_from_checkpoint) | Mirrors: transformers Trainer._load_from_checkpoint,
-    _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True.
-    """
+    _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True."""
     check_is_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler)
     load_model_weights(model, checkpoint_dir)
 
@@ -321,9 +307,7 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
 # ----------------------------------------------------------------------------- finding and rotating
 def sorted_checkpoints(output_dir) -> list[str]:
     """checkpoint-N folders of `output_dir`, oldest (smallest N) first.
-
-    Mirrors: transformers trainer_utils.sort_checkpoints | Differs: always by step number, never by mtime.
-    """
+    Mirrors: transformers trainer_utils.sort_checkpoints | Differs: always by step number, never by mtime."""
     if not os.path.isdir(output_dir):
         return []
     found = [(int(m.group(1)), d) for d in os.listdir(output_dir)
@@ -333,9 +317,7 @@ def sorted_checkpoints(output_dir) -> list[str]:
 
 def get_last_checkpoint(output_dir):
     """The checkpoint-N folder with the largest N, or None; leftover temp folders are skipped with a warning.
-
-    Mirrors: transformers trainer_utils.get_last_checkpoint | Differs: a missing output_dir gives None.
-    """
+    Mirrors: transformers trainer_utils.get_last_checkpoint | Differs: a missing output_dir gives None."""
     if os.path.isdir(output_dir):
         partial = sorted(d for d in os.listdir(output_dir) if d.startswith(TEMP_PREFIX + PREFIX_CHECKPOINT_DIR))
         if partial:
@@ -347,9 +329,7 @@ def get_last_checkpoint(output_dir):
 
 def resolve_resume_checkpoint(resume_from_checkpoint, output_dir):
     """The folder to resume from: None (fresh run), the newest checkpoint-N for True, else the given folder.
-
-    Walkthrough 2.2 | Mirrors: transformers Trainer.train (resume_from_checkpoint handling)
-    """
+    Walkthrough 2.2 | Mirrors: transformers Trainer.train (resume_from_checkpoint handling)"""
     if resume_from_checkpoint is True:
         resume_from_checkpoint = get_last_checkpoint(output_dir)
         if resume_from_checkpoint is None:
@@ -363,9 +343,7 @@ def resolve_resume_checkpoint(resume_from_checkpoint, output_dir):
 
 def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None) -> list[str]:
     """Delete the oldest checkpoints beyond save_total_limit, never the newest nor the best one; return them.
-
-    Mirrors: transformers trainer_utils.rotate_checkpoints
-    """
+    Mirrors: transformers trainer_utils.rotate_checkpoints"""
     if save_total_limit is None or save_total_limit <= 0:
         return []
     checkpoints = sorted_checkpoints(output_dir)

@@ -15,9 +15,7 @@ import torch.distributed as dist
 
 def init_distributed(args) -> bool:
     """Create the default process group from the torchrun environment; True when one exists.
-
-    Guide: distributed training | Mirrors: accelerate PartialState.__init__ (MULTI_CPU / MULTI_GPU)
-    """
+    Guide: distributed training | Mirrors: accelerate PartialState.__init__ (MULTI_CPU / MULTI_GPU)"""
     if dist.is_available() and dist.is_initialized():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -52,9 +50,7 @@ def is_main_process() -> bool:
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks in place and return it (a no-op for one process).
-
-    Guide: distributed training | Mirrors: transformers Trainer._get_num_items_in_batch (accelerator.gather(...).sum())
-    """
+    Guide: distributed training | Mirrors: transformers Trainer._get_num_items_in_batch (accelerator.gather(...).sum())"""
     if is_initialized() and get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -74,11 +70,9 @@ def cleanup() -> None:
 
 def shard_batches(batches: list, num_replicas: int, rank: int, batch_size: int, drop_last: bool = False) -> list:
     """Rank `rank`'s batches: the global batches rank, rank+W, rank+2W, ... with the tail evened out.
-
     Guide: distributed training | Mirrors: accelerate BatchSamplerShard._iter_with_no_split (even_batches=True)
     Every rank must get the same number of full batches, so the last short batch is topped up and missing batches are
-    made from the first indices of the epoch again (with drop_last, incomplete rounds are simply dropped).
-    """
+    made from the first indices of the epoch again (with drop_last, incomplete rounds are simply dropped)."""
     if num_replicas == 1:
         return batches
     batches = [list(b) for b in batches]

@@ -27,10 +27,8 @@ def _is_norm_module(module: nn.Module) -> bool:
 
 def get_decay_parameter_names(model: nn.Module) -> list[str]:
     """Names of the parameters that get weight decay: all but biases and norm weights, in model order.
-
     Guide: AdamW优化器实现 | Mirrors: transformers Trainer.get_decay_parameter_names
-    Differs: RMSNorm modules are excluded by class too, not only by their attribute name.
-    """
+    Differs: RMSNorm modules are excluded by class too, not only by their attribute name."""
     patterns = [re.compile(p) for p in NO_DECAY_PATTERNS]
     norm_prefixes = [prefix + "." for prefix, m in model.named_modules() if prefix and _is_norm_module(m)]
     names = []
@@ -45,9 +43,7 @@ def get_decay_parameter_names(model: nn.Module) -> list[str]:
 
 def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two optimizer groups of trainable parameters: [decayed, weight_decay=0.0]; empty groups are kept.
-
-    Guide: 分组参数权重衰减 | Mirrors: transformers Trainer.create_optimizer (optimizer_grouped_parameters)
-    """
+    Guide: 分组参数权重衰减 | Mirrors: transformers Trainer.create_optimizer (optimizer_grouped_parameters)"""
     decay = set(get_decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -62,9 +58,7 @@ def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 # ----------------------------------------------------------------------------- optimizers
 def parse_optim_args(optim_args: str | None) -> dict[str, str]:
     """Parse `optim_args` "momentum=0.9,nesterov=True" into {"momentum": "0.9", "nesterov": "True"}.
-
-    Mirrors: transformers trainer_optimizer._parse_optim_args
-    """
+    Mirrors: transformers trainer_optimizer._parse_optim_args"""
     if not optim_args:
         return {}
     parsed = {}
@@ -101,10 +95,8 @@ def _sgd(groups, args):
 
 def create_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     """Build args.optim over the two weight-decay groups of `model`'s trainable parameters.
-
     Guide: 创建优化器 | Mirrors: transformers Trainer.create_optimizer, get_optimizer_cls_and_kwargs
-    adamw_torch_fused -> torch AdamW(fused=True) (runs on CPU too in torch >= 2.4); adamw_torch -> foreach.
-    """
+    adamw_torch_fused -> torch AdamW(fused=True) (runs on CPU too in torch >= 2.4); adamw_torch -> foreach."""
     groups = get_parameter_groups(model, args.weight_decay)
     if args.optim in ("adamw_torch", "adamw_torch_fused"):
         fused = {"fused": True} if args.optim == "adamw_torch_fused" else {}
@@ -126,17 +118,13 @@ def _warmup(step, num_warmup_steps):
 
 def constant_lambda(step):
     """Factor 1 at every step.
-
-    Mirrors: transformers optimization._get_constant_lambda
-    """
+    Mirrors: transformers optimization._get_constant_lambda"""
     return 1
 
 
 def constant_with_warmup_lambda(step, *, num_warmup_steps):
     """Linear warmup 0 -> 1 over num_warmup_steps, then 1.
-
-    Mirrors: transformers optimization._get_constant_schedule_with_warmup_lr_lambda
-    """
+    Mirrors: transformers optimization._get_constant_schedule_with_warmup_lr_lambda"""
     if step < num_warmup_steps:
         return float(step) / float(max(1.0, num_warmup_steps))
     return 1.0
@@ -144,9 +132,7 @@ def constant_with_warmup_lambda(step, *, num_warmup_steps):
 
 def linear_lambda(step, *, num_warmup_steps, num_training_steps):
     """Linear warmup, then a straight line down to 0 at num_training_steps.
-
-    Mirrors: transformers optimization._get_linear_schedule_with_warmup_lr_lambda
-    """
+    Mirrors: transformers optimization._get_linear_schedule_with_warmup_lr_lambda"""
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     remaining = float(num_training_steps - step)
@@ -160,9 +146,7 @@ def _progress(step, num_warmup_steps, num_training_steps):
 
 def cosine_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=0.5, min_lr_rate=0.0):
     """Linear warmup, then num_cycles cosine waves (half a wave: 1 -> 0), floored at min_lr_rate.
-
-    Mirrors: transformers optimization._get_cosine_schedule_with_warmup_lr_lambda (both of that name)
-    """
+    Mirrors: transformers optimization._get_cosine_schedule_with_warmup_lr_lambda (both of that name)"""
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     progress = _progress(step, num_warmup_steps, num_training_steps)
@@ -174,9 +158,7 @@ def cosine_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=0.5,
 
 def cosine_with_restarts_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=1):
     """Linear warmup, then num_cycles cosine decays 1 -> 0, each restarting at 1.
-
-    Mirrors: transformers optimization._get_cosine_with_hard_restarts_schedule_with_warmup_lr_lambda
-    """
+    Mirrors: transformers optimization._get_cosine_with_hard_restarts_schedule_with_warmup_lr_lambda"""
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     progress = _progress(step, num_warmup_steps, num_training_steps)
@@ -187,9 +169,7 @@ def cosine_with_restarts_lambda(step, *, num_warmup_steps, num_training_steps, n
 
 def polynomial_lambda(step, *, num_warmup_steps, num_training_steps, lr_end, power, lr_init):
     """Linear warmup, then (lr_init - lr_end) * remaining**power + lr_end, as a factor of lr_init.
-
-    Mirrors: transformers optimization._get_polynomial_decay_schedule_with_warmup_lr_lambda
-    """
+    Mirrors: transformers optimization._get_polynomial_decay_schedule_with_warmup_lr_lambda"""
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     if step > num_training_steps:
@@ -200,9 +180,7 @@ def polynomial_lambda(step, *, num_warmup_steps, num_training_steps, lr_end, pow
 
 def inverse_sqrt_lambda(step, *, num_warmup_steps, timescale):
     """Linear warmup, then 1 / sqrt((step + timescale - warmup) / timescale).
-
-    Mirrors: transformers optimization._get_inverse_sqrt_schedule_lr_lambda
-    """
+    Mirrors: transformers optimization._get_inverse_sqrt_schedule_lr_lambda"""
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     return 1.0 / math.sqrt((step + timescale - num_warmup_steps) / timescale)
@@ -211,9 +189,7 @@ def inverse_sqrt_lambda(step, *, num_warmup_steps, timescale):
 def cosine_warmup_with_min_lr_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles,
                                      min_lr_rate, warmup_lr_rate=None):
     """Warmup that starts above 0, then cosine down to min_lr_rate.
-
-    Mirrors: transformers optimization._get_cosine_with_min_lr_schedule_with_warmup_lr_rate_lambda
-    """
+    Mirrors: transformers optimization._get_cosine_with_min_lr_schedule_with_warmup_lr_rate_lambda"""
     step, num_warmup_steps, num_training_steps = float(step), float(num_warmup_steps), float(num_training_steps)
     if step < num_warmup_steps:
         # This variant starts warmup one step ahead, so the first step is not at lr 0.
@@ -247,9 +223,7 @@ def _wsd_decay(kind, progress, num_cycles):
 def warmup_stable_decay_lambda(step, *, num_warmup_steps, num_stable_steps, num_decay_steps,
                                warmup_type, decay_type, min_lr_ratio, num_cycles):
     """Three phases: warmup (linear/cosine/1-sqrt), flat at 1, decay to min_lr_ratio; then min_lr_ratio.
-
-    Mirrors: transformers optimization._get_wsd_scheduler_lambda
-    """
+    Mirrors: transformers optimization._get_wsd_scheduler_lambda"""
     if step < num_warmup_steps:
         factor = _wsd_warmup(warmup_type, float(step) / float(max(1, num_warmup_steps)))
         return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
@@ -337,10 +311,8 @@ def _wsd_lambda(W, T, num_decay_steps=None, num_stable_steps=None, warmup_type="
 def get_scheduler(name, optimizer, num_warmup_steps=None, num_training_steps=None,
                   scheduler_specific_kwargs=None, **kwargs):
     """Learning-rate scheduler `name` over `optimizer`; extra settings come in scheduler_specific_kwargs.
-
     Guide: 学习率调度器类型 | Mirrors: transformers.optimization.get_scheduler
-    "constant" ignores warmup; "reduce_lr_on_plateau" is torch's ReduceLROnPlateau, stepped with an eval metric.
-    """
+    "constant" ignores warmup; "reduce_lr_on_plateau" is torch's ReduceLROnPlateau, stepped with an eval metric."""
     kw = {**(scheduler_specific_kwargs or {}), **kwargs}
     if name not in SCHEDULER_KWARGS:
         raise ValueError(f"lr_scheduler_type={name!r} is unknown; choose one of {', '.join(SCHEDULER_KWARGS)}")
@@ -360,9 +332,7 @@ def get_scheduler(name, optimizer, num_warmup_steps=None, num_training_steps=Non
 
 def create_scheduler(args, optimizer, num_training_steps: int):
     """The scheduler args.lr_scheduler_type with args.get_warmup_steps(num_training_steps) warmup steps.
-
-    Walkthrough 2.3 | Mirrors: transformers Trainer.create_scheduler
-    """
+    Walkthrough 2.3 | Mirrors: transformers Trainer.create_scheduler"""
     return get_scheduler(args.lr_scheduler_type, optimizer,
                          num_warmup_steps=args.get_warmup_steps(num_training_steps),
                          num_training_steps=num_training_steps,

@@ -31,10 +31,8 @@ def _as_sft_config(args, model) -> SFTConfig:
 
 def _cast_trainable_to_bf16(model) -> None:
     """QLoRA: trainable params (the adapters) become bf16, except DoRA's magnitude, which stays fp32.
-
     Walkthrough 2.1 | Mirrors: trl SFTTrainer.__init__ (is_loaded_in_4bit branch)
-    Differs: nothing, but note that on a CPU without native bf16 this is slower than fp32 adapters.
-    """
+    Differs: nothing, but note that on a CPU without native bf16 this is slower than fp32 adapters."""
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_magnitude_vector" not in name:
             param.data = param.data.to(torch.bfloat16)
@@ -52,10 +50,8 @@ def _pad_token_id(args, tokenizer) -> int:
 
 def token_metrics(logits, labels, log_probs=None):
     """(supervised tokens, summed entropy, correct top-1 guesses) of shifted logits (B, T, V) vs labels (B, T).
-
     Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction outputs entropy / is_top1 (first-index argmax ties)
-    `log_probs`: log_softmax(logits[:, :-1].float()) when the loss already has it (a full (B, T-1, V) pass saved).
-    """
+    `log_probs`: log_softmax(logits[:, :-1].float()) when the loss already has it (a full (B, T-1, V) pass saved)."""
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
     mask = targets != IGNORE_INDEX
     log_probs = torch.log_softmax(logits, dim=-1) if log_probs is None else log_probs
@@ -76,10 +72,8 @@ def _check_token_ids_fit(model, tokenizer, rows) -> None:
 
 class SFTTrainer(Trainer):
     """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL's token metrics.
-
     Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16)
-    Differs: processing_class is required (nothing is downloaded); no vision data, formatting_func or DeepSpeed.
-    """
+    Differs: processing_class is required (nothing is downloaded); no vision data, formatting_func or DeepSpeed."""
 
     def __init__(self, model, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
                  peft_config=None, data_collator=None):
@@ -140,11 +134,9 @@ class SFTTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Σ -log p(target) over supervised shifted tokens / num_items_in_batch, plus TRL's token metrics.
-
         Walkthrough 2.5 | Mirrors: trl SFTTrainer.compute_loss (loss_type="nll")
         Differs: TRL gets log p from a fused, chunked log-softmax over the LM head (no full logits); here the model's
-        logits go through log_softmax. Equal in fp32; under bf16 TRL rounds each logit tile to bf16 first.
-        """
+        logits go through log_softmax. Equal in fp32; under bf16 TRL rounds each logit tile to bf16 first."""
         mode = "train" if model.training else "eval"
         labels = inputs["labels"]
         outputs = self._forward(model, {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False})
@@ -182,9 +174,7 @@ class SFTTrainer(Trainer):
 
     def log(self, logs: dict, start_time=None) -> None:
         """Merge the metric means since the last log (eval_ prefixed in eval mode), then Trainer.log.
-
-        Mirrors: trl SFTTrainer.log (an unweighted mean over micro-batches)
-        """
+        Mirrors: trl SFTTrainer.log (an unweighted mean over micro-batches)"""
         mode = "train" if self.model.training else "eval"
         metrics = {k: sum(v) / len(v) for k, v in self._metrics[mode].items() if v}
         logs.update({f"eval_{k}" if mode == "eval" else k: v for k, v in metrics.items()})

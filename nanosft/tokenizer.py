@@ -43,9 +43,7 @@ CHATML_TEMPLATE = (
 
 def validate_messages(messages):
     """Check a chat is a non-empty list of {"role", "content": str} dicts; errors name index and field.
-
-    Walkthrough 2.1 | Mirrors: transformers apply_chat_template input checks | Differs: stricter.
-    """
+    Walkthrough 2.1 | Mirrors: transformers apply_chat_template input checks | Differs: stricter."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
     for i, message in enumerate(messages):
@@ -60,9 +58,7 @@ def validate_messages(messages):
 
 def render_chatml(messages, add_generation_prompt=False):
     """Render ChatML in plain Python; returns (text, assistant_spans) with char spans [start, end).
-
-    Walkthrough 2.1 | Mirrors: the Jinja CHATML_TEMPLATE rendered by transformers render_jinja_template.
-    """
+    Walkthrough 2.1 | Mirrors: the Jinja CHATML_TEMPLATE rendered by transformers render_jinja_template."""
     validate_messages(messages)
     text, spans = "", []
     for message in messages:
@@ -118,9 +114,7 @@ def _compile_jinja_template(template):
 
 def render_jinja_template(template, messages, add_generation_prompt=False, **special_tokens):
     """Render a Jinja chat template; returns (text, spans of its {% generation %} blocks).
-
-    Walkthrough 2.1 | Mirrors: transformers render_jinja_template, _render_with_assistant_indices.
-    """
+    Walkthrough 2.1 | Mirrors: transformers render_jinja_template, _render_with_assistant_indices."""
     validate_messages(messages)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers
     if any(_GEN_START in m["content"] or _GEN_END in m["content"] for m in messages):
@@ -203,10 +197,8 @@ def _special_token_property(key, as_id=False):
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus named special tokens and a chat template, HF-folder compatible.
-
     Walkthrough 2.1 (processing_class) | Mirrors: transformers TokenizersBackend (PreTrainedTokenizerFast)
-    Differs: a special token missing from the vocabulary is an error, never silently appended.
-    """
+    Differs: a special token missing from the vocabulary is an error, never silently appended."""
 
     def __init__(self, backend, *, bos_token=None, eos_token=None, pad_token=None, unk_token=None,
                  chat_template=None, model_max_length=VERY_LARGE_INTEGER, source="Tokenizer(...)"):
@@ -224,10 +216,8 @@ class Tokenizer:
     def train(cls, texts, vocab_size, special_tokens=None, *, pad_token="<|endoftext|>",
               eos_token="<|im_end|>", bos_token=None):
         """Train a byte-level BPE (GPT-2 style, no BOS unless bos_token is given) on a list of strings.
-
         Walkthrough 2.1 | Mirrors: tokenizers BpeTrainer with pre_tokenizers.ByteLevel (GPT-2 / Qwen family)
-        Ids: special tokens first (in order), then the 256 byte symbols, then merges. Deterministic.
-        """
+        Ids: special tokens first (in order), then the 256 byte symbols, then merges. Deterministic."""
         specials = list(special_tokens if special_tokens is not None else DEFAULT_SPECIAL_TOKENS)
         specials += [t for t in (pad_token, eos_token, bos_token) if t is not None and t not in specials]
         texts = list(texts)
@@ -255,10 +245,8 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, folder):
         """Load a Hugging Face tokenizer folder: tokenizer.json, tokenizer_config.json, chat_template.jinja.
-
         Walkthrough 2.1 | Mirrors: transformers AutoTokenizer.from_pretrained -> TokenizersBackend
-        Differs: local folders only; no slow-tokenizer conversion, no special_tokens_map.json.
-        """
+        Differs: local folders only; no slow-tokenizer conversion, no special_tokens_map.json."""
         tokenizer_file = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(
@@ -282,9 +270,7 @@ class Tokenizer:
 
     def save_pretrained(self, folder):
         """Write tokenizer.json, tokenizer_config.json (v5 layout) and chat_template.jinja atomically.
-
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.save_pretrained (hf-reference 7.5)
-        """
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.save_pretrained (hf-reference 7.5)"""
         config = {"backend": "tokenizers"}
         config.update({key: token for key, token in self._special.items() if token is not None})
         config.update(model_max_length=self.model_max_length, tokenizer_class="TokenizersBackend")
@@ -324,16 +310,12 @@ class Tokenizer:
     # ---- text <-> ids -----------------------------------------------------------------------
     def encode(self, text, add_special_tokens=True):
         """Text -> token ids; special-token strings in the text become their single ids.
-
-        Walkthrough 2.1 | Mirrors: transformers tokenizer(text)["input_ids"]
-        """
+        Walkthrough 2.1 | Mirrors: transformers tokenizer(text)["input_ids"]"""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_with_offsets(self, text, add_special_tokens=False):
         """Text -> (ids, offsets): offsets[i] = (start, end) char span of token i in `text`.
-
-        Walkthrough 2.1 | Mirrors: transformers return_offsets_mapping=True (what char_to_token reads)
-        """
+        Walkthrough 2.1 | Mirrors: transformers return_offsets_mapping=True (what char_to_token reads)"""
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         return encoding.ids, encoding.offsets
 
@@ -344,10 +326,8 @@ class Tokenizer:
     # ---- chat templates ---------------------------------------------------------------------
     def render_chat_with_spans(self, messages, add_generation_prompt=False):
         """Render a chat; returns (text, assistant_spans): char spans [start, end) the model is trained on.
-
         Walkthrough 2.1 | Mirrors: transformers render_jinja_template with return_assistant_tokens_mask
-        The built-in CHATML_TEMPLATE renders in plain Python (no jinja2 needed); others go through Jinja.
-        """
+        The built-in CHATML_TEMPLATE renders in plain Python (no jinja2 needed); others go through Jinja."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; fix: set tokenizer.chat_template "
                              "(e.g. nanosft.tokenizer.CHATML_TEMPLATE) or add chat_template.jinja to the folder")
@@ -367,10 +347,8 @@ class Tokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True,
                             return_assistant_tokens_mask=False):
         """Render a chat and (by default) tokenize it with add_special_tokens=False, as transformers does.
-
         Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.apply_chat_template
-        Returns str (tokenize=False), list[int], or {"input_ids", "assistant_masks"} when asked for masks.
-        """
+        Returns str (tokenize=False), list[int], or {"input_ids", "assistant_masks"} when asked for masks."""
         text, spans = self.render_chat_with_spans(messages, add_generation_prompt)
         if not tokenize:
             return text

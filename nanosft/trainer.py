@@ -39,10 +39,8 @@ from nanosft.trainer_utils import (
 
 class Trainer:
     """Full-featured training loop for a causal LM (or its PEFT wrapper): train, evaluate, save, resume.
-
     Walkthrough 2.2 - 2.5 | Mirrors: transformers Trainer (5.23) with accelerate's DDP / autocast / GradScaler parts
-    Differs: no callbacks, hyper-parameter search, DeepSpeed/FSDP, DataParallel or TP; only causal LMs (labels shift).
-    """
+    Differs: no callbacks, hyper-parameter search, DeepSpeed/FSDP, DataParallel or TP; only causal LMs (labels shift)."""
 
     max_nonfinite_logs = 3  # stop after this many logging windows in a row with a nan/inf loss or grad_norm
 
@@ -90,9 +88,7 @@ class Trainer:
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """Eval batches in dataset order, split over ranks. Mirrors: Trainer.get_eval_dataloader
-
-        Differs: under DDP the last round repeats a few examples (accelerate's even batches); transformers drops them.
-        """
+        Differs: under DDP the last round repeats a few examples (accelerate's even batches); transformers drops them."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset; pass Trainer(..., eval_dataset=...).")
@@ -100,9 +96,7 @@ class Trainer:
 
     def set_initial_training_values(self, args, dataloader):
         """Epochs, update steps per epoch, examples, samples, total batch size, micro-batches per epoch, max_steps.
-
-        Walkthrough 2.3 "Setting up training control variables" | Mirrors: Trainer.set_initial_training_values
-        """
+        Walkthrough 2.3 "Setting up training control variables" | Mirrors: Trainer.set_initial_training_values"""
         # "total_train_batch_size = self._train_batch_size * args.gradient_accumulation_steps * args.world_size"
         total_train_batch_size = args.train_batch_size * args.gradient_accumulation_steps * args.world_size
         steps_in_epoch = len(dataloader)  # micro-batches of this rank
@@ -123,11 +117,9 @@ class Trainer:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Prefetch up to `num_batches` micro-batches and count their supervised tokens.
-
         Walkthrough 2.3 | Mirrors: Trainer.get_batch_samples, Trainer._get_num_items_in_batch
         num_items_in_batch = sum over the window of (labels[..., 1:] != -100): the model shifts labels, so position 0
-        is never a target. A float32 0-d tensor, summed over ranks when average_tokens_across_devices.
-        """
+        is never a target. A float32 0-d tensor, summed over ranks when average_tokens_across_devices."""
         batch_samples = []
         for _ in range(num_batches):
             try:
@@ -149,9 +141,7 @@ class Trainer:
     # ----- train() and the loop of walkthrough 2.3 -----
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
         """Main training entry point: optional activation checkpointing and resume, then the inner loop.
-
-        Walkthrough 2.2 | Mirrors: Trainer.train
-        """
+        Walkthrough 2.2 | Mirrors: Trainer.train"""
         args = self.args
         resume_from_checkpoint = checkpoint.resolve_resume_checkpoint(
             resume_from_checkpoint or args.resume_from_checkpoint, args.output_dir)
@@ -161,9 +151,7 @@ class Trainer:
 
     def _prepare_for_training(self, max_steps):
         """Optimizer, DDP / compile wrapping, then the scheduler (created after the optimizer is final).
-
-        Walkthrough 2.3 | Mirrors: Trainer._prepare_for_training, accelerate Accelerator.prepare_model
-        """
+        Walkthrough 2.3 | Mirrors: Trainer._prepare_for_training, accelerate Accelerator.prepare_model"""
         if self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
         model = self.model
@@ -181,10 +169,8 @@ class Trainer:
 
     def _init_training_state(self, max_steps, num_train_epochs, num_update_steps_per_epoch, resume_from_checkpoint):
         """A fresh TrainerState, or the checkpoint's (with model/optimizer/scheduler/scaler/RNG restored).
-
         Mirrors: Trainer._init_training_state, Trainer._load_optimizer_and_scheduler, Trainer._load_rng_state
-        Differs: RNG is restored here, not after skipping batches: our data order never draws from the global RNG.
-        """
+        Differs: RNG is restored here, not after skipping batches: our data order never draws from the global RNG."""
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_train_epochs,
                                   train_batch_size=self.args.train_batch_size)
         self.state.compute_steps(self.args, max_steps)
@@ -204,10 +190,8 @@ class Trainer:
 
     def _inner_training_loop(self, args, resume_from_checkpoint=None) -> TrainOutput:
         """Epochs -> update steps -> micro-batches: accumulate, clip, step, schedule, log, evaluate, save.
-
         Walkthrough 2.3 | Mirrors: Trainer._inner_training_loop + Trainer._run_epoch + Trainer._finalize_training
-        Differs: transformers 5.23 moved the epoch body into `_run_epoch`; it stays inline here as the walkthrough prints it.
-        """
+        Differs: transformers 5.23 moved the epoch body into `_run_epoch`; it stays inline here as the walkthrough prints it."""
         # Data loader and number of training steps
         train_dataloader = self.get_train_dataloader()
         # Setting up training control variables: num_train_epochs, num_update_steps_per_epoch, max_steps
@@ -360,11 +344,9 @@ class Trainer:
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward, loss, backward of one micro-batch; returns the (GA-scaled) loss, detached.
-
         Walkthrough 2.4 | Mirrors: Trainer.training_step
         Differs: the walkthrough divides by args.gradient_accumulation_steps whenever the model takes no loss kwargs;
-        5.23 (and this code) divides by the real window size and only when num_items_in_batch did not normalise.
-        """
+        5.23 (and this code) divides by the real window size and only when num_items_in_batch did not normalise."""
         model.train()
         inputs = self._prepare_inputs(inputs)
         loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
@@ -383,9 +365,7 @@ class Trainer:
 
     def compute_loss(self, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
         """The model's own loss, or compute_loss_func / label smoothing on its logits; x world_size under DDP.
-
-        Walkthrough 2.5 | Mirrors: Trainer.compute_loss
-        """
+        Walkthrough 2.5 | Mirrors: Trainer.compute_loss"""
         labels = None
         if (self.args.label_smoothing_factor != 0 or self.compute_loss_func is not None) and "labels" in inputs:
             labels = inputs.pop("labels")
@@ -410,9 +390,7 @@ class Trainer:
     # ----- the sync step: clip, optimizer, scheduler -----
     def _clip_grad_norm(self, model) -> torch.Tensor:
         """Pre-clip global 2-norm of the gradients; clips to max_grad_norm when it is > 0.
-
-        Guide: gradient clipping | Mirrors: Trainer._clip_grad_norm, accelerate Accelerator.clip_grad_norm_
-        """
+        Guide: gradient clipping | Mirrors: Trainer._clip_grad_norm, accelerate Accelerator.clip_grad_norm_"""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")  # inf: measure only
@@ -420,9 +398,7 @@ class Trainer:
 
     def _optimizer_step(self) -> bool:
         """optimizer.step() (through the GradScaler under fp16); True when the step was skipped.
-
-        Walkthrough 2.3 | Mirrors: accelerate AcceleratedOptimizer.step, optimizer_step_was_skipped
-        """
+        Walkthrough 2.3 | Mirrors: accelerate AcceleratedOptimizer.step, optimizer_step_was_skipped"""
         if self.scaler is None:
             self.optimizer.step()
             return False
@@ -460,9 +436,7 @@ class Trainer:
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, start_time, learning_rate=None) -> None:
         """Log the window's mean loss, evaluate, track the best metric, save a checkpoint, as the flags say.
-
-        Walkthrough 2.3 | Mirrors: Trainer._maybe_log_save_evaluate, Trainer._determine_best_metric
-        """
+        Walkthrough 2.3 | Mirrors: Trainer._maybe_log_save_evaluate, Trainer._determine_best_metric"""
         control = self.control
         if control.should_log and self.state.global_step > self._globalstep_last_logged:
             # mean over ranks of the summed step losses; the nan flag travels along so every rank stops together
@@ -501,9 +475,7 @@ class Trainer:
 
     def log(self, logs: dict, start_time=None) -> None:
         """Add epoch, append to state.log_history; rank 0 prints and appends a line to output_dir/metrics.jsonl.
-
-        Mirrors: Trainer.log, ProgressCallback.on_log | Differs: tokens/s and samples/s go to metrics.jsonl and the bar only.
-        """
+        Mirrors: Trainer.log, ProgressCallback.on_log | Differs: tokens/s and samples/s go to metrics.jsonl and the bar only."""
         logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         if not distributed.is_main_process():
@@ -521,9 +493,7 @@ class Trainer:
 
     def evaluate(self, eval_dataset=None, metric_key_prefix="eval") -> dict:
         """Mean loss over the eval set (per-batch losses weighted by batch size), perplexity, token accuracy.
-
-        Mirrors: Trainer.evaluate, Trainer.evaluation_loop | Differs: accuracy/perplexity computed here, no compute_metrics.
-        """
+        Mirrors: Trainer.evaluate, Trainer.evaluation_loop | Differs: accuracy/perplexity computed here, no compute_metrics."""
         start = time.time()
         model = self.model
         was_training = model.training

@@ -40,9 +40,7 @@ class TrainOutput(NamedTuple):
 @dataclass
 class TrainerState:
     """Progress that a checkpoint must carry: step, epoch, log history, best metric, step intervals.
-
-    Walkthrough 2.3 | Mirrors: transformers TrainerState (to_dict/from_dict instead of save_to_json/load_from_json)
-    """
+    Walkthrough 2.3 | Mirrors: transformers TrainerState (to_dict/from_dict instead of save_to_json/load_from_json)"""
 
     epoch: float = 0.0
     global_step: int = 0
@@ -88,9 +86,7 @@ class TrainerControl:
 @dataclass
 class LogWindow:
     """Tokens, samples, wall time and a nan/inf flag since the last log: tokens/s and the stop-on-nan check.
-
-    Guide: troubleshooting, monitoring | Mirrors: transformers speed_metrics, Trainer.num_input_tokens_seen
-    """
+    Guide: troubleshooting, monitoring | Mirrors: transformers speed_metrics, Trainer.num_input_tokens_seen"""
 
     start: float = field(default_factory=time.time)
     tokens: int = 0
@@ -112,9 +108,7 @@ class LogWindow:
 
 class SeedableBatchSampler:
     """Batches of the epoch order randperm(N, seed + epoch), this rank's share of them.
-
-    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler + BatchSampler + BatchSamplerShard
-    """
+    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler + BatchSampler + BatchSamplerShard"""
 
     def __init__(self, num_samples, batch_size, seed, shuffle=True, drop_last=False, num_replicas=1, rank=0):
         self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle
@@ -145,9 +139,7 @@ class SeedableBatchSampler:
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int) -> DataLoader:
     """The same dataloader for the current epoch, less its first `num_batches` batches (resume).
-
-    Mirrors: accelerate skip_first_batches | Differs: slices the batch index lists, so skipped batches are not collated.
-    """
+    Mirrors: accelerate skip_first_batches | Differs: slices the batch index lists, so skipped batches are not collated."""
     remaining = list(dataloader.batch_sampler)[num_batches:]
     return DataLoader(dataloader.dataset, batch_sampler=remaining, collate_fn=dataloader.collate_fn,
                       num_workers=dataloader.num_workers, generator=torch.Generator())
@@ -162,9 +154,7 @@ def select_columns(features: list, collator, keep: set | None):
 
 def label_smoothed_loss(logits, labels, epsilon, num_items_in_batch=None, shift_labels=True):
     """(1-eps) * NLL + eps * mean over the vocabulary of -log p, over the supervised tokens.
-
-    Walkthrough 2.5 | Mirrors: transformers LabelSmoother.__call__ (hf-reference 1.9)
-    """
+    Walkthrough 2.5 | Mirrors: transformers LabelSmoother.__call__ (hf-reference 1.9)"""
     if shift_labels:  # position t predicts token t+1
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     neg_log_probs = -torch.nn.functional.log_softmax(logits, dim=-1)  # (B, T, V)
