@@ -129,9 +129,9 @@ def tokens_per_step(rows, plan):
 def next_token_loss(logits, labels, num_items_in_batch):
     """Σ -log p(label[t+1] | ..t) over supervised positions (fp32), / the accumulation window's token count.
     Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss with num_items_in_batch (hf-reference 1.8)"""
-    logits = logits[:, :-1].float()
-    targets = labels[:, 1:].to(logits.device)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    # shift the labels, not the logits: a (B, T, V) view instead of a sliced copy; the last position gets -100
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     return loss / num_items_in_batch
 
 
