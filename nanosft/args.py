@@ -227,22 +227,26 @@ class TrainingArguments:
     # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----
     @property
     def world_size(self) -> int:
-        """Number of processes in the job (torchrun WORLD_SIZE, 1 without torchrun)."""
+        """Number of processes in the job (torchrun WORLD_SIZE, 1 without torchrun).
+        Guide: distributed training | Mirrors: transformers TrainingArguments.world_size"""
         return int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def process_index(self) -> int:
-        """Global rank of this process (torchrun RANK)."""
+        """Global rank of this process (torchrun RANK).
+        Guide: distributed training | Mirrors: transformers TrainingArguments.process_index"""
         return int(os.environ.get("RANK", "0"))
 
     @property
     def local_process_index(self) -> int:
-        """Rank of this process on its node (torchrun LOCAL_RANK); picks the GPU."""
+        """Rank of this process on its node (torchrun LOCAL_RANK); picks the GPU.
+        Guide: distributed training | Mirrors: transformers TrainingArguments.local_process_index"""
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
     def should_save(self) -> bool:
-        """Whether this process writes shared files (only the main process does)."""
+        """Whether this process writes shared files (only the main process does).
+        Mirrors: transformers TrainingArguments.should_save"""
         return self.process_index == 0
 
     @property
@@ -255,17 +259,20 @@ class TrainingArguments:
 
     @property
     def n_gpu(self) -> int:
-        """GPUs used by this process: 1 on CUDA, 0 on CPU (nanosft never uses DataParallel)."""
+        """GPUs used by this process: 1 on CUDA, 0 on CPU (nanosft never uses DataParallel).
+        Mirrors: transformers TrainingArguments.n_gpu"""
         return 1 if self.device.type == "cuda" else 0
 
     @property
     def train_batch_size(self) -> int:
-        """Micro-batch size of one process (walkthrough 1: `self._train_batch_size`)."""
+        """Micro-batch size of one process (walkthrough 1: `self._train_batch_size`).
+        Walkthrough 2.3 | Mirrors: transformers TrainingArguments.train_batch_size"""
         return self.per_device_train_batch_size
 
     @property
     def eval_batch_size(self) -> int:
-        """Evaluation batch size of one process."""
+        """Evaluation batch size of one process.
+        Mirrors: transformers TrainingArguments.eval_batch_size"""
         return self.per_device_eval_batch_size
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
@@ -282,13 +289,15 @@ class TrainingArguments:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def to_json_string(self) -> str:
-        """The fields as indented, key-sorted JSON (what training_args.json holds)."""
+        """The fields as indented, key-sorted JSON (what training_args.json holds).
+        Mirrors: transformers TrainingArguments.to_json_string"""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "the config"):
         """Build from a dict, refusing unknown keys by name (with the closest known field).
-        Differs: transformers' HfArgumentParser.parse_dict raises on unknown keys without suggestions."""
+        Mirrors: transformers HfArgumentParser.parse_dict
+        Differs: transformers' parse_dict raises on unknown keys without suggestions."""
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in values if k not in known]
         if unknown:
@@ -302,7 +311,8 @@ class TrainingArguments:
 
     @classmethod
     def from_json_file(cls, path: str):
-        """Build from a JSON file holding one object of field values; errors name the file and line."""
+        """Build from a JSON file holding one object of field values; errors name the file and line.
+        Mirrors: transformers HfArgumentParser.parse_json_file"""
         with open(path, encoding="utf-8") as f:
             text = f.read()
         try:

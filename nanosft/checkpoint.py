@@ -173,7 +173,8 @@ def save_model_weights(model, folder):
 
 
 def load_model_weights(model, folder):
-    """Copy the weights saved by save_model_weights into the live `model` in place; mismatches are errors."""
+    """Copy the weights saved by save_model_weights into the live `model` in place; mismatches are errors.
+    Mirrors: transformers Trainer._load_from_checkpoint"""
     model = _unwrap(model)
     if _has_adapter(model):
         from nanosft.peft import set_peft_model_state_dict  # only LoRA models need it
@@ -263,7 +264,8 @@ def _missing_files(checkpoint_dir, model, optimizer, lr_scheduler):
 
 
 def check_is_checkpoint(checkpoint_dir, model=None, optimizer=None, lr_scheduler=None):
-    """Raise FileNotFoundError naming what is missing when `checkpoint_dir` is not a resumable checkpoint."""
+    """Raise FileNotFoundError naming what is missing when `checkpoint_dir` is not a resumable checkpoint.
+    Mirrors: transformers Trainer._load_from_checkpoint (its file checks)"""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"resume_from_checkpoint={checkpoint_dir!r} is not a folder. Point it at an "
                                 "output_dir/checkpoint-N folder, or pass True to take the newest one.")

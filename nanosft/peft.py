@@ -211,11 +211,13 @@ class ModulesToSaveWrapper(nn.Module):
 
     @property
     def weight(self):
-        """The trained copy's weight, for code that reads `lm_head.weight`."""
+        """The trained copy's weight, for code that reads `lm_head.weight`.
+        Mirrors: peft ModulesToSaveWrapper.weight"""
         return self.modules_to_save[self.active_adapter].weight
 
     def forward(self, *args, **kwargs):
-        """Run the trained copy, never the original."""
+        """Run the trained copy, never the original.
+        Mirrors: peft ModulesToSaveWrapper.forward"""
         return self.modules_to_save[self.active_adapter](*args, **kwargs)
 
 
@@ -257,7 +259,8 @@ class LoraModel(nn.Module):
         mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
 
     def lora_layers(self):
-        """Every LoraLinear inside the model, in module order."""
+        """Every LoraLinear inside the model, in module order.
+        Mirrors: peft BaseTuner (its loops over BaseTunerLayer modules)"""
         return [m for m in self.model.modules() if isinstance(m, LoraLinear)]
 
     def forward(self, *args, **kwargs):
@@ -281,7 +284,8 @@ class PromptEmbedding(nn.Module):
                 self.embedding.weight.copy_(word_embeddings(torch.tensor(ids, device=word_embeddings.weight.device)))
 
     def forward(self, indices):
-        """Look up the virtual tokens' rows."""
+        """Look up the virtual tokens' rows.
+        Walkthrough 2.6 get_prompt | Mirrors: peft PromptEmbedding.forward"""
         return self.embedding(indices)  # (B, n_virtual) -> (B, n_virtual, C)
 
 
@@ -385,7 +389,8 @@ class PeftModelForCausalLM(nn.Module):
 
     @property
     def config(self):
-        """The base model's ModelConfig (peft forwards unknown attributes to the base model)."""
+        """The base model's ModelConfig (peft forwards unknown attributes to the base model).
+        Mirrors: peft PeftModel.__getattr__ (forwarding to the base model)"""
         return self.get_base_model().config
 
     def get_base_model(self):

@@ -287,7 +287,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self):
-        """Base vocabulary size without added tokens, as transformers' `vocab_size` (len() counts them)."""
+        """Base vocabulary size without added tokens, as transformers' `vocab_size` (len() counts them).
+        Mirrors: transformers PreTrainedTokenizerFast.vocab_size"""
         return self.backend.get_vocab_size(with_added_tokens=False)
 
     def token_to_id(self, token):
