@@ -126,7 +126,7 @@ def constant_with_warmup_lambda(step, *, num_warmup_steps):
     """Linear warmup 0 -> 1 over num_warmup_steps, then 1.
     Mirrors: transformers optimization._get_constant_schedule_with_warmup_lr_lambda"""
     if step < num_warmup_steps:
-        return float(step) / float(max(1.0, num_warmup_steps))
+        return _warmup(step, num_warmup_steps)
     return 1.0
 
 
