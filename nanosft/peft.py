@@ -9,7 +9,6 @@ Papers: LoRA (2106.09685), rsLoRA (2312.03732), DoRA (2402.09353), prompt tuning
 import contextlib
 import copy
 import dataclasses
-import json
 import os
 import re
 import warnings
@@ -475,8 +474,7 @@ class PeftModelForCausalLM(nn.Module):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} not found; an adapter folder holds adapter_config.json and "
                                         f"adapter_model.safetensors, as written by save_pretrained")
-        with open(paths[0]) as f:
-            config = peft_config_from_dict(json.load(f))
+        config = peft_config_from_dict(hub.read_json(paths[0]))  # malformed JSON: an error naming the file
         if config.peft_type == "PROMPT_TUNING" and is_trainable:
             raise ValueError("Cannot set a prompt learning adapter to trainable when loading pretrained adapter.")
         config.inference_mode = not is_trainable

@@ -218,6 +218,12 @@ def test_errors_name_the_culprit(tmp_path):
         get_peft_model(_model(), LoraConfig(target_modules=["self_attn"]))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         PeftModelForCausalLM.from_pretrained(_model(), tmp_path / "nothing")
+    # a truncated adapter_config.json: the file and the position are named, not only json's "Expecting value"
+    get_peft_model(_model(), LoraConfig(r=4)).save_pretrained(tmp_path / "cut")
+    config_file = tmp_path / "cut" / "adapter_config.json"
+    config_file.write_text(config_file.read_text()[:40])
+    with pytest.raises(ValueError, match=rf"{config_file}: invalid JSON at line \d+ column \d+"):
+        PeftModelForCausalLM.from_pretrained(_model(), tmp_path / "cut")
     # an adapter for a wider base: the tensor and both shapes are named
     get_peft_model(_model(hidden_size=32, intermediate_size=64), LoraConfig(r=4)).save_pretrained(tmp_path / "w")
     with pytest.raises(ValueError, match=r"q_proj\.lora_A\.weight.*\(4, 32\).*\(4, 64\)"):
