@@ -36,11 +36,11 @@ _HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "
 _PROMPT_UNUSED = {"auto_mapping": None, "modules_to_save": None, "revision": None, "tokenizer_kwargs": None}
 
 
-def _check_unused(d, defaults):
-    # a peft-only feature switched on would load silently wrong: refuse it, naming the key
+def _check_unused(d, defaults, source):
+    # a peft-only feature switched on would load silently wrong: refuse it, naming the file and the key
     for key, value in d.items():
         if key in defaults and key not in _HARMLESS and value and value != defaults[key]:
-            raise ValueError(f"adapter config sets {key}={value!r}, a peft feature nanosft does not implement; "
+            raise ValueError(f"{source} sets {key}={value!r}, a peft feature nanosft does not implement; "
                              f"remove it or use peft itself")
 
 
@@ -80,10 +80,10 @@ class LoraConfig:
         return {**_LORA_UNUSED, **dataclasses.asdict(self), "peft_version": PEFT_FORMAT_VERSION}
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d, source="adapter config"):
         """Build from an adapter_config.json dict; peft keys we do not model must hold their defaults.
         Walkthrough 2.6 | Mirrors: peft PeftConfig.from_peft_type"""
-        _check_unused(d, _LORA_UNUSED)
+        _check_unused(d, _LORA_UNUSED, source)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -124,20 +124,20 @@ class PromptTuningConfig:
         return {**_PROMPT_UNUSED, **d, "peft_version": PEFT_FORMAT_VERSION}
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d, source="adapter config"):
         """Build from an adapter_config.json dict.
         Walkthrough 2.6 | Mirrors: peft PeftConfig.from_peft_type"""
-        _check_unused(d, _PROMPT_UNUSED)
+        _check_unused(d, _PROMPT_UNUSED, source)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d and f.name != "tokenizer"})
 
 
-def peft_config_from_dict(d):
+def peft_config_from_dict(d, source="adapter config"):
     """LoraConfig or PromptTuningConfig from an adapter_config.json dict, chosen by its `peft_type`.
     Walkthrough 2.6 | Mirrors: peft PeftConfig.from_pretrained"""
     kinds = {"LORA": LoraConfig, "PROMPT_TUNING": PromptTuningConfig}
     if d.get("peft_type") not in kinds:
-        raise ValueError(f"adapter config has peft_type={d.get('peft_type')!r}; nanosft reads {sorted(kinds)}")
-    return kinds[d["peft_type"]].from_dict(d)
+        raise ValueError(f"{source} has peft_type={d.get('peft_type')!r}; nanosft reads {sorted(kinds)}")
+    return kinds[d["peft_type"]].from_dict(d, source)
 
 
 # ----------------------------------------------------------------------------- LoRA injection
@@ -474,7 +474,7 @@ class PeftModelForCausalLM(nn.Module):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} not found; an adapter folder holds adapter_config.json and "
                                         f"adapter_model.safetensors, as written by save_pretrained")
-        config = peft_config_from_dict(hub.read_json(paths[0]))  # malformed JSON: an error naming the file
+        config = peft_config_from_dict(hub.read_json(paths[0]), source=paths[0])  # errors name the file
         if config.peft_type == "PROMPT_TUNING" and is_trainable:
             raise ValueError("Cannot set a prompt learning adapter to trainable when loading pretrained adapter.")
         config.inference_mode = not is_trainable
