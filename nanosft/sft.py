@@ -140,6 +140,9 @@ class SFTTrainer(Trainer):
         mode = "train" if model.training else "eval"
         labels = inputs["labels"]
         outputs = self._forward(model, {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False})
+        n_virtual = outputs.logits.size(1) - labels.size(1)
+        if n_virtual > 0:  # prompt tuning: virtual tokens lead the row with -100 labels, as peft prepends them
+            labels = torch.cat([labels.new_full((labels.size(0), n_virtual), IGNORE_INDEX), labels], dim=1)
         log_probs = None
         if self.args.label_smoothing_factor != 0:
             loss = label_smoothed_loss(outputs.logits, labels, self.args.label_smoothing_factor, num_items_in_batch)

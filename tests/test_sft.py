@@ -126,3 +126,20 @@ def test_logs_carry_trl_metrics(tmp_path, tokenizer):
     total = sum(len(trainer.train_dataset[i]["input_ids"]) for i in range(len(trainer.train_dataset)))
     assert logs[1]["num_tokens"] == total  # 8 rows = 2 windows of 2 x 2: one full epoch by step 2
     assert all(0.0 <= h["mean_token_accuracy"] <= 1.0 and h["entropy"] > 0 for h in logs)
+
+
+def test_prompt_tuning_loss_counts_the_virtual_prefix_as_peft_does(tmp_path, tokenizer):
+    """With prompt tuning the logits are n_virtual positions longer than the labels; the SFT loss must pad the
+    labels with -100 in front (as PeftModelForCausalLM.forward does for the model's own loss), not crash or misalign."""
+    from nanosft.peft import PromptTuningConfig
+
+    n_virtual = 3
+    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer,
+                         peft_config=PromptTuningConfig(num_virtual_tokens=n_virtual))
+    batch = trainer.data_collator(trainer.train_dataset[:2])
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    own = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    assert own.logits.size(1) == batch["labels"].size(1) + n_virtual
+    torch.testing.assert_close(loss, own.loss, rtol=1e-6, atol=1e-6)  # both: mean over supervised targets
+    trainer.train()
+    assert trainer.state.global_step == 3
