@@ -8,6 +8,7 @@ NANOSFT_DEBUG=1 shows the traceback instead. `--trace` / NANOSFT_TRACE=1 prints 
 """
 
 import argparse
+import functools
 import dataclasses
 import difflib
 import json
@@ -367,10 +368,12 @@ def build_parser():
     from nanosft.args import SFTConfig
     from nanosft.peft import LoraConfig
 
-    parser = argparse.ArgumentParser(prog="nanosft", description="A from-scratch QLoRA SFT path.")
+    parser = argparse.ArgumentParser(prog="nanosft", description="A from-scratch QLoRA SFT path.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # a prefix such as --learning_rat must not silently mean --learning_rate: it gets the "did you mean" hint
+    add_parser = functools.partial(commands.add_parser, allow_abbrev=False)
 
-    demo = commands.add_parser("demo", help="QLoRA SFT of the embedded tiny model, before/after answers")
+    demo = add_parser("demo", help="QLoRA SFT of the embedded tiny model, before/after answers")
     demo.add_argument("--dora", action="store_true", help="DoRA instead of LoRA")
     demo.add_argument("--no-quant", dest="no_quant", action="store_true", help="LoRA on a full-precision base")
     demo.add_argument("--full", action="store_true", help="full fine-tuning (no adapter, no quantization)")
@@ -381,7 +384,7 @@ def build_parser():
     demo.add_argument("--report_to", choices=("none", "tensorboard"), default="none")
     demo.set_defaults(run=run_demo)
 
-    train = commands.add_parser("train", help="SFT of your model folder on your JSONL data",
+    train = add_parser("train", help="SFT of your model folder on your JSONL data",
                                 usage="nanosft train --model DIR --data FILE.jsonl --output_dir DIR [--config FILE.json] "
                                       "[--qlora | --full | --prompt_tuning] [--dora] [--trace] [--<field> VALUE ...]")
     train.add_argument("--model", required=True, help="a Hugging Face model folder (weights + tokenizer)")
@@ -398,16 +401,16 @@ def build_parser():
     lora_names = add_dataclass_flags(train, LoraConfig, "LoraConfig.")
     train.set_defaults(run=run_train, sft_names=sft_names, lora_names=lora_names)
 
-    generate = commands.add_parser("generate", help="answer one prompt (streamed)")
+    generate = add_parser("generate", help="answer one prompt (streamed)")
     _add_sampling_flags(generate)
     generate.add_argument("--prompt", required=True, help="the user message")
     generate.set_defaults(run=run_generate)
 
-    chat = commands.add_parser("chat", help="interactive chat on stdin until EOF")
+    chat = add_parser("chat", help="interactive chat on stdin until EOF")
     _add_sampling_flags(chat)
     chat.set_defaults(run=run_chat)
 
-    merge = commands.add_parser("merge", help="fold an adapter into its base, write a HF folder")
+    merge = add_parser("merge", help="fold an adapter into its base, write a HF folder")
     merge.add_argument("--model", required=True, help="the base model folder the adapter was trained on")
     merge.add_argument("--adapter", required=True, help="the adapter folder")
     merge.add_argument("--out", required=True, help="a new folder for the merged model")

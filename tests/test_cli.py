@@ -191,6 +191,8 @@ def test_bad_values_and_flags_are_clear_errors(tmp_path, capsys):
     _assert_one_paragraph_error(code, err, "learning_rate")
     code, _, err = run([*base, "--lerning_rate", "0.1"], capsys)
     _assert_one_paragraph_error(code, err, "--lerning_rate", "did you mean --learning_rate")
+    code, _, err = run([*base, "--learning_rat", "0.1"], capsys)  # a prefix is not silently taken as the flag
+    _assert_one_paragraph_error(code, err, "--learning_rat", "did you mean --learning_rate")
     with pytest.raises(SystemExit) as exit_info:  # argparse rejects a value of the wrong type itself
         main([*map(str, base), "--max_steps", "ten"])
     assert exit_info.value.code == 2 and "--max_steps expects int, got 'ten'" in capsys.readouterr().err
