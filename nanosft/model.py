@@ -6,6 +6,7 @@ SwiGLU, a (k, v) cache for `generate`. State-dict keys equal transformers' (file
 Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass, fields
@@ -181,6 +182,30 @@ def build_attention_mask(attention_mask, position_ids, q_len, past_len):
     return mask | ~mask.any(dim=-1, keepdim=True)
 
 
+def varlen_layout(attention_mask, position_ids, B, T, past_len, unpad):
+    """(index of the kept tokens in the flattened (B*T) batch or None for all, document lengths) or None.
+    One packed row then runs one causal SDPA per document instead of a dense (T, T) block mask.
+    Walkthrough 2.6 | Mirrors: transformers flash-attention varlen path (_upad_input, cu_seq_lens)
+    Differs: transformers' SDPA path keeps the dense mask; `unpad` (training only) also unpads right-padded rows."""
+    if past_len or T == 1:
+        return None
+    seg = packed_segment_ids(position_ids.expand(B, T))  # (B, T) document index per token
+    if attention_mask is None:
+        if not bool(seg[:, -1].any()):
+            return None  # one document per row: plain is_causal is already exact and fastest
+        return None, [n for row in seg for n in torch.bincount(row).tolist() if n]
+    if not unpad or bool(attention_mask.all()):
+        return None
+    m = attention_mask.bool()
+    # Exact only for right padding: each row's real tokens one run from column 0 holding one document. A left
+    # pad would be the position that predicts the first real token, and its logits do enter the loss.
+    runs = (m[:, 1:] & ~m[:, :-1]).sum(1) + m[:, 0]
+    docs = seg.masked_fill(~m, -1).amax(1) - seg.masked_fill(~m, T).amin(1)
+    if not bool(((runs <= 1) & (m[:, 0] | ~m.any(1)) & (docs <= 0)).all()):
+        return None
+    return m.flatten().nonzero().squeeze(1), [n for n in m.sum(1).tolist() if n]
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm in fp32, cast back to the input dtype before the weight multiply.
     Walkthrough 2.6 | Mirrors: transformers LlamaRMSNorm"""
@@ -209,7 +234,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, C, bias=bias and config.model_type != "qwen2")
 
     def forward(self, x, cos, sin, mask, past=None):
-        """(B, T, C) -> (B, T, C) and the layer's (k, v) cache, each (B, KV, past + T, D)."""
+        """(B, T, C) -> (B, T, C) and the layer's (k, v) cache, each (B, KV, past + T, D).
+        mask: a boolean (B|1, 1, T, S) tensor, None (plain causal) or a list of document lengths (one packed row)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
@@ -218,8 +244,12 @@ class Attention(nn.Module):
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
         # enable_gqa: query head j reads kv head j // (H // KV), as transformers' repeat_kv.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and past is None and T > 1,
-                                           scale=self.head_dim**-0.5, enable_gqa=self.num_kv_heads != self.num_heads)
+        sdpa = functools.partial(F.scaled_dot_product_attention, scale=self.head_dim**-0.5,
+                                 enable_gqa=self.num_kv_heads != self.num_heads)
+        if isinstance(mask, list):  # document lengths of one packed row: causal attention inside each
+            y = torch.cat([sdpa(*qkv, is_causal=True) for qkv in zip(*(t.split(mask, dim=2) for t in (q, k, v)))], 2)
+        else:
+            y = sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and past is None and T > 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
@@ -284,7 +314,16 @@ class DecoderModel(nn.Module):
         T, past_len = h.shape[1], past_key_values[0][0].shape[2] if past_key_values else 0
         if position_ids is None:  # as transformers: arange, blind to padding (RoPE only sees differences)
             position_ids = torch.arange(past_len, past_len + T, device=h.device)[None]
-        mask = build_attention_mask(attention_mask, position_ids, T, past_len)
+        B, C = h.shape[0], h.shape[2]
+        layout = None if use_cache else varlen_layout(attention_mask, position_ids, B, T, past_len,
+                                                      unpad=self.training and torch.is_grad_enabled())
+        if layout is None:
+            mask = build_attention_mask(attention_mask, position_ids, T, past_len)
+        else:  # one packed row (1, N, C) of the kept tokens; pad rows (training only) never reach a layer
+            index, mask = layout
+            h, position_ids = h.reshape(1, B * T, C), position_ids.expand(B, T).reshape(1, B * T)
+            if index is not None:
+                h, position_ids = h[:, index], position_ids[:, index]
         cos, sin = self.rotary(position_ids, h.dtype)
         use_checkpoint = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         cache = []
@@ -293,7 +332,11 @@ class DecoderModel(nn.Module):
             # Checkpointing keeps only the layer input and recomputes the rest during backward.
             h, kv = checkpoint(layer, *args, **self.checkpoint_kwargs) if use_checkpoint else layer(*args)
             cache.append(kv)
-        return self.norm(h), (cache if use_cache else None)
+        h = self.norm(h)
+        if layout is not None:  # back to (B, T, C); unpadded positions get zeros (labels -100 there)
+            h = h[0] if layout[0] is None else h.new_zeros(B * T, C).index_copy(0, layout[0], h[0])
+            h = h.view(B, T, C)
+        return h, (cache if use_cache else None)
 
 
 def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanosft.model import CausalLM, ModelConfig, build_attention_mask, causal_lm_loss, rope_inv_freq
+from nanosft.model import CausalLM, ModelConfig, build_attention_mask, causal_lm_loss, rope_inv_freq, varlen_layout
 
 PAD, EOS = 0, 2
 
@@ -69,6 +69,43 @@ def test_packed_row_with_restarting_position_ids_equals_each_example_alone(model
     # Negative control: with a plain causal mask, b and c attend to the documents before them.
     leaky = model(packed, position_ids=pos, attention_mask=torch.ones_like(packed)).logits[0]
     assert not torch.allclose(leaky[4:], want[4:], atol=1e-3)
+
+
+def test_varlen_layout_packs_only_what_it_can_run_exactly():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert varlen_layout(None, pos, 1, 6, 0, unpad=False) == (None, [3, 2, 1])  # packed: one SDPA per document
+    assert varlen_layout(None, torch.arange(6)[None], 2, 6, 0, unpad=True) is None  # one document a row
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert varlen_layout(right, torch.arange(4)[None], 2, 4, 0, unpad=False) is None  # eval keeps the padded path
+    index, lengths = varlen_layout(right, torch.arange(4)[None], 2, 4, 0, unpad=True)
+    assert index.tolist() == [0, 1, 2, 4, 5] and lengths == [3, 2]
+    holes = torch.tensor([[1, 0, 1, 1]])  # real tokens not in one run: only the dense mask is exact
+    assert varlen_layout(holes, torch.arange(4)[None], 1, 4, 0, unpad=True) is None
+    # left padding: the last pad predicts the first real token, so its logits matter; keep the dense mask
+    assert varlen_layout(torch.tensor([[0, 1, 1, 1]]), torch.arange(4)[None], 1, 4, 0, unpad=True) is None
+    assert varlen_layout(right, torch.arange(2, 6)[None], 2, 4, 2, unpad=True) is None  # with a cache
+
+
+def test_training_forward_unpads_and_equals_the_masked_path(model):
+    """In training a padded batch runs as one packed row; its loss, real-token logits and gradients equal the
+    dense-mask path (eval mode, same weights: the model has no dropout), and pad positions never reach a layer."""
+    x = torch.randint(3, 96, (3, 7))
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])  # right padding, as the SFT collator pads
+    labels = x.masked_fill(mask == 0, -100)
+    runs = {}
+    for training in (True, False):
+        model.train(training)
+        model.zero_grad()
+        out = model(x, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(12.0))
+        out.loss.backward()
+        runs[training] = (out, {n: p.grad.clone() for n, p in model.named_parameters()})
+    (packed, packed_grads), (dense, dense_grads) = runs[True], runs[False]
+    real = mask.bool()
+    torch.testing.assert_close(packed.logits[real], dense.logits[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.loss, dense.loss, rtol=1e-6, atol=1e-6)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert (packed.logits[~real] == 0).all() and not (dense.logits[~real] == 0).all()  # the packed path ran
 
 
 def test_sdpa_fast_path_only_when_nothing_is_masked():
