@@ -1,4 +1,4 @@
-"""The benchmark's pure helpers are right: its bare PyTorch loop and nanosft's Trainer log the same per-step losses.
+"""The benchmark's pure functions are right: its bare PyTorch loop and nanosft's Trainer log the same per-step losses.
 
 benchmarks/bench_sft.py compares speeds, which only means something if every stack trains on the same batches with
 the same numerics. Here the bare loop (its own collator, loss and AdamW) and nanosft.trainer.Trainer run 3 steps on
