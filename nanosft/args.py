@@ -346,7 +346,8 @@ class SFTConfig(TrainingArguments):
     Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16: lr 2e-5, logging_steps 10, gradient_checkpointing)
     Differs: bf16 (None -> not fp16) is accepted on CPU; pad_to_multiple_of has no "auto"."""
 
-    # CPU autocast runs bf16 on any CPU, but slowly without AVX512-BF16/AMX: pass bf16=False there.
+    # CPU autocast runs bf16 on any CPU: fast with bf16 matrix units (avx512_bf16 or amx_bf16 in /proc/cpuinfo;
+    # 1.6-1.85x fp32 on such a 2-core CPU, benchmarks/README.md), slow without them: pass bf16=False there.
     # TRL's pad_to_multiple_of="auto" means 128 on Neuron, else None; nanosft has no Neuron path.
     learning_rate: float = 2e-5
     logging_steps: float = 10
