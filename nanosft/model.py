@@ -315,8 +315,9 @@ class DecoderModel(nn.Module):
         if position_ids is None:  # as transformers: arange, blind to padding (RoPE only sees differences)
             position_ids = torch.arange(past_len, past_len + T, device=h.device)[None]
         B, C = h.shape[0], h.shape[2]
-        layout = None if use_cache else varlen_layout(attention_mask, position_ids, B, T, past_len,
-                                                      unpad=self.training and torch.is_grad_enabled())
+        # Unpadding pays in fp32 (1.3-1.4x); under CPU bf16 autocast it measured slower than the padded batch.
+        unpad = self.training and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type)
+        layout = None if use_cache else varlen_layout(attention_mask, position_ids, B, T, past_len, unpad=unpad)
         if layout is None:
             mask = build_attention_mask(attention_mask, position_ids, T, past_len)
         else:  # one packed row (1, N, C) of the kept tokens; pad rows (training only) never reach a layer
