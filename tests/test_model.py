@@ -342,3 +342,15 @@ def test_corrupt_safetensors_header_and_bad_shard_size(tmp_path, model):
         CausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="max_shard_size"):
         model.save_pretrained(tmp_path, max_shard_size="lots")
+
+
+def test_training_under_cpu_autocast_keeps_the_padded_path(model):
+    """Unpadding measured slower under CPU bf16 autocast (benchmarks/README.md), so there the padded batch runs
+    with its mask: pad positions get real (nonzero) logits, unlike the unpadded fp32 training forward."""
+    x = torch.randint(3, 96, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pads = model(x, attention_mask=mask).logits[1, 3:]
+    assert not (pads == 0).all()
+    assert (model(x, attention_mask=mask).logits[1, 3:] == 0).all()  # control: fp32 training unpads
