@@ -8,9 +8,9 @@ NANOSFT_DEBUG=1 shows the traceback instead. `--trace` / NANOSFT_TRACE=1 prints 
 """
 
 import argparse
-import functools
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os

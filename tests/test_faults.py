@@ -17,7 +17,6 @@ Run: python -m pytest -q tests/test_faults.py
 """
 
 import errno
-import importlib.util
 import math
 import os
 import shutil
@@ -26,7 +25,9 @@ import socket
 import time
 
 import pytest
+import resume_worker as worker
 import torch
+from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft import checkpoint
 from nanosft.args import TrainingArguments
@@ -34,26 +35,8 @@ from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.optim import create_optimizer, get_scheduler
 from nanosft.trainer import Trainer
 
-
-def _load_worker():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
-    spec = importlib.util.spec_from_file_location("resume_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
 posix_only = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals and RLIMIT_FSIZE")
 WAIT_S = 240
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _full_job(tmp_path, name, **extra):

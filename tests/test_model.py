@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanosft.model import CausalLM, ModelConfig, build_attention_mask, causal_lm_loss, rope_inv_freq, varlen_layout
+from nanosft.model import (
+    CausalLM,
+    ModelConfig,
+    build_attention_mask,
+    causal_lm_loss,
+    rope_inv_freq,
+    varlen_layout,
+)
 
 PAD, EOS = 0, 2
 

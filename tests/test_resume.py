@@ -17,7 +17,6 @@ outside tmp_path.
 Run: python -m pytest -q tests/test_resume.py
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -25,18 +24,9 @@ import signal
 import socket
 
 import pytest
+import resume_worker as worker
 import torch
 
-
-def _load_worker():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
-    spec = importlib.util.spec_from_file_location("resume_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals (SIGKILL)")
 WAIT_S = 240  # a hung child fails the test instead of hanging the suite
 
