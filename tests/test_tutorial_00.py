@@ -8,18 +8,12 @@ Run: python -m pytest -q tests/test_tutorial_00.py
 
 import math
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "00_model_and_tokenizer.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_00_runs_and_prints_each_stage():
-    result = subprocess.run([sys.executable, str(SCRIPT)], check=False, capture_output=True, text=True,
-                            timeout=240)
-    out = result.stdout
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_tutorial("00_model_and_tokenizer.py")
     for heading in ("processing_class (the tokenizer)", "apply_chat_template", "model (a tiny CausalLM)",
                     'loss = outputs["loss"]'):
         assert heading in out

@@ -7,18 +7,13 @@ Hermetic: the script trains its tokenizer and builds a tiny NF4 model in-process
 Run: python -m pytest -q tests/test_tutorial_01.py
 """
 
-import pathlib
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "01_overview.py"
+
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_01_traces_the_whole_flow():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("01_overview.py")
     for line in ("[trace] [2.2] Trainer.train()", "[trace] [2.3] _inner_training_loop()",
                  "[trace] [2.6] PeftModelForCausalLM.forward", "[trace] [2.7] Linear4bit.forward",
                  "output = lora_B(lora_A(dropout(x))) * scaling", "***** Running training *****",

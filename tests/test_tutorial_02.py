@@ -9,18 +9,12 @@ Run: python -m pytest -q tests/test_tutorial_02.py
 """
 
 import importlib.util
-import pathlib
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "02_sfttrainer_init.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_02_sfttrainer_init():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("02_sfttrainer_init.py")
     assert "learning_rate            SFTConfig 2e-05  TrainingArguments 5e-05" in out
     assert "q_proj.lora_A.default.weight torch.bfloat16" in out
     assert "lora_magnitude_vector.default.weight torch.float32" in out

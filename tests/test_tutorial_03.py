@@ -7,19 +7,13 @@ Hermetic: a tiny CausalLM and hand-written rows; checkpoints go to temp folders;
 Run: python -m pytest -q tests/test_tutorial_03.py
 """
 
-import pathlib
 import re
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "03_train.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_03_train_entry_point():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("03_train.py")
     assert "before train(): model.is_gradient_checkpointing = False" in out
     assert "train() -> _inner_training_loop(args, resume_from_checkpoint=None)" in out
     assert "when the loop starts: model.is_gradient_checkpointing = True" in out

@@ -8,18 +8,12 @@ Run: python -m pytest -q tests/test_tutorial_04.py
 """
 
 import importlib.util
-import pathlib
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "04_inner_training_loop.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_04_runs_and_prints_its_claims():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("04_inner_training_loop.py")
     for line in ("# Data loader and number of training steps", "# Setting up training control variables",
                  "max_steps = 4", "total_train_batch_size = 6", "***** Running training *****",
                  "Total train batch size (w. parallel, distributed & accumulation) = 6",

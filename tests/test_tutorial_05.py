@@ -8,19 +8,13 @@ Hermetic: a tiny CausalLM and two hand-written rows built in-process; no network
 Run: python -m pytest -q tests/test_tutorial_05.py
 """
 
-import pathlib
 import re
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "05_training_step.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_05_training_step_rules():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("05_training_step.py")
     assert "model.training: False -> True" in out
     assert "requires_grad=False  grad_fn=None" in out
     assert "OK: walkthrough 2.4 training_step checked" in out

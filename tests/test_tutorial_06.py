@@ -10,19 +10,13 @@ Run: python -m pytest -q tests/test_tutorial_06.py
 """
 
 import importlib.util
-import pathlib
 import re
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "06_compute_loss.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_06_compute_loss_pieces():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("06_compute_loss.py")
     assert "'1:17->42'" in out and "'5:2->-100'" in out  # the shift: position t predicts labels[t+1]
     mean = float(re.search(r"mean of -log p\(target\) by hand = ([0-9.]+)", out).group(1))
     m = re.search(r"compute_loss\(num_items_in_batch=20\) ([0-9.]+)\s+sum by hand / 20 ([0-9.]+)", out)

@@ -8,19 +8,14 @@ Run: python -m pytest -q tests/test_tutorial_07.py
 """
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "07_peft_forward.py"
 N_VIRTUAL, T, C, V = 4, 6, 64, 96
+
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_07_runs_and_prints_each_line_of_2_6():
-    result = subprocess.run([sys.executable, str(SCRIPT)], check=False, capture_output=True, text=True,
-                            timeout=240)
-    out = result.stdout
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_tutorial("07_peft_forward.py")
     assert re.search(r"trainable params: [\d,]+ \|\| all params: [\d,]+ \|\| trainable%: \d+\.\d{4}", out)
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in out
     assert f"inputs_embeds shape: (2, {T}, {C})" in out

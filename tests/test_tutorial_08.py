@@ -8,19 +8,13 @@ Hermetic: tiny layers built in-process on CPU, nothing written to disk.
 Run: python -m pytest -q tests/test_tutorial_08.py
 """
 
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "08_linear4bit_forward.py"
+
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_08_runs_and_prints_each_line_of_2_7():
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT)], check=False, capture_output=True, text=True, timeout=240
-    )
-    out = result.stdout
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_tutorial("08_linear4bit_forward.py")
     assert "==================== NF4 code values (QLoRA 3) ====================" in out
     plain = 0.5 + 4 / 64 + 16 * 4 / 1024**2
     assert f"bytes per weight, 1024x1024: {plain:.4f} without" in out

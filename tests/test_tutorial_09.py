@@ -8,18 +8,12 @@ Run: python -m pytest -q tests/test_tutorial_09.py
 """
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "09_optimizers_schedulers.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_09_runs_and_prints_groups_adamw_and_schedules():
-    result = subprocess.run([sys.executable, str(SCRIPT)], check=False, capture_output=True, text=True,
-                            timeout=240)
-    out = result.stdout
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_tutorial("09_optimizers_schedulers.py")
     assert "16 tensors get weight decay" in out  # embed + 2 * (4 attn + 3 mlp) + lm_head
     assert "5 tensors do not" in out  # 2 * (input, post_attention) layernorm + final norm
     assert "param groups: [(16, 0.1), (5, 0.0)]" in out

@@ -6,18 +6,12 @@ Hermetic: the script builds its own toy ids; no network. Run: python -m pytest -
 """
 
 import importlib.util
-import pathlib
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "10_collators.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_10_runs_and_prints_its_claims():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
-                            timeout=300, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("10_collators.py")
     for line in ("数据加载与批处理: draft 1, pad", "naive rule drops 3 real EOS",
                  "draft 3 == nanosft DataCollatorForLanguageModeling: True",
                  "padding-free: one row, positions restart per example", "MLM: 15% picked"):

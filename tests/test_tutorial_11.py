@@ -7,19 +7,13 @@ Hermetic: a tiny CausalLM and four hand-written rows built in-process; no networ
 Run: python -m pytest -q tests/test_tutorial_11.py
 """
 
-import pathlib
 import re
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "11_gradient_accumulation.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_11_accumulation_equals_big_batch_and_clipping():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("11_gradient_accumulation.py")
     assert "supervised (shifted) tokens per row: [11, 2, 7, 1], total 21" in out
     diffs = [float(x) for x in re.findall(r"max \|grad - grad\(1 x 4\)\| = ([0-9.e+-]+)", out)]
     assert len(diffs) == 5  # 3 token-normalised set-ups, then 2 mean-of-means controls

@@ -7,19 +7,13 @@ Hermetic: a tiny CausalLM and four hand-written rows, CPU only (a CPU GradScaler
 Run: python -m pytest -q tests/test_tutorial_12.py
 """
 
-import pathlib
 import re
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "12_mixed_precision.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_12_bf16_and_grad_scaler_skip():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("12_mixed_precision.py")
     assert "q_proj output torch.bfloat16, q_proj.weight torch.float32, its grad torch.float32" in out
     assert "logits returned as torch.float32" in out
     assert "weights changed: False; scale 65536 -> 32768" in out

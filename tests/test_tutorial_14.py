@@ -8,18 +8,13 @@ Hermetic: a tiny CausalLM and hand-made rows in-process; no network.
 Run: python -m pytest -q tests/test_tutorial_14.py
 """
 
-import pathlib
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "14_troubleshooting.py"
+
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_14_nan_filter_and_clipping():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("14_troubleshooting.py")
     filtered = out.split("logging_nan_inf_filter=True:")[1].split("logging_nan_inf_filter=False:")[0]
     unfiltered = out.split("logging_nan_inf_filter=False:")[1].split("weights after training")[0]
     assert "0 -> nan" in filtered and "0 -> nan" in unfiltered  # the empty micro-batch's per-batch mean

@@ -1,0 +1,20 @@
+"""Runs a tutorial the way a reader does, `python tutorials/NN_topic.py`, for the tests/test_tutorial_NN.py files.
+
+Not a test module (pytest collects test_*.py only); imported as `from run_tutorial import run_tutorial`, which works
+because tests/conftest.py puts tests/ on sys.path. A tutorial ends its claims with `assert`, so exit code 0 is part
+of every check; the callers then assert on the printed numbers.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
+
+
+def run_tutorial(filename, timeout=300) -> str:
+    """Run tutorials/<filename> in a fresh interpreter; assert it exits 0 and return what it printed."""
+    result = subprocess.run([sys.executable, str(TUTORIALS / filename)], capture_output=True, text=True,
+                            timeout=timeout, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
