@@ -187,15 +187,13 @@ def varlen_layout(attention_mask, position_ids, B, T, past_len, unpad):
     One packed row then runs one causal SDPA per document instead of a dense (T, T) block mask.
     Walkthrough 2.6 | Mirrors: transformers flash-attention varlen path (_upad_input, cu_seq_lens)
     Differs: transformers' SDPA path keeps the dense mask; `unpad` (training only) also unpads right-padded rows."""
-    if past_len or T == 1:
+    if past_len or T == 1 or (attention_mask is not None and (not unpad or bool(attention_mask.all()))):
         return None
     seg = packed_segment_ids(position_ids.expand(B, T))  # (B, T) document index per token
     if attention_mask is None:
         if not bool(seg[:, -1].any()):
             return None  # one document per row: plain is_causal is already exact and fastest
         return None, [n for row in seg for n in torch.bincount(row).tolist() if n]
-    if not unpad or bool(attention_mask.all()):
-        return None
     m = attention_mask.bool()
     # Exact only for right padding: each row's real tokens one run from column 0 holding one document. A left
     # pad would be the position that predicts the first real token, and its logits do enter the loss.
