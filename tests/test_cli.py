@@ -1,10 +1,14 @@
-"""The `nanosft` command line: demo, train (three dataset formats, JSON config), generate, merge, trace, errors.
+"""The `nanosft` command line: demo, train (three dataset formats, JSON config), generate, chat, merge,
+trace, errors.
 
-Compared: the demo's held-out exact match after SFT against before (a stated margin); trained adapters against
-their zero-initialised lora_B; `generate` through an adapter against `generate` on the merged folder (same text);
-the `--trace` lines against the walkthrough's section-1 outline, in order; user mistakes against a one-paragraph
-message naming the culprit and exit status 2. Hermetic: everything runs on the tiny model shipped in
-nanosft/assets/default and small JSONL files written to tmp_path; CPU only, no network.
+Compared: the demo's held-out exact match after SFT against before (a stated margin); trained adapters
+against their zero-initialised lora_B; the token ids `generate` produces (recorded at CausalLM.generate)
+with an adapter whose lora_B is non-zero, against the bare base (must differ), the merged folder and the
+adapted model called directly (must be equal); `chat`'s second prompt against the three messages of the
+first exchange rendered through the chat template; the `--trace` lines against the walkthrough's
+section-1 outline, in order; user mistakes against a one-paragraph message naming the culprit and exit
+status 2. Hermetic: everything runs on the tiny model shipped in nanosft/assets/default and small JSONL
+files written to tmp_path; CPU only, no network.
 Run: python -m pytest -q tests/test_cli.py
 """
 
@@ -18,6 +22,9 @@ from safetensors.torch import load_file
 
 from nanosft import demo, trace
 from nanosft.cli import main
+from nanosft.model import CausalLM
+from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
+from nanosft.tokenizer import Tokenizer
 
 DEFAULT = demo.DEFAULT_DIR
 FAST = ["--max_steps", "2", "--per_device_train_batch_size", "2", "--save_strategy", "no",
@@ -43,13 +50,39 @@ def run(argv, capsys):
 
 
 @pytest.fixture(scope="module")
-def messages_adapter(tmp_path_factory):
-    """An adapter trained 2 steps on chat data (high lr, so it visibly changes the model)."""
+def random_adapter(tmp_path_factory):
+    """A LoRA adapter on the default model whose lora_B is non-zero (seeded), so it changes the output.
+
+    Built in-process rather than trained: 2 training steps may leave the greedy text unchanged, and then
+    a CLI that ignored --adapter would still pass."""
     folder = tmp_path_factory.mktemp("adapter")
-    data = write_jsonl(folder / "chat.jsonl", EXAMPLES["messages"])
-    code = main(["train", "--model", DEFAULT, "--data", data, "--output_dir", str(folder / "out"), *FAST])
-    assert code == 0
-    return str(folder / "out")
+    peft_model = get_peft_model(CausalLM.from_pretrained(DEFAULT), LoraConfig(r=4, lora_alpha=8))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=g))
+    peft_model.save_pretrained(folder)
+    assert all(v.abs().min() > 0 for k, v in load_file(folder / "adapter_model.safetensors").items()
+               if "lora_B" in k)
+    return str(folder)
+
+
+@pytest.fixture
+def generate_calls(monkeypatch):
+    """Every CausalLM.generate call the CLI makes: (prompt ids, new ids up to and without EOS)."""
+    calls = []
+    original = CausalLM.generate
+
+    def spy(self, input_ids, *args, **kwargs):
+        out = original(self, input_ids, *args, **kwargs)
+        new = out[0, input_ids.shape[1]:].tolist()
+        eos = kwargs.get("eos_token_id")
+        calls.append((input_ids[0].tolist(), new[:new.index(eos)] if eos in new else new))
+        return out
+
+    monkeypatch.setattr(CausalLM, "generate", spy)
+    return calls
 
 
 # ----------------------------------------------------------------------------- demo
@@ -98,30 +131,56 @@ def test_train_reads_a_json_config_and_flags_override_it(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- generate and merge
 
-def test_generate_with_adapter_equals_generate_on_merged_model(messages_adapter, tmp_path, capsys):
-    # plain-text continuation: several tokens to compare (the chat reply may be just EOS after 2 steps)
-    prompt = ["--prompt", "The sum of 2 and", "--no_chat_template", "--max_new_tokens", 8]
-    code, with_adapter, err = run(["generate", "--model", DEFAULT, "--adapter", messages_adapter, *prompt], capsys)
+def test_generate_with_adapter_differs_from_base_and_equals_merged(random_adapter, tmp_path, capsys,
+                                                                  generate_calls):
+    prompt = ["--prompt", "What is 2 plus 1?", "--max_new_tokens", 8]
+    code, with_adapter, err = run(["generate", "--model", DEFAULT, "--adapter", random_adapter, *prompt],
+                                  capsys)
     assert code == 0, err
-    code, _, err = run(["merge", "--model", DEFAULT, "--adapter", messages_adapter, "--out", tmp_path / "m"], capsys)
+    code, bare, err = run(["generate", "--model", DEFAULT, *prompt], capsys)
+    assert code == 0, err
+    code, _, err = run(["merge", "--model", DEFAULT, "--adapter", random_adapter, "--out", tmp_path / "m"],
+                       capsys)
     assert code == 0, err
     code, merged, err = run(["generate", "--model", tmp_path / "m", *prompt], capsys)
     assert code == 0, err
-    assert with_adapter == merged and len(with_adapter.strip()) >= 4
-    # the merge really changed weights (else the equality above would say nothing)
-    base = load_file(os.path.join(DEFAULT, "model.safetensors"))
-    folded = load_file(tmp_path / "m" / "model.safetensors")
-    key = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.allclose(base[key], folded[key])
+    (p_adapter, ids_adapter), (p_bare, ids_bare), (p_merged, ids_merged) = generate_calls
+    chat = Tokenizer.from_pretrained(DEFAULT).apply_chat_template(
+        [{"role": "user", "content": "What is 2 plus 1?"}], add_generation_prompt=True)
+    assert p_adapter == p_bare == p_merged == chat  # the same chat-templated prompt each time
+    assert ids_adapter != ids_bare and len(ids_adapter) >= 4  # the adapter changes the reply ...
+    assert ids_adapter == ids_merged and with_adapter == merged  # ... exactly as merging it does
+    # the CLI's ids are the adapted model's own greedy ids (not only self-consistent)
+    reference = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(DEFAULT), random_adapter)
+    expected = reference.generate(torch.tensor([chat]), max_new_tokens=8, eos_token_id=-1)[0, len(chat):]
+    assert ids_adapter == expected.tolist()[:len(ids_adapter)]
 
 
-def test_chat_reads_turns_until_eof(messages_adapter, capsys, monkeypatch):
+def test_chat_keeps_the_adapter_and_the_history(random_adapter, capsys, monkeypatch, generate_calls):
     import io
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("What is 2 plus 1?\nWhat is 3 plus 1?\n"))
-    code, out, err = run(["chat", "--model", DEFAULT, "--adapter", messages_adapter, "--max_new_tokens", 4], capsys)
+    turns = ["What is 2 plus 1?", "What is 3 plus 1?"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(t + "\n" for t in turns)))
+    code, out, err = run(["chat", "--model", DEFAULT, "--adapter", random_adapter, "--max_new_tokens", 6],
+                         capsys)
     assert code == 0, err
-    assert out.count("assistant> ") == 2
+    assert out.count("assistant> ") == 2 and len(generate_calls) == 2
+    tok = Tokenizer.from_pretrained(DEFAULT)
+    first = [{"role": "user", "content": turns[0]}]
+    (prompt1, reply1), (prompt2, _) = generate_calls
+    assert prompt1 == tok.apply_chat_template(first, add_generation_prompt=True)
+    # turn 2 sees turn 1: user, the assistant's reply, user again, through the chat template
+    history = [*first, {"role": "assistant", "content": tok.decode(reply1, skip_special_tokens=True)},
+               {"role": "user", "content": turns[1]}]
+    assert prompt2 == tok.apply_chat_template(history, add_generation_prompt=True)
+    # the reply came from the adapted model, which answers differently from the bare base
+    base = CausalLM.from_pretrained(DEFAULT)
+    adapted = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(DEFAULT), random_adapter)
+    x = torch.tensor([prompt1])
+    expected, bare = (m.generate(x, max_new_tokens=6, eos_token_id=-1)[0, x.shape[1]:].tolist()
+                      for m in (adapted, base))
+    assert expected != bare
+    assert reply1 == expected[:len(reply1)] and len(reply1) >= 1
 
 
 # ----------------------------------------------------------------------------- walkthrough trace
@@ -204,9 +263,9 @@ def test_bad_values_and_flags_are_clear_errors(tmp_path, capsys):
     _assert_one_paragraph_error(code, err, "--qlora and --full")
 
 
-def test_merge_refuses_to_overwrite(messages_adapter, tmp_path, capsys):
+def test_merge_refuses_to_overwrite(random_adapter, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("x")
-    code, _, err = run(["merge", "--model", DEFAULT, "--adapter", messages_adapter, "--out", tmp_path / "taken"],
+    code, _, err = run(["merge", "--model", DEFAULT, "--adapter", random_adapter, "--out", tmp_path / "taken"],
                        capsys)
     _assert_one_paragraph_error(code, err, "taken", "not empty")
