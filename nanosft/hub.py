@@ -118,3 +118,98 @@ def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
     for old in os.listdir(model_dir):  # an earlier save's other layout would shadow or mix with this one
         if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old) and old not in names:
             os.remove(os.path.join(model_dir, old))
+
+
+# ----------------------------------------------------------------------------- Hub ids from the cache
+
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # no .bin, .gguf
+TRUE_VALUES = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's ENV_VARS_TRUE_VALUES
+
+
+def hub_cache_dir():
+    """(cache folder, the variable that chose it) as huggingface_hub resolves it: HF_HUB_CACHE,
+    else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub.
+    Mirrors: huggingface_hub.constants.HF_HUB_CACHE | Differs: read at call time, not at import."""
+    def expand(path):
+        return os.path.expandvars(os.path.expanduser(path))
+
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):  # the second is the legacy spelling
+        if os.environ.get(var):
+            return expand(os.environ[var]), var
+    if os.environ.get("HF_HOME"):
+        return os.path.join(expand(os.environ["HF_HOME"]), "hub"), "HF_HOME"
+    if os.environ.get("XDG_CACHE_HOME"):
+        xdg = expand(os.environ["XDG_CACHE_HOME"])
+        return os.path.join(xdg, "huggingface", "hub"), "XDG_CACHE_HOME"
+    return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"), "the default"
+
+
+def is_offline():
+    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is 1/ON/YES/TRUE.
+    Mirrors: huggingface_hub.constants.HF_HUB_OFFLINE"""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in TRUE_VALUES
+
+
+def repo_cache_folder(repo_id, cache_dir=None):
+    """`<cache>/models--org--name`, the folder huggingface_hub keeps one model repo in.
+    Mirrors: huggingface_hub.file_download.repo_folder_name"""
+    return os.path.join(cache_dir or hub_cache_dir()[0], "models--" + repo_id.replace("/", "--"))
+
+
+def cached_snapshot(repo_id, revision=None, cache_dir=None):
+    """The cached `snapshots/<sha>` of a model repo, or None. `refs/<revision>` holds the sha;
+    a revision that is itself a cached sha is used directly; revision None means "main".
+    Mirrors: huggingface_hub.try_to_load_from_cache | Differs: returns the folder, models only."""
+    repo_folder = repo_cache_folder(repo_id, cache_dir)
+    revision = revision or "main"
+    ref = os.path.join(repo_folder, "refs", revision)
+    if os.path.isfile(ref):
+        with open(ref, encoding="utf-8") as f:
+            revision = f.read().strip()
+    snapshot = os.path.join(repo_folder, "snapshots", revision)
+    return snapshot if os.path.isdir(snapshot) else None
+
+
+def _cached_revisions(repo_folder):
+    names = []
+    for sub in ("refs", "snapshots"):
+        folder = os.path.join(repo_folder, sub)
+        names += sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return names
+
+
+def resolve_pretrained_path(name_or_path, revision=None, what="model"):
+    """A local folder for a folder or Hub id: the folder, else the id's cached snapshot, else
+    snapshot_download (huggingface_hub installed, HF_HUB_OFFLINE unset), else an error.
+    Mirrors: transformers utils.hub.cached_files -> huggingface_hub snapshot_download
+    Differs: downloads *.json, *.safetensors, *.jinja, *.txt and *.model only."""
+    name = os.fspath(name_or_path)
+    if os.path.isdir(name):
+        return name
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or ".." in name:
+        raise FileNotFoundError(f"{what} {name!r}: no such folder, and not a Hub id (org/name); "
+                                "give a model folder or a Hub id like HuggingFaceTB/SmolLM2-135M")
+    cache_dir, chosen_by = hub_cache_dir()
+    snapshot = cached_snapshot(name, revision, cache_dir)
+    if snapshot is not None:
+        return snapshot
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        snapshot_download = None
+    if snapshot_download is not None and not is_offline():
+        return snapshot_download(name, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    repo_folder = repo_cache_folder(name, cache_dir)
+    if os.path.isdir(repo_folder):  # cached, but not at this revision
+        raise FileNotFoundError(
+            f"{what} {name!r}: revision {revision or 'main'!r} is not cached at {repo_folder} "
+            f"(cached refs, snapshots: {_cached_revisions(repo_folder)}); fix: pass one of those "
+            "as revision=, or download that revision")
+    offline = "HF_HUB_OFFLINE is set, so nothing is downloaded; unset it to download"
+    why = (offline if snapshot_download
+           else 'huggingface_hub is not installed; fix: pip install "nanosft[hub]" to download it')
+    raise FileNotFoundError(
+        f"{what} {name!r} was not found. Looked in {os.path.abspath(name)} (no such folder) and "
+        f"{repo_folder} (the Hugging Face cache, chosen by {chosen_by}; no snapshot of revision "
+        f"{revision or 'main'!r}). {why}; or give a local model folder")
