@@ -561,3 +561,14 @@ class Trainer:
     def _load_best_model(self) -> None:
         """Reload the weights of state.best_model_checkpoint. Mirrors: Trainer._load_best_model"""
         checkpoint.load_model_weights(self.model, self.state.best_model_checkpoint)
+
+    def save_model(self, output_dir=None) -> None:
+        """Save the model (a PEFT model: its adapter only) and the tokenizer; the main process writes.
+        Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
+        output_dir = output_dir or self.args.output_dir
+        if not distributed.is_main_process():
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.model.save_pretrained(output_dir)
+        if hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(output_dir)
