@@ -2,9 +2,40 @@
 
 TRL SFTTrainer -> transformers Trainer.train -> _inner_training_loop -> training_step ->
 compute_loss -> PeftModelForCausalLM.forward -> LoRA Linear4bit.forward over bitsandbytes NF4,
-in small modules a reader can hold beside the source walkthrough. Import the pieces from their
-modules (`nanosft.model`, `nanosft.lora`, `nanosft.trainer`, ...); nothing is imported here so
-that `import nanosft` stays cheap.
+in small modules a reader can hold beside the source walkthrough. The names a TRL script imports
+(`from nanosft import AutoModelForCausalLM, SFTTrainer, LoraConfig, ...`) load on first use through
+a module `__getattr__`, so `import nanosft` itself imports neither torch nor any other module.
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+# top-level name -> the module defining it (imported on first access)
+_LAZY_NAMES = {
+    "AutoModelForCausalLM": "nanosft.auto",
+    "AutoTokenizer": "nanosft.auto",
+    "PeftModel": "nanosft.auto",
+    "BitsAndBytesConfig": "nanosft.nf4",
+    "SFTConfig": "nanosft.args",
+    "TrainingArguments": "nanosft.args",
+    "SFTTrainer": "nanosft.sft",
+    "Trainer": "nanosft.trainer",
+    "LoraConfig": "nanosft.peft",
+    "get_peft_model": "nanosft.peft",
+}
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name):
+    """Import the module that defines a top-level name on first access (PEP 562).
+    Mirrors: transformers' _LazyModule (the same idea, one dict instead of an import structure)"""
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'nanosft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_NAMES))
