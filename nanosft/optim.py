@@ -71,15 +71,23 @@ def parse_optim_args(optim_args: str | None) -> dict[str, str]:
     return parsed
 
 
-def _bitsandbytes_adamw(groups, args, is_paged: bool):
+def _bitsandbytes_adamw(groups, args, is_paged: bool, model: nn.Module):
     try:
         import bitsandbytes as bnb
     except ImportError as e:
         raise ImportError(f"optim={args.optim!r} needs bitsandbytes: pip install bitsandbytes") from e
     # 8-bit blockwise state for tensors with >= 4096 elements; smaller ones stay 32-bit (bnb min_8bit_size).
     # On CPU bitsandbytes 0.50 warns that paging is unsupported and runs the plain 8-bit optimizer.
-    return bnb.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                           eps=args.adam_epsilon, optim_bits=8, is_paged=is_paged)
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = bnb.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon,
+                                optim_bits=8, is_paged=is_paged)
+    # Embeddings keep 32-bit state, as transformers Trainer.create_optimizer registers them
+    # (bnb's GlobalOptimManager is process-wide; the override is read at the first step).
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
 
 
 def _sgd(groups, args):
@@ -103,7 +111,8 @@ def create_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                  eps=args.adam_epsilon, **fused)
     if args.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
-        return _bitsandbytes_adamw(groups, args, is_paged=args.optim.startswith("paged"))
+        is_paged = args.optim.startswith("paged")
+        return _bitsandbytes_adamw(groups, args, is_paged=is_paged, model=model)
     if args.optim == "sgd":
         return _sgd(groups, args)
     raise ValueError(f"optim={args.optim!r} is not one nanosft builds; choose adamw_torch_fused, adamw_torch, "
