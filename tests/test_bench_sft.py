@@ -93,3 +93,55 @@ def test_negative_control_another_data_order_differs(tmp_path):
     other = _trainer_losses(_tiny_model(), rows, tmp_path, seed=43)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(torch.tensor(bare), torch.tensor(other), rtol=0, atol=1e-5)
+
+
+def _tiny_fixture(tmp_path, monkeypatch, length):
+    """The benchmark's Fixture on a tiny shape, holding one sequence of `length` tokens."""
+    monkeypatch.setitem(bench.SIZES, "tiny", {"hidden_size": 32, "intermediate_size": 64,
+                                             "num_hidden_layers": 2, "num_attention_heads": 4,
+                                             "num_key_value_heads": 2, "vocab_size": VOCAB})
+    opts = bench.Options(steps=1, warmup=0, batch_size=1, grad_accum=1)
+    fx = bench.Fixture("tiny", opts, str(tmp_path))
+    fx.rows = [{"input_ids": list(range(3, 3 + length)), "labels": list(range(3, 3 + length))}]
+    fx.plan = [[[0]]]
+    return fx
+
+
+def test_flops_per_step_counts_what_torch_flop_counter_counts(tmp_path, monkeypatch):
+    """6N per token for full fine-tuning equals the matmul FLOPs torch counts in one forward and
+    backward; the attention term is the causal half of the full (T x T) products torch counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaForCausalLM
+
+    length = 24
+    fx = _tiny_fixture(tmp_path, monkeypatch, length)
+    model = LlamaForCausalLM(fx.hf_config)
+    model.set_attn_implementation("eager")  # explicit bmm products, which the counter sees
+    ids = torch.tensor([fx.rows[0]["input_ids"]])
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counts = counter.get_flop_counts()["Global"]
+    attention = sum(v for op, v in counts.items() if "bmm" in str(op))
+    matmul = sum(counts.values()) - attention
+    c = fx.hf_config
+    ours = fx.flops_per_step("full")[0]
+    ours_attention = 6 * c.hidden_size * c.num_hidden_layers * length * (length + 1)
+    assert ours - ours_attention == matmul
+    # torch counts the full square; the causal triangle holds T(T+1)/2 of its T*T entries
+    assert ours_attention * 2 * length == attention * (length + 1)
+    assert attention > 0 and matmul > 0
+
+
+def test_results_sections_survive_each_other(tmp_path):
+    """The small/medium run and a real-size run write one RESULTS.md without erasing each other."""
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# main v1\n")
+    sec = "<!-- section: real-size-cpu -->\nA\n<!-- end: real-size-cpu -->\n"
+    path.write_text(bench.replace_section(str(path), sec))
+    path.write_text(bench.replace_section(str(path), sec.replace("A", "B")))
+    text = path.read_text()
+    assert text.startswith("# main v1") and "B" in text and "\nA\n" not in text
+    path.write_text(bench.keep_sections(str(path), "# main v2\n"))
+    text = path.read_text()
+    assert text.startswith("# main v2") and text.count("<!-- section: real-size-cpu -->") == 1
+    assert "B" in text and "main v1" not in text
