@@ -2,8 +2,9 @@
 
 Compared: batches against tensors written out in the test (TRL's own docstring examples for the
 causal collator) and against rules stated in the test (-100 on padding and on each document's
-first token, 80/10/10 over many draws). Negative control: the naive `labels[input_ids == pad] = -100`
-rule drops a real EOS when pad id == EOS id; ours keeps it. Hermetic: plain integer ids, CPU.
+first token, 80/10/10 over many draws). Negative control: transformers'
+DataCollatorForLanguageModeling, whose naive `labels[labels == pad] = -100` rule drops every real EOS
+when pad id == EOS id, run on the same examples; ours keeps them. Hermetic: plain integer ids, CPU.
 Run: python -m pytest -q tests/test_collator.py
 """
 
@@ -51,10 +52,29 @@ def test_eos_stays_supervised_when_pad_is_eos():
     out = DataCollatorForLanguageModeling(pad_token_id=eos)(examples)
     # Every real EOS is a target; only the two padding slots are -100.
     eq(out["labels"], T([[5, 6, eos, -100, -100], [7, eos, 8, 9, eos]]))
-    # Negative control: the classic rule that derives labels from input_ids == pad loses them all.
-    naive = out["input_ids"].clone()
-    naive[naive == eos] = -100
-    assert (naive == eos).sum() == 0 and (out["labels"] == eos).sum() == 3
+    assert (out["labels"] == eos).sum() == 3
+
+
+def test_naive_pad_rule_in_transformers_collator_drops_real_eos():
+    # Negative control, run through the code that has the classic rule: transformers'
+    # DataCollatorForLanguageModeling(mlm=False) sets labels[labels == pad_token_id] = -100, so with
+    # pad == EOS every real EOS loses its label; ours (above) keeps all three.
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+    from transformers import DataCollatorForLanguageModeling as HFCollator
+    from transformers import PreTrainedTokenizerFast
+
+    eos = 2
+    vocab = {"<unk>": 0, "<x>": 1, "</s>": eos, **{f"t{i}": i for i in range(3, 10)}}
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer(WordLevel(vocab, "<unk>")),
+                                     eos_token="</s>", pad_token="</s>")
+    examples = [{"input_ids": [5, 6, eos]}, {"input_ids": [7, eos, 8, 9, eos]}]
+    theirs = HFCollator(hf_tok, mlm=False)([dict(e) for e in examples])
+    ours = DataCollatorForLanguageModeling(pad_token_id=eos)(examples)
+    eq(theirs["input_ids"], ours["input_ids"])  # same batch, same padding ...
+    assert (theirs["labels"] == eos).sum() == 0  # ... but the naive rule unlabels every real EOS
+    assert (ours["labels"] == eos).sum() == 3
+    eq(theirs["labels"] == -100, ours["input_ids"] == eos)
 
 
 def test_completion_mask_applies_only_with_completion_only_loss():
