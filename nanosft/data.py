@@ -1,7 +1,8 @@
-"""SFT datasets: load JSONL, tell TRL's dataset formats apart, tokenize with loss masks, pack.
+"""SFT datasets: read examples, tell TRL's dataset formats apart, tokenize with loss masks, pack.
 
-Walkthrough 2.1 (SFTTrainer.__init__ prepares `train_dataset` before Trainer sees it) and
-hf-reference 4.2-4.3. `prepare_dataset` follows TRL SFTTrainer._prepare_dataset step by step:
+Walkthrough 2.1 (SFTTrainer.__init__ prepares `train_dataset` before Trainer sees it). Examples come
+from JSONL / JSON / Parquet / CSV files, lists, datasets.Dataset-like sequences or iterables.
+`prepare_dataset` follows TRL SFTTrainer._prepare_dataset step by step:
 append EOS, tokenize (chat template for conversations), completion / assistant masks -> labels
 (-100), truncate (keep_start), drop fully masked examples, pack with Best-Fit-Decreasing
 ("Fewer Truncations Improve Language Modeling", 2404.10830). Knows nothing of models.
@@ -13,6 +14,7 @@ import logging
 import os
 import warnings
 from collections import defaultdict, deque
+from collections.abc import Mapping
 
 from nanosft.tokenizer import validate_messages
 
@@ -20,10 +22,14 @@ logger = logging.getLogger(__name__)
 
 MAP_BATCH_SIZE = 1000  # datasets.map(batched=True) default: TRL's BFD bins form within each batch
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
-FORMATS = ("language_modeling", "prompt_completion", "conversational", "conversational_prompt_completion")
+FORMATS = ("language_modeling", "prompt_completion", "conversational",
+           "conversational_prompt_completion")
 
 
 # ----------------------------------------------------------------------------- loading, formats
+
+COLUMNAR = {".parquet": "parquet", ".csv": "csv"}  # read through `datasets` (a `data` extra)
+
 
 def _read_jsonl(path):
     """One JSON object per line (blank lines skipped); returns (examples, where-strings)."""
@@ -35,13 +41,95 @@ def _read_jsonl(path):
             try:
                 example = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {n}: not valid JSON ({error.msg}, column {error.colno}); "
-                                 "fix: write exactly one JSON object per line") from None
+                raise ValueError(f"{path}, line {n}: not valid JSON ({error.msg}, column "
+                                 f"{error.colno}); fix: write one JSON object per line") from None
             if not isinstance(example, dict):
                 raise TypeError(f"{path}, line {n}: expected a JSON object such as "
-                                 f'{{"text": "..."}}, got a {type(example).__name__}')
+                                f'{{"text": "..."}}, got a {type(example).__name__}')
             examples.append(example)
             wheres.append(f"{path}, line {n} (example {len(examples) - 1})")
+    return examples, wheres
+
+
+def _read_json_array(path):
+    """A .json file holding one array of objects; returns (examples, where-strings)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            examples = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error.msg}, line {error.lineno} column "
+                             f"{error.colno}); fix: a .json dataset is one array of objects, "
+                             "[{...}, {...}], or JSON Lines (one object per line)") from None
+    if not isinstance(examples, list):
+        raise TypeError(f"{path}: expected a JSON array of examples, got a "
+                        f"{type(examples).__name__}; fix: write [{{...}}, {{...}}], or one "
+                        "object per line as JSON Lines")
+    return examples, [f"{path}, item {i}" for i in range(len(examples))]
+
+
+def _read_columnar(path, kind):
+    """A .parquet / .csv file through `datasets` (rows as dicts); a clear pip hint without it."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"{path}: reading .{kind} files needs the datasets library; fix: "
+                          'pip install "nanosft[data]" (or pip install datasets), or convert '
+                          "the file to JSONL") from None
+    examples = datasets.load_dataset(kind, data_files=os.fspath(path), split="train").to_list()
+    return examples, [f"{path}, row {i}" for i in range(len(examples))]
+
+
+def read_dataset_file(path):
+    """Rows of a .jsonl, .json (array or JSON Lines), .parquet or .csv file; others read as JSONL.
+    Walkthrough 2.1 | Mirrors: datasets load_dataset("json" | "parquet" | "csv", data_files=path)"""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file; give a .jsonl, .json, .parquet or .csv "
+                                "file of examples")
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix in COLUMNAR:
+        return _read_columnar(path, COLUMNAR[suffix])
+    if suffix == ".json":
+        with open(path, encoding="utf-8") as f:
+            head = f.read(4096).lstrip()
+        if head.startswith("["):
+            return _read_json_array(path)
+    return _read_jsonl(path)
+
+
+def to_example_list(source, name="the dataset", max_steps=None):
+    """(examples, where-strings) from a path, a list, any sequence of dicts (a datasets.Dataset,
+    not imported) or an iterable of dicts (an IterableDataset: then max_steps > 0 is required).
+    Walkthrough 2.1 | Mirrors: the datasets TRL accepts as train_dataset / eval_dataset
+    Differs: an iterable is read into memory at the start; TRL streams it."""
+    if isinstance(source, (str, os.PathLike)):
+        examples, wheres = read_dataset_file(source)
+        name = os.fspath(source)
+    elif isinstance(source, Mapping):
+        raise TypeError(f"{name}: got a {type(source).__name__} (a dict of splits or columns); "
+                        "fix: pass one split such as dataset['train'], or a list of dicts")
+    elif isinstance(source, list):
+        examples, wheres = source, None
+    elif hasattr(source, "__len__") and hasattr(source, "__getitem__"):  # datasets.Dataset, ...
+        examples, wheres = [source[i] for i in range(len(source))], None
+    elif hasattr(source, "__iter__"):  # datasets.IterableDataset, a generator, ...
+        if max_steps is not None and max_steps <= 0:
+            raise ValueError(f"{name} is an iterable without a length (an IterableDataset?), so "
+                             "the number of training steps is unknown; fix: set max_steps, e.g. "
+                             "SFTConfig(max_steps=500) or --max_steps 500")
+        examples, wheres = list(source), None
+    else:
+        raise TypeError(f"{name} must be a dataset file path, a list or sequence of dicts (such "
+                        "as a datasets.Dataset) or an iterable of dicts; got "
+                        f"{type(source).__name__}")
+    wheres = wheres or [f"example {i}" for i in range(len(examples))]
+    if not examples:
+        raise ValueError(f"{name}: the dataset is empty (0 examples); fix: give at least one "
+                         "example")
+    for example, where in zip(examples, wheres):
+        if not isinstance(example, Mapping):
+            raise TypeError(f"{where}: expected a dict of fields such as {{'text': ...}}, got a "
+                            f"{type(example).__name__}; fix: each row is one example with named "
+                            "fields")
     return examples, wheres
 
 
@@ -53,7 +141,8 @@ def dataset_format(example, dataset_text_field="text"):
         if missing not in example:
             raise ValueError(f"field {missing!r} is missing (prompt-completion examples need both "
                              "'prompt' and 'completion')")
-        return "conversational_prompt_completion" if isinstance(example["prompt"], list) else "prompt_completion"
+        conversational = isinstance(example["prompt"], list)
+        return "conversational_prompt_completion" if conversational else "prompt_completion"
     if "messages" in example:
         return "conversational"
     if dataset_text_field in example:
@@ -75,7 +164,8 @@ def _check_field(example, field, kind):
 
 def check_example(example, dataset_text_field="text"):
     """Validate one example's fields for its format; returns the format name.
-    Walkthrough 2.1 | Mirrors: the checks TRL leaves to a failing tokenizer call | Differs: fails early."""
+    Walkthrough 2.1 | Mirrors: the checks TRL leaves to a failing tokenizer call
+    Differs: fails early."""
     fmt = dataset_format(example, dataset_text_field)
     kinds = {"language_modeling": {dataset_text_field: "str"},
              "prompt_completion": {"prompt": "str", "completion": "str"},
@@ -86,29 +176,22 @@ def check_example(example, dataset_text_field="text"):
     return fmt
 
 
-def load_examples(source, dataset_text_field="text"):
-    """Read a JSONL path or take a list of dicts; check every example and that all share one format.
-    Walkthrough 2.1 | Mirrors: datasets load_dataset("json") + TRL's format detection"""
-    if isinstance(source, (str, os.PathLike)):
-        examples, wheres = _read_jsonl(source)
-        name = os.fspath(source)
-    elif isinstance(source, list):
-        examples, wheres, name = source, [f"example {i}" for i in range(len(source))], "the example list"
-    else:
-        raise TypeError(f"source must be a JSONL path or a list of dicts, got {type(source).__name__}")
-    if not examples:
-        raise ValueError(f"{name}: the dataset is empty (0 examples); fix: give at least one example")
+def load_examples(source, dataset_text_field="text", max_steps=None):
+    """Examples from a file, list, sequence or iterable (see to_example_list), each checked and all
+    of one format (tokenized rows pass as they are); fields a format does not use are ignored.
+    Walkthrough 2.1 | Mirrors: datasets load_dataset + TRL's format detection"""
+    examples, wheres = to_example_list(source, max_steps=max_steps)
+    if "input_ids" in examples[0]:
+        return examples  # already tokenized: TRL skips straight to labels, truncation, packing
     formats = []
     for example, where in zip(examples, wheres):
         try:
-            if not isinstance(example, dict):
-                raise TypeError(f"expected a dict, got {type(example).__name__}")
             formats.append(check_example(example, dataset_text_field))
         except (TypeError, ValueError) as error:
             raise type(error)(f"{where}: {error}") from None
         if formats[-1] != formats[0]:
-            raise ValueError(f"{where}: format {formats[-1]} differs from {wheres[0]}'s {formats[0]}; "
-                             "fix: one dataset holds one format")
+            raise ValueError(f"{where}: format {formats[-1]} differs from {wheres[0]}'s "
+                             f"{formats[0]}; fix: one dataset holds one format")
     return examples
 
 
@@ -128,27 +211,30 @@ def common_prefix_length(ids, other_ids):
 def assistant_char_spans(tokenizer, messages):
     """Character span of each assistant turn in the rendered chat, found by rendering prefixes:
     turn i runs from len(render(messages[:i]) + generation prompt) to len(render(messages[:i+1])).
-    Walkthrough 2.1 | Mirrors: transformers {% generation %} spans | Differs: needs no template tags."""
+    Walkthrough 2.1 | Mirrors: transformers {% generation %} spans
+    Differs: needs no template tags."""
     full = tokenizer.render_chat(messages)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         if i == 0:
-            raise ValueError("messages[0] is an assistant turn; assistant_only_loss needs a system or "
-                             "user message before it to render the generation prompt")
+            raise ValueError("messages[0] is an assistant turn; assistant_only_loss needs a system "
+                             "or user message before it to render the generation prompt")
         head = tokenizer.render_chat(messages[:i], add_generation_prompt=True)
         turn = tokenizer.render_chat(messages[: i + 1])
         if not (full.startswith(head) and full.startswith(turn)):
-            raise ValueError(f"the chat template does not render messages[:{i}] as a prefix of the whole "
-                             "chat, so assistant turns cannot be located; use a prefix-preserving template")
+            raise ValueError(f"the chat template does not render messages[:{i}] as a prefix of the "
+                             "whole chat, so assistant turns cannot be located; use a "
+                             "prefix-preserving template")
         spans.append((len(head), len(turn)))  # the turn's text incl. its end-of-turn token
     return spans
 
 
 def assistant_token_mask(tokenizer, messages, input_ids):
     """1 on every token overlapping an assistant turn (content and `<|im_end|>`), else 0.
-    Walkthrough 2.1 | Mirrors: transformers apply_chat_template(return_assistant_tokens_mask=True)"""
+    Walkthrough 2.1
+    Mirrors: transformers apply_chat_template(return_assistant_tokens_mask=True)"""
     ids, offsets = tokenizer.encode_with_offsets(tokenizer.render_chat(messages))
     if list(ids) != list(input_ids):
         raise ValueError("the chat re-encoded for offsets differs from its input_ids")
@@ -172,7 +258,8 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
     if fmt == "conversational":
         out = {"input_ids": tokenizer.apply_chat_template(example["messages"])}
         if assistant_only_loss:
-            out["assistant_masks"] = assistant_token_mask(tokenizer, example["messages"], out["input_ids"])
+            out["assistant_masks"] = assistant_token_mask(tokenizer, example["messages"],
+                                                          out["input_ids"])
         return out
     prompt, completion = example["prompt"], example["completion"]
     out = {}
@@ -188,9 +275,11 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
     # The completion starts where prompt and prompt+completion diverge (tokens may merge across).
     n = common_prefix_length(prompt_ids, full_ids)
     if n < len(prompt_ids):  # shown once per run, as TRL's warning_once
-        warnings.warn("the tokenized prompt is not a prefix of the tokenized prompt+completion (tokens "
-                      "merge across the boundary); the completion mask starts where they diverge. "
-                      "Fix: end prompts on a token boundary, e.g. without a trailing space", stacklevel=2)
+        warnings.warn("the tokenized prompt is not a prefix of the tokenized prompt+completion "
+                      "(tokens merge across the boundary); the completion mask starts where they "
+                      "diverge. "
+                      "Fix: end prompts on a token boundary, e.g. without a trailing space",
+                      stacklevel=2)
     out["input_ids"] = full_ids
     out["completion_mask"] = [0] * n + [1] * (len(full_ids) - n)
     return out
@@ -207,7 +296,8 @@ def build_labels(input_ids, masks):
 def _bfd_bins(lengths, seq_length):
     """Best-Fit-Decreasing: longest first, each into the open bin with the least room that fits
     (oldest first among equal room), else a new bin. Returns bins as lists of indices.
-    Walkthrough 2.1 | Mirrors: trl _pack_bfd, _SegmentTree | Differs: a sorted list of free spaces."""
+    Walkthrough 2.1 | Mirrors: trl _pack_bfd, _SegmentTree
+    Differs: a sorted list of free spaces."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable, as Arrow's sort
     bins, free, by_free = [], [], defaultdict(deque)  # free: sorted distinct spaces of open bins
     for i in order:
@@ -248,14 +338,16 @@ def _pack_batch_bfd(rows, seq_length, split):
 def _pack_batch_wrapped(rows, seq_length):
     flat = {k: [x for row in rows for x in row[k]] for k in rows[0]}
     total = len(flat["input_ids"])
-    return [{k: v[s : s + seq_length] for k, v in flat.items()} for s in range(0, total, seq_length)]
+    starts = range(0, total, seq_length)
+    return [{k: v[s : s + seq_length] for k, v in flat.items()} for s in starts]
 
 
 def pack_dataset(examples, max_length, strategy="bfd"):
-    """Pack token rows into rows of at most max_length, per 1000-example batch; bfd adds seq_lengths.
+    """Pack token rows into rows of at most max_length, per 1000-example batch (bfd: seq_lengths).
     Walkthrough 2.1 | Mirrors: trl pack_dataset (strategies bfd, bfd_split, wrapped)"""
     if strategy not in PACKING_STRATEGIES:
-        raise ValueError(f"unknown packing strategy {strategy!r}; expected one of {PACKING_STRATEGIES}")
+        raise ValueError(f"unknown packing strategy {strategy!r}; expected one of "
+                         f"{PACKING_STRATEGIES}")
     if not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"packing needs a positive integer max_length, got {max_length!r}")
     packed = []
@@ -270,16 +362,17 @@ def pack_dataset(examples, max_length, strategy="bfd"):
     return packed
 
 
-# ----------------------------------------------------------------------------- the whole preparation
+# ----------------------------------------------------------------------------- whole preparation
 
 def _drop_fully_masked(rows):
     kept = [row for row in rows if any(label != -100 for label in row["labels"])]
     if len(kept) < len(rows):
-        logger.warning("dropped %d of %d examples with no trainable token after masking and truncation",
-                       len(rows) - len(kept), len(rows))
+        logger.warning("dropped %d of %d examples with no trainable token after masking and "
+                       "truncation", len(rows) - len(kept), len(rows))
     if not kept:
-        raise ValueError(f"all {len(rows)} examples have labels that are all -100 (nothing to train on); "
-                         "fix: raise max_length, or check the prompt/completion or assistant turns")
+        raise ValueError(f"all {len(rows)} examples have labels that are all -100 (nothing to "
+                         "train on); fix: raise max_length, or check the prompt/completion or "
+                         "assistant turns")
     return kept
 
 
@@ -287,12 +380,13 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
                     completion_only_loss=None, assistant_only_loss=False, dataset_text_field="text",
                     eos_token=None):
     """Examples (path or dicts) -> rows of `input_ids`, `labels` (-100 = no loss) [, `seq_lengths`].
-    Walkthrough 2.1 | Mirrors: trl SFTTrainer._prepare_dataset (+ SFTTrainer.__init__ option checks)"""
-    if isinstance(examples, list) and examples and "input_ids" in examples[0]:
-        fmt = "tokenized"  # already tokenized: TRL skips straight to labels, truncation, packing
+    Walkthrough 2.1
+    Mirrors: trl SFTTrainer._prepare_dataset (+ SFTTrainer.__init__ option checks)"""
+    examples = load_examples(examples, dataset_text_field)
+    if "input_ids" in examples[0]:
+        fmt = "tokenized"
         rows = [dict(ex) for ex in examples]
     else:
-        examples = load_examples(examples, dataset_text_field)
         fmt = dataset_format(examples[0], dataset_text_field)
         if assistant_only_loss and not fmt.startswith("conversational"):
             raise ValueError(f"assistant_only_loss=True needs a conversational dataset, got {fmt}")
@@ -301,8 +395,9 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         rows = [tokenize_example(ex, tokenizer, fmt, **kwargs) for ex in examples]
         for i, row in enumerate(rows):
             if "assistant_masks" in row and 1 not in row["assistant_masks"]:
-                raise ValueError(f"example {i} has no assistant turn, so assistant_only_loss leaves "
-                                 "nothing to train; fix: drop it or add the assistant reply")
+                raise ValueError(f"example {i} has no assistant turn, so assistant_only_loss "
+                                 "leaves nothing to train; fix: drop it or add the assistant "
+                                 "reply")
     if completion_only_loss is None:
         completion_only_loss = fmt.endswith("prompt_completion")
     if "labels" not in rows[0]:

@@ -98,8 +98,8 @@ class SFTTrainer(Trainer):
         self.padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
         if self.padding_free and data_collator is not None:
             raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free / bfd packing.")
-        train_dataset = load_examples(train_dataset, args.dataset_text_field) if isinstance(train_dataset, str) \
-            else train_dataset
+        # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
+        train_dataset = load_examples(train_dataset, args.dataset_text_field, args.max_steps)
         first = train_dataset[0]
         self.completion_only_loss = (args.completion_only_loss if args.completion_only_loss is not None
                                      else "prompt" in first and "completion" in first)
