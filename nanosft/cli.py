@@ -1,10 +1,13 @@
 """The `nanosft` command line (also `python -m nanosft`): demo, train, generate, chat, merge.
 
-A thin door over the library: `train` builds an SFTConfig / LoraConfig from flags (one typed flag per
-dataclass field) and a JSON config file, then runs SFTTrainer (walkthrough 1: SFTTrainer.__init__ ->
-trainer.train()); `demo` does the same on the embedded default model (nanosft.demo). Mistakes a user can
-make (bad path, bad JSONL line, bad value) end in a one-paragraph message on stderr and exit status 2;
-NANOSFT_DEBUG=1 shows the traceback instead. `--trace` / NANOSFT_TRACE=1 prints the walkthrough trace.
+A thin door over the library: `train` builds an SFTConfig / LoraConfig from flags (one typed flag
+per dataclass field) and a JSON config file, then runs SFTTrainer (walkthrough 1:
+SFTTrainer.__init__ -> trainer.train()); `demo` does the same on the embedded default model
+(nanosft.demo). `--model` / `--adapter` take a folder or a Hub id from the local Hugging Face
+cache. Mistakes a user can make (bad path, bad JSONL line, bad value) end in a one-paragraph message
+on stderr and exit status 2; NANOSFT_DEBUG=1 shows the traceback instead. `--trace` /
+NANOSFT_TRACE=1 prints the walkthrough trace. Torch is imported only once a command runs, so
+`nanosft --help` and a mistyped flag answer at once.
 """
 
 import argparse
@@ -20,14 +23,23 @@ import tempfile
 import types
 import typing
 
-from nanosft import trace as walkthrough_trace
-
 # Fields that are fixed by the command itself, so no flag is generated for them.
 FIXED_FIELDS = {"peft_type", "task_type", "inference_mode", "base_model_name_or_path"}
 TRUE, FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+# Extra spellings of dataclass flags. `--r` alone is an ambiguous prefix of torchrun's own options
+# (--rdzv-*, --role, --run-path, ...), so `torchrun ... -m nanosft train --r 16` fails inside
+# torchrun's parser; `--lora_r` (axolotl's name) passes through.
+FLAG_ALIASES = {"r": ["--lora_r"]}
 
 
-# ----------------------------------------------------------------------------- typed flags from dataclasses
+def _trace():
+    """nanosft.trace, imported when a command runs (it imports torch)."""
+    from nanosft import trace
+
+    return trace
+
+
+# ----------------------------------------------------------------------------- typed flags
 
 def _kinds(annotation) -> tuple:
     """The plain types an annotation allows: `bool | None` -> (bool, NoneType)."""
@@ -37,10 +49,9 @@ def _kinds(annotation) -> tuple:
 
 
 def value_parser(name, annotation):
-    """A function turning the text of `--name` into a value of the field's type (the error names both).
-
-    Mirrors: transformers HfArgumentParser (one flag per dataclass field) | Differs: unions parsed left to right.
-    """
+    """A function turning the text of `--name` into a value of the field's type (errors name both).
+    Mirrors: transformers HfArgumentParser (one flag per dataclass field)
+    Differs: unions parsed left to right."""
     kinds = _kinds(annotation)
 
     def parse(text):
@@ -59,7 +70,8 @@ def value_parser(name, annotation):
             try:
                 return json.loads(text)
             except json.JSONDecodeError as error:
-                raise argparse.ArgumentTypeError(f"--{name}: {text!r} is not valid JSON ({error.msg})") from None
+                raise argparse.ArgumentTypeError(
+                    f"--{name}: {text!r} is not valid JSON ({error.msg})") from None
         if list in kinds and "," in text:
             return [part.strip() for part in text.split(",") if part.strip()]
         if str in kinds:
@@ -67,13 +79,14 @@ def value_parser(name, annotation):
         names = " or ".join(k.__name__ for k in kinds)
         raise argparse.ArgumentTypeError(f"--{name} expects {names}, got {text!r}")
 
-    parse.__name__ = "/".join(k.__name__ for k in kinds)  # argparse shows it in "invalid <type> value"
+    parse.__name__ = "/".join(k.__name__ for k in kinds)  # argparse: "invalid <type> value"
     return parse
 
 
 def add_dataclass_flags(parser, cls, prefix):
-    """One `--field VALUE` flag per dataclass field (dest `<prefix>field`, unset unless given); returns the names.
-    Walkthrough 2.1 (args, peft_config) | Mirrors: transformers HfArgumentParser._add_dataclass_arguments"""
+    """One `--field VALUE` flag per dataclass field (dest `<prefix>field`, unset unless given, plus
+    FLAG_ALIASES); returns the names. Walkthrough 2.1 (args, peft_config)
+    Mirrors: transformers HfArgumentParser._add_dataclass_arguments"""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} fields (Hugging Face names and defaults)")
     names = []
@@ -83,17 +96,19 @@ def add_dataclass_flags(parser, cls, prefix):
         default = field.default if field.default is not dataclasses.MISSING else "(computed)"
         kinds = _kinds(hints[field.name])
         flag_only_bool = set(kinds) <= {bool, type(None)}
-        group.add_argument(f"--{field.name}", dest=prefix + field.name, default=argparse.SUPPRESS,
+        group.add_argument(f"--{field.name}", *FLAG_ALIASES.get(field.name, []),
+                           dest=prefix + field.name, default=argparse.SUPPRESS,
                            type=value_parser(field.name, hints[field.name]), metavar="VALUE",
-                           nargs="?" if flag_only_bool else None, const=True if flag_only_bool else None,
-                           help=f"default: {default!r}")
+                           nargs="?" if flag_only_bool else None,
+                           const=True if flag_only_bool else None, help=f"default: {default!r}")
         names.append(field.name)
     return names
 
 
 def read_config_file(path, allowed: dict) -> dict:
-    """A JSON object of field values; an unknown key is an error naming it, the file and the closest field.
-    Walkthrough 2.1 | Mirrors: transformers HfArgumentParser.parse_json_file(allow_extra_keys=False)"""
+    """A JSON object of field values; an unknown key is an error naming it, the file and the closest
+    field. Walkthrough 2.1
+    Mirrors: transformers HfArgumentParser.parse_json_file(allow_extra_keys=False)"""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file; give a JSON file such as "
                                 '{"learning_rate": 2e-4, "r": 16}')
@@ -101,8 +116,8 @@ def read_config_file(path, allowed: dict) -> dict:
         with open(path, encoding="utf-8") as f:
             values = json.load(f)
     except json.JSONDecodeError as error:
-        raise ValueError(f"--config {path}: invalid JSON at line {error.lineno} column {error.colno} "
-                         f"({error.msg}); fix the file") from None
+        raise ValueError(f"--config {path}: invalid JSON at line {error.lineno} column "
+                         f"{error.colno} ({error.msg}); fix the file") from None
     if not isinstance(values, dict):
         raise TypeError(f"--config {path}: expected a JSON object of field names to values, "
                          f"got a {type(values).__name__}")
@@ -110,8 +125,8 @@ def read_config_file(path, allowed: dict) -> dict:
         if key not in allowed:
             close = difflib.get_close_matches(key, list(allowed), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"--config {path}: unknown key {key!r}{hint}. Keys must be SFTConfig or LoraConfig "
-                             "field names; `nanosft train --help` lists them all")
+            raise ValueError(f"--config {path}: unknown key {key!r}{hint}. Keys must be SFTConfig "
+                             "or LoraConfig field names; `nanosft train --help` lists them all")
     return values
 
 
@@ -122,19 +137,24 @@ def collect(args, prefix):
 
 # ----------------------------------------------------------------------------- loading models
 
+def resolve_folder(flag, name):
+    """The local folder of --model / --adapter: the folder itself or the Hub id's cached snapshot.
+    Walkthrough 2.1 | Mirrors: transformers cached_files (a repo id or a path)"""
+    from nanosft import hub
+
+    return hub.resolve_pretrained_path(name, what=flag)
+
+
 def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
-    """A CausalLM (fp32, or NF4 when asked) from a Hugging Face folder, with a PEFT adapter on top when given.
-    Walkthrough 2.1 (model loading) | Mirrors: AutoModelForCausalLM.from_pretrained + PeftModel.from_pretrained"""
+    """A CausalLM (fp32, or NF4 when asked) from a folder or Hub id, with a PEFT adapter when given.
+    Walkthrough 2.1 (model loading)
+    Mirrors: AutoModelForCausalLM.from_pretrained + PeftModel.from_pretrained"""
     from nanosft import nf4
     from nanosft.model import CausalLM
     from nanosft.peft import PeftModelForCausalLM
 
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"--model {model_dir}: no such folder; give a Hugging Face model folder "
-                                "(config.json, model.safetensors, tokenizer.json)")
-    if adapter_dir is not None and not os.path.isdir(adapter_dir):
-        raise FileNotFoundError(f"--adapter {adapter_dir}: no such folder; give the folder `nanosft train` or "
-                                "`nanosft demo` saved (adapter_config.json, adapter_model.safetensors)")
+    model_dir = resolve_folder("--model", model_dir)
+    adapter_dir = None if adapter_dir is None else resolve_folder("--adapter", adapter_dir)
     model = CausalLM.from_pretrained(model_dir).to(device)
     if load_in_4bit:
         model = nf4.quantize_model(model)
@@ -144,14 +164,16 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
 
 
 def load_tokenizer(model_dir):
-    """The model folder's tokenizer (tokenizer.json, chat template). Mirrors: AutoTokenizer.from_pretrained"""
+    """The tokenizer (tokenizer.json, chat template) of a model folder or Hub id.
+    Mirrors: AutoTokenizer.from_pretrained"""
     from nanosft.tokenizer import Tokenizer
 
-    return Tokenizer.from_pretrained(model_dir)
+    return Tokenizer.from_pretrained(resolve_folder("--model", model_dir))
 
 
 def pick_device(name):
-    """"cpu" / "cuda" as asked (an error if CUDA is missing), else cuda when available. Mirrors: args.device"""
+    """"cpu" / "cuda" as asked (an error if CUDA is missing), else cuda when available.
+    Mirrors: TrainingArguments.device"""
     import torch
 
     if name == "cuda" and not torch.cuda.is_available():
@@ -167,11 +189,12 @@ def run_demo(args):
     from nanosft import demo
 
     if args.full and (args.dora or args.no_quant):
-        raise ValueError("--full trains every weight of a full-precision model; drop --dora / --no-quant")
+        raise ValueError("--full trains every weight of a full-precision model; drop --dora / "
+                         "--no-quant")
     mode = "full" if args.full else ("dora" if args.dora else "lora") if args.no_quant else \
         ("qdora" if args.dora else "qlora")
-    return demo.run(output_dir=args.output_dir, mode=mode, device=pick_device(args.device), steps=args.steps,
-                    report_to=args.report_to, trace=walkthrough_trace.is_enabled())
+    return demo.run(output_dir=args.output_dir, mode=mode, device=pick_device(args.device),
+                    steps=args.steps, report_to=args.report_to, trace=_trace().is_enabled())
 
 
 # ----------------------------------------------------------------------------- train
@@ -182,7 +205,8 @@ def build_train_configs(args, sft_names, lora_names):
     from nanosft.args import SFTConfig
     from nanosft.peft import LoraConfig, PromptTuningConfig
 
-    allowed = {**dict.fromkeys(sft_names, "sft"), **dict.fromkeys(lora_names, "lora"), "num_virtual_tokens": "pt"}
+    allowed = {**dict.fromkeys(sft_names, "sft"), **dict.fromkeys(lora_names, "lora"),
+               "num_virtual_tokens": "pt"}
     from_file = read_config_file(args.config, allowed) if args.config else {}
     values = {"sft": {}, "lora": {}, "pt": {}}
     for key, value in from_file.items():
@@ -192,24 +216,26 @@ def build_train_configs(args, sft_names, lora_names):
     if args.num_virtual_tokens is not None:
         values["pt"]["num_virtual_tokens"] = args.num_virtual_tokens
     if not values["sft"].get("output_dir"):
-        raise ValueError("--output_dir is required (where the adapter or model, metrics.jsonl and checkpoints go)")
+        raise ValueError("--output_dir is required (where the adapter or model, metrics.jsonl and "
+                         "checkpoints go)")
     chosen = [name for name in ("qlora", "full", "prompt_tuning") if getattr(args, name)]
     if len(chosen) > 1:
         raise ValueError(f"--{' and --'.join(chosen)} cannot be combined; pick one way to train")
     if args.dora:
         values["lora"]["use_dora"] = True
-    if walkthrough_trace.is_enabled():
-        values["sft"].setdefault("disable_tqdm", True)  # the progress bar would cut through the trace lines
+    if _trace().is_enabled():
+        values["sft"].setdefault("disable_tqdm", True)  # a progress bar would cut the trace lines
     sft_config = SFTConfig(**values["sft"])
     if args.full:
         return sft_config, None
     if args.prompt_tuning:
-        return sft_config, PromptTuningConfig(num_virtual_tokens=values["pt"].get("num_virtual_tokens", 8))
-    return sft_config, LoraConfig(**values["lora"])  # peft's defaults: r=8, lora_alpha=8, q_proj and v_proj
+        n_tokens = values["pt"].get("num_virtual_tokens", 8)
+        return sft_config, PromptTuningConfig(num_virtual_tokens=n_tokens)
+    return sft_config, LoraConfig(**values["lora"])  # peft's defaults: r=8, lora_alpha=8, q/v_proj
 
 
 def run_train(args):
-    """SFT of --model on --data: SFTTrainer.__init__ then trainer.train(); works under torchrun (rank 0 saves).
+    """SFT of --model on --data: SFTTrainer.__init__, trainer.train(); under torchrun rank 0 saves.
     Walkthrough 2.1, 2.2 | Mirrors: `trl sft` (trl.scripts.sft.main)"""
     from nanosft import distributed, nf4
     from nanosft.sft import SFTTrainer
@@ -217,19 +243,22 @@ def run_train(args):
     sft_config, peft_config = build_train_configs(args, args.sft_names, args.lora_names)
     for flag, path in (("--data", args.data), ("--eval_data", args.eval_data)):
         if path is not None and not os.path.isfile(path):
-            raise FileNotFoundError(f"{flag} {path}: no such file; give a JSONL file with one example per line "
-                                    '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]})')
+            raise FileNotFoundError(
+                f"{flag} {path}: no such file; give a JSONL file with one example per line "
+                '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}), '
+                "or a .json array, .parquet or .csv file")
     model = load_model(args.model, device=sft_config.device)
     model.train()
     if args.qlora:
         model = nf4.quantize_model(model)
     tokenizer = load_tokenizer(args.model)
-    trainer = SFTTrainer(model, args=sft_config, train_dataset=args.data, eval_dataset=args.eval_data,
-                         processing_class=tokenizer, peft_config=peft_config)
-    walkthrough_trace.attach(trainer)
+    trainer = SFTTrainer(model, args=sft_config, train_dataset=args.data,
+                         eval_dataset=args.eval_data, processing_class=tokenizer,
+                         peft_config=peft_config)
+    _trace().attach(trainer)
     result = trainer.train()
     if distributed.is_main_process():
-        trainer.model.save_pretrained(sft_config.output_dir)  # adapter (PEFT format) or the whole model
+        trainer.model.save_pretrained(sft_config.output_dir)  # adapter (PEFT format) or the model
         tokenizer.save_pretrained(sft_config.output_dir)
         if "tensorboard" in sft_config.report_to:
             _tensorboard(trainer, sft_config.output_dir)
@@ -247,17 +276,17 @@ def _tensorboard(trainer, output_dir):
     if demo.write_tensorboard_events(trainer.state.log_history, log_dir):
         print(f"TensorBoard events: {log_dir}  (tensorboard --logdir {log_dir})")
     else:
-        print('report_to="tensorboard": tensorboard is not installed; pip install "nanosft[tensorboard]"')
+        print('report_to="tensorboard": tensorboard is not installed; '
+              'pip install "nanosft[tensorboard]"')
 
 
-# ----------------------------------------------------------------------------- generate, chat, merge
+# ----------------------------------------------------------------------------- generate, chat
 
 def make_streamer(tokenizer, out=None):
-    """A `streamer(new_ids)` for CausalLM.generate printing text as it arrives (one row), silent after EOS.
-
-    Mirrors: transformers TextStreamer | Differs: decodes the whole reply each step, prints the new suffix.
-    """
-    out = out if out is not None else sys.stdout  # looked up now: tests and callers may swap sys.stdout
+    """A `streamer(new_ids)` for CausalLM.generate printing text as it arrives (one row), silent
+    after EOS. Mirrors: transformers TextStreamer
+    Differs: decodes the whole reply each step, prints the new suffix."""
+    out = out if out is not None else sys.stdout  # looked up now: callers may swap sys.stdout
     ids, printed, done = [], [""], [False]
 
     def streamer(new_ids):
@@ -296,14 +325,16 @@ def stream_reply(model, tokenizer, messages, args):
 
 
 def run_generate(args):
-    """One chat-templated prompt -> streamed reply. Mirrors: model.generate(**tokenizer.apply_chat_template(...))"""
+    """One chat-templated prompt -> streamed reply.
+    Mirrors: model.generate(**tokenizer.apply_chat_template(...))"""
     model = load_model(args.model, args.adapter, args.load_in_4bit, pick_device(args.device))
-    stream_reply(model, load_tokenizer(args.model), [{"role": "user", "content": args.prompt}], args)
+    messages = [{"role": "user", "content": args.prompt}]
+    stream_reply(model, load_tokenizer(args.model), messages, args)
     return 0
 
 
 def run_chat(args):
-    """An interactive chat: one user turn per stdin line, replies streamed, history kept, ends at EOF.
+    """An interactive chat: a user turn per stdin line, replies streamed, history kept, ends at EOF.
     Mirrors: `transformers chat` | Differs: an empty line resets the history; no slash commands."""
     model = load_model(args.model, args.adapter, args.load_in_4bit, pick_device(args.device))
     tokenizer = load_tokenizer(args.model)
@@ -322,16 +353,16 @@ def run_chat(args):
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         print("assistant> ", end="", flush=True)
-        messages.append({"role": "assistant", "content": stream_reply(model, tokenizer, messages, args)})
+        reply = stream_reply(model, tokenizer, messages, args)
+        messages.append({"role": "assistant", "content": reply})
 
 
 def run_merge(args):
-    """Fold the adapter into the full-precision base and write a Hugging Face folder transformers loads.
-
-    Walkthrough 2.7 (merge) | Mirrors: peft merge_and_unload + save_pretrained
-    """
+    """Fold the adapter into the full-precision base and write a Hugging Face folder transformers
+    loads. Walkthrough 2.7 (merge) | Mirrors: peft merge_and_unload + save_pretrained"""
     if os.path.exists(args.out) and os.listdir(args.out):
-        raise FileExistsError(f"--out {args.out} exists and is not empty; give a new folder (nothing is overwritten)")
+        raise FileExistsError(f"--out {args.out} exists and is not empty; give a new folder "
+                              "(nothing is overwritten)")
     model = load_model(args.model, args.adapter).merge_and_unload()
     parent = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(parent, exist_ok=True)
@@ -351,55 +382,70 @@ def run_merge(args):
 # ----------------------------------------------------------------------------- parser and main
 
 def _add_sampling_flags(parser):
-    parser.add_argument("--model", required=True, help="a Hugging Face model folder")
-    parser.add_argument("--adapter", help="a PEFT adapter folder to put on the model")
+    parser.add_argument("--model", required=True, help="a Hugging Face model folder or Hub id")
+    parser.add_argument("--adapter", help="a PEFT adapter folder (or Hub id) to put on the model")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--load_in_4bit", action="store_true", help="quantize the base to NF4 first")
-    parser.add_argument("--no_chat_template", action="store_true", help="feed the text as is (base models)")
+    parser.add_argument("--load_in_4bit", action="store_true",
+                        help="quantize the base to NF4 first")
+    parser.add_argument("--no_chat_template", action="store_true",
+                        help="feed the text as is (base models)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
 
-def build_parser():
-    """The argparse parser with one sub-command per door. Mirrors: trl's `trl sft` CLI layout"""
-    from nanosft.args import SFTConfig
-    from nanosft.peft import LoraConfig
-
-    parser = argparse.ArgumentParser(prog="nanosft", description="A from-scratch QLoRA SFT path.", allow_abbrev=False)
+def build_parser(train_fields=True):
+    """The argparse parser, one sub-command per door; `train_fields=False` leaves out SFTConfig /
+    LoraConfig flags, whose modules import torch (`nanosft --help` needs none of them).
+    Mirrors: trl's `trl sft` CLI layout"""
+    parser = argparse.ArgumentParser(prog="nanosft", description="A from-scratch QLoRA SFT path.",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # a prefix such as --learning_rat must not silently mean --learning_rate: it gets the "did you mean" hint
+    # a prefix such as --learning_rat must not silently mean --learning_rate: it gets a hint
     add_parser = functools.partial(commands.add_parser, allow_abbrev=False)
 
     demo = add_parser("demo", help="QLoRA SFT of the embedded tiny model, before/after answers")
     demo.add_argument("--dora", action="store_true", help="DoRA instead of LoRA")
-    demo.add_argument("--no-quant", dest="no_quant", action="store_true", help="LoRA on a full-precision base")
-    demo.add_argument("--full", action="store_true", help="full fine-tuning (no adapter, no quantization)")
-    demo.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    demo.add_argument("--trace", action="store_true", help="print the walkthrough trace of the first step")
+    demo.add_argument("--no-quant", dest="no_quant", action="store_true",
+                      help="LoRA on a full-precision base")
+    demo.add_argument("--full", action="store_true",
+                      help="full fine-tuning (no adapter, no quantization)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                      help="default: cuda when available")
+    demo.add_argument("--trace", action="store_true",
+                      help="print the walkthrough trace of the first step")
     demo.add_argument("--steps", type=int, default=120, help="optimizer steps (default 120)")
-    demo.add_argument("--output_dir", default="nanosft-demo", help="where the adapter and metrics go")
+    demo.add_argument("--output_dir", default="nanosft-demo", help="where adapter, metrics go")
     demo.add_argument("--report_to", choices=("none", "tensorboard"), default="none")
     demo.set_defaults(run=run_demo)
 
-    train = add_parser("train", help="SFT of your model folder on your JSONL data",
-                                usage="nanosft train --model DIR --data FILE.jsonl --output_dir DIR [--config FILE.json] "
-                                      "[--qlora | --full | --prompt_tuning] [--dora] [--trace] [--<field> VALUE ...]")
-    train.add_argument("--model", required=True, help="a Hugging Face model folder (weights + tokenizer)")
-    train.add_argument("--data", required=True, help="train JSONL: text, prompt/completion or messages")
-    train.add_argument("--eval_data", help="optional eval JSONL (set --eval_strategy steps to use it)")
-    train.add_argument("--config", help="JSON file of SFTConfig / LoraConfig fields (flags override it)")
+    train = add_parser("train", help="SFT of your model (folder or Hub id) on your data",
+                       usage="nanosft train --model DIR_OR_ID --data FILE --output_dir DIR "
+                             "[--config FILE.json] [--qlora | --full | --prompt_tuning] [--dora] "
+                             "[--trace] [--<field> VALUE ...]")
+    train.add_argument("--model", required=True,
+                       help="a Hugging Face model folder or Hub id (weights + tokenizer)")
+    train.add_argument("--data", required=True, help="train data: .jsonl, .json, .parquet or .csv "
+                       "with text, prompt/completion or messages")
+    train.add_argument("--eval_data", help="eval data (set --eval_strategy steps to use it)")
+    train.add_argument("--config", help="JSON file of SFTConfig / LoraConfig fields (flags win)")
     train.add_argument("--qlora", action="store_true", help="quantize the base to NF4 (QLoRA)")
     train.add_argument("--dora", action="store_true", help="DoRA (use_dora=True)")
     train.add_argument("--full", action="store_true", help="full fine-tuning, no adapter")
     train.add_argument("--prompt_tuning", action="store_true", help="prompt tuning instead of LoRA")
-    train.add_argument("--num_virtual_tokens", type=int, default=None, help="prompt tuning length (default 8)")
-    train.add_argument("--trace", action="store_true", help="print the walkthrough trace of the first step")
-    sft_names = add_dataclass_flags(train, SFTConfig, "SFTConfig.")
-    lora_names = add_dataclass_flags(train, LoraConfig, "LoraConfig.")
-    train.set_defaults(run=run_train, sft_names=sft_names, lora_names=lora_names)
+    train.add_argument("--num_virtual_tokens", type=int, default=None,
+                       help="prompt tuning length (default 8)")
+    train.add_argument("--trace", action="store_true",
+                       help="print the walkthrough trace of the first step")
+    train.set_defaults(run=run_train, sft_names=[], lora_names=[])
+    if train_fields:
+        from nanosft.args import SFTConfig
+        from nanosft.peft import LoraConfig
+
+        train.set_defaults(sft_names=add_dataclass_flags(train, SFTConfig, "SFTConfig."),
+                           lora_names=add_dataclass_flags(train, LoraConfig, "LoraConfig."))
 
     generate = add_parser("generate", help="answer one prompt (streamed)")
     _add_sampling_flags(generate)
@@ -411,8 +457,8 @@ def build_parser():
     chat.set_defaults(run=run_chat)
 
     merge = add_parser("merge", help="fold an adapter into its base, write a HF folder")
-    merge.add_argument("--model", required=True, help="the base model folder the adapter was trained on")
-    merge.add_argument("--adapter", required=True, help="the adapter folder")
+    merge.add_argument("--model", required=True, help="the base model (folder or Hub id)")
+    merge.add_argument("--adapter", required=True, help="the adapter (folder or Hub id)")
     merge.add_argument("--out", required=True, help="a new folder for the merged model")
     merge.set_defaults(run=run_merge)
     for command in (demo, train, generate, chat, merge):  # for "did you mean" on a mistyped flag
@@ -425,12 +471,19 @@ def _fail(command, message) -> int:
     return 2
 
 
+def _command(argv):
+    """The sub-command named in argv (its first word that is not a flag), or None."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv=None):
-    """Parse argv and run the chosen command; returns the exit status. Mirrors: console_scripts entry point"""
-    # bitsandbytes warns at import time about an optional CPU kernel package; not the user's concern here
+    """Parse argv and run the chosen command; returns the exit status.
+    Mirrors: a console_scripts entry point"""
+    # bitsandbytes warns at import time about an optional CPU kernel package; not the user's concern
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(train_fields=_command(argv) == "train")
+    args, unknown = parser.parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=")[0]
         close = difflib.get_close_matches(flag, args.known_flags, n=1)
@@ -438,13 +491,14 @@ def main(argv=None):
         return _fail(args.command, f"unrecognized argument {unknown[0]!r}{hint}; "
                                    f"`nanosft {args.command} --help` lists the flags.")
     if getattr(args, "trace", False) or os.environ.get("NANOSFT_TRACE", "") not in ("", "0"):
-        walkthrough_trace.enable_trace()
+        _trace().enable_trace()
     try:
         return args.run(args) or 0
-    except (OSError, ValueError, TypeError) as error:  # the errors a user's paths, files and values cause
+    except (OSError, ValueError, TypeError) as error:  # what a user's paths, files and values cause
         if os.environ.get("NANOSFT_DEBUG"):
             raise
         message = " ".join(str(error).split())  # one paragraph
         return _fail(args.command, f"{message} (NANOSFT_DEBUG=1 shows the traceback)")
     finally:
-        walkthrough_trace.enable_trace(False)
+        if "nanosft.trace" in sys.modules:  # never imported (with torch) just to switch it off
+            _trace().enable_trace(False)

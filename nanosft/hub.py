@@ -1,19 +1,21 @@
-"""The files of a Hugging Face model folder: JSON configs and safetensors weights, single or sharded.
+"""The files of a Hugging Face model folder: JSON configs, safetensors weights (single or sharded).
 
-What `CausalLM.from_pretrained` / `save_pretrained` (walkthrough 2.1's model loading) read and write:
-`model.safetensors` (metadata {"format": "pt"}) or `model-0000k-of-0000n.safetensors` shards with
-`model.safetensors.index.json`. Every write goes to a temp file moved into place with os.replace, and
-every read error names the file and the fix.
+What `CausalLM.from_pretrained` / `save_pretrained` (walkthrough 2.1's model loading) read and
+write: `model.safetensors` (metadata {"format": "pt"}) or `model-0000k-of-0000n.safetensors` shards
+with `model.safetensors.index.json`. Reads go tensor by tensor from the file headers' byte ranges;
+every write goes to a temp file moved into place with os.replace; every read error names the file
+and the fix.
 """
 
+import dataclasses
 import json
 import os
 import re
 import tempfile
 from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+import torch
+from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 
@@ -22,18 +24,22 @@ def read_json(path):
     """Load a JSON file; a missing or malformed file raises an error naming it.
     Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig._dict_from_json_file"""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: a model folder needs it (save_pretrained writes it)")
+        raise FileNotFoundError(f"{path} not found: a model folder needs it "
+                                "(save_pretrained writes it)")
     try:
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: "
+                         f"{e.msg}") from e
 
 
 def atomic_write(path, write):
-    """Call `write(tmp)` on a hidden temp file beside `path`, then os.replace it into place; on failure no file.
-    Walkthrough 2.1 | Mirrors: transformers save_pretrained (which writes in place; we never leave half a file)"""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-" + os.path.basename(path))
+    """Call `write(tmp)` on a hidden temp file beside `path`, then os.replace it into place; on
+    failure no file. Walkthrough 2.1 | Mirrors: transformers save_pretrained
+    Differs: transformers writes in place; we never leave half a file."""
+    folder, base = os.path.dirname(path) or ".", os.path.basename(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + base)
     os.close(fd)
     try:
         write(tmp)
@@ -53,70 +59,168 @@ def write_json(obj, path, sort_keys=False):
 def parse_size(size):
     """Bytes from an int or a string such as "5GB" (10**9) or "500MiB" (2**20 each).
     Walkthrough 2.1 | Mirrors: transformers utils.hub.convert_file_size_to_int"""
-    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
+             "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
     m = re.fullmatch(r"(\d+)\s*([GMK]I?B|B)", str(size).strip().upper())
     if not isinstance(size, int) and not m:
-        raise ValueError(f"max_shard_size={size!r} is not a size; pass bytes or a string such as '5GB' or '500MiB'")
+        raise ValueError(f"max_shard_size={size!r} is not a size; pass bytes or a string such "
+                         "as '5GB' or '500MiB'")
     return size if isinstance(size, int) else int(m.group(1)) * units[m.group(2)]
 
 
 def check_state_dict(state_dict, expected, source):
     """Raise a ValueError listing missing / unexpected keys, or naming a tensor whose shape differs.
-    Walkthrough 2.1 | Mirrors: transformers modeling_utils._find_missing_and_unexpected_keys, _find_mismatched_keys"""
-    missing, unexpected = sorted(expected.keys() - state_dict.keys()), sorted(state_dict.keys() - expected.keys())
+    Walkthrough 2.1 | Mirrors: transformers modeling_utils._find_missing_and_unexpected_keys,
+    _find_mismatched_keys. Values need only a `.shape` (tensors, or TensorInfo from the headers)."""
+    missing = sorted(expected.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - expected.keys())
     if missing or unexpected:
-        raise ValueError(f"{source}: the weights do not match config.json: missing keys {missing[:8]}, unexpected "
-                         f"keys {unexpected[:8]} ({len(missing)} and {len(unexpected)} in all); check model_type, "
-                         "num_hidden_layers, attention_bias and tie_word_embeddings in config.json")
+        raise ValueError(f"{source}: the weights do not match config.json: missing keys "
+                         f"{missing[:8]}, unexpected keys {unexpected[:8]} ({len(missing)} and "
+                         f"{len(unexpected)} in all); check model_type, num_hidden_layers, "
+                         "attention_bias and tie_word_embeddings in config.json")
     for name, t in state_dict.items():
         if t.shape != expected[name].shape:
-            raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)} in the checkpoint but "
-                             f"{tuple(expected[name].shape)} from config.json; fix the sizes in config.json")
+            where = getattr(t, "path", "the checkpoint")
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)} in {where} but "
+                             f"{tuple(expected[name].shape)} from config.json; fix the sizes in "
+                             "config.json")
 
 
-def _read_safetensors(path):
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def torch_dtype(value, field="dtype"):
+    """A torch.dtype from a dtype or its spelling ("bfloat16", "torch.float16"); others are named.
+    Walkthrough 2.1 | Mirrors: transformers' getattr(torch, name) for config.json dtype strings"""
+    if isinstance(value, torch.dtype):
+        return value
+    found = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{field}={value!r} is not a torch dtype; spell it as torch names it: "
+                         "'float32', 'bfloat16', 'float16' (or pass torch.bfloat16)")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in a safetensors file: its dtype, shape and byte range."""
+
+    path: str
+    dtype: torch.dtype
+    shape: torch.Size
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+def _read_header(path):
+    # 8 bytes little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
+    # then the data; offsets count from the end of the header
     try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:  # a missing shard, a truncated or foreign file
-        error = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
-        raise error(f"{path}: cannot read safetensors weights ({e}); re-save or re-download the model") from e
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+        infos = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape = SAFETENSORS_DTYPES[meta["dtype"]], torch.Size(meta["shape"])
+            begin, end = (8 + n + offset for offset in meta["data_offsets"])
+            if end > size or end - begin != shape.numel() * dtype.itemsize:
+                raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
+            infos[name] = TensorInfo(path, dtype, shape, begin, end)
+        return infos
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{path}: no such file; re-save or re-download the model") from e
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # foreign, cut short
+        raise ValueError(f"{path}: cannot read safetensors weights ({e!r}); re-save or "
+                         "re-download the model") from e
+
+
+def safetensors_index(model_dir):
+    """{name: TensorInfo} from the headers of model.safetensors or of every shard; no data read,
+    so a missing shard or a wrong shape is found before any weight is loaded.
+    Walkthrough 2.1 | Mirrors: transformers get_checkpoint_shard_files, safe_open(...).keys()"""
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return _read_header(single)
+    index_path = os.path.join(model_dir, INDEX)
+    if not os.path.isfile(index_path):
+        raise FileNotFoundError(f"no model.safetensors or {INDEX} in {model_dir}; nanosft reads "
+                                "safetensors only (re-save a pytorch_model.bin with transformers' "
+                                "save_pretrained)")
+    weight_map = read_json(index_path)["weight_map"]
+    infos = {}
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(model_dir, shard)):
+            raise FileNotFoundError(f"{os.path.join(model_dir, shard)}: shard named in {INDEX} is "
+                                    "missing; re-download the model or re-save it")
+        infos.update(_read_header(os.path.join(model_dir, shard)))
+    lost = [k for k, shard in weight_map.items()
+            if k not in infos or infos[k].path != os.path.join(model_dir, shard)]
+    if lost:
+        raise ValueError(f"{index_path}: {len(lost)} tensors are not in the shard it names, e.g. "
+                         f"{lost[:4]}; re-save the model")
+    return infos
+
+
+def iter_tensors(index):
+    """(name, tensor) one at a time, each file read in byte order into fresh CPU memory.
+    Walkthrough 2.1 | Mirrors: transformers' per-tensor loading (safe_open(...).get_slice)
+    Differs: plain reads, not a memory map whose touched pages would all stay resident."""
+    by_file = {}
+    for name, info in index.items():
+        by_file.setdefault(info.path, []).append((info.begin, name))
+    for path, entries in by_file.items():
+        with open(path, "rb") as f:
+            for _, name in sorted(entries):
+                info = index[name]
+                tensor = torch.empty(info.shape, dtype=info.dtype)
+                f.seek(info.begin)
+                if f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != info.end - info.begin:
+                    raise ValueError(f"{path}: tensor {name} is cut short; re-download the model")
+                yield name, tensor
+                del tensor  # the caller's next tensor must not overlap this one in memory
 
 
 def load_state_dict_from_hf(model_dir):
-    """Read model.safetensors, or every shard named in model.safetensors.index.json, into one dict.
-    Walkthrough 2.1 | Mirrors: transformers modeling_utils.load_state_dict, get_checkpoint_shard_files"""
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.isfile(single):
-        return _read_safetensors(single)
-    if not os.path.isfile(os.path.join(model_dir, INDEX)):
-        raise FileNotFoundError(f"no model.safetensors or {INDEX} in {model_dir}; nanosft reads safetensors "
-                                "only (re-save a pytorch_model.bin with transformers' save_pretrained)")
-    shards = sorted(set(read_json(os.path.join(model_dir, INDEX))["weight_map"].values()))
-    return {k: v for shard in shards for k, v in _read_safetensors(os.path.join(model_dir, shard)).items()}
+    """Read model.safetensors, or every shard named in model.safetensors.index.json, into a dict.
+    Walkthrough 2.1 | Mirrors: transformers modeling_utils.load_state_dict"""
+    return dict(iter_tensors(safetensors_index(model_dir)))
 
 
 def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
     """Write model.safetensors, or shards + index past max_shard_size, each file atomically.
-    Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained, split_torch_state_dict_into_shards"""
+    Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained,
+    huggingface_hub split_torch_state_dict_into_shards"""
     os.makedirs(model_dir, exist_ok=True)
     limit, shards, used = parse_size(max_shard_size), [{}], 0
-    for name, t in state_dict.items():  # fill shards in key order; a tensor over the limit gets its own
+    # fill shards in key order; a tensor over the limit gets its own
+    for name, t in state_dict.items():
         nbytes = t.numel() * t.element_size()
         if shards[-1] and used + nbytes > limit:
             shards, used = shards + [{}], 0
         shards[-1][name], used = t.detach().contiguous().cpu(), used + nbytes
     n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    names = ["model.safetensors"] if n == 1 else names
     for name, shard in zip(names, shards):
         write = lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"})
         atomic_write(os.path.join(model_dir, name), write)
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in state_dict.values())
         weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
-        write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(model_dir, INDEX))
+        write_json({"metadata": {"total_size": total}, "weight_map": weight_map},
+                   os.path.join(model_dir, INDEX))
         names.append(INDEX)
-    for old in os.listdir(model_dir):  # an earlier save's other layout would shadow or mix with this one
-        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old) and old not in names:
+    pattern = r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?"
+    for old in os.listdir(model_dir):  # an earlier save's other layout would shadow or mix with it
+        if re.fullmatch(pattern, old) and old not in names:
             os.remove(os.path.join(model_dir, old))
 
 
@@ -188,8 +292,8 @@ def resolve_pretrained_path(name_or_path, revision=None, what="model"):
     if os.path.isdir(name):
         return name
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or ".." in name:
-        raise FileNotFoundError(f"{what} {name!r}: no such folder, and not a Hub id (org/name); "
-                                "give a model folder or a Hub id like HuggingFaceTB/SmolLM2-135M")
+        raise FileNotFoundError(f"{what} {name}: no such folder, and not a Hub id (org/name); "
+                                "give a local folder or a Hub id like HuggingFaceTB/SmolLM2-135M")
     cache_dir, chosen_by = hub_cache_dir()
     snapshot = cached_snapshot(name, revision, cache_dir)
     if snapshot is not None:
@@ -203,13 +307,13 @@ def resolve_pretrained_path(name_or_path, revision=None, what="model"):
     repo_folder = repo_cache_folder(name, cache_dir)
     if os.path.isdir(repo_folder):  # cached, but not at this revision
         raise FileNotFoundError(
-            f"{what} {name!r}: revision {revision or 'main'!r} is not cached at {repo_folder} "
+            f"{what} {name}: revision {revision or 'main'!r} is not cached at {repo_folder} "
             f"(cached refs, snapshots: {_cached_revisions(repo_folder)}); fix: pass one of those "
             "as revision=, or download that revision")
     offline = "HF_HUB_OFFLINE is set, so nothing is downloaded; unset it to download"
     why = (offline if snapshot_download
            else 'huggingface_hub is not installed; fix: pip install "nanosft[hub]" to download it')
     raise FileNotFoundError(
-        f"{what} {name!r} was not found. Looked in {os.path.abspath(name)} (no such folder) and "
+        f"{what} {name} was not found. Looked in {os.path.abspath(name)} (no such folder) and "
         f"{repo_folder} (the Hugging Face cache, chosen by {chosen_by}; no snapshot of revision "
         f"{revision or 'main'!r}). {why}; or give a local model folder")
