@@ -1,0 +1,306 @@
+"""Adapter configs and files: what an adapter is before its forward runs, in peft's format.
+
+`LoraConfig` and `PromptTuningConfig` carry peft's field names and defaults, and turn into (and
+back from) the adapter_config.json dict peft 0.21.2 writes; `find_target_modules` says which
+modules of a model a LoraConfig names (and `resolve_target_modules` what its target_modules is
+saved as). `get_peft_model_state_dict` / `set_peft_model_state_dict` map a wrapped model's tensors
+to peft's saved keys and back; `save_adapter_files` / `load_adapter_files` write (atomically) and
+read the two files. Nothing here builds or runs a layer, so this module sits below peft.py.
+"""
+
+import dataclasses
+import os
+import re
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from nanosft import hub
+from nanosft.nf4 import Linear4bit
+
+PEFT_FORMAT_VERSION = "0.21.2"  # the peft release whose adapter files we read and write
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+# adapter_config.json keys of peft features nanosft does not implement, with peft's defaults
+# (written as they are, so peft reads our files; refused when a file switches one on)
+_LORA_UNUSED = {
+    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
+    "auto_mapping": None, "corda_config": None, "ensure_weight_tying": False, "eva_config": None,
+    "exclude_modules": None, "fan_in_fan_out": False, "kasa_config": None,
+    "layer_replication": None, "layers_pattern": None, "layers_to_transform": None,
+    "loftq_config": {}, "lora_bias": False, "lora_ga_config": None, "megatron_config": None,
+    "megatron_core": "megatron.core", "monteclora_config": None, "qalora_group_size": 16,
+    "rank_pattern": {}, "revision": None, "target_parameters": None,
+    "trainable_token_indices": None, "use_bdlora": None, "use_qalora": False,
+    "velora_config": None}
+# keys that change nothing nanosft computes, whatever their value
+_HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "loftq_config",
+             "ensure_weight_tying"}
+_PROMPT_UNUSED = {"auto_mapping": None, "modules_to_save": None, "revision": None,
+                  "tokenizer_kwargs": None}
+
+
+def _check_unused(d, defaults, source):
+    # a peft-only feature switched on would load silently wrong: refuse it, naming file and key
+    for key, value in d.items():
+        if key in defaults and key not in _HARMLESS and value and value != defaults[key]:
+            raise ValueError(f"{source} sets {key}={value!r}, a peft feature nanosft does not "
+                             f"implement; remove it or use peft itself")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """LoRA hyper-parameters, peft's field names and defaults (target_modules None: q_proj, v_proj).
+    Walkthrough 2.1 peft_config | Mirrors: peft LoraConfig
+    Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False or "gaussian"."""
+    r: int = 8
+    lora_alpha: int = 8
+    lora_dropout: float = 0.0
+    target_modules: list | str | None = None
+    use_rslora: bool = False
+    use_dora: bool = False
+    bias: str = "none"
+    modules_to_save: list | None = None
+    task_type: str | None = "CAUSAL_LM"
+    init_lora_weights: bool | str = True
+    base_model_name_or_path: str | None = None
+    inference_mode: bool = False
+    peft_type: str = "LORA"
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError("LoraConfig.r must be a positive integer (the adapter rank), "
+                             f"got r={self.r!r}")
+        if self.bias not in ("none", "all", "lora_only"):
+            raise ValueError("LoraConfig.bias must be 'none', 'all' or 'lora_only', "
+                             f"got {self.bias!r}")
+        if self.init_lora_weights not in (True, False, "gaussian"):
+            raise ValueError(f"LoraConfig.init_lora_weights={self.init_lora_weights!r} is not "
+                             "implemented; use True (peft's default), False or 'gaussian'")
+        if isinstance(self.target_modules, (set, tuple)):
+            self.target_modules = sorted(self.target_modules)
+
+    def to_dict(self):
+        """The adapter_config.json dict, key for key as peft writes it.
+        Mirrors: peft PeftConfig.to_dict"""
+        fields = dataclasses.asdict(self)
+        return {**_LORA_UNUSED, **fields, "peft_version": PEFT_FORMAT_VERSION}
+
+    @classmethod
+    def from_dict(cls, d, source="adapter config"):
+        """Build from an adapter_config.json dict; peft keys we do not model must hold defaults.
+        Mirrors: peft PeftConfig.from_peft_type"""
+        _check_unused(d, _LORA_UNUSED, source)
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclasses.dataclass
+class PromptTuningConfig:
+    """Prompt tuning: `num_virtual_tokens` trainable embeddings before the input (RANDOM or TEXT).
+    Walkthrough 2.6 peft_config.num_virtual_tokens | Mirrors: peft PromptTuningConfig
+    Differs: TEXT init takes a `tokenizer` object (anything with `encode`) or a tokenizer folder."""
+    num_virtual_tokens: int | None = None
+    prompt_tuning_init: str = "RANDOM"
+    prompt_tuning_init_text: str | None = None
+    tokenizer_name_or_path: str | None = None
+    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
+    token_dim: int | None = None
+    num_transformer_submodules: int | None = 1
+    num_attention_heads: int | None = None
+    num_layers: int | None = None
+    task_type: str | None = "CAUSAL_LM"
+    base_model_name_or_path: str | None = None
+    inference_mode: bool = False
+    peft_type: str = "PROMPT_TUNING"
+
+    def __post_init__(self):
+        if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens <= 0:
+            raise ValueError("PromptTuningConfig.num_virtual_tokens must be a positive int, "
+                             f"got {self.num_virtual_tokens!r}")
+        if self.prompt_tuning_init not in ("RANDOM", "TEXT"):
+            raise ValueError("prompt_tuning_init must be 'RANDOM' or 'TEXT', "
+                             f"got {self.prompt_tuning_init!r}")
+        has_tokenizer = self.tokenizer or self.tokenizer_name_or_path
+        text_ok = self.prompt_tuning_init_text and has_tokenizer
+        # loading a saved adapter (inference_mode) needs no text: the embeddings come from the file
+        if self.prompt_tuning_init == "TEXT" and not self.inference_mode and not text_ok:
+            raise ValueError("prompt_tuning_init='TEXT' needs prompt_tuning_init_text and a "
+                             "tokenizer (tokenizer=... or tokenizer_name_or_path=...)")
+
+    def to_dict(self):
+        """The adapter_config.json dict as peft writes it (the tokenizer object is not saved).
+        Mirrors: peft PeftConfig.to_dict"""
+        names = [f.name for f in dataclasses.fields(self) if f.name != "tokenizer"]
+        fields = {name: getattr(self, name) for name in names}
+        return {**_PROMPT_UNUSED, **fields, "peft_version": PEFT_FORMAT_VERSION}
+
+    @classmethod
+    def from_dict(cls, d, source="adapter config"):
+        """Build from an adapter_config.json dict.
+        Mirrors: peft PeftConfig.from_peft_type"""
+        _check_unused(d, _PROMPT_UNUSED, source)
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "tokenizer"]
+        return cls(**{name: d[name] for name in names if name in d})
+
+
+def peft_config_from_dict(d, source="adapter config"):
+    """LoraConfig or PromptTuningConfig from an adapter_config.json dict, chosen by `peft_type`.
+    Mirrors: peft PeftConfig.from_pretrained"""
+    kinds = {"LORA": LoraConfig, "PROMPT_TUNING": PromptTuningConfig}
+    if d.get("peft_type") not in kinds:
+        raise ValueError(f"{source} has peft_type={d.get('peft_type')!r}; "
+                         f"nanosft reads {sorted(kinds)}")
+    return kinds[d["peft_type"]].from_dict(d, source)
+
+
+# ----------------------------------------------------------------------------- target modules
+
+DEFAULT_TARGET_MODULES = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"],
+                          "qwen2": ["q_proj", "v_proj"]}
+
+_LINEAR = (nn.Linear, Linear4bit)  # the layers a LoraLinear wraps
+
+
+def linear_layer_names(model):
+    """Full names of the linears a LoRA may wrap: not the output head, not a LoRA's own A/B.
+    Mirrors: peft _maybe_include_all_linear_layers (its search)"""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [n for n, m in model.named_modules()
+            if isinstance(m, _LINEAR) and m is not head and ".lora_" not in n]
+
+
+def target_module_matches(target, name):
+    """Whether module `name` is targeted: a str is a regex fullmatch, a list entry matches `name`
+    or `*.name`. Mirrors: peft check_target_module_exists"""
+    if isinstance(target, str):
+        return re.fullmatch(target, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target)
+
+
+def resolve_target_modules(model, config):
+    """`target_modules` as saved: None -> the architecture default, "all-linear" -> every linear.
+    Walkthrough 2.1 | Mirrors: peft _maybe_include_all_linear_layers,
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"""
+    target = config.target_modules
+    if target is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in DEFAULT_TARGET_MODULES:
+            raise ValueError(f"no default target_modules for model_type={model_type!r}; "
+                             "set LoraConfig.target_modules")
+        return list(DEFAULT_TARGET_MODULES[model_type])
+    if isinstance(target, str) and target.lower() == "all-linear":
+        return linear_layer_names(model)  # lm_head excluded
+    return target
+
+
+def find_target_modules(model, config):
+    """Names of the modules LoRA wraps, in `model.named_modules()` order (peft's init order).
+    Walkthrough 2.1 | Mirrors: peft BaseTuner.inject_adapter, check_target_module_exists
+    Differs: a list entry that matches nothing is an error (peft errors only if nothing matches)."""
+    target = resolve_target_modules(model, config)
+    skip = config.modules_to_save or []
+    names = [n for n, _ in model.named_modules()
+             if target_module_matches(target, n) and not target_module_matches(skip, n)]
+    linear = sorted({n.rsplit(".", 1)[-1] for n in linear_layer_names(model)})
+    for t in [target] if isinstance(target, str) else target:
+        if not any(target_module_matches(t if isinstance(target, str) else [t], n) for n in names):
+            raise ValueError(f"LoraConfig.target_modules entry {t!r} matches no module of "
+                             f"{type(model).__name__} (searched all "
+                             f"{len(list(model.named_modules()))} module names); "
+                             f"its linear layers are named {linear}")
+    for n in names:
+        module = model.get_submodule(n)
+        if not isinstance(module, _LINEAR):
+            raise ValueError(f"target module {n!r} is a {type(module).__name__}, not a linear "
+                             f"layer; LoRA wraps nn.Linear / Linear4bit only, e.g. {linear}")
+    return names
+
+
+# ----------------------------------------------------------------------------- saved keys
+
+def _saved_key(key, adapter_name):
+    # peft _remove_adapter_name_from_state_dict_key: lora_A.default.weight -> lora_A.weight, ...
+    a = re.escape(adapter_name)
+    key = re.sub(rf"\.lora_magnitude_vector\.{a}\.weight$", ".lora_magnitude_vector", key)
+    key = re.sub(rf"\.modules_to_save\.{a}\.", ".", key)
+    return re.sub(rf"\.(lora_A|lora_B)\.{a}\.", r".\1.", key)
+
+
+def _adapter_keys(model, adapter_name):
+    # {saved key: model state-dict key} for every tensor the adapter file holds
+    config = model.peft_config[adapter_name]
+    keys = {}
+    for k in model.state_dict():
+        is_lora = "lora_" in k and f".{adapter_name}." in k
+        bias_trains = config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in k)
+        is_bias = k.endswith(".bias") and ".original_module." not in k and bias_trains
+        if is_lora or is_bias or f".modules_to_save.{adapter_name}." in k:
+            keys[_saved_key(k, adapter_name)] = k
+    return keys
+
+
+def get_peft_model_state_dict(model, state_dict=None, adapter_name="default"):
+    """The adapter's tensors under peft's saved keys (no adapter name; prompt tuning saves
+    `prompt_embeddings`). Mirrors: peft get_peft_model_state_dict"""
+    if model.peft_config[adapter_name].peft_type == "PROMPT_TUNING":
+        prompt_embeddings = model.prompt_encoder[adapter_name].embedding.weight
+        return {"prompt_embeddings": prompt_embeddings.detach()}
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    keys = _adapter_keys(model, adapter_name)
+    return {saved: state_dict[k].detach() for saved, k in keys.items()}
+
+
+def set_peft_model_state_dict(model, state_dict, adapter_name="default", source="state_dict"):
+    """Copy adapter tensors saved under peft's keys into `model`; a key or shape that does not fit
+    is an error. Mirrors: peft set_peft_model_state_dict
+    Differs: peft warns about unexpected/missing adapter keys; we raise, naming them."""
+    if model.peft_config[adapter_name].peft_type == "PROMPT_TUNING":
+        keys = {"prompt_embeddings": f"prompt_encoder.{adapter_name}.embedding.weight"}
+    else:
+        keys = _adapter_keys(model, adapter_name)
+    unexpected = sorted(set(state_dict) - set(keys))
+    missing = sorted(set(keys) - set(state_dict))
+    if unexpected:
+        raise ValueError(f"{source}: tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) "
+                         "fits no module of this model; was the adapter trained on another base "
+                         "model or with other target_modules?")
+    if missing:
+        raise ValueError(f"{source}: adapter tensor {missing[0]!r} "
+                         f"(and {len(missing) - 1} more) is missing")
+    own = model.state_dict()
+    for saved, k in keys.items():
+        if state_dict[saved].shape != own[k].shape:
+            raise ValueError(f"{source}: tensor {saved!r} has shape "
+                             f"{tuple(state_dict[saved].shape)} but this model expects "
+                             f"{tuple(own[k].shape)}; the adapter was made for another base "
+                             "model or rank")
+    model.load_state_dict({k: state_dict[saved] for saved, k in keys.items()}, strict=False)
+
+
+# ----------------------------------------------------------------------------- the two files
+
+def save_adapter_files(save_directory, config, state_dict):
+    """Write adapter_model.safetensors and adapter_config.json (each atomically), as peft does.
+    Mirrors: peft PeftModel.save_pretrained (its file writing)
+    Differs: no README.md model card; the config is saved with inference_mode=True, as peft's."""
+    os.makedirs(save_directory, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    hub.atomic_write(os.path.join(save_directory, WEIGHTS_NAME),
+                     lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    config_dict = {**config.to_dict(), "inference_mode": True}
+    hub.write_json(config_dict, os.path.join(save_directory, CONFIG_NAME), sort_keys=True)
+
+
+def load_adapter_files(model_id):
+    """(config, state_dict, weights path) of an adapter folder written by peft or nanosft.
+    Mirrors: peft PeftConfig.from_pretrained, load_peft_weights"""
+    config_path = os.path.join(model_id, CONFIG_NAME)
+    weights_path = os.path.join(model_id, WEIGHTS_NAME)
+    for path in (config_path, weights_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found; an adapter folder holds {CONFIG_NAME} "
+                                    f"and {WEIGHTS_NAME}, as written by save_pretrained")
+    # read_json's errors name the file, line and column
+    config = peft_config_from_dict(hub.read_json(config_path), source=config_path)
+    return config, load_file(weights_path), weights_path
