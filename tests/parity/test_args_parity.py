@@ -11,8 +11,8 @@ import dataclasses
 import enum
 
 import pytest
-
-transformers = pytest.importorskip("transformers")
+import transformers
+import trl
 
 from nanosft.args import SFTConfig, TrainingArguments
 
@@ -43,7 +43,6 @@ def test_training_arguments_defaults_equal_transformers(tmp_path):
 
 
 def test_sft_config_defaults_equal_trl(tmp_path):
-    trl = pytest.importorskip("trl")
     theirs = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     shared, only_ours = _compare_shared(SFTConfig(output_dir=str(tmp_path)), theirs)
     for name in ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16", "max_length",
@@ -54,7 +53,6 @@ def test_sft_config_defaults_equal_trl(tmp_path):
 
 
 def test_sft_config_bf16_follows_fp16_like_trl(tmp_path):
-    trl = pytest.importorskip("trl")
     theirs = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     assert SFTConfig(output_dir=str(tmp_path), bf16=False).bf16 is theirs.bf16 is False
     assert SFTConfig(output_dir=str(tmp_path)).bf16 is True

@@ -14,16 +14,13 @@ Run: python -m pytest -q tests/parity/test_data_parity.py
 import random
 import types
 
+import datasets
 import pytest
 import torch
 
 from nanosft import collator as nc
 from nanosft.data import prepare_dataset
 from nanosft.tokenizer import Tokenizer
-
-trl = pytest.importorskip("trl")
-transformers = pytest.importorskip("transformers")
-datasets = pytest.importorskip("datasets")
 
 CORPUS = ["the cat sat on the mat.", "hello world, what is two plus two? four.", "be nice and brief."]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]

@@ -8,9 +8,7 @@ Run: python -m pytest -q tests/parity/test_distributed_parity.py
 """
 
 import pytest
-
-data_loader = pytest.importorskip("accelerate.data_loader")
-
+from accelerate import data_loader
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from nanosft.distributed import shard_batches

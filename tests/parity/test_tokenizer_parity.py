@@ -9,12 +9,11 @@ Run: python -m pytest -q tests/parity/test_tokenizer_parity.py
 
 import json
 
+import jinja2  # noqa: F401 (transformers renders every chat template with jinja2)
 import pytest
+import transformers
 
 from nanosft.tokenizer import CHATML_TEMPLATE, Tokenizer
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("jinja2")  # transformers renders every chat template with jinja2
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
