@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanosft.distributed import check_fsdp_options, normalize_fsdp_config
+
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
@@ -117,6 +119,9 @@ class TrainingArguments:
     # Distributed.
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
+    # FSDP2 under torchrun: True / "full_shard" / "shard_grad_op"; fsdp_config a dict or JSON path (guide: FSDP)
+    fsdp: str | bool | list | None = None
+    fsdp_config: dict | str | None = None
 
     def __post_init__(self):
         self._fill_defaults()
@@ -158,6 +163,7 @@ class TrainingArguments:
         self._validate_choices()
         self._validate_strategies()
         self._validate_precision()
+        self._validate_fsdp()
         if os.path.isfile(self.output_dir):
             _fail("output_dir", self.output_dir, "it is an existing file; pass a directory path")
 
@@ -223,6 +229,13 @@ class TrainingArguments:
             # accelerate silently trains in fp32 when fp16 is asked for on a CPU; nanosft says so instead.
             _fail("fp16", True, "fp16 autocast with a GradScaler needs a CUDA device; on CPU use bf16=True "
                   "or leave both off")
+
+    def _validate_fsdp(self):
+        # transformers' normalisation (fsdp_ prefix stripped, legacy strings) with unknown keys refused
+        self.fsdp_config = normalize_fsdp_config(self.fsdp, self.fsdp_config)
+        self.fsdp = bool(self.fsdp_config)
+        if self.fsdp:
+            check_fsdp_options(self)
 
     # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----
     @property

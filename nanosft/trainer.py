@@ -152,10 +152,12 @@ class Trainer:
     def _prepare_for_training(self, max_steps):
         """Optimizer, DDP / compile wrapping, then the scheduler (created after the optimizer is final).
         Walkthrough 2.3 | Mirrors: Trainer._prepare_for_training, accelerate Accelerator.prepare_model"""
+        if self.args.fsdp:  # fully_shard swaps in sharded parameters, so it comes before the optimizer
+            distributed.apply_fsdp(self.model, self.args.fsdp_config, self.args.device)
         if self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
         model = self.model
-        if self.args.world_size > 1:
+        if self.args.world_size > 1 and not self.args.fsdp:
             device_ids = [self.args.local_process_index] if self.args.device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         if self.args.torch_compile:
@@ -340,6 +342,8 @@ class Trainer:
     def _no_sync(self, model):
         """DDP's no_sync (skip the gradient all-reduce) or nothing for one process. Mirrors: accelerate Accelerator.no_sync"""
         inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+        if distributed.is_fsdp(inner):  # FSDP2: no reduce-scatter until the window's last micro-batch
+            return distributed.fsdp_no_sync(inner)
         return inner.no_sync() if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
@@ -394,7 +398,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")  # inf: measure only
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        # under FSDP the norm of sharded gradients is a DTensor: to_full gives the one-process number
+        return distributed.to_full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
     def _optimizer_step(self) -> bool:
         """optimizer.step() (through the GradScaler under fp16); True when the step was skipped.
