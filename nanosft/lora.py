@@ -1,8 +1,9 @@
-"""LoRA, rsLoRA and DoRA adapters around a frozen linear layer (`nn.Linear` or `nanosft.nf4.Linear4bit`).
+"""LoRA, rsLoRA and DoRA adapters around a frozen linear (`nn.Linear` or `nanosft.nf4.Linear4bit`).
 
-`LoraLinear.forward` reads like walkthrough 2.7 (`Linear4bit.forward`) line by line: the base output,
-the defensive clone, the loop over active adapters, `lora_B(lora_A(dropout(x))) * scaling`, and the
-DoRA branch reusing `base_result`. Init, merge and the mixed-adapter batch follow peft 0.21.2.
+`LoraLinear.forward` reads like walkthrough 2.7 (`Linear4bit.forward`) line by line: the base
+output, the defensive clone, the loop over active adapters, `lora_B(lora_A(dropout(x))) * scaling`,
+and the DoRA branch reusing `base_result`. Init, merge, dtype casts and the mixed-adapter batch
+follow peft 0.21.2.
 Papers: LoRA (2106.09685), rsLoRA (2312.03732), QLoRA (2305.14314), DoRA (2402.09353).
 """
 
@@ -17,13 +18,13 @@ from nanosft.nf4 import Linear4bit
 
 
 def base_weight(base_layer):
-    """Float weight [out, in] of a base layer: dequantized (a new tensor) for `Linear4bit`, the parameter otherwise.
-    Walkthrough 2.7 | Mirrors: peft dequantize_module_weight"""
+    """Float weight [out, in] of a base layer: dequantized (a new tensor) for `Linear4bit`, else
+    the parameter itself. Walkthrough 2.7 | Mirrors: peft dequantize_module_weight"""
     return base_layer.dequantize() if isinstance(base_layer, Linear4bit) else base_layer.weight
 
 
 def set_base_weight(base_layer, weight):
-    """Write a float [out, in] weight back: requantize a `Linear4bit` (lossy), copy into an `nn.Linear`.
+    """Write a float [out, in] weight back: requantize a `Linear4bit` (lossy), else copy it in.
     Walkthrough 2.7 | Mirrors: peft bnb Linear4bit.merge (Params4bit(w_data).to(device))"""
     if isinstance(base_layer, Linear4bit):
         base_layer.set_weight(weight)  # quantized in weight.dtype, as peft's Params4bit(w_data) is
@@ -39,7 +40,7 @@ def dora_weight_norm(weight, lora_weight, scaling):
 
 
 class DoraMagnitude(nn.Module):
-    """DoRA's magnitude m (`.weight`, [out]); calling it returns the correction added to the base output.
+    """DoRA's magnitude m (`.weight`, [out]); calling it returns the term added to the base output.
     Walkthrough 2.7 (DoRA branch) | Mirrors: peft DoraLinearLayer.forward"""
 
     def __init__(self, weight_norm):
@@ -47,10 +48,11 @@ class DoraMagnitude(nn.Module):
         self.weight = nn.Parameter(weight_norm)
 
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None):
-        """The DoRA term (B, T, out) that turns `base_result` into m / ||W + s B A|| * (W x + s B A x).
+        """The DoRA term (B, T, out) turning `base_result` into m / ||W + s B A|| * (W x + s B A x).
         Walkthrough 2.7 | Mirrors: peft DoraLinearLayer.forward"""
-        # B @ A computed through the modules on an identity, as peft does: (in, in) -> (in, out) -> T
-        eye = torch.eye(lora_A.weight.shape[1], device=lora_A.weight.device, dtype=lora_A.weight.dtype)
+        # B @ A through the modules on an identity, as peft does: (in, in) -> (in, out) -> T
+        A = lora_A.weight
+        eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
         lora_weight = lora_B(lora_A(eye)).T.to(x.dtype)  # (out, in)
         weight = base_weight(base_layer).to(x.dtype)  # 4-bit: dequantized again on every call
         # DoRA 4.3: "treat ||V + dV||_c as a constant", so the norm gets no gradient
@@ -68,34 +70,45 @@ class DoraMagnitude(nn.Module):
 
 
 class LoraLinear(nn.Module):
-    """A frozen base linear plus low-rank adapters keyed by name: y = base(x) + B(A(dropout(x))) * scaling.
+    """A frozen base linear plus low-rank adapters by name: y = base(x) + B(A(dropout(x))) * s.
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
-    Differs: one class for float and 4-bit bases; DoRA merge computes the unmerged weight on a copy."""
+    Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
 
-    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0, use_rslora=False,
-                 use_dora=False, init_lora_weights=True):
+    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
+                 use_rslora=False, use_dora=False, init_lora_weights=True):
         super().__init__()
         if not isinstance(base_layer, (nn.Linear, Linear4bit)):
             raise TypeError(f"LoraLinear: base_layer must be nn.Linear or nanosft.nf4.Linear4bit, "
                             f"got {type(base_layer).__name__}")
         self.base_layer = base_layer
-        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
-        self.lora_A, self.lora_B = nn.ModuleDict(), nn.ModuleDict()
-        self.lora_dropout, self.lora_magnitude_vector = nn.ModuleDict(), nn.ModuleDict()
-        self.r, self.lora_alpha, self.scaling, self.use_rslora, self.use_dora = {}, {}, {}, {}, {}
-        self.merged_adapters, self.active_adapters = [], [adapter_name]
+        self.in_features = base_layer.in_features
+        self.out_features = base_layer.out_features
+        # per-adapter modules and settings, keyed by adapter name
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.lora_magnitude_vector = nn.ModuleDict()
+        self.r = {}
+        self.lora_alpha = {}
+        self.scaling = {}
+        self.use_rslora = {}
+        self.use_dora = {}
+        self.merged_adapters = []
+        self.active_adapters = [adapter_name]
         self.disable_adapters = False
         self._dora_merged_norm = {}  # weight norms cached at merge time, needed to unmerge DoRA
-        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, use_dora, init_lora_weights)
+        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, use_dora,
+                          init_lora_weights)
 
     @property
     def merged(self):
-        """True while some adapter is folded into the base weight. Mirrors: peft BaseTunerLayer.merged"""
+        """True while an adapter is folded into the base weight.
+        Mirrors: peft BaseTunerLayer.merged"""
         return bool(self.merged_adapters)
 
     @property
     def weight(self):
-        """The base layer's weight, so code reading `q_proj.weight` keeps working. Mirrors: peft .weight"""
+        """The base layer's weight, for code reading `q_proj.weight`. Mirrors: peft .weight"""
         return self.base_layer.weight
 
     @property
@@ -104,39 +117,47 @@ class LoraLinear(nn.Module):
         return self.base_layer.bias
 
     def get_base_layer(self):
-        """The wrapped frozen layer (2.7: `base_layer=self.get_base_layer()`). Mirrors: peft get_base_layer"""
+        """The wrapped frozen layer (2.7: `base_layer=self.get_base_layer()`).
+        Walkthrough 2.7 | Mirrors: peft BaseTunerLayer.get_base_layer"""
         return self.base_layer
 
-    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False, use_dora=False,
-                     init_lora_weights=True):
-        """Add adapter `adapter_name`: A and B (B zero by default, so it starts as the identity), scaling, DoRA m.
-        Walkthrough 2.7 | Mirrors: peft LoraLayer.update_layer, reset_lora_parameters, DoraLinearVariant.init"""
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
+                     use_dora=False, init_lora_weights=True):
+        """Add adapter `adapter_name`: A and B (B zero by default: it starts as the identity),
+        scaling, DoRA's m. Walkthrough 2.7 | Mirrors: peft LoraLayer.update_layer,
+        reset_lora_parameters, DoraLinearVariant.init"""
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-            raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a positive int, "
-                             f"got r={r!r}; pass e.g. r=8")
+            raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a "
+                             f"positive int, got r={r!r}; pass e.g. r=8")
         if init_lora_weights not in (True, False, "gaussian"):
-            raise ValueError(f"LoraLinear adapter {adapter_name!r}: init_lora_weights={init_lora_weights!r} is not "
-                             "implemented; use True (peft's default), False or 'gaussian'")
-        self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
-        self.lora_dropout[adapter_name] = nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
+            raise ValueError(f"LoraLinear adapter {adapter_name!r}: init_lora_weights="
+                             f"{init_lora_weights!r} is not implemented; use True (peft's "
+                             "default), False or 'gaussian'")
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = lora_alpha
+        dropout = nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
+        self.lora_dropout[adapter_name] = dropout
         # RNG order as peft: A's constructor init, B's constructor init, then A is drawn again below
         self.lora_A[adapter_name] = nn.Linear(self.in_features, r, bias=False)
         self.lora_B[adapter_name] = nn.Linear(r, self.out_features, bias=False)
         self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
-        self.use_rslora[adapter_name], self.use_dora[adapter_name] = use_rslora, use_dora
+        self.use_rslora[adapter_name] = use_rslora
+        self.use_dora[adapter_name] = use_dora
         self.reset_lora_parameters(adapter_name, init_lora_weights)
-        # to the base's device, and its dtype only if floating (a 4-bit uint8 weight leaves fp32 adapters)
+        # to the base's device, and its dtype if floating (4-bit uint8 weights leave fp32 adapters)
         w = self.base_layer.weight
         dtype = w.dtype if w.dtype.is_floating_point else None
         for d in (self.lora_A, self.lora_B):
             d[adapter_name] = d[adapter_name].to(device=w.device, dtype=dtype)
         if use_dora:
-            self.lora_magnitude_vector[adapter_name] = DoraMagnitude(self._dora_init_norm(adapter_name))
+            magnitude = DoraMagnitude(self._dora_init_norm(adapter_name))
+            self.lora_magnitude_vector[adapter_name] = magnitude
         self.set_adapter(self.active_adapters)
 
     def reset_lora_parameters(self, adapter_name, init_lora_weights=True):
-        """True: A ~ Kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0. "gaussian": A ~ N(0, 1/r), B = 0.
-        False: both keep nn.Linear's init, so the adapter does not start as the identity (for tests).
+        """True: A ~ Kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
+        "gaussian": A ~ N(0, 1/r), B = 0. False: both keep nn.Linear's init, so the adapter does
+        not start as the identity (for tests).
         Walkthrough 2.7 | Mirrors: peft LoraLayer.reset_lora_parameters"""
         if init_lora_weights is False:
             return
@@ -154,7 +175,8 @@ class LoraLinear(nn.Module):
         half = A.dtype == torch.float16  # peft computes B @ A of fp16 adapters in fp32
         lora_weight = B.float() @ A.float() if half else B @ A
         weight = base_weight(self.base_layer).to(A.device)
-        return dora_weight_norm(weight, lora_weight.half() if half else lora_weight, self.scaling[name])
+        lora_weight = lora_weight.half() if half else lora_weight
+        return dora_weight_norm(weight, lora_weight, self.scaling[name])
 
     def set_adapter(self, adapter_names):
         """Make `adapter_names` the active adapters; only their parameters require grad.
@@ -166,7 +188,7 @@ class LoraLinear(nn.Module):
         self.active_adapters = names
 
     def enable_adapters(self, enabled):
-        """Switch all adapters on (the active ones trainable again) or off (`disable_adapters`, all frozen).
+        """Switch all adapters on (the active ones trainable again) or off (all frozen).
         Walkthrough 2.7 | Mirrors: peft BaseTunerLayer.enable_adapters"""
         if enabled:
             self.set_adapter(self.active_adapters)
@@ -176,7 +198,7 @@ class LoraLinear(nn.Module):
         self.disable_adapters = not enabled
 
     def get_delta_weight(self, adapter_name):
-        """The adapter's weight update B @ A * scaling, [out, in] (fp16/bf16 on CPU multiplied in fp32).
+        """The adapter's weight update B @ A * scaling, [out, in] (CPU fp16/bf16: product in fp32).
         Walkthrough 2.7 | Mirrors: peft lora.Linear.get_delta_weight"""
         A, B = self.lora_A[adapter_name].weight, self.lora_B[adapter_name].weight
         upcast = A.device.type == "cpu" and A.dtype in (torch.float16, torch.bfloat16)
@@ -184,7 +206,7 @@ class LoraLinear(nn.Module):
         return delta.to(A.dtype)
 
     def _merged_weight(self, name, weight):
-        # LoRA: W + dW.  DoRA: m / ||W0 + dW|| * (W + dW), the norm taken on the unmerged W0 and cached
+        # LoRA: W + dW.  DoRA: m / ||W0 + dW|| * (W + dW), the norm taken on the unmerged W0, cached
         delta = self.get_delta_weight(name)
         if not self.use_dora[name]:
             return weight + delta
@@ -197,7 +219,8 @@ class LoraLinear(nn.Module):
         delta = self.get_delta_weight(name)
         if not self.use_dora[name]:
             return weight - delta.to(weight.dtype)
-        factor = (self.lora_magnitude_vector[name].weight / self._dora_merged_norm[name]).view(-1, 1)
+        magnitude = self.lora_magnitude_vector[name].weight
+        factor = (magnitude / self._dora_merged_norm[name]).view(-1, 1)
         return (weight / factor - delta).to(weight.dtype)
 
     def _unmerged_base_weight(self):
@@ -209,13 +232,15 @@ class LoraLinear(nn.Module):
 
     @torch.no_grad()
     def merge(self, adapter_names=None):
-        """Fold adapters into the base weight (4-bit: dequantize, add, requantize, so slightly lossy).
+        """Fold adapters into the base weight (4-bit: dequantize, add, requantize: slightly lossy).
         Walkthrough 2.7 (merged) | Mirrors: peft lora.Linear.merge, lora.bnb.Linear4bit.merge"""
         names = self.active_adapters if adapter_names is None else adapter_names
         if isinstance(names, str):
-            raise TypeError(f"merge: adapter_names must be a list of names, got the string {names!r}")
+            raise TypeError("merge: adapter_names must be a list of names, "
+                            f"got the string {names!r}")
         for name in [n for n in names if n not in self.merged_adapters and n in self.lora_A]:
-            set_base_weight(self.base_layer, self._merged_weight(name, base_weight(self.base_layer)))
+            weight = self._merged_weight(name, base_weight(self.base_layer))
+            set_base_weight(self.base_layer, weight)
             self.merged_adapters.append(name)
 
     @torch.no_grad()
@@ -227,48 +252,58 @@ class LoraLinear(nn.Module):
             return
         while self.merged_adapters:
             name = self.merged_adapters.pop()
-            set_base_weight(self.base_layer, self._unmerged_weight(name, base_weight(self.base_layer)))
+            weight = self._unmerged_weight(name, base_weight(self.base_layer))
+            set_base_weight(self.base_layer, weight)
             self._dora_merged_norm.pop(name, None)
 
     def _check_forward_args(self, x, adapter_names):
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"LoraLinear: input x has shape {tuple(x.shape)} but the layer expects last dim "
-                             f"in_features={self.in_features}")
+            raise ValueError(f"LoraLinear: input x has shape {tuple(x.shape)} but the layer "
+                             f"expects last dim in_features={self.in_features}")
         if adapter_names is None:
             return
         if len(adapter_names) != len(x):
-            raise ValueError(f"adapter_names has {len(adapter_names)} entries but x has {len(x)} rows; "
-                             f"give one adapter name (or '__base__') per row")
+            raise ValueError(f"adapter_names has {len(adapter_names)} entries but x has "
+                             f"{len(x)} rows; give one adapter name (or '__base__') per row")
         if self.merged:
-            raise ValueError("Cannot pass adapter_names while adapters are merged; call unmerge() first.")
+            raise ValueError("Cannot pass adapter_names while adapters are merged; "
+                             "call unmerge() first.")
         dora = sorted({n for n in adapter_names if self.use_dora.get(n, False)})
         if dora:
-            raise ValueError(f"Cannot pass adapter_names for DoRA adapters {dora}; mixed batches support LoRA only.")
+            raise ValueError(f"Cannot pass adapter_names for DoRA adapters {dora}; "
+                             "mixed batches support LoRA only.")
 
     @staticmethod
     def _cast_input_dtype(x, dtype):
         return x if x.dtype == dtype else x.to(dtype)
 
     def _mixed_batch_forward(self, x, adapter_names):
-        # each row gets its own adapter's delta; "__base__" rows keep the plain base output
-        # cloned like the 2.7 path: bnb's MatMul4Bit output is a view that rows cannot be added into
-        result = self.base_layer(x).clone()
+        """Row i gets adapter adapter_names[i]'s delta ("__base__": none). Mirrors: peft
+        LoraLayer._mixed_batch_forward. Differs: the base output is cloned (peft adds rows in place
+        into bnb's MatMul4Bit view, which autograd refuses); adapters run in first-seen order
+        (peft: set order; rows are disjoint, so the sums agree); DoRA adapters are refused."""
+        result = self.base_layer(x).clone()  # the 2.7 path's defensive clone
         for name in dict.fromkeys(adapter_names):  # unique names, first-seen order
             if name == "__base__" or name not in self.lora_A:
                 continue
             rows = [i for i, n in enumerate(adapter_names) if n == name]
-            lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+            lora_A = self.lora_A[name]
+            lora_B = self.lora_B[name]
             requires_conversion = not torch.is_autocast_enabled()
             if requires_conversion:
                 expected_dtype = result.dtype
                 x = self._cast_input_dtype(x, lora_A.weight.dtype)
             output = lora_B(lora_A(self.lora_dropout[name](x[rows]))) * self.scaling[name]
-            result[rows] += output.to(expected_dtype) if requires_conversion else output
+            if requires_conversion:
+                output = output.to(expected_dtype)
+            result[rows] += output
         return result
 
     def forward(self, x, adapter_names=None):
-        """Base output plus each active adapter's (DoRA-scaled) low-rank update; `adapter_names` mixes per row.
-        Walkthrough 2.7 | Mirrors: peft lora.bnb.Linear4bit.forward"""
+        """Base output plus each active adapter's (DoRA-scaled) low-rank update (or per-row ones).
+        Walkthrough 2.7 | Mirrors: peft lora.bnb.Linear4bit.forward, lora.Linear.forward
+        Differs: DoRA's dropped input stays in a local `x_dora` (peft 0.21.2; the walkthrough
+        rebinds x); casts as peft 0.21.2: DoRA adds, then casts; a float base casts at the end."""
         self._check_forward_args(x, adapter_names)
         if self.disable_adapters:  # "if self.disable_adapters: if self.merged: self.unmerge()"
             if self.merged:
@@ -279,13 +314,19 @@ class LoraLinear(nn.Module):
         if self.merged:  # "elif self.merged": the deltas already live in the base weight
             return self.base_layer(x)
         result = self.base_layer(x)  # "result = self.base_layer(x, *args, **kwargs)"
-        # "As per Tim Dettmers, for 4bit, we need to defensively clone here" (backprop through a view)
+        # "As per Tim Dettmers, for 4bit, we need to defensively clone here" (backprop on a view)
         result = result.clone()
+        torch_result_dtype = result.dtype
+        # peft's 4-bit layer casts back after every adapter; its float layer (lora.Linear) adds in
+        # the adapters' dtype and casts once, at the end
+        cast_each = isinstance(self.base_layer, Linear4bit)
         for active_adapter in self.active_adapters:  # "for active_adapter in self.active_adapters:"
             if active_adapter not in self.lora_A:
                 continue
-            lora_A, lora_B = self.lora_A[active_adapter], self.lora_B[active_adapter]
-            dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
+            lora_A = self.lora_A[active_adapter]
+            lora_B = self.lora_B[active_adapter]
+            dropout = self.lora_dropout[active_adapter]
+            scaling = self.scaling[active_adapter]
             # no device argument: this asks about CUDA autocast only, so on CPU it is always True
             requires_conversion = not torch.is_autocast_enabled()
             if requires_conversion:
@@ -294,17 +335,21 @@ class LoraLinear(nn.Module):
             if not self.use_dora[active_adapter]:
                 # (B, T, in) -> (B, T, r) -> (B, T, out)
                 output = lora_B(lora_A(dropout(x))) * scaling
+                if requires_conversion and cast_each:
+                    output = output.to(expected_dtype)  # cast, then add
+                result = result + output
             else:
-                # reuse the base output when dropout cannot change x; else W x is recomputed on dropped x
+                # reuse the base output when dropout cannot change x; else W x is recomputed
                 if isinstance(dropout, nn.Identity) or not self.training:
-                    x_dora, base_result = x, result
+                    x_dora = x
+                    base_result = result
                 else:
-                    # kept local: later adapters see the undropped x, as in peft's DoRA variant
-                    x_dora, base_result = dropout(x), None
+                    x_dora = dropout(x)  # "x = dropout(x)", kept local: later adapters get x
+                    base_result = None
                 output = self.lora_magnitude_vector[active_adapter](
-                    x_dora, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=self.get_base_layer(),
-                    base_result=base_result)
-            if requires_conversion:
-                output = output.to(expected_dtype)
-            result = result + output
-        return result
+                    x_dora, lora_A=lora_A, lora_B=lora_B, scaling=scaling,
+                    base_layer=self.get_base_layer(), base_result=base_result)
+                result = result + output  # in fp32 when the adapters are fp32
+                if requires_conversion and cast_each:
+                    result = result.to(expected_dtype)  # add, then cast (peft's DoRA variant)
+        return result.to(torch_result_dtype)
