@@ -15,15 +15,13 @@ Hermetic: layers built in-process on CPU. Run: python -m pytest -q tests/parity/
 import copy
 import warnings
 
+import bitsandbytes as bnb
+import peft
 import pytest
 import torch
-from torch import nn
-
-bnb = pytest.importorskip("bitsandbytes")
-peft = pytest.importorskip("peft")
-
 from peft.tuners.lora.bnb import Linear4bit as PeftLinear4bit
 from peft.tuners.lora.layer import Linear as PeftLinear
+from torch import nn
 
 from nanosft.lora import LoraLinear
 from nanosft.nf4 import Linear4bit

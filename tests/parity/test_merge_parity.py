@@ -8,16 +8,14 @@ nanosft/assets/default and an adapter with random lora_B (init_lora_weights=Fals
 Run: python -m pytest -q tests/parity/test_merge_parity.py
 """
 
-import pytest
 import torch
+import transformers
 
 from nanosft import demo
 from nanosft.cli import main
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
 from nanosft.tokenizer import Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 
 def test_merged_folder_loads_in_transformers_with_nanosft_logits(tmp_path, capsys):

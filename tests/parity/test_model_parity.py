@@ -12,8 +12,7 @@ import json
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from nanosft.model import CausalLM, ModelConfig
 

@@ -14,11 +14,10 @@ Run: python -m pytest -q tests/parity/test_peft_parity.py
 
 import json
 
+import peft
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+import transformers
 
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.nf4 import quantize_model
