@@ -82,9 +82,10 @@ def model_dir(tmp_path_factory):
 
 
 def run_script(imports, model_dir, out_dir):
-    """Execute imports + SCRIPT in a fresh namespace; returns the namespace (trainer, model, ...)."""
+    """Run imports + SCRIPT in a fresh namespace; returns the namespace (trainer, model, ...)."""
     namespace = {"MODEL": model_dir, "OUT": str(out_dir), "ROWS": ROWS}
-    exec(compile(imports + SCRIPT, f"<script with {imports.split()[1]} imports>", "exec"), namespace)
+    code = compile(imports + SCRIPT, f"<script with {imports.split()[1]} imports>", "exec")
+    exec(code, namespace)
     return namespace
 
 
