@@ -8,6 +8,7 @@ statistics sharded too), no-sync accumulation, gathered state dicts. Tensor para
 plan through torch's parallelize_module. Imports nothing of nanosft, so model.py can use it for tp_plan.
 """
 
+import argparse
 import contextlib
 import copy
 import json
@@ -392,10 +393,12 @@ def check_tp_sizes(config, tp_size: int) -> None:
                          f"--nproc_per_node {math.gcd(*sizes.values())}) or use FSDP instead")
 
 
-def apply_tensor_parallel(model, tp_plan="auto", device="cpu") -> nn.Module:
+def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
     """Shard a CausalLM's decoder layers over all ranks with DTensor (colwise / rowwise per `tp_plan`), in place.
     Guide: tensor parallel | Mirrors: transformers from_pretrained(tp_plan="auto") -> distribute_model
     Differs: embeddings, norms and lm_head stay whole on every rank (transformers also splits lm_head)."""
+    if not is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # as transformers, from torchrun's env
+        init_distributed(argparse.Namespace(device="cuda" if torch.cuda.is_available() else "cpu", ddp_timeout=1800))
     require_process_group("tp_plan")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -406,6 +409,19 @@ def apply_tensor_parallel(model, tp_plan="auto", device="cpu") -> nn.Module:
         raise ValueError(f"tp_plan={tp_plan!r} is invalid: pass \"auto\" or a dict of module patterns to "
                          "\"colwise\" / \"rowwise\"")
     check_tp_sizes(model.config, get_world_size())
-    mesh = init_device_mesh(torch.device(device).type, (get_world_size(),))
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device_type == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    mesh = init_device_mesh(device_type, (get_world_size(),))
     parallelize_module(model.model, mesh, {k: styles[v]() for k, v in plan.items()})
     return model
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip gradients that are partly sharded (DTensor) and partly whole; returns the whole-model 2-norm.
+    Guide: tensor parallel | Mirrors: torch.nn.utils.clip_grad_norm_
+    Differs: whole gradients (norms, embeddings under TP) count as replicated, once."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        return to_full(torch.nn.utils.clip_grad_norm_(parameters, max_norm))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanosft import hub
+from nanosft import distributed, hub
 from nanosft.hub import load_state_dict_from_hf, save_state_dict_to_hf  # model API too
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -131,6 +131,29 @@ def causal_lm_loss(logits, labels, num_items_in_batch=None):
     return loss if num_items_in_batch is None else loss / torch.as_tensor(num_items_in_batch, device=loss.device)
 
 
+LOSS_CHUNK_SIZE = 1024  # tokens per lm_head + cross-entropy tile: (1024, V) fp32 logits at a time
+
+
+def _chunk_loss_sum(lm_head, h, shift_labels):
+    # (n, C) -> (n, V) fp32 logits -> summed cross entropy; recomputed in backward, never stored
+    logits = lm_head(h).float()
+    return F.cross_entropy(logits, shift_labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_causal_lm_loss(hidden, lm_head, labels, num_items_in_batch=None,
+                           chunk_size=LOSS_CHUNK_SIZE):
+    """causal_lm_loss(lm_head(hidden), labels, ...) with no (B, T, V) logits: head and loss run on
+    `chunk_size` tokens at a time, each tile recomputed in backward (torch.utils.checkpoint).
+    Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction (SFTTrainer's fused LM head)
+    Differs: tiles tokens only, recomputed by checkpoint; no online logsumexp over vocab tiles."""
+    shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].to(hidden.device).flatten()  # (B*T,)
+    h = hidden.flatten(0, -2)  # (B*T, C), a view
+    total = sum(checkpoint(_chunk_loss_sum, lm_head, hc, yc, use_reentrant=False)
+                for hc, yc in zip(h.split(chunk_size), shift_labels.split(chunk_size)))
+    count = (shift_labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / torch.as_tensor(count, device=total.device)
+
+
 def rope_inv_freq(config):
     """Rotary inverse frequencies (fp32, head_dim/2 of them), with linear or llama3 scaling.
     Walkthrough 2.6 | Mirrors: transformers compute_default_rope_parameters, _compute_llama3_parameters"""
@@ -235,9 +258,10 @@ class Attention(nn.Module):
         """(B, T, C) -> (B, T, C) and the layer's (k, v) cache, each (B, KV, past + T, D).
         mask: a boolean (B|1, 1, T, S) tensor, None (plain causal) or a list of document lengths (one packed row)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds H / tp query and KV / tp kv heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos, sin: (B|1, 1, T, D)
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
@@ -393,10 +417,15 @@ class CausalLM(nn.Module):
         return self.lm_head
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                num_items_in_batch=None, past_key_values=None, use_cache=False, **kwargs):
+                num_items_in_batch=None, past_key_values=None, use_cache=False, fused_lm_head=False,
+                **kwargs):
         """Logits (B, T, V) and, given labels, loss = causal_lm_loss(logits, labels, num_items_in_batch).
-        Walkthrough 2.5 (`outputs = model(**inputs)`) | Mirrors: transformers LlamaForCausalLM.forward"""
+        Walkthrough 2.5 (`outputs = model(**inputs)`) | Mirrors: LlamaForCausalLM.forward
+        fused_lm_head=True (trl add_fused_lm_head's kwarg): chunked_causal_lm_loss, logits=None."""
         h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds, past_key_values, use_cache)
+        if fused_lm_head and labels is not None:  # the (B, T, V) logits never exist
+            loss = chunked_causal_lm_loss(h, self.lm_head, labels, num_items_in_batch)
+            return CausalLMOutput(loss=loss, logits=None, past_key_values=cache)
         logits = self.lm_head(h)
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits, past_key_values=cache)
@@ -456,10 +485,11 @@ class CausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
     @classmethod
-    def from_pretrained(cls, model_dir, dtype=None):
+    def from_pretrained(cls, model_dir, dtype=None, tp_plan=None):
         """Load config.json and safetensors weights; dtype None -> float32, "auto" -> config.json's dtype.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.from_pretrained
-        Differs: keys and shapes must match exactly; every mismatch is named."""
+        Differs: keys and shapes must match exactly; every mismatch is named. tp_plan="auto" (under torchrun)
+        splits the decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
         config = ModelConfig.from_pretrained(model_dir)
         dtype = (config.dtype or "float32") if dtype == "auto" else (dtype or torch.float32)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -473,6 +503,8 @@ class CausalLM(nn.Module):
         model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False, assign=True)
         model.config.dtype = str(dtype).removeprefix("torch.")
         model.tie_weights()
+        if tp_plan is not None:  # "auto": transformers' Llama base_model_tp_plan over all torchrun ranks
+            distributed.apply_tensor_parallel(model, tp_plan)
         return model
 
     def save_pretrained(self, save_directory, max_shard_size="5GB"):
