@@ -1,0 +1,105 @@
+"""The chunked causal-LM loss (model.chunked_causal_lm_loss, CausalLM.forward(fused_lm_head=True)).
+
+Compared: loss and gradients against the unchunked causal_lm_loss and against transformers'
+ForCausalLMLoss on the same logits, at 1e-6 in fp32; the bytes autograd saves for backward (the
+(B, T, V) log-probs disappear). Negative control: a mean of per-chunk means, the classic chunking
+bug, is caught. Tiny shapes (hidden 32, vocab 512), CPU, seeded, well under a second per test.
+Run: timeout 900 python -m pytest -q tests/test_chunked_loss.py
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from nanosft.model import causal_lm_loss, chunked_causal_lm_loss
+
+V, C = 512, 32
+
+
+def _inputs(seed=0, B=3, T=40):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, C, generator=g, requires_grad=True)
+    head = torch.nn.Linear(C, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, C, generator=g) * 0.2)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, :11] = -100  # a prompt: uneven supervised counts per chunk
+    labels[-1, 25:] = -100  # padding
+    return hidden, head, labels
+
+
+def _loss_and_grads(loss_fn, hidden, head):
+    loss = loss_fn()
+    grads = torch.autograd.grad(loss, [hidden, head.weight])
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 57.0])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 10_000])
+def test_chunked_equals_unchunked_and_transformers(chunk_size, num_items_in_batch):
+    hidden, head, labels = _inputs()
+    n = None if num_items_in_batch is None else torch.tensor(num_items_in_batch)
+    ours, ours_g = _loss_and_grads(
+        lambda: chunked_causal_lm_loss(hidden, head, labels, n, chunk_size), hidden, head)
+    full, full_g = _loss_and_grads(lambda: causal_lm_loss(head(hidden), labels, n), hidden, head)
+    ref, ref_g = _loss_and_grads(
+        lambda: ForCausalLMLoss(head(hidden), labels, V, num_items_in_batch=n), hidden, head)
+    for loss, grads in ((full, full_g), (ref, ref_g)):
+        torch.testing.assert_close(ours, loss, rtol=0, atol=1e-6)
+        for a, b in zip(ours_g, grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_mean_of_chunk_means_is_wrong():
+    """Negative control: averaging per-chunk means weights a chunk's tokens by 1 / its count."""
+    hidden, head, labels = _inputs()
+    y = F.pad(labels, (0, 1), value=-100)[..., 1:].flatten()
+    h = hidden.flatten(0, 1)
+    means = [F.cross_entropy(head(hc), yc, ignore_index=-100)
+             for hc, yc in zip(h.split(7), y.split(7)) if (yc != -100).any()]
+    buggy = torch.stack(means).mean()
+    right = chunked_causal_lm_loss(hidden, head, labels, chunk_size=7)
+    assert (buggy - right).abs() > 1e-3
+    torch.testing.assert_close(right, causal_lm_loss(head(hidden), labels), rtol=0, atol=1e-6)
+
+
+def test_forward_fused_lm_head_matches_and_returns_no_logits():
+    model = tiny_model(vocab_size=V, hidden_size=C)
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    params = [p for p in model.parameters()]
+    out = model(ids, labels=labels)
+    grads = torch.autograd.grad(out.loss, params)
+    fused = model(ids, labels=labels, fused_lm_head=True)
+    fused_grads = torch.autograd.grad(fused.loss, params)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, out.loss, rtol=0, atol=1e-6)
+    for a, b in zip(fused_grads, grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def _saved_storages(fn):
+    sizes = {}
+
+    def pack(t):
+        sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn()
+    loss.backward()
+    return sizes
+
+
+def test_chunked_loss_saves_no_vocab_sized_tensor():
+    hidden, head, labels = _inputs(B=2, T=64)
+    N = labels.numel()
+    full = _saved_storages(lambda: causal_lm_loss(head(hidden), labels))
+    chunked = _saved_storages(lambda: chunked_causal_lm_loss(hidden, head, labels, chunk_size=16))
+    assert max(full.values()) == N * V * 4  # log_softmax's (N, V) fp32 output, kept for backward
+    # what stays is the hidden states, the labels and the head weight: nothing (tokens x V) in size
+    assert max(chunked.values()) < 16 * V * 4
+    assert sum(chunked.values()) < sum(full.values()) / 4
