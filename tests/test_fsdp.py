@@ -191,3 +191,45 @@ def test_clip_norm_over_sharded_grads_is_the_one_process_norm(runs):
 def test_token_count_all_reduce_is_needed(runs):
     single, local = runs[0]["full"]["state"], runs[1]["per_rank_tokens"]
     assert max((local[k] - v).abs().max().item() for k, v in single.items()) > 10 * TOL
+
+
+# ----- bad input: each error names the problem and the fix, before anything is written
+@pytest.mark.parametrize("fsdp, config, words", [
+    (True, {"fsdp_cpu_offload": True}, ["cpu_offload", "supported keys", "reshard_after_forward"]),
+    (True, {"version": 1}, ["'version'", "use 2"]),
+    (True, {"state_dict_type": "SHARDED_STATE_DICT"}, ["state_dict_type", "FULL_STATE_DICT"]),
+    (True, {"reshard_after_forward": "maybe"}, ["reshard_after_forward", "true or false"]),
+    ("full_shard offload", None, ["'offload'", "fsdp=True"]),
+])
+def test_bad_fsdp_config_is_refused(tmp_path, fsdp, config, words):
+    with pytest.raises(ValueError) as e:
+        TrainingArguments(output_dir=str(tmp_path), fsdp=fsdp, fsdp_config=config)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_fsdp_config_from_a_json_file_with_prefixed_keys(tmp_path):
+    path = tmp_path / "fsdp_config.json"
+    path.write_text('{"fsdp_version": 2, "fsdp_reshard_after_forward": false, '
+                    '"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}')
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, fsdp_config=str(path))
+    assert args.fsdp is True and args.fsdp_config["reshard_after_forward"] is False
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json.*could not be read"):
+        TrainingArguments(output_dir=str(tmp_path), fsdp=True, fsdp_config=str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("option", [{"optim": "adamw_bnb_8bit"}, {"torch_compile": True}])
+def test_fsdp_with_options_it_cannot_honour_is_refused(tmp_path, option):
+    with pytest.raises(ValueError, match=f"fsdp with {next(iter(option))}=.*not supported"):
+        TrainingArguments(output_dir=str(tmp_path), fsdp=True, **option)
+
+
+def test_fsdp_in_one_process_is_refused_before_training(tmp_path, monkeypatch):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    trainer = make_trainer("full", str(tmp_path / "out"), batch_size=2, fsdp=True, save_strategy="steps",
+                           save_steps=1)
+    with pytest.raises(RuntimeError, match="fsdp needs several processes.*torchrun --nproc_per_node 2"):
+        trainer.train()
+    assert not (tmp_path / "out").exists()  # nothing half-written
