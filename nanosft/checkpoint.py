@@ -1,17 +1,18 @@
-"""Checkpoints: atomic save and exact resume of the whole training state, in transformers' folder layout.
+"""Checkpoints: atomic save and exact resume of the whole training state, in transformers' layout.
 
-A checkpoint-N folder holds the weights (model.safetensors, or adapter_model.safetensors + adapter_config.json
-for a LoRA model), optimizer.pt, scheduler.pt, scaler.pt, rng_state[_{rank}].pth, trainer_state.json and
-training_args.json (JSON instead of transformers' pickled training_args.bin). Walkthrough 2.3 (`_maybe_log_save_evaluate`
--> `_save_checkpoint`); guide: 故障排除 (a resumed run must equal an uninterrupted one). A checkpoint is written in a
-hidden temp folder beside it, fsynced, then renamed into place, so a crash or a full disk never leaves half of one.
+A checkpoint-N folder holds the weights (model.safetensors, or adapter_model.safetensors +
+adapter_config.json for a LoRA model), optimizer.pt, scheduler.pt, scaler.pt,
+rng_state[_{rank}].pth, trainer_state.json and training_args.json (JSON instead of transformers'
+pickled training_args.bin). Walkthrough 2.3 (`_maybe_log_save_evaluate` -> `_save_checkpoint`);
+guide: 故障排除 (a resumed run must equal an uninterrupted one). A checkpoint is written in a hidden
+temp folder beside it, fsynced, then renamed into place, so a crash or a full disk never leaves half
+of one. Finding the latest checkpoint and rotating old ones live in output_folder.py.
 """
 
 import errno
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 
@@ -20,17 +21,25 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-TRAINER_STATE_NAME = "trainer_state.json"
+from nanosft.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
+    _CHECKPOINT_RE,
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    PREFIX_CHECKPOINT_DIR,
+    TEMP_PREFIX,
+    TRAINER_STATE_NAME,
+    WEIGHTS_NAME,
+    get_last_checkpoint,
+    resolve_resume_checkpoint,
+    rotate_checkpoints,
+    sorted_checkpoints,
+)
+from nanosft.trainer_utils import TrainerState
+
 TRAINING_ARGS_NAME = "training_args.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 SCALER_NAME = "scaler.pt"
-WEIGHTS_NAME = "model.safetensors"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-PREFIX_CHECKPOINT_DIR = "checkpoint"
-TEMP_PREFIX = ".tmp-"  # ".tmp-checkpoint-20" while checkpoint-20 is being written
-_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 # ----------------------------------------------------------------------------- small file helpers
@@ -82,10 +91,10 @@ def _load_or_explain(path, load):
         return load(path)
     except Exception as e:
         folder = os.path.dirname(path)
-        first_line = (str(e).strip().splitlines() or [""])[0][:200]  # torch's full text is a page long
-        raise ValueError(f"{path} could not be read ({type(e).__name__}: {first_line}). The checkpoint is damaged or was "
-                         f"written by an incompatible version; delete {folder} and resume from an earlier "
-                         f"checkpoint.") from e
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]  # torch's text is a page long
+        raise ValueError(f"{path} could not be read ({type(e).__name__}: {first_line}). The "
+                         "checkpoint is damaged or was written by an incompatible version; delete "
+                         f"{folder} and resume from an earlier checkpoint.") from e
 
 
 def _barrier(world_size):
@@ -95,7 +104,7 @@ def _barrier(world_size):
 
 # ----------------------------------------------------------------------------- RNG state
 def rng_state_file(checkpoint_dir, rank=0, world_size=1):
-    """Path of this process's RNG file: rng_state.pth alone, rng_state_{rank}.pth in a multi-process run.
+    """Path of this process's RNG file: rng_state.pth alone, rng_state_{rank}.pth with several.
     Mirrors: transformers Trainer._save_rng_state (file naming)"""
     name = "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
     return os.path.join(checkpoint_dir, name)
@@ -104,19 +113,22 @@ def rng_state_file(checkpoint_dir, rank=0, world_size=1):
 def save_rng_state(checkpoint_dir, rank=0, world_size=1):
     """Write the python, numpy, torch CPU and (if present) CUDA generator states of this process.
     Mirrors: transformers Trainer._save_rng_state"""
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    states = {"python": random.getstate(), "numpy": np.random.get_state(),
+              "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.random.get_rng_state_all() if world_size > 1 else torch.cuda.random.get_rng_state()
+        cuda = torch.cuda.random
+        states["cuda"] = cuda.get_rng_state_all() if world_size > 1 else cuda.get_rng_state()
     _torch_save_atomic(states, rng_state_file(checkpoint_dir, rank, world_size))
 
 
 def load_rng_state(checkpoint_dir, rank=0, world_size=1) -> bool:
-    """Restore this process's generators from its RNG file; False (with a warning) when the file is absent.
+    """Restore this process's generators from its RNG file; False (with a warning) if it is absent.
     Mirrors: transformers Trainer._load_rng_state"""
     path = rng_state_file(checkpoint_dir, rank, world_size)
     if not os.path.isfile(path):
-        warnings.warn(f"{path} not found: the data order and dropout masks after resuming will not repeat the "
-                      f"original run (was it saved with a different number of processes?)", stacklevel=2)
+        warnings.warn(f"{path} not found: the data order and dropout masks after resuming will "
+                      "not repeat the original run (was it saved with another number of "
+                      "processes?)", stacklevel=2)
         return False
 
     def read(p):
@@ -137,7 +149,7 @@ def load_rng_state(checkpoint_dir, rank=0, world_size=1) -> bool:
 
 # ----------------------------------------------------------------------------- model weights
 def _unwrap(model):
-    # DistributedDataParallel keeps the real model in .module; the files must not carry a "module." prefix.
+    # DistributedDataParallel keeps the model in .module; files must not carry a "module." prefix.
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
@@ -146,11 +158,12 @@ def _has_adapter(model) -> bool:
 
 
 def _dedupe_shared(state_dict):
-    """Drop exact aliases (tied weights: lm_head.weight == embed_tokens.weight) and clone partial views.
-    safetensors refuses tensors that share memory. Returns (tensors to write, {dropped name: kept name})."""
+    """Drop exact aliases (tied weights: lm_head.weight == embed_tokens.weight), clone views.
+    safetensors refuses tensors that share memory. Returns (tensors, {dropped: kept name})."""
     seen, tensors, tied = {}, {}, {}
     for name, t in state_dict.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
         storage = t.untyped_storage().data_ptr()
         if key in seen:
             tied[name] = seen[key]
@@ -162,18 +175,19 @@ def _dedupe_shared(state_dict):
 
 
 def save_model_weights(model, folder):
-    """Write the adapter (PEFT format) for a LoRA model, else model.safetensors of the full state dict.
+    """Write the adapter (PEFT format) of a LoRA model, else model.safetensors of the state dict.
     Mirrors: transformers Trainer.save_model -> save_pretrained (safe_serialization)"""
     model = _unwrap(model)
     if _has_adapter(model):
         model.save_pretrained(folder)
         return
     tensors, tied = _dedupe_shared(model.state_dict())
-    save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt", "tied": json.dumps(tied)})
+    metadata = {"format": "pt", "tied": json.dumps(tied)}
+    save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata=metadata)
 
 
 def load_model_weights(model, folder):
-    """Copy the weights saved by save_model_weights into the live `model` in place; mismatches are errors.
+    """Copy what save_model_weights wrote into the live `model` in place; mismatches are errors.
     Mirrors: transformers Trainer._load_from_checkpoint"""
     model = _unwrap(model)
     if _has_adapter(model):
@@ -181,7 +195,8 @@ def load_model_weights(model, folder):
 
         path = os.path.join(folder, ADAPTER_WEIGHTS_NAME)
         state = _load_or_explain(path, load_file)
-        set_peft_model_state_dict(model, state, adapter_name=getattr(model, "active_adapter", "default"), source=path)
+        adapter_name = getattr(model, "active_adapter", "default")
+        set_peft_model_state_dict(model, state, adapter_name=adapter_name, source=path)
         return
     path = os.path.join(folder, WEIGHTS_NAME)
     state = _load_or_explain(path, load_file)
@@ -194,7 +209,8 @@ def load_model_weights(model, folder):
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
         raise ValueError(f"{path} does not fit this model: missing {missing[:5]}, unexpected "
-                         f"{result.unexpected_keys[:5]}; was it saved from another architecture or config?")
+                         f"{result.unexpected_keys[:5]}; was it saved from another architecture or "
+                         "config?")
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -221,12 +237,13 @@ def _write_all(folder, model, optimizer, lr_scheduler, scaler, trainer_state, ar
         torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
     save_rng_state(folder, 0, world_size)
     _write_json(trainer_state, os.path.join(folder, TRAINER_STATE_NAME))
-    _write_json(args.to_dict() if hasattr(args, "to_dict") else args, os.path.join(folder, TRAINING_ARGS_NAME))
+    args = args.to_dict() if hasattr(args, "to_dict") else args
+    _write_json(args, os.path.join(folder, TRAINING_ARGS_NAME))
 
 
-def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, trainer_state: dict,
-                    args: dict, rank=0, world_size=1):
-    """Write a complete checkpoint folder atomically: all files go to a temp folder that is renamed at the end.
+def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None,
+                    trainer_state: dict, args: dict, rank=0, world_size=1):
+    """Write a complete checkpoint folder atomically: files go to a temp folder renamed at the end.
     Walkthrough 2.3 | Mirrors: transformers Trainer._save_checkpoint
     Rank 0 writes everything; other ranks add their rng_state_{rank}.pth once the folder exists."""
     checkpoint_dir = os.path.normpath(checkpoint_dir)
@@ -240,10 +257,14 @@ def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
             _write_all(tmp, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size)
             _fsync_tree(tmp)
             _move_into_place(tmp, checkpoint_dir)
-        except (OSError, RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap I/O errors
+        except (OSError, RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap I/O
             shutil.rmtree(tmp, ignore_errors=True)
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
-            raise OSError(getattr(e, "errno", None) or errno.EIO, f"saving {checkpoint_dir} failed ({reason}); the partial folder was "
+            if isinstance(e, OSError) and e.strerror:
+                reason = e.strerror
+            else:
+                reason = str(e).strip().splitlines()[0][:200]
+            raise OSError(getattr(e, "errno", None) or errno.EIO,
+                          f"saving {checkpoint_dir} failed ({reason}); the partial folder was "
                           "removed and earlier checkpoints are untouched. Free disk space or lower "
                           "save_total_limit, then resume from the last checkpoint") from e
         except BaseException:
@@ -264,30 +285,80 @@ def _missing_files(checkpoint_dir, model, optimizer, lr_scheduler):
 
 
 def check_is_checkpoint(checkpoint_dir, model=None, optimizer=None, lr_scheduler=None):
-    """Raise FileNotFoundError naming what is missing when `checkpoint_dir` is not a resumable checkpoint.
+    """Raise FileNotFoundError naming what is missing when `checkpoint_dir` is not resumable.
     Mirrors: transformers Trainer._load_from_checkpoint (its file checks)"""
     if not os.path.isdir(checkpoint_dir):
-        raise FileNotFoundError(f"resume_from_checkpoint={checkpoint_dir!r} is not a folder. Point it at an "
-                                "output_dir/checkpoint-N folder, or pass True to take the newest one.")
+        raise FileNotFoundError(f"resume_from_checkpoint={checkpoint_dir!r} is not a folder. Point "
+                                "it at an output_dir/checkpoint-N folder, or pass True to take the "
+                                "newest one.")
     missing = _missing_files(checkpoint_dir, model, optimizer, lr_scheduler)
     if missing:
         inside = sorted(d for d in os.listdir(checkpoint_dir) if _CHECKPOINT_RE.match(d))
-        hint = f" It holds {', '.join(inside)}: did you mean {os.path.join(checkpoint_dir, inside[-1])}?" \
-            if inside else " A checkpoint folder is what save_checkpoint writes (output_dir/checkpoint-N)."
-        raise FileNotFoundError(f"{checkpoint_dir} is not a checkpoint: missing {', '.join(missing)}.{hint}")
+        if inside:
+            hint = f" It holds {', '.join(inside)}: did you mean " \
+                   f"{os.path.join(checkpoint_dir, inside[-1])}?"
+        else:
+            hint = " A checkpoint folder is what save_checkpoint writes (output_dir/checkpoint-N)."
+        raise FileNotFoundError(f"{checkpoint_dir} is not a checkpoint: missing "
+                                f"{', '.join(missing)}.{hint}")
 
 
-def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0, world_size=1) -> dict:
-    """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the trainer state.
+# adapter_config.json fields that make another set-up: other layers, shapes or forward
+_SETUP_FIELDS = ("peft_type", "r", "lora_alpha", "target_modules", "use_dora", "use_rslora",
+                 "modules_to_save", "num_virtual_tokens")
+
+
+def _as_comparable(value):
+    return sorted(value) if isinstance(value, (list, tuple, set)) else value
+
+
+def check_same_setup(checkpoint_dir, model) -> None:
+    """Refuse, naming what differs, a checkpoint of another set-up: a full fine-tune resumed as LoRA
+    (or back), other LoRA target modules, rank, alpha, DoRA or prompt length.
+    Walkthrough 2.2 | Mirrors: nothing (transformers finds out when loading, or not at all)"""
+    model = _unwrap(model)
+    adapter_file = os.path.join(checkpoint_dir, ADAPTER_CONFIG_NAME)
+    has_full = os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_NAME))
+    if _has_adapter(model) and not os.path.isfile(adapter_file) and has_full:
+        raise ValueError(f"{checkpoint_dir} is a full fine-tuning checkpoint (model.safetensors), "
+                         "but this run trains an adapter; resume it without peft_config (--full on "
+                         "the command line), or start the adapter run in a new output_dir.")
+    if not _has_adapter(model) and os.path.isfile(adapter_file):
+        raise ValueError(f"{checkpoint_dir} holds an adapter ({ADAPTER_CONFIG_NAME}), but this "
+                         "run fine-tunes every weight; resume it with the same peft_config, or "
+                         "start the full fine-tune in a new output_dir.")
+    if not _has_adapter(model) or not os.path.isfile(adapter_file):
+        return
+    saved = _load_or_explain(adapter_file, _read_json)
+    config = model.peft_config[getattr(model, "active_adapter", "default")].to_dict()
+    differs = [f"{k}: checkpoint {saved.get(k)!r}, this run {config.get(k)!r}"
+               for k in _SETUP_FIELDS
+               if _as_comparable(saved.get(k)) != _as_comparable(config.get(k))]
+    if differs:
+        raise ValueError(f"{checkpoint_dir} was trained with another adapter set-up ("
+                         f"{'; '.join(differs)}); resume with the checkpoint's settings, or start "
+                         "this set-up in a new output_dir.")
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0,
+                    world_size=1) -> dict:
+    """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the state.
     Walkthrough 2.2 (resume_from_checkpoint) | Mirrors: transformers Trainer._load_from_checkpoint,
     _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True."""
+    check_same_setup(checkpoint_dir, model)
     check_is_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler)
     load_model_weights(model, checkpoint_dir)
 
     def read_pt(path):
         return torch.load(path, map_location="cpu", weights_only=True)
 
-    for obj, file_name in ((optimizer, OPTIMIZER_NAME), (lr_scheduler, SCHEDULER_NAME), (scaler, SCALER_NAME)):
+    parts = ((optimizer, OPTIMIZER_NAME), (lr_scheduler, SCHEDULER_NAME), (scaler, SCALER_NAME))
+    for obj, file_name in parts:
         path = os.path.join(checkpoint_dir, file_name)
         if obj is None or not os.path.isfile(path):
             continue
@@ -295,71 +366,44 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
         try:
             obj.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as e:
-            raise ValueError(f"{path} does not fit this {type(obj).__name__} ({e}); was it saved with other "
-                             "trainable parameters or another optimizer?") from e
+            raise ValueError(f"{path} does not fit this {type(obj).__name__} ({e}); was it saved "
+                             "with other trainable parameters or another optimizer?") from e
     load_rng_state(checkpoint_dir, rank, world_size)
-
-    def read_json(path):
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-
-    return _load_or_explain(os.path.join(checkpoint_dir, TRAINER_STATE_NAME), read_json)
+    return _load_or_explain(os.path.join(checkpoint_dir, TRAINER_STATE_NAME), _read_json)
 
 
-# ----------------------------------------------------------------------------- finding and rotating
-def sorted_checkpoints(output_dir) -> list[str]:
-    """checkpoint-N folders of `output_dir`, oldest (smallest N) first.
-    Mirrors: transformers trainer_utils.sort_checkpoints | Differs: always by step number, never by mtime."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), d) for d in os.listdir(output_dir)
-             if (m := _CHECKPOINT_RE.match(d)) and os.path.isdir(os.path.join(output_dir, d))]
-    return [os.path.join(output_dir, d) for _, d in sorted(found)]
+def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
+                        num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint):
+    """(TrainerState, epochs_trained, steps_trained_in_current_epoch): a fresh state, or the
+    checkpoint's with model, optimizer, scheduler, scaler and RNG restored in place.
+    Walkthrough 2.2 | Mirrors: transformers Trainer._init_training_state
+    Differs: RNG restored here, not after skipping batches (the data order uses no global RNG)."""
+    state = TrainerState(max_steps=max_steps, num_train_epochs=num_train_epochs,
+                         train_batch_size=args.train_batch_size)
+    state.compute_steps(args, max_steps)
+    if resume_from_checkpoint is None:
+        return state, 0, 0
+    saved = load_checkpoint(resume_from_checkpoint, model=model, optimizer=optimizer,
+                            lr_scheduler=lr_scheduler, scaler=scaler, rank=_rank(),
+                            world_size=args.world_size)
+    state = TrainerState.from_dict(saved)
+    epochs_trained = state.global_step // num_update_steps_per_epoch
+    steps_trained_in_current_epoch = 0
+    if not args.ignore_data_skip:  # micro-batches already consumed in the interrupted epoch
+        steps_trained_in_current_epoch = (state.global_step % num_update_steps_per_epoch
+                                          * args.gradient_accumulation_steps)
+    return state, epochs_trained, steps_trained_in_current_epoch
 
 
-def get_last_checkpoint(output_dir):
-    """The checkpoint-N folder with the largest N, or None; leftover temp folders are skipped with a warning.
-    Mirrors: transformers trainer_utils.get_last_checkpoint | Differs: a missing output_dir gives None."""
-    if os.path.isdir(output_dir):
-        partial = sorted(d for d in os.listdir(output_dir) if d.startswith(TEMP_PREFIX + PREFIX_CHECKPOINT_DIR))
-        if partial:
-            warnings.warn(f"{output_dir} holds {', '.join(partial)}: left by a save that was interrupted; ignored "
-                          "(safe to delete)", stacklevel=2)
-    checkpoints = sorted_checkpoints(output_dir)
-    return checkpoints[-1] if checkpoints else None
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def resolve_resume_checkpoint(resume_from_checkpoint, output_dir):
-    """The folder to resume from: None (fresh run), the newest checkpoint-N for True, else the given folder.
-    Walkthrough 2.2 | Mirrors: transformers Trainer.train (resume_from_checkpoint handling)"""
-    if resume_from_checkpoint is True:
-        resume_from_checkpoint = get_last_checkpoint(output_dir)
-        if resume_from_checkpoint is None:
-            raise ValueError(f"resume_from_checkpoint=True but no checkpoint-* folder in {output_dir!r}; "
-                             "train without resuming first, or pass the checkpoint folder.")
-    if resume_from_checkpoint and not os.path.isdir(resume_from_checkpoint):
-        raise ValueError(f"resume_from_checkpoint: {resume_from_checkpoint!r} is not a folder; pass a "
-                         "checkpoint-<step> folder written by this trainer, or True for the latest one.")
-    return resume_from_checkpoint or None
-
-
-def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None) -> list[str]:
-    """Delete the oldest checkpoints beyond save_total_limit, never the newest nor the best one; return them.
-    Mirrors: transformers trainer_utils.rotate_checkpoints"""
-    if save_total_limit is None or save_total_limit <= 0:
-        return []
-    checkpoints = sorted_checkpoints(output_dir)
-    if len(checkpoints) <= save_total_limit:
-        return []
-    protected = {os.path.abspath(checkpoints[-1])}  # the newest: what a resume needs
-    if best_model_checkpoint is not None:
-        protected.add(os.path.abspath(best_model_checkpoint))
-    keep = max(save_total_limit, len(protected))
-    deleted = []
-    for path in checkpoints:
-        if len(checkpoints) - len(deleted) <= keep:
-            break
-        if os.path.abspath(path) not in protected:
-            shutil.rmtree(path, ignore_errors=True)
-            deleted.append(path)
-    return deleted
+def save_model(model, processing_class, output_dir) -> None:
+    """The final model (a PEFT model: its adapter only) and the tokenizer in output_dir.
+    Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
+    os.makedirs(output_dir, exist_ok=True)
+    _unwrap(model).save_pretrained(output_dir)
+    if hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(output_dir)

@@ -1,8 +1,9 @@
-"""SFTTrainer: TRL's supervised fine-tuning set-up (dataset preparation, LoRA wrapping) on top of Trainer.
+"""SFTTrainer: TRL's supervised fine-tuning set-up (dataset preparation, LoRA wrapping) on Trainer.
 
-Walkthrough 2.1 (SFTTrainer.__init__ ends in Trainer.__init__) and 2.5 (the SFT loss replaces the model's own).
+Walkthrough 2.1 (SFTTrainer.__init__ ends in Trainer.__init__) and 2.5 (on the SFT path
+SFTTrainer.compute_loss replaces Trainer.compute_loss: TRL's own loss and token metrics).
 Papers: LoRA 2106.09685, QLoRA 2305.14314 (a 4-bit base with bf16 adapters).
-Mirrors trl 1.16 SFTTrainer: __init__, compute_loss and log, hf-reference section 4.
+Mirrors trl 1.16 SFTTrainer: __init__, compute_loss and log.
 """
 
 from collections import defaultdict
@@ -16,7 +17,9 @@ from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.data import load_examples, prepare_dataset
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
-from nanosft.trainer import IGNORE_INDEX, Trainer, label_smoothed_loss, set_seed
+from nanosft.trainer import Trainer
+from nanosft.trainer_utils import (IGNORE_INDEX, convert_outputs_to_fp32, label_smoothed_loss,
+                                   set_seed)
 
 
 def _as_sft_config(args, model) -> SFTConfig:
@@ -24,34 +27,36 @@ def _as_sft_config(args, model) -> SFTConfig:
         return SFTConfig(output_dir=f"{type(model).__name__}-SFT")
     if isinstance(args, SFTConfig):
         return args
-    if isinstance(args, TrainingArguments):  # TRL converts plain TrainingArguments, keeping their values
+    if isinstance(args, TrainingArguments):  # TRL converts TrainingArguments, keeping the values
         return SFTConfig(**{f.name: getattr(args, f.name) for f in fields(TrainingArguments)})
-    raise TypeError(f"SFTTrainer: args must be an SFTConfig or TrainingArguments, got {type(args).__name__}")
+    raise TypeError("SFTTrainer: args must be an SFTConfig or TrainingArguments, got "
+                    f"{type(args).__name__}")
 
 
 def _cast_trainable_to_bf16(model) -> None:
-    """QLoRA: trainable params (the adapters) become bf16, except DoRA's magnitude, which stays fp32.
+    """QLoRA: trainable params (the adapters) become bf16, except DoRA's magnitude (stays fp32).
     Walkthrough 2.1 | Mirrors: trl SFTTrainer.__init__ (is_loaded_in_4bit branch)
-    Differs: nothing, but note that on a CPU without native bf16 this is slower than fp32 adapters."""
+    On a CPU without native bf16 this is slower than fp32 adapters."""
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_magnitude_vector" not in name:
             param.data = param.data.to(torch.bfloat16)
 
 
 def _pad_token_id(args, tokenizer) -> int:
-    """`args.pad_token or tokenizer.pad_token or tokenizer.eos_token`, as an id. Mirrors: trl SFTTrainer.__init__"""
+    """`args.pad_token or tokenizer.pad_token or tokenizer.eos_token`, as an id.
+    Mirrors: trl SFTTrainer.__init__"""
     token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
     token_id = tokenizer.token_to_id(token) if token is not None else None
     if token_id is None:
-        raise ValueError(f"SFTTrainer: pad token {token!r} is not in the tokenizer's vocabulary; set "
-                         "SFTConfig(pad_token=...) to a token it has (the EOS token works).")
+        raise ValueError(f"SFTTrainer: pad token {token!r} is not in the tokenizer's vocabulary; "
+                         "set SFTConfig(pad_token=...) to a token it has (the EOS token works).")
     return token_id
 
 
 def token_metrics(logits, labels, log_probs=None):
-    """(supervised tokens, summed entropy, correct top-1 guesses) of shifted logits (B, T, V) vs labels (B, T).
-    Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction outputs entropy / is_top1 (first-index argmax ties)
-    `log_probs`: log_softmax(logits[:, :-1].float()) when the loss already has it (a full (B, T-1, V) pass saved)."""
+    """(supervised tokens, summed entropy, correct top-1 guesses) of logits (B, T, V) vs (B, T).
+    Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction entropy / is_top1 (first-index argmax)
+    `log_probs`: log_softmax(logits[:, :-1].float()) if the loss has it (saves a (B,T-1,V) pass)"""
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
     mask = targets != IGNORE_INDEX
     log_probs = torch.log_softmax(logits, dim=-1) if log_probs is None else log_probs
@@ -61,48 +66,54 @@ def token_metrics(logits, labels, log_probs=None):
 
 
 def _check_token_ids_fit(model, tokenizer, rows) -> None:
-    """Refuse ids without an embedding row here, naming both sizes (the forward would say "index out of range")."""
+    """Refuse ids without an embedding row, naming both sizes (not torch's "index out of range")."""
     rows_in_model = model.get_input_embeddings().num_embeddings
     largest = max((max(r["input_ids"]) for r in rows if len(r["input_ids"])), default=-1)
     if largest >= rows_in_model:
-        raise ValueError(f"SFTTrainer: the tokenizer ({len(tokenizer)} tokens) produced token id {largest}, but the "
-                         f"model's embedding has only {rows_in_model} rows; use the tokenizer saved with this model, "
-                         "or resize the model's embeddings to the tokenizer before training")
+        raise ValueError(f"SFTTrainer: the tokenizer ({len(tokenizer)} tokens) produced token id "
+                         f"{largest}, but the model's embedding has only {rows_in_model} rows; use "
+                         "the tokenizer saved with this model, or resize the model's embeddings to "
+                         "the tokenizer before training")
 
 
 class SFTTrainer(Trainer):
-    """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL's token metrics.
-    Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16)
-    Differs: processing_class is required (nothing is downloaded); no vision data, formatting_func or DeepSpeed."""
+    """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL metrics.
+    Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16) | Differs: processing_class is required
+    (nothing is downloaded); not taken: compute_loss_func, compute_metrics, callbacks, optimizers,
+    optimizer_cls_and_kwargs, preprocess_logits_for_metrics, quantization_config, formatting_func"""
 
-    def __init__(self, model, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None, data_collator=None):
+    def __init__(self, model, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None, data_collator=None):
         args = _as_sft_config(args, model)
         if train_dataset is None:
-            raise ValueError("SFTTrainer: train_dataset is required (a JSONL path or a list of dicts).")
+            raise ValueError("SFTTrainer: train_dataset is required (a JSONL path or a list of "
+                             "dicts).")
         if processing_class is None:
-            raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained(model_dir); nanosft "
-                             "never downloads one.")
+            raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained("
+                             "model_dir); nanosft never downloads one.")
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
         if peft_config is not None:
             if isinstance(model, PeftModelForCausalLM):
-                raise ValueError("SFTTrainer: the model is already a PeftModelForCausalLM; merge_and_unload() it "
-                                 "or drop peft_config.")
+                raise ValueError("SFTTrainer: the model is already a PeftModelForCausalLM; "
+                                 "merge_and_unload() it or drop peft_config.")
             model = get_peft_model(model, peft_config)
         is_peft = isinstance(model, PeftModelForCausalLM)
         if is_peft and args.gradient_checkpointing:
-            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+            model.enable_input_require_grads()  # checkpointed blocks need an input needing grad
         if nf4.is_quantized(model):
             _cast_trainable_to_bf16(model)
 
-        self.padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
+        bfd_packing = args.packing and args.packing_strategy in ("bfd", "bfd_split")
+        self.padding_free = args.padding_free or bfd_packing
         if self.padding_free and data_collator is not None:
-            raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free / bfd packing.")
+            raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
+                             "or bfd packing.")
         # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
         train_dataset = load_examples(train_dataset, args.dataset_text_field, args.max_steps)
         first = train_dataset[0]
-        self.completion_only_loss = (args.completion_only_loss if args.completion_only_loss is not None
-                                     else "prompt" in first and "completion" in first)
+        self.completion_only_loss = args.completion_only_loss
+        if self.completion_only_loss is None:
+            self.completion_only_loss = "prompt" in first and "completion" in first
         if data_collator is None:
             pad_token_id = _pad_token_id(args, processing_class)
             base = model.get_base_model() if is_peft else model
@@ -118,14 +129,17 @@ class SFTTrainer(Trainer):
 
         super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class)
-        self._signature_columns = {"input_ids", "labels", "seq_lengths"}  # TRL's _set_signature_columns_if_needed
+        # TRL's _set_signature_columns_if_needed
+        self._signature_columns = {"input_ids", "labels", "seq_lengths"}
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._total_train_tokens = 0
 
     def _prepare(self, dataset, tokenizer, args):
-        """Tokenize, label, truncate or pack, then shuffle if asked. Mirrors: trl SFTTrainer._prepare_dataset"""
+        """Tokenize, label, truncate or pack, then shuffle if asked.
+        Mirrors: trl SFTTrainer._prepare_dataset"""
         rows = prepare_dataset(dataset, tokenizer, max_length=args.max_length, packing=args.packing,
-                               packing_strategy=args.packing_strategy, completion_only_loss=self.completion_only_loss,
+                               packing_strategy=args.packing_strategy,
+                               completion_only_loss=self.completion_only_loss,
                                assistant_only_loss=args.assistant_only_loss,
                                dataset_text_field=args.dataset_text_field, eos_token=args.eos_token)
         if args.shuffle_dataset:  # datasets.Dataset.shuffle(seed): numpy default_rng permutation
@@ -133,41 +147,50 @@ class SFTTrainer(Trainer):
         return rows
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Σ -log p(target) over supervised shifted tokens / num_items_in_batch, plus TRL's token metrics.
+        """Σ -log p(target) over supervised shifted tokens / num_items_in_batch, plus token metrics.
         Walkthrough 2.5 | Mirrors: trl SFTTrainer.compute_loss (loss_type="nll")
-        Differs: TRL gets log p from a fused, chunked log-softmax over the LM head (no full logits); here the model's
-        logits go through log_softmax. Equal in fp32; under bf16 TRL rounds each logit tile to bf16 first."""
+        Differs: TRL gets log p from a fused, chunked log-softmax over the LM head; here the model's
+        logits go through log_softmax. Equal in fp32; under bf16 TRL rounds logit tiles to bf16."""
         mode = "train" if model.training else "eval"
         labels = inputs["labels"]
-        outputs = self._forward(model, {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False})
+        # "The forwards that build the full logits leave the loss to the caller"
+        inputs = {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False}
+        with self.compute_loss_context_manager():  # bf16 / fp16 autocast, or nothing
+            outputs = model(**inputs)
+        outputs = convert_outputs_to_fp32(outputs)
         n_virtual = outputs.logits.size(1) - labels.size(1)
-        if n_virtual > 0:  # prompt tuning: virtual tokens lead the row with -100 labels, as peft prepends them
-            labels = torch.cat([labels.new_full((labels.size(0), n_virtual), IGNORE_INDEX), labels], dim=1)
+        if n_virtual > 0:  # prompt tuning: virtual tokens lead the row with -100 labels (as peft)
+            prefix = labels.new_full((labels.size(0), n_virtual), IGNORE_INDEX)
+            labels = torch.cat([prefix, labels], dim=1)
         log_probs = None
         if self.args.label_smoothing_factor != 0:
-            loss = label_smoothed_loss(outputs.logits, labels, self.args.label_smoothing_factor, num_items_in_batch)
+            loss = label_smoothed_loss(outputs.logits, labels, self.args.label_smoothing_factor,
+                                       num_items_in_batch)
         else:
-            logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]  # position t predicts token t+1
+            logits = outputs.logits[:, :-1].float()  # position t predicts token t+1
+            targets = labels[:, 1:]
             mask = targets != IGNORE_INDEX
             log_probs = torch.log_softmax(logits, -1)  # (B, T-1, V), reused by the token metrics
             target_log_probs = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
             num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
             loss = -(target_log_probs * mask).sum() / torch.as_tensor(num_tokens).clamp(min=1)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages, the count is global
+            loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages the ranks
         self._record_metrics(mode, outputs.logits.detach(), labels, inputs,
                              None if log_probs is None else log_probs.detach())
         return (loss, outputs) if return_outputs else loss
 
     def _record_metrics(self, mode, logits, labels, inputs, log_probs=None) -> None:
-        """Per micro-batch entropy and mean_token_accuracy (summed over ranks); running num_tokens (train)."""
+        """Per micro-batch entropy and mean_token_accuracy (summed over ranks: correct / valid of
+        the batch); the running num_tokens (train). Mirrors: trl SFTTrainer.compute_loss metrics"""
         with torch.no_grad():
             stats = token_metrics(logits, labels, log_probs)  # float32 [valid, entropy, correct]
-            if mode == "train":  # this micro-batch's tokens ride along: one all-reduce and one sync, not two
+            if mode == "train":  # this batch's tokens ride along: one all-reduce, one sync
                 mask = inputs.get("attention_mask")
                 local = mask.sum() if mask is not None else inputs["position_ids"].size(1)
-                stats = torch.cat([stats, torch.as_tensor(local, dtype=stats.dtype, device=stats.device)[None]])
-            sums = distributed.all_reduce_sum(stats).tolist()  # float32 counts are exact below 2**24 tokens
+                local = torch.as_tensor(local, dtype=stats.dtype, device=stats.device)
+                stats = torch.cat([stats, local[None]])
+            sums = distributed.all_reduce_sum(stats).tolist()  # float32 counts exact below 2**24
         valid, entropy, correct = sums[:3]
         self._metrics[mode]["entropy"].append(entropy / valid if valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
@@ -175,11 +198,12 @@ class SFTTrainer(Trainer):
             self._total_train_tokens += int(sums[3])
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
-    def log(self, logs: dict, start_time=None) -> None:
-        """Merge the metric means since the last log (eval_ prefixed in eval mode), then Trainer.log.
-        Mirrors: trl SFTTrainer.log (an unweighted mean over micro-batches)"""
+    def log(self, logs: dict) -> None:
+        """Merge the metric means since the last log (eval_ prefixed in eval), then Trainer.log.
+        Mirrors: trl SFTTrainer.log: an unweighted mean over micro-batches, so eval
+        mean_token_accuracy is the mean of the batches' accuracies | Differs: no start_time."""
         mode = "train" if self.model.training else "eval"
         metrics = {k: sum(v) / len(v) for k, v in self._metrics[mode].items() if v}
         logs.update({f"eval_{k}" if mode == "eval" else k: v for k, v in metrics.items()})
-        super().log(logs, start_time)
+        super().log(logs)
         self._metrics[mode].clear()

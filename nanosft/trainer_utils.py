@@ -1,11 +1,14 @@
-"""Pieces the Trainer is built from: seeding, TrainOutput, TrainerState/TrainerControl, the logging window, the
-seeded batch sampler, resume skipping, label smoothing, and the loss-kwargs check.
+"""Pieces the Trainer is built from: seeding, TrainOutput, TrainerState/TrainerControl, the logging
+window, the seeded batch sampler, resume skipping, label smoothing, the fp32 upcast of the logits
+and the loss-kwargs check.
 
-Walkthrough 2.3 - 2.5. The split mirrors transformers, where these live beside trainer.py in trainer_utils.py
-(set_seed, TrainOutput), trainer_callback.py (TrainerState, TrainerControl), trainer_pt_utils.py (LabelSmoother)
-and accelerate data_loader.py (SeedableRandomSampler, skip_first_batches).
+Walkthrough 2.3 - 2.5. The split mirrors transformers, where these live beside trainer.py in
+trainer_utils.py (set_seed, TrainOutput), trainer_callback.py (TrainerState, TrainerControl),
+trainer_pt_utils.py (LabelSmoother) and accelerate (SeedableRandomSampler, skip_first_batches,
+convert_outputs_to_fp32).
 """
 
+import contextlib
 import inspect
 import math
 import random
@@ -23,7 +26,7 @@ IGNORE_INDEX = -100
 
 
 def set_seed(seed: int) -> None:
-    """Seed python, numpy and torch. Walkthrough 2.1 | Mirrors: transformers trainer_utils.set_seed"""
+    """Seed python, numpy and torch. Walkthrough 2.1 | Mirrors: transformers set_seed"""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -39,8 +42,8 @@ class TrainOutput(NamedTuple):
 
 @dataclass
 class TrainerState:
-    """Progress that a checkpoint must carry: step, epoch, log history, best metric, step intervals.
-    Walkthrough 2.3 | Mirrors: transformers TrainerState (to_dict/from_dict instead of save_to_json/load_from_json)"""
+    """Progress that a checkpoint must carry: step, epoch, log history, best metric, intervals.
+    Walkthrough 2.3 | Mirrors: transformers TrainerState (to_dict/from_dict: save/load_from_json)"""
 
     epoch: float = 0.0
     global_step: int = 0
@@ -56,11 +59,13 @@ class TrainerState:
     best_model_checkpoint: str | None = None
 
     def compute_steps(self, args, max_steps: int) -> None:
-        """Turn logging/eval/save steps given as a ratio (< 1) of max_steps into step counts. Mirrors: TrainerState.compute_steps"""
+        """Logging/eval/save steps given as a ratio (< 1) of max_steps become step counts.
+        Mirrors: TrainerState.compute_steps"""
         for kind in ("logging", "eval", "save"):
             value = getattr(args, f"{kind}_steps")
             if value is not None:
-                setattr(self, f"{kind}_steps", math.ceil(max_steps * value) if value < 1 else int(value))
+                steps = math.ceil(max_steps * value) if value < 1 else int(value)
+                setattr(self, f"{kind}_steps", steps)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (trainer_state.json). Mirrors: TrainerState.save_to_json"""
@@ -68,14 +73,16 @@ class TrainerState:
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainerState":
-        """Rebuild from to_dict() output, ignoring unknown keys. Mirrors: TrainerState.load_from_json"""
+        """Rebuild from to_dict() output, ignoring unknown keys.
+        Mirrors: TrainerState.load_from_json"""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
 
 @dataclass
 class TrainerControl:
-    """Flags set after each step / epoch and cleared once acted on. Mirrors: transformers TrainerControl"""
+    """Flags set after each step / epoch, cleared once acted on.
+    Mirrors: transformers TrainerControl"""
 
     should_log: bool = False
     should_evaluate: bool = False
@@ -85,49 +92,74 @@ class TrainerControl:
 
 @dataclass
 class LogWindow:
-    """Tokens, samples, wall time and a nan/inf flag since the last log: tokens/s and the stop-on-nan check.
-    Guide: troubleshooting, monitoring | Mirrors: transformers speed_metrics, Trainer.num_input_tokens_seen"""
+    """Tokens, samples, wall time and a nan/inf flag since the last log: the throughput of the
+    window and the stop-on-nan check. Guide: troubleshooting, monitoring
+    Mirrors: transformers speed_metrics (its names), Trainer.num_input_tokens_seen"""
 
     start: float = field(default_factory=time.time)
     tokens: int = 0
     samples: int = 0
-    nonfinite: torch.Tensor | bool = False  # becomes a 0-d bool tensor, so flagging a loss needs no host sync
+    nonfinite: torch.Tensor | bool = False  # a 0-d bool tensor: flagging a loss needs no host sync
 
     def add(self, inputs: dict) -> None:
-        """Count one (host-side) micro-batch: its attention_mask ones, or every id when padding-free."""
+        """Count one (host-side) micro-batch: its attention_mask ones, or all ids (padding-free)."""
         mask = inputs.get("attention_mask")
         self.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
         self.samples += len(inputs["input_ids"])
 
-    def speed(self, world_size: int) -> dict:
-        """tokens/s and samples/s of all ranks (each rank sees about as many tokens as this one)."""
+    def speed(self, world_size: int, steps: int) -> dict:
+        """Tokens/s and samples/s of all ranks (each sees about as many as this one), steps/s and
+        seconds per optimizer step, over the window of `steps` optimizer steps."""
         seconds = max(time.time() - self.start, 1e-9)
-        return {"tokens_per_second": round(self.tokens * world_size / seconds, 1),
-                "samples_per_second": round(self.samples * world_size / seconds, 3)}
+        return {"train_tokens_per_second": round(self.tokens * world_size / seconds, 1),
+                "train_samples_per_second": round(self.samples * world_size / seconds, 3),
+                "train_steps_per_second": round(steps / seconds, 3),
+                "train_step_time": round(seconds / max(steps, 1), 4)}
+
+
+def convert_outputs_to_fp32(outputs):
+    """Half-precision logits (autocast) back to fp32, so the loss and metrics are fp32.
+    Walkthrough 2.5 | Mirrors: accelerate convert_outputs_to_fp32 (on the logits)"""
+    logits = getattr(outputs, "logits", None)
+    if logits is not None and logits.dtype in (torch.float16, torch.bfloat16):
+        outputs.logits = logits.float()
+    return outputs
 
 
 class SeedableBatchSampler:
     """Batches of the epoch order randperm(N, seed + epoch), this rank's share of them.
-    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler + BatchSampler + BatchSamplerShard"""
+    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler, BatchSampler, BatchSamplerShard"""
 
-    def __init__(self, num_samples, batch_size, seed, shuffle=True, drop_last=False, num_replicas=1, rank=0):
-        self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle
-        self.drop_last, self.num_replicas, self.rank, self.epoch = drop_last, num_replicas, rank, 0
+    def __init__(self, num_samples, batch_size, seed, shuffle=True, drop_last=False, num_replicas=1,
+                 rank=0):
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Pick the order of `epoch`; called at every epoch start. Mirrors: SeedableRandomSampler.set_epoch"""
+        """Pick the order of `epoch`; called at every epoch start.
+        Mirrors: SeedableRandomSampler.set_epoch"""
         self.epoch = epoch
 
     def __iter__(self):
         if self.shuffle:
-            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator)
             order = order.tolist()
         else:
             order = list(range(self.num_samples))
-        batches = [order[i : i + self.batch_size] for i in range(0, self.num_samples, self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+        size = self.batch_size
+        batches = [order[i : i + size] for i in range(0, self.num_samples, size)]
+        if self.drop_last and batches and len(batches[-1]) < size:
             batches.pop()
-        return iter(distributed.shard_batches(batches, self.num_replicas, self.rank, self.batch_size, self.drop_last))
+        shard = distributed.shard_batches(batches, self.num_replicas, self.rank, size,
+                                          self.drop_last)
+        return iter(shard)
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.batch_size)
@@ -139,14 +171,16 @@ class SeedableBatchSampler:
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int) -> DataLoader:
     """The same dataloader for the current epoch, less its first `num_batches` batches (resume).
-    Mirrors: accelerate skip_first_batches | Differs: slices the batch index lists, so skipped batches are not collated."""
+    Mirrors: accelerate skip_first_batches
+    Differs: slices the batch index lists, so skipped batches are not collated."""
     remaining = list(dataloader.batch_sampler)[num_batches:]
     return DataLoader(dataloader.dataset, batch_sampler=remaining, collate_fn=dataloader.collate_fn,
                       num_workers=dataloader.num_workers, generator=torch.Generator())
 
 
 def select_columns(features: list, collator, keep: set | None):
-    """Collate after dropping the keys the model cannot take. Mirrors: Trainer._remove_unused_columns"""
+    """Collate after dropping the keys the model cannot take.
+    Mirrors: Trainer._remove_unused_columns"""
     if keep is not None:
         features = [{k: v for k, v in f.items() if k in keep} for f in features]
     return collator(features)
@@ -154,7 +188,7 @@ def select_columns(features: list, collator, keep: set | None):
 
 def label_smoothed_loss(logits, labels, epsilon, num_items_in_batch=None, shift_labels=True):
     """(1-eps) * NLL + eps * mean over the vocabulary of -log p, over the supervised tokens.
-    Walkthrough 2.5 | Mirrors: transformers LabelSmoother.__call__ (hf-reference 1.9)"""
+    Walkthrough 2.5 | Mirrors: transformers LabelSmoother.__call__"""
     if shift_labels:  # position t predicts token t+1
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     neg_log_probs = -torch.nn.functional.log_softmax(logits, dim=-1)  # (B, T, V)
@@ -163,12 +197,88 @@ def label_smoothed_loss(logits, labels, epsilon, num_items_in_batch=None, shift_
     nll = neg_log_probs.gather(-1, labels.clamp(min=0)).masked_fill(padding, 0.0)
     smooth = neg_log_probs.sum(-1, keepdim=True, dtype=torch.float32).masked_fill(padding, 0.0)
     denom = padding.numel() - padding.sum() if num_items_in_batch is None else num_items_in_batch
-    return (1 - epsilon) * nll.sum() / denom + epsilon * smooth.sum() / (denom * neg_log_probs.shape[-1])
+    vocab = neg_log_probs.shape[-1]
+    return (1 - epsilon) * nll.sum() / denom + epsilon * smooth.sum() / (denom * vocab)
 
 
 def model_accepts_loss_kwargs(model) -> bool:
-    """Whether the model normalises its loss by num_items_in_batch. Mirrors: Trainer.__init__ model_accepts_loss_kwargs"""
+    """Whether the model normalises its loss by num_items_in_batch.
+    Mirrors: Trainer.__init__ model_accepts_loss_kwargs"""
     flag = getattr(model, "accepts_loss_kwargs", None)
     if flag is not None:
         return bool(flag)
-    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) -> DataLoader:
+    """A DataLoader over this rank's share of the seeded order (randperm(seed + epoch) if shuffle).
+    Walkthrough 2.3 | Mirrors: Trainer._get_dataloader + accelerate prepare_data_loader"""
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    sampler = SeedableBatchSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle,
+                                   drop_last=drop_last, rank=distributed.get_rank(),
+                                   num_replicas=distributed.get_world_size())
+    # its own generator: iter() must not draw from the global RNG (a resumed run's dropout)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
+                      num_workers=args.dataloader_num_workers, generator=torch.Generator())
+
+
+def count_num_items_in_batch(batch_samples: list) -> torch.Tensor:
+    """Supervised tokens of a window: sum of (labels[..., 1:] != -100), since the model shifts
+    (position 0 is never a target). Walkthrough 2.3 | Mirrors: Trainer._get_num_items_in_batch"""
+    return sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:])
+               .ne(IGNORE_INDEX).sum() for b in batch_samples)
+
+
+def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=None) -> dict:
+    """{split}_runtime, _samples_per_second, _steps_per_second since start_time.
+    Mirrors: transformers trainer_utils.speed_metrics"""
+    runtime = max(time.time() - start_time, 1e-9)
+    metrics = {f"{split}_runtime": round(runtime, 4)}
+    if num_samples is not None:
+        metrics[f"{split}_samples_per_second"] = round(num_samples / runtime, 3)
+    if num_steps is not None:
+        metrics[f"{split}_steps_per_second"] = round(num_steps / runtime, 3)
+    return metrics
+
+
+def signature_columns(model) -> set:
+    """The batch keys the model's forward takes, plus the label names.
+    Mirrors: Trainer._set_signature_columns_if_needed"""
+    return set(inspect.signature(model.forward).parameters) | {"labels", "label", "label_ids"}
+
+
+def prepare_model(model, args):
+    """DDP under torchrun (unless FSDP sharded it), torch.compile, as args say; returns the model
+    to call (Trainer.model stays the unwrapped one, what checkpoints save).
+    Walkthrough 2.3 | Mirrors: accelerate Accelerator.prepare_model"""
+    if args.world_size > 1 and not args.fsdp:
+        device_ids = [args.local_process_index] if args.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if args.torch_compile:
+        model = torch.compile(model)  # shares its parameters with the model it wraps
+    return model
+
+
+def no_sync(model):
+    """DDP's no_sync (skip the gradient all-reduce), FSDP2's, or nothing for one process.
+    Guide: distributed | Mirrors: accelerate Accelerator.no_sync"""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+    if distributed.is_fsdp(inner):  # FSDP2: no reduce-scatter until the window's last batch
+        return distributed.fsdp_no_sync(inner)
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        return inner.no_sync()
+    return contextlib.nullcontext()
+
+
+def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
+    """(mean loss with each batch weighted by its size, examples, batches) over all ranks.
+    Mirrors: Trainer.evaluation_loop (losses repeated batch-size times, then averaged)"""
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss x size, examples, batches
+    with torch.no_grad():
+        for batch in dataloader:
+            loss = compute_loss(model, prepare_inputs(batch))
+            size = len(batch["input_ids"])
+            totals += torch.cat([(loss.double() * size)[None], totals.new_tensor([size, 1.0])])
+    loss_sum, examples, batches = distributed.all_reduce_sum(totals).tolist()
+    return loss_sum / max(examples, 1), examples, batches

@@ -1,0 +1,189 @@
+"""What a run's output_dir holds: checkpoint-N folders (sorted, the latest valid one, rotated),
+and the guard that keeps a fresh run out of a folder holding another run.
+
+Walkthrough 2.2 (`resume_from_checkpoint`) and 2.3 (`_save_checkpoint` rotates old checkpoints).
+transformers 5.23 writes into any output_dir; a second run there would replace the first run's
+adapter and mix its checkpoints with the first run's, so that `resume_from_checkpoint=True` picks
+the wrong one. nanosft refuses, as transformers 4's example scripts did (`overwrite_output_dir`).
+"""
+
+import os
+import re
+import shutil
+import warnings
+
+import torch
+
+from nanosft import distributed
+
+PREFIX_CHECKPOINT_DIR = "checkpoint"
+TEMP_PREFIX = ".tmp-"  # ".tmp-checkpoint-20" while checkpoint-20 is being written
+TRAINER_STATE_NAME = "trainer_state.json"
+WEIGHTS_NAME = "model.safetensors"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+METRICS_NAME = "metrics.jsonl"
+SAVED_WEIGHTS = (WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)
+SAVED_SUBFOLDERS = ("adapter", "model")  # where `nanosft demo` saves its adapter or model
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_PARTIAL_PREFIX = TEMP_PREFIX + PREFIX_CHECKPOINT_DIR
+
+
+# ----------------------------------------------------------------------------- checkpoint folders
+def sorted_checkpoints(output_dir) -> list[str]:
+    """checkpoint-N folders of `output_dir`, oldest (smallest N) first.
+    Mirrors: transformers trainer_utils.sort_checkpoints | Differs: by step number, never mtime."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), d) for d in os.listdir(output_dir)
+             if (m := _CHECKPOINT_RE.match(d)) and os.path.isdir(os.path.join(output_dir, d))]
+    return [os.path.join(output_dir, d) for _, d in sorted(found)]
+
+
+def partial_checkpoints(output_dir) -> list[str]:
+    """Names of .tmp-checkpoint-* folders: saves that a crash interrupted (never resumable)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(d for d in os.listdir(output_dir) if d.startswith(_PARTIAL_PREFIX))
+
+
+def get_last_checkpoint(output_dir):
+    """The valid checkpoint-N folder (it has trainer_state.json) with the largest N, or None.
+    Mirrors: transformers trainer_utils.get_last_checkpoint
+    Differs: a missing output_dir gives None; partial .tmp- folders are skipped with a warning."""
+    partial = partial_checkpoints(output_dir)
+    if partial:
+        warnings.warn(f"{output_dir} holds {', '.join(partial)}: left by a save that was "
+                      "interrupted; ignored (safe to delete)", stacklevel=2)
+    for folder in reversed(sorted_checkpoints(output_dir)):
+        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+            return folder
+    return None
+
+
+def _no_checkpoint_message(output_dir, flag) -> str:
+    """Why resuming the latest checkpoint of `output_dir` is impossible: what the folder holds."""
+    if not os.path.isdir(output_dir):
+        return f"{flag}: output_dir {output_dir} does not exist, so it holds no checkpoint"
+    found = [os.path.basename(c) + f" (no {TRAINER_STATE_NAME})"
+             for c in sorted_checkpoints(output_dir)]
+    found += [f"{name} (a save interrupted by a crash)" for name in partial_checkpoints(output_dir)]
+    held = f"it holds only {', '.join(found)}" if found else "it holds no checkpoint-<step> folder"
+    return f"{flag}: no valid checkpoint to resume in {output_dir}; {held}"
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint, output_dir, command_line=False):
+    """The folder to resume from: None (fresh run), the latest valid checkpoint-N for True, else the
+    given folder. `command_line` words the errors as flags. Walkthrough 2.2
+    Mirrors: transformers Trainer.train (resume_from_checkpoint handling)"""
+    if command_line:
+        flag, latest = "--resume_from_checkpoint", "--resume_from_checkpoint with no value"
+        fresh = "drop --resume_from_checkpoint to start a fresh run"
+    else:
+        flag, latest = "resume_from_checkpoint=True", "resume_from_checkpoint=True"
+        fresh = "pass resume_from_checkpoint=None to start a fresh run"
+    if resume_from_checkpoint is True:
+        found = get_last_checkpoint(output_dir)
+        if found is None:
+            raise ValueError(f"{_no_checkpoint_message(output_dir, flag)}. {fresh}, or pass a "
+                             "checkpoint-<step> folder.")
+        return found
+    if resume_from_checkpoint and not os.path.isdir(resume_from_checkpoint):
+        name = flag if command_line else "resume_from_checkpoint"
+        raise ValueError(f"{name}: {resume_from_checkpoint!r} is not a folder; pass a "
+                         f"checkpoint-<step> folder written by this trainer, or {latest} for the "
+                         "latest one.")
+    return resume_from_checkpoint or None
+
+
+def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None) -> list[str]:
+    """Delete the oldest checkpoints beyond save_total_limit, never the newest nor the best one.
+    Mirrors: transformers trainer_utils.rotate_checkpoints"""
+    if save_total_limit is None or save_total_limit <= 0:
+        return []
+    checkpoints = sorted_checkpoints(output_dir)
+    if len(checkpoints) <= save_total_limit:
+        return []
+    protected = {os.path.abspath(checkpoints[-1])}  # the newest: what a resume needs
+    if best_model_checkpoint is not None:
+        protected.add(os.path.abspath(best_model_checkpoint))
+    keep = max(save_total_limit, len(protected))
+    deleted = []
+    for path in checkpoints:
+        if len(checkpoints) - len(deleted) <= keep:
+            break
+        if os.path.abspath(path) not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    return deleted
+
+
+# ----------------------------------------------------------------------------- another run's folder
+def find_previous_run(output_dir) -> list[str]:
+    """Entries of `output_dir` that show another run: checkpoint folders (complete or partial)
+    and a saved model or adapter (at the top, or in the demo's adapter/ or model/ subfolder)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [os.path.basename(c) for c in sorted_checkpoints(output_dir)]
+    found += partial_checkpoints(output_dir)
+    found += [name for name in SAVED_WEIGHTS if os.path.isfile(os.path.join(output_dir, name))]
+    for sub in SAVED_SUBFOLDERS:
+        inside = [n for n in SAVED_WEIGHTS if os.path.isfile(os.path.join(output_dir, sub, n))]
+        found += [f"{sub}/{n}" for n in inside]
+    return found
+
+
+def output_dir_refusal(output_dir, command_line=False, can_resume=True):
+    """The error when `output_dir` holds another run, else None: names the folder, what it holds
+    and the choices the caller can pass. Mirrors: transformers 4 examples' overwrite_output_dir"""
+    found = find_previous_run(output_dir)
+    if not found:
+        return None
+    shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    if command_line:
+        resume, new = "--resume_from_checkpoint", "--output_dir"
+        overwrite = "--overwrite_output_dir"
+    else:
+        resume, new = "resume_from_checkpoint=True", "output_dir"
+        overwrite = "overwrite_output_dir=True"
+    choices = [f"resume it ({resume})"] if can_resume else []
+    choices += [f"pick a new {new}",
+                f"or pass {overwrite} to remove its checkpoints and replace it"]
+    return (f"output_dir {output_dir} holds another run ({shown}); a fresh run there would replace "
+            f"its results, so nothing was written. Choose: {'; '.join(choices)}.")
+
+
+def clear_previous_run(output_dir) -> list[str]:
+    """overwrite_output_dir: remove the old run's checkpoints (complete and partial) and its
+    metrics.jsonl, so rotation and resume see only the new run; other files stay. Returns them."""
+    removed = sorted_checkpoints(output_dir)
+    removed += [os.path.join(output_dir, name) for name in partial_checkpoints(output_dir)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    metrics = os.path.join(output_dir, METRICS_NAME)
+    if os.path.isfile(metrics):
+        os.remove(metrics)
+        removed.append(metrics)
+    return removed
+
+
+def check_output_dir(args, resuming: bool) -> None:
+    """Before a run writes anything: a fresh run refuses an output_dir holding another run, unless
+    overwrite_output_dir, which first removes that run's checkpoints. Rank 0 decides; every rank
+    gets its answer. Walkthrough 2.2 | Mirrors: transformers 4 overwrite_output_dir
+    Differs: transformers 5.23 removed overwrite_output_dir and writes into any folder."""
+    if resuming:
+        if args.overwrite_output_dir:
+            raise ValueError("overwrite_output_dir=True would remove the checkpoints that "
+                             "resume_from_checkpoint resumes from; drop one of the two.")
+        return
+    refusal = None
+    if distributed.is_main_process():
+        if args.overwrite_output_dir:
+            clear_previous_run(args.output_dir)
+        else:
+            refusal = output_dir_refusal(args.output_dir)
+    refused = torch.tensor(float(refusal is not None), device=args.device)
+    if distributed.all_reduce_sum(refused).item() > 0:
+        raise ValueError(refusal or f"output_dir {args.output_dir} holds another run (rank 0 "
+                         "names it); nothing was written.")
