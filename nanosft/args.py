@@ -116,6 +116,7 @@ class TrainingArguments:
     gradient_checkpointing_kwargs: dict | str | None = None
     torch_compile: bool = False
     use_cpu: bool = False
+    skip_memory_metrics: bool = True  # False: init_/train_mem_cpu_* (and _gpu_) deltas in the metrics
     # Distributed.
     ddp_backend: str | None = None
     ddp_timeout: int = 1800

@@ -588,3 +588,36 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
                       max_length=max_length, optim=args.optim,
                       gradient_checkpointing=bool(args.gradient_checkpointing),
                       optim_args=args.optim_args, bf16=bool(args.bf16))
+
+
+def predict_for_trainer(model, args):
+    """The ledger of the run a Trainer is about to start, or None for a model it cannot read
+    (not a nanosft CausalLM, or prompt tuning). T is SFTConfig.max_length, else the context size.
+    Guide: memory | Mirrors: nothing in transformers, which predicts no memory"""
+    from nanosft.model import ModelConfig
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    peft_config = getattr(model, "active_peft_config", None)
+    config = getattr(base, "config", None)
+    if not isinstance(config, ModelConfig) or (peft_config is not None and
+                                               not hasattr(peft_config, "r")):
+        return None
+    max_length = getattr(args, "max_length", None) or config.max_position_embeddings
+    plan = plan_from_model(model, args, max_length)
+    if getattr(args, "fsdp", None):
+        plan.fsdp = args.world_size
+    return estimate_memory(config, plan, args.device.type)
+
+
+def summary_line(ledger):
+    """One banner line: the predicted total and its largest parts, in MiB."""
+    parts = ", ".join(f"{name.split(' (')[0]} {value / MiB:.1f}"
+                      for name, value in ledger.rows.items() if value)
+    return f"  Memory predicted (MiB, upper bound) = {ledger.total / MiB:.1f} ({parts})"
+
+
+def peak_line(peak, ledger):
+    """One closing line: the measured peak growth beside the prediction."""
+    measured = ", ".join(f"{k.replace('_', ' ')} {v / MiB:.1f} MiB" for k, v in peak.items())
+    predicted = f" (predicted <= {ledger.total / MiB:.1f} MiB)" if ledger is not None else ""
+    return f"  Memory measured: {measured}{predicted}"

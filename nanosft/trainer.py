@@ -14,7 +14,7 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from nanosft import checkpoint, distributed, output_folder, trainer_callback
+from nanosft import checkpoint, distributed, memory, output_folder, trainer_callback
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.optim import create_optimizer, get_scheduler
@@ -37,6 +37,8 @@ class Trainer:
                  eval_dataset=None, processing_class=None, compute_loss_func=None,
                  optimizers=(None, None)):
         self.args = args if args is not None else TrainingArguments()
+        self._memory_tracker = memory.MemoryTracker(self.args.skip_memory_metrics)
+        self._memory_tracker.start("init")  # "memory metrics - must set up as early as possible"
         set_seed(self.args.seed)  # Trainer.__init__ seeds before anything draws from the RNG
         distributed.init_distributed(self.args)
         self.model = model.to(self.args.device)
@@ -54,6 +56,7 @@ class Trainer:
         self.reporter = trainer_callback.Reporter(self.args, distributed.is_main_process())
         self.current_gradient_accumulation_steps = 1
         self._signature_columns = None
+        self._memory_tracker.stop_and_update_metrics("init")
 
     # ----- data -----
     def _collate(self, features):
@@ -126,6 +129,7 @@ class Trainer:
         checkpointing, then the inner loop. Walkthrough 2.2 | Mirrors: Trainer.train
         Differs: a fresh run refuses an output_dir holding another run (check_output_dir)."""
         args = self.args
+        self._memory_tracker.start("train")
         resume_from_checkpoint = output_folder.resolve_resume_checkpoint(
             resume_from_checkpoint or args.resume_from_checkpoint, args.output_dir)
         output_folder.check_output_dir(args, resuming=resume_from_checkpoint is not None)
@@ -182,6 +186,10 @@ class Trainer:
             print(f"  Total optimization steps = {max_steps:,}")
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             print(f"  Number of trainable parameters = {trainable:,}")
+            self._memory_ledger = memory.predict_for_trainer(self.model, args)
+            if self._memory_ledger is not None:  # guide: memory (nanosft/memory.py)
+                print(memory.summary_line(self._memory_ledger))
+        self._peak_memory = memory.PeakMemory(args.device.type).start()
             if resume_from_checkpoint is not None:
                 print(f"  Resuming training from {resume_from_checkpoint} with epoch "
                       f"{epochs_trained} and global step {self.state.global_step}")
@@ -306,6 +314,9 @@ class Trainer:
         samples = num_train_samples * steps / max(self.state.max_steps, 1)
         metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
         metrics["train_loss"] = train_loss
+        self._memory_tracker.stop_and_update_metrics("train", metrics)
+        if distributed.is_main_process():
+            print(memory.peak_line(self._peak_memory.stop(), getattr(self, "_memory_ledger", None)))
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
