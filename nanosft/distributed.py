@@ -14,12 +14,19 @@ import copy
 import json
 import math
 import os
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def _is_dtensor(value) -> bool:
+    # a DTensor exists only once torch.distributed.tensor is imported, an import that costs seconds
+    # (sympy); so `import nanosft.sft` does not pay it, and the check never triggers the import
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def init_distributed(args) -> bool:
@@ -314,7 +321,7 @@ def fsdp_no_sync(model):
 def to_full(tensor):
     """The whole tensor behind a DTensor (a collective: every rank calls it), any other value unchanged.
     Guide: FSDP, tensor parallel | Mirrors: torch DTensor.full_tensor"""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
 def full_state_dict(model) -> dict:
@@ -336,12 +343,14 @@ def full_optimizer_state_dict(optimizer) -> dict:
 def shard_optimizer_state_dict(state: dict, optimizer) -> dict:
     """A whole (one-process) optimizer state dict cut to this rank's shards of each parameter, for load_state_dict.
     Guide: FSDP checkpoints | Mirrors: torch set_optimizer_state_dict(full_state_dict=True)"""
+    from torch.distributed.tensor import distribute_tensor
+
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out = {**state, "state": {}}
     for i, s in state["state"].items():
         p = params[int(i)]
         out["state"][i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-                           if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() > 0 else v
+                           if _is_dtensor(p) and torch.is_tensor(v) and v.dim() > 0 else v
                            for k, v in s.items()}
     return out
 
@@ -357,7 +366,7 @@ def held_bytes(model) -> int:
             qs = m.quant_state
             tensors += [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = t.to_local() if _is_dtensor(t) else t
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
         if key not in seen:  # tied weights and the absmax parameter/quant_state aliases count once
             seen.add(key)
