@@ -1,14 +1,17 @@
-"""Parity of nanosft.lora.LoraLinear with peft 0.21.2's LoRA layers on the same base and adapter weights.
+"""Parity of nanosft.lora.LoraLinear with peft 0.21.2's LoRA layers on the same base and adapters.
 
 Compared: LoRA, rsLoRA and DoRA on a float base (peft.tuners.lora.layer.Linear) and on a 4-bit base
 (peft.tuners.lora.bnb.Linear4bit over bitsandbytes.nn.Linear4bit holding the same NF4 bytes):
 initial adapter weights bit for bit after the same torch.manual_seed; outputs and the gradients of
 x and of every adapter parameter (fp32, 1e-5; measured 0), in train mode with dropout 0 and in eval
 mode with dropout 0.3 (float base), plus train mode with dropout 0.3 under the same seed (float);
-merge/unmerge (the requantized NF4 bytes too); mixed-adapter batches. 4-bit cases run in train
-mode: in eval mode bnb switches to a bf16 CPU kernel and repacks its weight (hf-reference 6.9), so
-both sides would be compared on different kernels. in_features are multiples of the 64-value block
-(bnb's CPU dequantize differs when blocks cross rows, hf-reference 6.4).
+merge/unmerge (the requantized NF4 bytes too); mixed-adapter batches. A bf16 base with fp32
+adapters (as get_peft_model leaves them): outputs and all gradients bit-identical to peft for
+LoRA and DoRA on both bases, which pins peft 0.21.2's cast order (DoRA and the float base add
+in fp32, then cast to bf16); a negative control shows the walkthrough's cast-then-add is caught.
+4-bit cases run in train mode: in eval mode bitsandbytes switches to a bf16 CPU kernel and
+repacks its weight in place, so both sides would be compared on different kernels. in_features
+are multiples of the 64-value block (bitsandbytes' CPU dequantize assumes rows hold whole blocks).
 Hermetic: layers built in-process on CPU. Run: python -m pytest -q tests/parity/test_lora_parity.py
 """
 
@@ -35,21 +38,22 @@ KINDS = {
 }
 
 
-def bases(base):
+def bases(base, dtype=torch.float32):
     """The same weights twice: as nanosft's base layer and as the one peft wraps."""
-    lin = nn.Linear(IN, OUT)
+    lin = nn.Linear(IN, OUT).to(dtype)
     if base == "float":
         return lin, copy.deepcopy(lin)
-    ref = bnb.nn.Linear4bit(IN, OUT, quant_type="nf4", compress_statistics=True)
+    ref = bnb.nn.Linear4bit(IN, OUT, quant_type="nf4", compress_statistics=True,
+                            compute_dtype=dtype)
     ref.weight = bnb.nn.Params4bit(
         lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", module=ref
     )
     ref.bias = nn.Parameter(lin.bias.data.clone())
-    return Linear4bit.from_linear(lin), ref.to("cpu")
+    return Linear4bit.from_linear(lin, compute_dtype=dtype), ref.to("cpu")
 
 
-def build(base, kind, dropout=0.0, seed=0):
-    ob, rb = bases(base)
+def build(base, kind, dropout=0.0, seed=0, dtype=torch.float32):
+    ob, rb = bases(base, dtype)
     kw = {"r": R, "lora_alpha": ALPHA, "lora_dropout": dropout, **KINDS[kind]}
     torch.manual_seed(seed)
     ours = LoraLinear(ob, **kw)
@@ -64,7 +68,7 @@ def trainable(layer):
 
 
 def make_adapters_nonzero(ours, ref):
-    """B is zero at init, which would hide every B-dependent bug; give both the same random B and m."""
+    """B is zero at init, which would hide every B-dependent bug: same random B and m on both."""
     with torch.no_grad():
         for name, p in trainable(ours).items():
             if "lora_B" in name:
@@ -174,3 +178,51 @@ def test_mixed_batch_matches_peft(base):
     # autograd refuses when the bias requires grad; nanosft clones first (as the 2.7 path does)
     with torch.no_grad():
         torch.testing.assert_close(ours(x, adapter_names=names), ref(x, adapter_names=names), **TOL)
+
+
+def bf16_pair(base, kind):
+    """bf16 base, fp32 adapters on both sides (peft's autocast_adapter_dtype), same B and m."""
+    ours, ref = build(base, kind, dtype=torch.bfloat16)
+    for layer in (ours, ref):
+        for adapters in (layer.lora_A, layer.lora_B, layer.lora_magnitude_vector):
+            adapters.float()
+    make_adapters_nonzero(ours, ref)
+    return ours, ref
+
+
+@pytest.mark.parametrize("base", ["float", "4bit"])
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_bf16_base_fp32_adapters_match_peft_bit_for_bit(base, kind):
+    ours, ref = bf16_pair(base, kind)
+    x = torch.randn(4, 7, IN).to(torch.bfloat16)
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yo, yr = ours(xo), ref(xr)
+    assert yo.dtype == yr.dtype == torch.bfloat16
+    torch.testing.assert_close(yo, yr, rtol=0, atol=0)  # same casts in the same order: equal
+    g = torch.randn_like(yo)
+    (yo * g).sum().backward()
+    (yr * g).sum().backward()
+    torch.testing.assert_close(xo.grad, xr.grad, rtol=0, atol=0)
+    ref_params = trainable(ref)
+    for name, p in trainable(ours).items():
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("base", ["float", "4bit"])
+def test_negative_control_walkthrough_cast_order_differs_from_peft_for_dora(base):
+    # walkthrough 2.7 casts the fp32 DoRA term to bf16 and then adds; peft 0.21.2 adds in fp32
+    # and casts once. On the same inputs the two differ by bf16 rounding, which the test above
+    # would catch: it compares at tolerance 0.
+    ours, ref = bf16_pair(base, "dora")
+    x = torch.randn(4, 7, IN).to(torch.bfloat16)
+    with torch.no_grad():
+        result = ours.base_layer(x)
+        term = ours.lora_magnitude_vector["default"](
+            x.float(), lora_A=ours.lora_A["default"], lora_B=ours.lora_B["default"],
+            scaling=ours.scaling["default"], base_layer=ours.base_layer, base_result=result)
+        cast_then_add = result + term.to(torch.bfloat16)
+        add_then_cast = (result + term).to(torch.bfloat16)
+        expected = ref(x)
+    torch.testing.assert_close(add_then_cast, expected, rtol=0, atol=0)
+    assert not torch.equal(cast_then_add, expected)
