@@ -10,13 +10,15 @@ You should see:
   - the 16 NF4 code values, the 4-bit codes and absmax of a 2x64 weight, and its quantization error;
   - bytes per weight of a 1024x1024 layer: 0.5626 without, 0.5169 with double quantization;
   - which branch of 2.7 runs, scaling 2.0 (LoRA) / 4.0 (rsLoRA), the shapes, and the DoRA norms;
-  - merge: float exact to 1e-6, 4-bit off by the requantization error; eval vs train on the CPU kernel;
+  - the DoRA dropout branch run for real: x dropped, W x recomputed, equal to peft on one mask;
+  - merge: float exact to 1e-6, 4-bit off by the requantization error; eval vs train on CPU;
   - "OK: walkthrough 2.7 replayed step by step" at the end.
 """
 
 # %%
 import copy
 import importlib.util
+import math
 import warnings
 
 import bitsandbytes as bnb
@@ -26,7 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanosft.lora import LoraLinear, dora_weight_norm
-from nanosft.nf4 import Linear4bit, bytes_per_parameter, nf4_code_values
+from nanosft.nf4 import (
+    Linear4bit,
+    bytes_per_parameter,
+    dequantize_absmax,
+    dequantize_nf4,
+    double_quantize,
+    nf4_code_values,
+    quantize_nf4,
+)
 
 HAVE_PEFT = importlib.util.find_spec("peft") is not None
 warnings.filterwarnings(
@@ -50,14 +60,12 @@ def bnb_twin(linear):
 
 
 def peft_twin(linear, seed, **kw):
-    """peft's 4-bit LoRA layer over `bnb_twin(linear)`, its adapters drawn after torch.manual_seed(seed)."""
+    """peft's 4-bit LoRA layer over `bnb_twin(linear)`, adapters drawn after manual_seed(seed)."""
     import peft
     from peft.tuners.lora.bnb import Linear4bit as PeftLinear4bit
 
     ref = bnb_twin(linear)
-    torch.manual_seed(
-        seed
-    )  # after bnb's constructor, which draws its own init  # after bnb's constructor, which draws its own init
+    torch.manual_seed(seed)  # after bnb's constructor, which draws its own init
     return PeftLinear4bit(
         ref, "default", config=peft.LoraConfig(**kw), r=kw["r"], lora_alpha=kw["lora_alpha"]
     )
@@ -72,6 +80,79 @@ code = nf4_code_values()
 print("ours:", code)
 print("bnb: ", bnbF.get_4bit_type("nf4", device="cpu"))
 assert torch.equal(code, bnbF.get_4bit_type("nf4", device="cpu"))
+
+# %% [markdown]
+# ## NF4 by hand, in plain PyTorch (nanosft.nf4.quantize_nf4, dequantize_nf4, double_quantize)
+# Where the 16 levels come from, absmax per 64-value block of the *flattened* weight (so a block
+# may cross rows), the multiply by 1 / absmax, the nearest level via the 15 midpoints, and two codes
+# a byte with the first in the high nibble. Then double quantization of the absmax itself.
+
+# %%
+banner("NF4 by hand: the levels")
+# 8 positive quantiles, 7 negative and an exact 0: 16 codes with zero represented exactly. The
+# probability 0.9677083 replaces quantile 1 (infinite); then everything is divided by the maximum.
+p_pos = torch.linspace(0.9677083, 0.5, 9)[:-1].double()  # 8 probabilities > 0.5
+p_neg = torch.linspace(0.9677083, 0.5, 8)[:-1].double()  # 7: one fewer, so one more level above 0
+levels = torch.cat([-torch.special.ndtri(p_neg), torch.zeros(1, dtype=torch.float64),
+                    torch.special.ndtri(p_pos)]).float().sort().values
+levels = levels / levels.max()
+print(f"{int((levels > 0).sum())} positive, {int((levels < 0).sum())} negative, "
+      f"{int((levels == 0).sum())} exact zero; min {levels.min():.1f}, max {levels.max():.1f}")
+assert torch.equal(levels, code)
+
+banner("NF4 by hand: quantize a (2, 96) weight")
+torch.manual_seed(1)
+w = torch.randn(2, 96)  # 192 values = 3 blocks of 64; block 1 is row 0[64:96] + row 1[0:32]
+blocks = w.flatten().view(-1, 64)  # (3, 64)
+absmax = blocks.abs().amax(dim=1)  # (3,) fp32, one scale per block
+scaled = blocks * (1 / absmax)[:, None]  # the reciprocal, then a multiply (bnb rounds this way)
+midpoints = (code[:-1] + code[1:]) / 2  # 15 midpoints between the 16 sorted levels
+idx = torch.bucketize(scaled, midpoints).flatten()  # nearest level; a tie goes to the lower one
+packed = (idx[0::2] << 4 | idx[1::2]).to(torch.uint8)[:, None]  # (96, 1)
+print("absmax per block      ", absmax, "| block 1 spans rows 0 and 1:",
+      bool(absmax[1] == torch.cat([w[0, 64:], w[1, :32]]).abs().max()))
+print("first 4 codes         ", idx[:4].tolist(), "-> first byte", f"{packed[0, 0].item():08b}",
+      f"= {idx[0].item()} << 4 | {idx[1].item()}")
+ref_packed, ref_state = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4")
+ours_packed, ours_absmax = quantize_nf4(w)
+same = torch.equal(packed, ref_packed) and torch.equal(absmax, ref_state.absmax)
+print("bytes and absmax identical to bitsandbytes.functional.quantize_4bit:", same)
+assert same and torch.equal(ours_packed, packed) and torch.equal(ours_absmax, absmax)
+deq = dequantize_nf4(packed, absmax, w.shape)
+print(f"dequantize: code[index] * absmax, max |W - deq(W)| = {(deq - w).abs().max():.4f}")
+assert torch.equal(deq, bnbF.dequantize_4bit(ref_packed, ref_state))
+
+banner("NF4 by hand: double quantization of absmax")
+torch.manual_seed(2)
+big = torch.randn(256, 512)  # 2,048 blocks -> 2,048 fp32 absmax, 8 blocks of 256 of them
+_, absmax = quantize_nf4(big)
+codes, absmax2, offset = double_quantize(absmax)  # subtract the mean, 8-bit dynamic-map codes
+rebuilt = dequantize_absmax(codes, absmax2, offset)  # dynamic_map[code] * absmax2 + offset
+_, nested = bnbF.quantize_4bit(big, blocksize=64, quant_type="nf4", compress_statistics=True)
+agree = codes == nested.absmax
+print(f"offset (mean absmax) {offset:.5f} == bnb {nested.offset:.5f}; absmax2 {tuple(absmax2.shape)}"
+      f" equal to bnb's: {torch.equal(absmax2, nested.state2.absmax)}")
+print(f"8-bit codes equal to bnb's for {int(agree.sum())} of {codes.numel()} blocks (bnb's CPU "
+      "kernel takes the neighbouring code at near-ties)")
+print(f"rebuilt absmax: max relative error {((rebuilt - absmax) / absmax).abs().max():.2e}; "
+      f"storage 8 + 32/256 bits per block instead of 32")
+ref_rebuilt = bnbF.dequantize_blockwise(nested.absmax, nested.state2) + nested.offset
+assert torch.equal(rebuilt[agree], ref_rebuilt[agree]) and agree.float().mean() > 0.99
+
+banner("NF4 by hand: backward dequantizes again, and the weight gets no gradient")
+layer4 = Linear4bit.from_linear(nn.Linear(96, 2))
+xb = torch.randn(4, 96, requires_grad=True)
+yb = layer4(xb)
+calls, dequantize_4bit = [], bnbF.dequantize_4bit
+bnbF.dequantize_4bit = lambda *a, **k: calls.append(1) or dequantize_4bit(*a, **k)
+try:  # MatMul4Bit.backward: grad_x = grad_y @ dequantize_4bit(W); no float W was kept
+    yb.sum().backward()
+finally:
+    bnbF.dequantize_4bit = dequantize_4bit
+print(f"backward called dequantize_4bit {len(calls)} time(s); weight.requires_grad="
+      f"{layer4.weight.requires_grad}, weight.grad={layer4.weight.grad}")
+assert calls and layer4.weight.grad is None
+assert torch.allclose(xb.grad, torch.ones(4, 2) @ layer4.dequantize(), atol=1e-6)
 
 # %% [markdown]
 # ## Quantize a small weight: one absmax per 64 values, 4-bit index of the nearest level
@@ -150,11 +231,18 @@ torch.manual_seed(42)
 layer = LoraLinear(Linear4bit.from_linear(lin), r=4, lora_alpha=8)
 with torch.no_grad():
     layer.lora_B["default"].weight.normal_(0, 0.1)  # B = 0 at init would make the adapter invisible
-print("self._check_forward_args(x)          -> ok, adapter_names is None")
-print(
-    f"if self.disable_adapters: {layer.disable_adapters} | elif adapter_names is not None: False | "
-    f"elif self.merged: {layer.merged} | else: runs"
-)
+adapter_names = None  # "adapter_names = kwargs.pop('adapter_names', None)"
+layer._check_forward_args(x, adapter_names)
+print("self._check_forward_args(x)          -> ok, adapter_names is", adapter_names)
+# the if/elif chain of 2.7, evaluated on this layer: the last branch runs when no earlier one does
+branches = {
+    "if self.disable_adapters": layer.disable_adapters,
+    "elif adapter_names is not None": adapter_names is not None,
+    "elif self.merged": layer.merged,
+}
+runs = "runs" if not any(branches.values()) else "skipped"
+print(" | ".join(f"{cond}: {taken}" for cond, taken in branches.items()), f"| else: {runs}")
+assert runs == "runs"
 result = layer.base_layer(x)
 print("result = self.base_layer(x)          ->", tuple(result.shape))
 try:  # why the defensive clone: the output of bnb's MatMul4Bit may not be modified in place
@@ -182,6 +270,7 @@ print(
     f"output = lora_B(lora_A(dropout(x))) * scaling: {tuple(x_cast.shape)} -> {tuple(h.shape)} -> "
     f"{tuple(output.shape)}, scaling = lora_alpha / r = {scaling}"
 )
+assert scaling == layer.lora_alpha["default"] / layer.r["default"]
 result = result + output.to(expected_dtype)
 print(
     "result = result + output             -> matches LoraLinear:", torch.allclose(result, layer(x))
@@ -189,15 +278,14 @@ print(
 assert torch.equal(result, layer(x))
 rs = LoraLinear(Linear4bit.from_linear(lin), r=4, lora_alpha=8, use_rslora=True)
 print("rsLoRA scaling = lora_alpha / sqrt(r) =", rs.scaling["default"])
-assert rs.scaling["default"] == 4.0
+assert rs.scaling["default"] == rs.lora_alpha["default"] / math.sqrt(rs.r["default"])
 if HAVE_PEFT:
     ref = peft_twin(lin, 42, r=4, lora_alpha=8)
     assert torch.equal(ref.lora_A["default"].weight, lora_A.weight)  # same seed, same init
     with torch.no_grad():
         ref.lora_B["default"].weight.copy_(lora_B.weight)
-    print(
-        f"peft bnb.Linear4bit beside ours: max |ours - peft| = {(layer(x) - ref(x)).abs().max().item():.1e}"
-    )
+    diff = (layer(x) - ref(x)).abs().max().item()
+    print(f"peft bnb.Linear4bit beside ours: max |ours - peft| = {diff:.1e}")
     assert torch.allclose(layer(x), ref(x), atol=1e-5)
 
 # %% [markdown]
@@ -213,25 +301,70 @@ print("magnitude m at init = ||W_deq||_row  ->", m.detach(), "vs", W.norm(dim=1)
 with torch.no_grad():
     dora.lora_B["default"].weight.copy_(lora_B.weight)
 BA = dora.lora_B["default"].weight @ dora.lora_A["default"].weight
-norm = dora_weight_norm(W, BA.detach(), 2.0)
-print("weight_norm = ||W + s B A||_row       ->", norm.detach(), "(detached)")
+s = dora.scaling["default"]
+norm = dora_weight_norm(W, BA.detach(), s)
+print("weight_norm = ||W + s B A||_row       ->", norm.detach(), f"(detached, s = {s})")
 print("mag_norm_scale = m / weight_norm      ->", (m / norm).detach())
-print(
-    "isinstance(dropout, nn.Identity) or not self.training -> True: base_result = result is reused"
-)
-expected = (m / norm) * (x @ (W + 2.0 * BA).T) + dora.base_layer.bias
-assert torch.allclose(dora(x), expected, atol=1e-5)
-print("DoRA output == m / ||W + sBA|| * (W + sBA) x + b: True")
-drop = LoraLinear(Linear4bit.from_linear(lin), r=4, lora_alpha=8, lora_dropout=0.1, use_dora=True)
-print("with lora_dropout=0.1 in train mode   -> x = dropout(x); base_result = None, W x recomputed")
+dropout = dora.lora_dropout["default"]
+reuse = isinstance(dropout, nn.Identity) or not dora.training
+print(f"isinstance(dropout, nn.Identity) or not self.training -> {reuse}: base_result = result")
+assert reuse
+expected = (m / norm) * (x @ (W + s * BA).T) + dora.base_layer.bias
+same = torch.allclose(dora(x), expected, atol=1e-5)
+print("DoRA output == m / ||W + sBA|| * (W + sBA) x + b:", same)
+assert same
 if HAVE_PEFT:
     ref_dora = peft_twin(lin, 42, r=4, lora_alpha=8, use_dora=True)
     with torch.no_grad():
         ref_dora.lora_B["default"].weight.copy_(lora_B.weight)
-    print(
-        f"peft DoRA beside ours: max |ours - peft| = {(dora(x) - ref_dora(x)).abs().max().item():.1e}"
-    )
+    diff = (dora(x) - ref_dora(x)).abs().max().item()
+    print(f"peft DoRA beside ours: max |ours - peft| = {diff:.1e}")
     assert torch.allclose(dora(x), ref_dora(x), atol=1e-5)
+
+# %% [markdown]
+# ## The DoRA dropout branch: `x = dropout(x)`, `base_result = None`, so W x is recomputed
+# nanosft keeps the dropped input in a local `x_dora` (peft 0.21.2 does the same inside its DoRA
+# variant), so a second adapter in the loop would still see the undropped x.
+
+# %%
+banner("2.7 DoRA branch with lora_dropout=0.1, train mode")
+torch.manual_seed(42)
+drop = LoraLinear(Linear4bit.from_linear(lin), r=4, lora_alpha=8, lora_dropout=0.1, use_dora=True)
+with torch.no_grad():
+    drop.lora_B["default"].weight.copy_(lora_B.weight)
+dropout = drop.lora_dropout["default"]
+reuse = isinstance(dropout, nn.Identity) or not drop.training
+print(f"isinstance(dropout, nn.Identity) or not self.training -> {reuse}: base_result = None")
+assert not reuse
+torch.manual_seed(7)
+x_dora = dropout(x)  # "x = dropout(x)": zeros a tenth of x, scales the rest by 1 / 0.9
+print(f"x = dropout(x)                       -> {(x_dora == 0).float().mean():.2f} of x zeroed")
+# inside the magnitude module: base_result is None, so "base_result = F.linear(x, weight)"
+W = drop.base_layer.dequantize()
+m = drop.lora_magnitude_vector["default"].weight
+s = drop.scaling["default"]
+BA = drop.lora_B["default"].weight @ drop.lora_A["default"].weight
+mag_norm_scale = m / dora_weight_norm(W, BA.detach(), s).detach()
+dora_term = (mag_norm_scale - 1) * (x_dora @ W.T) + mag_norm_scale * (x_dora @ BA.T) * s
+by_hand = drop.base_layer(x) + dora_term  # the undropped base output plus the dropped DoRA term
+torch.manual_seed(7)  # the same dropout mask inside forward
+ours_drop = drop(x)
+print("result + DoRA term on dropped x      -> matches LoraLinear:",
+      torch.allclose(ours_drop, by_hand, atol=1e-5))
+assert torch.allclose(ours_drop, by_hand, atol=1e-5)
+drop.eval()
+reuse = isinstance(dropout, nn.Identity) or not drop.training
+print(f"after eval(): ... or not self.training -> {reuse}: base_result reused, no dropout")
+assert reuse and torch.allclose(drop(x), dora(x), atol=1e-5)  # same A, B, m as `dora` above
+drop.train()
+if HAVE_PEFT:
+    ref_drop = peft_twin(lin, 42, r=4, lora_alpha=8, lora_dropout=0.1, use_dora=True)
+    with torch.no_grad():
+        ref_drop.lora_B["default"].weight.copy_(lora_B.weight)
+    torch.manual_seed(7)
+    diff = (ours_drop - ref_drop(x)).abs().max().item()
+    print(f"peft DoRA with dropout, same mask: max |ours - peft| = {diff:.1e}")
+    assert diff < 1e-5
 
 # %% [markdown]
 # ## merge / unmerge: fold B A * scaling into W (4-bit: dequantize, add, requantize)
@@ -273,7 +406,7 @@ assert torch.allclose(mixed[1], layer.base_layer(x)[1]) and torch.allclose(mixed
 print("adapter_names=['default', '__base__'] -> row 0 adapted, row 1 plain base")
 
 # %% [markdown]
-# ## Eval vs train on CPU: bnb switches to a bf16 inference kernel (hf-reference 6.9)
+# ## Eval vs train on CPU: bnb switches to a bf16 inference kernel (its AVX512-BF16 CPU path)
 
 # %%
 banner("eval() vs train() on CPU")
@@ -306,9 +439,9 @@ if bnbF.has_avx512bf16():
             e_ref, e_ours = ref32.eval()(xe), ours32.eval()(xe)
         after = ref32.train()(xe)  # bnb's weight stays repacked, so train mode now differs as well
         print(
-            f"peft DoRA on bnb: max |eval - train| = {(e_ref - t_ref).abs().max():.4f}, and back in train "
-            f"mode {(after - t_ref).abs().max():.4f} (bnb repacked its weight in place; DoRA dequantizes "
-            "that layout)"
+            f"peft DoRA on bnb: max |eval - train| = {(e_ref - t_ref).abs().max():.4f}, and back "
+            f"in train mode {(after - t_ref).abs().max():.4f} (bnb repacked its weight in place; "
+            "DoRA dequantizes that layout)"
         )
         print(
             f"ours DoRA:        max |eval - train| = {(e_ours - t_ours).abs().max():.4f} "
