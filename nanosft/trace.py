@@ -1,11 +1,12 @@
-"""Walkthrough trace: print the live call tree of the first optimizer step, in the walkthrough's section-1 order.
+"""Walkthrough trace: print the live call tree of the first optimizer step, in section 1's order.
 
-`enable_trace()` turns `trace(section, message, **values)` from a no-op into a print; `attach(trainer)` then
-follows one `Trainer.train()` call: Trainer.train -> _inner_training_loop -> get_batch_samples -> training_step ->
-compute_loss -> PeftModelForCausalLM.forward -> Linear4bit.forward (LoRA) -> backward -> do_sync_step ->
-optimizer.step -> lr_scheduler.step -> zero_grad -> global_step += 1, each line tagged with its section.
-Library code is untouched: `attach` wraps methods of this one trainer instance and puts forward hooks on this
-one model, and takes them all off after the first optimizer step. Nothing happens unless tracing is enabled.
+`enable_trace()` turns `trace(section, message, **values)` from a no-op into a print;
+`attach(trainer)` then follows one `Trainer.train()` call: Trainer.train -> _inner_training_loop ->
+get_batch_samples -> training_step -> compute_loss (SFTTrainer's: TRL's loss and token metrics) ->
+PeftModelForCausalLM.forward -> Linear4bit.forward (LoRA) -> backward -> do_sync_step ->
+optimizer.step -> lr_scheduler.step -> zero_grad -> global_step += 1, each line tagged with its
+section. Library code is untouched: `attach` wraps methods of this one trainer instance and puts
+forward hooks on this one model, and takes them all off after the first optimizer step.
 """
 
 import functools
@@ -17,7 +18,7 @@ PREFIX = "[trace]"
 
 
 def enable_trace(on: bool = True) -> None:
-    """Switch the walkthrough trace on (or off). Walkthrough 1 | Mirrors: nothing (a teaching aid)"""
+    """Switch the walkthrough trace on (or off). Walkthrough 1 | Mirrors: nothing (teaching aid)"""
     global _enabled
     _enabled = on
 
@@ -38,7 +39,7 @@ def _show(value):
 
 
 def trace(section: str, message: str, **values) -> None:
-    """Print one line `[trace] [section] message  key=value ...`; a no-op unless enable_trace() was called.
+    """Print one line `[trace] [section] message  key=value ...`; a no-op unless enable_trace().
 
     Walkthrough 1 (every section) | Mirrors: nothing (a teaching aid)
     """
@@ -49,16 +50,21 @@ def trace(section: str, message: str, **values) -> None:
 
 
 def _first_lora_layer(model):
-    """The first module with `lora_A` (peft's LoraLayer shape), or None for full fine-tuning / prompt tuning."""
+    """The first module with `lora_A` (peft's LoraLayer), or None (full fine-tuning, prompts)."""
     return next((m for m in model.modules() if hasattr(m, "lora_A") and len(m.lora_A)), None)
 
 
 class _TrainerTrace:
-    """The instance wrappers and hooks of one traced `trainer.train()`; `detach()` removes them all."""
+    """The instance wrappers and hooks of one traced `trainer.train()`; `detach()` removes them."""
 
     def __init__(self, trainer):
-        self.trainer, self.wrapped, self.hooks = trainer, [], []
-        self.micro_step, self.steps_in_epoch, self.forwards, self.in_forward = -1, None, 0, False
+        self.trainer = trainer
+        self.wrapped = []
+        self.hooks = []
+        self.micro_step = -1
+        self.steps_in_epoch = None
+        self.forwards = 0
+        self.in_forward = False
         self.done = False
 
     # ----- plumbing: wrap a bound method of one instance, put it back later -----
@@ -92,30 +98,34 @@ class _TrainerTrace:
     # ----- walkthrough 2.2 / 2.3: the loop around the micro-batches -----
     def install(self):
         t = self.trainer
-        ga = t.args.gradient_accumulation_steps
-        self.wrap(t, "train", before=lambda *a, **k: trace("2.2", "Trainer.train()  -> _inner_training_loop"))
-        self.wrap(t, "_inner_training_loop", before=lambda *a, **k: trace("2.3", "_inner_training_loop()"))
+        self.wrap(t, "train", before=lambda *a, **k: trace(
+            "2.2", "Trainer.train()  -> _inner_training_loop"))
+        self.wrap(t, "_inner_training_loop", before=lambda *a, **k: trace(
+            "2.3", "_inner_training_loop()"))
         self.wrap(t, "get_train_dataloader", after=self.on_dataloader)
         self.wrap(t, "set_initial_training_values", after=self.on_initial_values)
         self.wrap(t, "_prepare_for_training", after=lambda model, *a, **k: self.on_prepared(model))
-        self.wrap(t, "get_batch_samples", after=lambda result, *a, **k: self.on_batch_samples(result, a, ga))
+        self.wrap(t, "get_batch_samples",
+                  after=lambda result, *a, **k: self.on_batch_samples(result, a))
         self.wrap(t, "training_step", before=self.on_training_step, after=self.on_training_step_end)
         self.wrap(t, "compute_loss", before=self.on_compute_loss, after=self.on_loss)
         self.wrap(t, "_clip_grad_norm", after=lambda norm, *a, **k: trace(
-            "2.3", "  do_sync_step: clip gradients", grad_norm=norm, max_grad_norm=t.args.max_grad_norm))
+            "2.3", "  do_sync_step: clip gradients", grad_norm=norm,
+            max_grad_norm=t.args.max_grad_norm))
         self.wrap(t, "_on_step_end", before=self.on_step_end)
 
     def on_dataloader(self, dataloader, *args, **kwargs):
         self.steps_in_epoch = len(dataloader)
-        trace("2.3", "train_dataloader = self.get_train_dataloader()", micro_batches_per_epoch=len(dataloader),
+        trace("2.3", "train_dataloader = self.get_train_dataloader()",
+              micro_batches_per_epoch=len(dataloader),
               per_device_train_batch_size=self.trainer.args.per_device_train_batch_size)
 
     def on_initial_values(self, values, *args, **kwargs):
         epochs, per_epoch, examples, _, total_batch, _, max_steps = values
         trace("2.3", "Setting up training control variables", num_train_epochs=epochs,
               num_update_steps_per_epoch=per_epoch, max_steps=max_steps, num_examples=examples)
-        trace("2.3", "total_train_batch_size = _train_batch_size * gradient_accumulation_steps * world_size",
-              total_train_batch_size=total_batch)
+        trace("2.3", "total_train_batch_size = _train_batch_size * gradient_accumulation_steps * "
+              "world_size", total_train_batch_size=total_batch)
 
     def on_prepared(self, model):
         t = self.trainer
@@ -127,38 +137,66 @@ class _TrainerTrace:
         self.hooks.append(t.optimizer.register_step_pre_hook(
             lambda *a: trace("2.3", "  self.optimizer.step()", lr=t.lr_scheduler.get_last_lr()[0])))
         self.install_model_hooks(model)
-        trace("2.3", "***** Running training ***** (banner below), then: for epoch in range(num_train_epochs)")
+        trace("2.3", "***** Running training ***** (banner below), then: for epoch in "
+              "range(num_train_epochs)")
 
-    def on_batch_samples(self, result, args, ga):
+    def on_batch_samples(self, result, args):
         batch_samples, num_items_in_batch = result
-        trace("2.3", "batch_samples, num_items_in_batch = self.get_batch_samples(epoch_iterator, num_batches)",
-              num_batches=args[1] if len(args) > 1 else ga, got=len(batch_samples),
+        asked = args[1] if len(args) > 1 else self.trainer.args.gradient_accumulation_steps
+        trace("2.3", "batch_samples, num_items_in_batch = self.get_batch_samples(epoch_iterator, "
+              "num_batches)", num_batches=asked, got=len(batch_samples),
               num_items_in_batch=num_items_in_batch if num_items_in_batch is not None else "None")
 
     # ----- walkthrough 2.4 / 2.5: one micro-batch -----
     def on_training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         self.micro_step += 1
         shapes = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
-        trace("2.4", "for i, inputs in enumerate(batch_samples): training_step(model, inputs, num_items_in_batch)",
+        trace("2.4", "for i, inputs in enumerate(batch_samples): training_step(model, inputs, "
+              "num_items_in_batch)",
               step=self.micro_step, **shapes)
 
+    def is_sft(self) -> bool:
+        """SFTTrainer (TRL's own loss and token metrics) rather than the plain Trainer."""
+        return hasattr(self.trainer, "_metrics")
+
     def on_compute_loss(self, model, inputs, *args, **kwargs):
-        trace("2.5", f"compute_loss -> outputs = model(**inputs)  ({type(self.trainer).__name__}.compute_loss)",
-              model=type(model).__name__, num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
+        owner = type(self.trainer).__name__
+        trace("2.5", f"compute_loss -> outputs = model(**inputs)  ({owner}.compute_loss)",
+              model=type(model).__name__,
+              num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
+        if self.is_sft():
+            trace("2.5", "  SFTTrainer.compute_loss overrides Trainer.compute_loss: the model runs "
+                  "without labels (use_cache=False) and TRL's loss is computed from its logits")
 
     def on_loss(self, loss, *args, **kwargs):
         value = loss[0] if isinstance(loss, tuple) else loss
-        trace("2.5", 'loss = outputs["loss"]  (sum of token losses / num_items_in_batch)', loss=value)
+        if not self.is_sft():
+            trace("2.5", 'loss = outputs["loss"]  (sum of token losses / num_items_in_batch)',
+                  loss=value)
+            return
+        trace("2.5", "  per_token_loss = -log_softmax(logits[:, :-1])[labels[:, 1:]]  "
+              "(0 where labels == -100)")
+        trace("2.5", "  loss = per_token_loss.sum() / num_items_in_batch", loss=value,
+              num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
+        metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
+        if metrics.get("mean_token_accuracy"):
+            trace("2.5", "  token metrics of this micro-batch (logged as their mean)",
+                  entropy=metrics["entropy"][-1],
+                  mean_token_accuracy=metrics["mean_token_accuracy"][-1])
 
     def on_training_step_end(self, loss, *args, **kwargs):
         t = self.trainer
-        ga = t.args.gradient_accumulation_steps
+        gradient_accumulation_steps = t.args.gradient_accumulation_steps
         grads = [p.grad for p in t.model.parameters() if p.requires_grad and p.grad is not None]
-        trace("2.4", "loss.backward()  (accelerator.backward)", loss_returned=loss, params_with_grad=len(grads))
+        trace("2.4", "loss.backward()  (accelerator.backward)", loss_returned=loss,
+              params_with_grad=len(grads))
         step = self.micro_step
-        do_sync_step = (step + 1) % ga == 0 or (self.steps_in_epoch is not None and step + 1 == self.steps_in_epoch)
-        trace("2.3", "do_sync_step = (step + 1) % gradient_accumulation_steps == 0 or (step + 1) == steps_in_epoch",
-              step=step, gradient_accumulation_steps=ga, do_sync_step=do_sync_step)
+        do_sync_step = ((step + 1) % gradient_accumulation_steps == 0
+                        or (self.steps_in_epoch is not None and step + 1 == self.steps_in_epoch))
+        trace("2.3", "do_sync_step = (step + 1) % gradient_accumulation_steps == 0 or "
+              "(step + 1) == steps_in_epoch", step=step,
+              gradient_accumulation_steps=gradient_accumulation_steps,
+              do_sync_step=do_sync_step)
 
     def on_step_end(self, *args, **kwargs):
         trace("2.3", "  self.state.global_step += 1", global_step=self.trainer.state.global_step)
@@ -180,15 +218,17 @@ class _TrainerTrace:
 
         def on_lora_input(module, args):
             self.inside(f"{type(lora.base_layer).__name__}.forward  (the LoRA layer {name}: "
-                        f"{type(lora).__name__})", x=args[0], disable_adapters=lora.disable_adapters,
-                        merged=lora.merged, active_adapters=lora.active_adapters)
+                        f"{type(lora).__name__})", x=args[0],
+                        disable_adapters=lora.disable_adapters, merged=lora.merged,
+                        active_adapters=lora.active_adapters)
 
         def on_base_output(module, args, out):
             self.inside("  result = self.base_layer(x, *args, **kwargs)", result=out,
                         base_layer=type(lora.base_layer).__name__)
 
         def on_lora_b_output(module, args, out):
-            self.inside(f"  output = {formula}", output=out, r=lora.r[adapter], scaling=lora.scaling[adapter])
+            self.inside(f"  output = {formula}", output=out, r=lora.r[adapter],
+                        scaling=lora.scaling[adapter])
 
         def on_lora_output(module, args, out):
             self.inside("  result = result + output; return result", result=out)
@@ -199,7 +239,7 @@ class _TrainerTrace:
         self.hooks.append(lora.register_forward_hook(on_lora_output))
 
     def inside(self, message, **values):
-        """A 2.7 line, printed only inside the first model forward (not again in a checkpointed re-forward)."""
+        """A 2.7 line, printed in the first model forward only (not a checkpointed re-forward)."""
         if self.forwards == 1 and self.in_forward:
             trace("2.7", message, **values)
 
@@ -208,7 +248,8 @@ class _TrainerTrace:
         self.in_forward = True
         if self.forwards == 1:
             shapes = {k: v for k, v in kwargs.items() if torch.is_tensor(v)}
-            trace("2.6", f"{type(module).__name__}.forward(**inputs) -> return self.base_model(...)", **shapes)
+            trace("2.6", f"{type(module).__name__}.forward(**inputs) -> return "
+                  "self.base_model(...)", **shapes)
 
     def on_model_output(self, module, args, output):
         self.in_forward = False
@@ -217,7 +258,7 @@ class _TrainerTrace:
 
 
 def attach(trainer):
-    """Trace the next `trainer.train()` up to its first optimizer step; returns the handle (`.detach()`).
+    """Trace the next `trainer.train()` up to its first optimizer step; returns the handle.
 
     Walkthrough 1 (the outline) and 2.2 - 2.7 | Mirrors: nothing (a teaching aid)
     A no-op returning None unless enable_trace() was called.

@@ -150,8 +150,10 @@ def test_saving_the_same_step_twice_replaces_the_folder(tmp_path):
 
 
 def _make_checkpoints(root, steps):
-    for step in steps:
+    for step in steps:  # trainer_state.json: what makes a checkpoint valid to resume
         os.makedirs(os.path.join(root, f"checkpoint-{step}"))
+        with open(os.path.join(root, f"checkpoint-{step}", "trainer_state.json"), "w") as f:
+            f.write("{}")
 
 
 def test_rotation_keeps_newest_and_best(tmp_path):

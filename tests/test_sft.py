@@ -2,7 +2,9 @@
 (padding-free batches), the SFT loss against a hand-written shifted cross-entropy, TRL's logged metrics.
 
 Hermetic: a byte-level BPE tokenizer trained in-process on a few sentences, a tiny nanosft CausalLM, CPU, fixed
-seeds. The TRL comparison itself is in tests/parity/test_trainer_parity.py.
+seeds. The TRL training-log comparison is in tests/parity/test_trainer_parity.py; the eval token
+accuracy is compared with TRL's SFTTrainer.evaluate here (a tiny transformers Llama with the same
+weights, a WordLevel tokenizer built in memory; fp32, tolerance 1e-6).
 Run: python -m pytest -q tests/test_sft.py
 """
 
@@ -120,8 +122,9 @@ def test_logs_carry_trl_metrics(tmp_path, tokenizer):
     trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert list(logs[0]) == ["loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens",
-                             "epoch", "step"]
+    assert list(logs[0]) == ["loss", "grad_norm", "learning_rate", "train_tokens_per_second",
+                             "train_samples_per_second", "train_steps_per_second", "train_step_time",
+                             "entropy", "mean_token_accuracy", "num_tokens", "epoch", "step"]
     # num_tokens: the running count of attention-mask tokens over all micro-batches seen so far
     total = sum(len(trainer.train_dataset[i]["input_ids"]) for i in range(len(trainer.train_dataset)))
     assert logs[1]["num_tokens"] == total  # 8 rows = 2 windows of 2 x 2: one full epoch by step 2
@@ -143,3 +146,66 @@ def test_prompt_tuning_loss_counts_the_virtual_prefix_as_peft_does(tmp_path, tok
     torch.testing.assert_close(loss, own.loss, rtol=1e-6, atol=1e-6)  # both: mean over supervised targets
     trainer.train()
     assert trainer.state.global_step == 3
+
+
+def test_eval_mean_token_accuracy_is_trls_mean_of_batch_accuracies(tmp_path):
+    """One definition of eval token accuracy, TRL 1.16's: SFTTrainer.log averages the per-batch
+    accuracies (correct / supervised tokens of each eval batch). Same weights in a transformers
+    Llama and a nanosft CausalLM, five rows in eval batches of 2, 2, 1; fp32, tolerance 1e-6.
+    Negative control: the token-weighted accuracy over the whole set is another number."""
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from nanosft.model import CausalLM, ModelConfig
+
+    vocab = 48
+    config = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+              "pad_token_id": 0}
+    torch.manual_seed(0)
+    ref_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    with torch.no_grad():  # a head that mostly predicts the current token: repeats score hits
+        ref_model.lm_head.weight.copy_(4 * ref_model.model.embed_tokens.weight)
+    our_model = CausalLM(ModelConfig(**config))
+    our_model.load_state_dict(ref_model.state_dict())
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for length, runs in ((9, 3), (6, 1), (12, 4), (5, 5), (10, 2)):  # few runs: many repeats
+        ids = torch.randint(2, vocab, (runs,), generator=g).repeat_interleave(-(-length // runs))
+        ids = ids[:length].tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})
+    backend = BackendTokenizer(WordLevel({"<pad>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab)}},
+                                         unk_token="<pad>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.add_special_tokens(["<pad>", "</s>"])
+    ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
+                                                   eos_token="</s>")
+    common = {"per_device_eval_batch_size": 2, "use_cpu": True, "bf16": False, "report_to": "none",
+              "gradient_checkpointing": False, "max_length": None, "disable_tqdm": True}
+    ref = trl.SFTTrainer(model=ref_model, args=trl.SFTConfig(str(tmp_path / "ref"), **common),
+                         train_dataset=datasets.Dataset.from_list(rows),
+                         eval_dataset=datasets.Dataset.from_list(rows), processing_class=ref_tok)
+    ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **common), train_dataset=rows,
+                      eval_dataset=rows, processing_class=Tokenizer(backend, pad_token="<pad>",
+                                                                    eos_token="</s>"))
+    theirs, mine = ref.evaluate(), ours.evaluate()
+    for key in ("eval_mean_token_accuracy", "eval_entropy", "eval_loss"):
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-6, msg=key)
+    # the same accuracies by hand: per batch, then the mean of the three
+    correct, valid = [], []
+    with torch.no_grad():
+        for chunk in (rows[0:2], rows[2:4], rows[4:5]):
+            batch = DataCollatorForLanguageModeling(pad_token_id=0)(chunk)
+            target = batch["labels"][:, 1:]
+            hits = (our_model(**batch).logits[:, :-1].argmax(-1) == target) & (target != -100)
+            correct.append(int(hits.sum()))
+            valid.append(int((target != -100).sum()))
+    per_batch_mean = sum(c / v for c, v in zip(correct, valid)) / 3
+    assert 0.05 < per_batch_mean < 0.95  # the metric is not trivially 0 or 1 here
+    assert mine["eval_mean_token_accuracy"] == pytest.approx(per_batch_mean, abs=1e-6)
+    token_weighted = sum(correct) / sum(valid)
+    assert abs(token_weighted - theirs["eval_mean_token_accuracy"]) > 1e-3  # negative control

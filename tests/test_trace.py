@@ -55,6 +55,11 @@ def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(tracing, tmp
     trainer.train()
     out = capsys.readouterr().out
     assert out.count("training_step(model, inputs, num_items_in_batch)") == 1  # 2 steps run, 1 traced
+    # an SFTTrainer: the trace shows the loss that runs (SFTTrainer.compute_loss), not outputs["loss"]
+    assert "SFTTrainer.compute_loss overrides Trainer.compute_loss" in out
+    assert "loss = per_token_loss.sum() / num_items_in_batch" in out
+    assert 'loss = outputs["loss"]' not in out
+    assert "mean_token_accuracy=" in out
     assert handle.done
     wrapped = {"train", "_inner_training_loop", "get_train_dataloader", "set_initial_training_values",
                "_prepare_for_training", "get_batch_samples", "training_step", "compute_loss", "_clip_grad_norm",

@@ -112,7 +112,7 @@ def test_sync_steps_and_short_last_window(tmp_path):
     with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
         lines = [json.loads(line) for line in f]
     train_lines = [r for r in lines if "loss" in r]
-    assert [r["step"] for r in train_lines] == [1, 2, 3, 4] and all(r["tokens_per_second"] > 0 for r in train_lines)
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 4] and all(r["train_tokens_per_second"] > 0 for r in train_lines)
 
 
 def test_nan_inf_filter_adds_running_average(tmp_path):
@@ -259,18 +259,16 @@ def test_evaluate_weights_batch_losses_by_size(tmp_path):
     trainer = make_trainer(tmp_path, per_device_eval_batch_size=2)
     metrics = trainer.evaluate(eval_rows)
     collate = DataCollatorForLanguageModeling(pad_token_id=0)
-    total, correct, tokens = 0.0, 0, 0
+    total = 0.0
     with torch.no_grad():
         for chunk in (eval_rows[0:2], eval_rows[2:4], eval_rows[4:5]):  # dataset order, batches of 2
             batch = collate(chunk)
             out = trainer.model(**batch)
             total += out.loss.item() * len(chunk)
-            target = batch["labels"][:, 1:]
-            correct += int(((out.logits[:, :-1].argmax(-1) == target) & (target != -100)).sum())
-            tokens += int((target != -100).sum())
     assert math.isclose(metrics["eval_loss"], total / 5, rel_tol=1e-6)
     assert math.isclose(metrics["eval_perplexity"], math.exp(total / 5), rel_tol=1e-6)
-    assert math.isclose(metrics["eval_mean_token_accuracy"], correct / tokens, rel_tol=1e-6)
+    # token accuracy is TRL's, reported by SFTTrainer (tests/test_sft.py); not a Trainer metric
+    assert "eval_mean_token_accuracy" not in metrics
     assert trainer.state.log_history[-1]["eval_loss"] == metrics["eval_loss"]
 
 
