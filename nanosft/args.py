@@ -1,9 +1,9 @@
-"""TrainingArguments and SFTConfig: every knob of a nanosft run, with Hugging Face names and defaults.
+"""TrainingArguments and SFTConfig: every knob of a nanosft run, Hugging Face names and defaults.
 
-Field names and defaults follow transformers 5.23 `TrainingArguments` and TRL 1.16 `SFTConfig`, so a
-config written for one reads the same in the other (walkthrough 1 and 2.3: num_train_epochs,
-gradient_accumulation_steps, max_steps; guide: optimizers and schedulers). Only the fields nanosft acts
-on exist; a wrong value fails in `__post_init__` with the field, the value and the fix.
+Field names and defaults follow transformers 5.23 `TrainingArguments` and TRL 1.16 `SFTConfig`, so
+a config written for one reads the same in the other (walkthrough 1 and 2.3: num_train_epochs,
+gradient_accumulation_steps, max_steps; guide: optimizers and schedulers). Only the fields nanosft
+acts on exist; a wrong value fails in `__post_init__` with the field, the value and the fix.
 """
 
 import dataclasses
@@ -25,8 +25,9 @@ SCHEDULER_NAMES = (
 OPTIMIZER_NAMES = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd")
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 REPORT_TO = ("none", "tensorboard")
-# Fields whose value may arrive as a JSON string (command line, JSON config), as transformers accepts.
-DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+# Fields whose value may arrive as a JSON string (command line, JSON config), as in transformers.
+DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
+               "activation_checkpointing_kwargs")
 
 
 def _fail(field_name, value, fix):
@@ -44,7 +45,8 @@ def _check_choice(field_name, value, choices):
 def _check_steps(field_name, value):
     # "Should be an integer or a float in range [0,1)": a value < 1 is a ratio of max_steps.
     if value < 0:
-        _fail(field_name, value, "use a positive step count, or a float in [0, 1) for a ratio of max_steps")
+        _fail(field_name, value,
+              "use a positive step count, or a float in [0, 1) for a ratio of max_steps")
     if value > 1 and value != int(value):
         _fail(field_name, value, "a value above 1 is a step count and must be a whole number")
     return int(value) if value >= 1 else value
@@ -54,12 +56,15 @@ def _check_steps(field_name, value):
 class TrainingArguments:
     """Settings of one training run (batching, optimiser, schedule, logging, saving, precision).
     Walkthrough 2.3 | Mirrors: transformers TrainingArguments (5.23 names and defaults)
-    Differs: report_to stays "none" (not []); bf16 runs on CPU without use_cpu; fp16 needs CUDA."""
+    Differs: report_to stays "none" (not []); bf16 runs on CPU without use_cpu; fp16 needs CUDA;
+    overwrite_output_dir (transformers 4; 5.23 removed it) acts: see below."""
 
-    # overwrite_output_dir is kept from transformers 4 so old configs load; the Trainer ignores it.
     output_dir: str | None = None  # None -> "trainer_output", as transformers 5
+    # Differs: transformers 5.23 removed overwrite_output_dir and writes into any folder. Here a
+    # fresh run refuses an output_dir holding another run (its checkpoints, its saved model or
+    # adapter) unless overwrite_output_dir=True, which first removes that run's checkpoints.
     overwrite_output_dir: bool = False
-    # Schedule length and batches (walkthrough 1: num_train_epochs, max_steps, total_train_batch_size).
+    # Schedule length and batches (walkthrough 1: num_train_epochs, max_steps, total batch size)
     num_train_epochs: float = 3.0
     max_steps: int = -1
     per_device_train_batch_size: int = 8
@@ -103,7 +108,9 @@ class TrainingArguments:
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
-    resume_from_checkpoint: str | None = None
+    # a checkpoint folder, or True for the latest valid one in output_dir (command line: the flag
+    # alone, true or latest); read by Trainer.train when its own argument is not given
+    resume_from_checkpoint: str | bool | None = None
     ignore_data_skip: bool = False
     # Seeds, precision, memory.
     seed: int = 42
@@ -112,15 +119,16 @@ class TrainingArguments:
     fp16: bool = False
     activation_checkpointing: bool | None = None
     activation_checkpointing_kwargs: dict | str | None = None
-    gradient_checkpointing: bool | None = None  # alias of activation_checkpointing, as transformers 5
+    gradient_checkpointing: bool | None = None  # alias of activation_checkpointing (transformers 5)
     gradient_checkpointing_kwargs: dict | str | None = None
     torch_compile: bool = False
     use_cpu: bool = False
-    skip_memory_metrics: bool = True  # False: init_/train_mem_cpu_* (and _gpu_) deltas in the metrics
+    skip_memory_metrics: bool = True  # False: init_/train_mem_cpu_* (and _gpu_) deltas in metrics
     # Distributed.
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
-    # FSDP2 under torchrun: True / "full_shard" / "shard_grad_op"; fsdp_config a dict or JSON path (guide: FSDP)
+    # FSDP2 under torchrun: True / "full_shard" / "shard_grad_op"; fsdp_config a dict or JSON path
+    # (guide: FSDP)
     fsdp: str | bool | list | None = None
     fsdp_config: dict | str | None = None
 
@@ -145,9 +153,10 @@ class TrainingArguments:
         if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing = False
         if self.disable_tqdm is None:
-            self.disable_tqdm = False  # transformers: True only when its logger is quieter than WARNING
+            self.disable_tqdm = False  # transformers: True only if its logger is above WARNING
         if isinstance(self.include_num_input_tokens_seen, bool):
-            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+            seen = self.include_num_input_tokens_seen
+            self.include_num_input_tokens_seen = "all" if seen else "no"
         if self.report_to is None or self.report_to == ["none"]:
             self.report_to = "none"
         if self.eval_strategy == "steps" and not self.eval_steps:
@@ -169,23 +178,27 @@ class TrainingArguments:
             _fail("output_dir", self.output_dir, "it is an existing file; pass a directory path")
 
     def _validate_numbers(self):
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail(name, value, "it must be a whole number >= 1")
         if self.learning_rate < 0:
-            _fail("learning_rate", self.learning_rate, "a learning rate must be >= 0 (e.g. 2e-4 for LoRA)")
+            _fail("learning_rate", self.learning_rate,
+                  "a learning rate must be >= 0 (e.g. 2e-4 for LoRA)")
         if self.weight_decay < 0:
             _fail("weight_decay", self.weight_decay, "weight decay must be >= 0 (0.0 turns it off)")
         if self.warmup_steps < 0:
             _fail("warmup_steps", self.warmup_steps,
                   "use >= 1 for a step count or a float in [0, 1) for a ratio of the total steps")
         if self.warmup_steps > 1 and self.warmup_steps != int(self.warmup_steps):
-            _fail("warmup_steps", self.warmup_steps, "a value above 1 is a step count and must be whole")
+            _fail("warmup_steps", self.warmup_steps,
+                  "a value above 1 is a step count and must be whole")
         if not 0.0 <= self.label_smoothing_factor < 1.0:
             _fail("label_smoothing_factor", self.label_smoothing_factor, "use a value in [0, 1)")
         if self.ddp_timeout <= 0:
-            _fail("ddp_timeout", self.ddp_timeout, "give the process-group timeout in seconds (> 0)")
+            _fail("ddp_timeout", self.ddp_timeout,
+                  "give the process-group timeout in seconds (> 0)")
 
     def _validate_choices(self):
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_NAMES)
@@ -198,7 +211,8 @@ class TrainingArguments:
         for target in [self.report_to] if isinstance(self.report_to, str) else self.report_to:
             _check_choice("report_to", target, REPORT_TO)
         if self.lr_scheduler_kwargs is not None and not isinstance(self.lr_scheduler_kwargs, dict):
-            _fail("lr_scheduler_kwargs", self.lr_scheduler_kwargs, 'pass a dict, e.g. {"num_cycles": 1}')
+            _fail("lr_scheduler_kwargs", self.lr_scheduler_kwargs,
+                  'pass a dict, e.g. {"num_cycles": 1}')
 
     def _validate_strategies(self):
         if self.logging_strategy == "steps":
@@ -207,7 +221,8 @@ class TrainingArguments:
             self.logging_steps = _check_steps("logging_steps", self.logging_steps)
         if self.eval_strategy == "steps":
             if not self.eval_steps:
-                _fail("eval_steps", self.eval_steps, 'eval_strategy="steps" needs eval_steps or logging_steps')
+                _fail("eval_steps", self.eval_steps,
+                      'eval_strategy="steps" needs eval_steps or logging_steps')
             self.eval_steps = _check_steps("eval_steps", self.eval_steps)
         if self.save_strategy == "steps":
             self.save_steps = _check_steps("save_steps", self.save_steps)
@@ -221,18 +236,19 @@ class TrainingArguments:
                       f"({self.eval_strategy!r}), or save_strategy=\"best\"")
             if self.eval_strategy == "steps" and not _is_multiple(self.save_steps, self.eval_steps):
                 _fail("save_steps", self.save_steps,
-                      f"load_best_model_at_end needs save_steps to be a multiple of eval_steps ({self.eval_steps})")
+                      "load_best_model_at_end needs save_steps to be a multiple of eval_steps "
+                      f"({self.eval_steps})")
 
     def _validate_precision(self):
         if self.fp16 and self.bf16:
             _fail("fp16", True, "fp16 and bf16 are both True; keep at most one")
         if self.fp16 and self.device.type != "cuda":
-            # accelerate silently trains in fp32 when fp16 is asked for on a CPU; nanosft says so instead.
-            _fail("fp16", True, "fp16 autocast with a GradScaler needs a CUDA device; on CPU use bf16=True "
-                  "or leave both off")
+            # accelerate silently trains in fp32 when fp16 is asked for on a CPU; nanosft says so.
+            _fail("fp16", True, "fp16 autocast with a GradScaler needs a CUDA device; on CPU use "
+                  "bf16=True or leave both off")
 
     def _validate_fsdp(self):
-        # transformers' normalisation (fsdp_ prefix stripped, legacy strings) with unknown keys refused
+        # transformers' normalisation (fsdp_ prefix stripped, legacy strings); unknown keys refused
         self.fsdp_config = normalize_fsdp_config(self.fsdp, self.fsdp_config)
         self.fsdp = bool(self.fsdp_config)
         if self.fsdp:
@@ -266,7 +282,8 @@ class TrainingArguments:
     @property
     def device(self) -> torch.device:
         """cuda:LOCAL_RANK when CUDA is there and use_cpu is off, else cpu.
-        Mirrors: transformers TrainingArguments.device | Differs: no accelerate PartialState, no MPS/XPU."""
+        Mirrors: transformers TrainingArguments.device
+        Differs: no accelerate PartialState, no MPS/XPU."""
         if torch.cuda.is_available() and not self.use_cpu:
             return torch.device("cuda", self.local_process_index)
         return torch.device("cpu")
@@ -290,8 +307,8 @@ class TrainingArguments:
         return self.per_device_eval_batch_size
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
-        """Warmup length in optimizer steps: `int(w)` when w >= 1, else `ceil(num_training_steps * w)`.
-        Guide: optimizers and schedulers | Mirrors: transformers TrainingArguments.get_warmup_steps"""
+        """Warmup length in optimizer steps: `int(w)` if w >= 1, else ceil(num_training_steps * w).
+        Guide: optimizers and schedulers | Mirrors: TrainingArguments.get_warmup_steps"""
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
         return math.ceil(num_training_steps * self.warmup_steps)
@@ -332,9 +349,11 @@ class TrainingArguments:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {e.lineno} column {e.colno}: not valid JSON ({e.msg})") from e
+            raise ValueError(f"{path}: line {e.lineno} column {e.colno}: not valid JSON "
+                             f"({e.msg})") from e
         if not isinstance(values, dict):
-            raise TypeError(f"{path}: expected a JSON object of field values, got {type(values).__name__}")
+            raise TypeError(f"{path}: expected a JSON object of field values, got "
+                            f"{type(values).__name__}")
         return cls.from_dict(values, source=path)
 
 
@@ -357,11 +376,12 @@ def _jsonable(value):
 @dataclass
 class SFTConfig(TrainingArguments):
     """TrainingArguments plus the dataset and loss settings of supervised fine-tuning.
-    Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16: lr 2e-5, logging_steps 10, gradient_checkpointing)
+    Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16: lr 2e-5, logging_steps 10, checkpointing on)
     Differs: bf16 (None -> not fp16) is accepted on CPU; pad_to_multiple_of has no "auto"."""
 
-    # CPU autocast runs bf16 on any CPU: fast with bf16 matrix units (avx512_bf16 or amx_bf16 in /proc/cpuinfo;
-    # 1.6-1.85x fp32 on such a 2-core CPU, benchmarks/README.md), slow without them: pass bf16=False there.
+    # CPU autocast runs bf16 on any CPU: fast with bf16 matrix units (avx512_bf16 or amx_bf16 in
+    # /proc/cpuinfo; 1.6-1.85x fp32 on such a 2-core CPU, benchmarks/README.md), slow without
+    # them: pass bf16=False there.
     # TRL's pad_to_multiple_of="auto" means 128 on Neuron, else None; nanosft has no Neuron path.
     learning_rate: float = 2e-5
     logging_steps: float = 10
@@ -386,8 +406,10 @@ class SFTConfig(TrainingArguments):
         if self.bf16 is None:
             self.bf16 = not self.fp16
         super().__post_init__()
-        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
-            _fail("max_length", self.max_length, "use a whole number of tokens >= 1, or None for no truncation")
+        bad_length = not isinstance(self.max_length, int) or self.max_length < 1
+        if self.max_length is not None and bad_length:
+            _fail("max_length", self.max_length,
+                  "use a whole number of tokens >= 1, or None for no truncation")
         _check_choice("packing_strategy", self.packing_strategy, ("bfd", "bfd_split", "wrapped"))
         _check_choice("truncation_mode", self.truncation_mode, ("keep_start", "keep_end"))
         _check_choice("loss_type", self.loss_type, ("nll",))
