@@ -69,6 +69,7 @@ class TrainingArguments:
     max_steps: int = -1
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
+    auto_find_batch_size: bool = False  # on out-of-memory, retry with int(0.9 x batch) (train only)
     gradient_accumulation_steps: int = 1
     average_tokens_across_devices: bool = True
     dataloader_drop_last: bool = False

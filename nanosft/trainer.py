@@ -21,6 +21,7 @@ from nanosft.optim import create_optimizer, get_scheduler
 from nanosft.trainer_utils import (IGNORE_INDEX, LogWindow, TrainerControl,  # noqa: F401
                                    TrainerState, TrainOutput, build_dataloader,
                                    convert_outputs_to_fp32, count_num_items_in_batch,
+                                   find_executable_batch_size,  # auto_find_batch_size
                                    label_smoothed_loss, model_accepts_loss_kwargs, no_sync,
                                    prepare_model, select_columns, set_seed, signature_columns,
                                    skip_first_batches, speed_metrics)
@@ -55,6 +56,8 @@ class Trainer:
         self.control = TrainerControl()
         self.reporter = trainer_callback.Reporter(self.args, distributed.is_main_process())
         self.current_gradient_accumulation_steps = 1
+        # "Effective batch size; may be reduced by find_executable_batch_size"
+        self._train_batch_size = self.args.train_batch_size
         self._signature_columns = None
         self._memory_tracker.stop_and_update_metrics("init")
 
@@ -69,7 +72,7 @@ class Trainer:
     def get_train_dataloader(self) -> DataLoader:
         """Micro-batches of per_device_train_batch_size in the seeded random order.
         Walkthrough 2.3 | Mirrors: Trainer.get_train_dataloader"""
-        return build_dataloader(self.train_dataset, self.args.train_batch_size, self.args,
+        return build_dataloader(self.train_dataset, self._train_batch_size, self.args,
                                 self._collate, shuffle=True,
                                 drop_last=self.args.dataloader_drop_last)
 
@@ -86,7 +89,7 @@ class Trainer:
         Differs: the walkthrough passes total_train_batch_size in and gets epoch_based and
         len_dataloader back; 5.23 computes the first here and returns it and steps_in_epoch."""
         # "total_train_batch_size = self._train_batch_size * args.gradient_accumulation_steps * ..."
-        total_train_batch_size = (args.train_batch_size * args.gradient_accumulation_steps
+        total_train_batch_size = (self._train_batch_size * args.gradient_accumulation_steps
                                   * args.world_size)
         steps_in_epoch = len(dataloader)  # micro-batches of this rank
         # the last, partial accumulation window still makes one optimizer step
@@ -138,7 +141,18 @@ class Trainer:
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-        return self._inner_training_loop(args, resume_from_checkpoint)
+        if not args.auto_find_batch_size:
+            return self._inner_training_loop(args, resume_from_checkpoint)
+        # "inner_training_loop = find_executable_batch_size(self._inner_training_loop, ...)": on
+        # out-of-memory the whole loop restarts with a smaller batch (a new schedule length too)
+        lr_scheduler = self.lr_scheduler  # the caller's, or None for one made per attempt
+
+        def inner_training_loop(batch_size):
+            self._train_batch_size = batch_size  # Trainer._update_auto_batch_size
+            self.lr_scheduler = lr_scheduler
+            return self._inner_training_loop(args, resume_from_checkpoint)
+
+        return find_executable_batch_size(inner_training_loop, self._train_batch_size)
 
     def _prepare_for_training(self, max_steps):
         """Optimizer, FSDP / DDP / compile wrapping, then the scheduler (the optimizer is final).
@@ -172,6 +186,7 @@ class Trainer:
         self.state, epochs_trained, steps_trained_in_current_epoch = checkpoint.init_training_state(
             args, self.model, self.optimizer, self.lr_scheduler, self.scaler, max_steps,
             num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
+        self.state.train_batch_size = self._train_batch_size  # what auto_find_batch_size settled on
 
         # Train!  (the lines transformers logs, printed by rank 0)
         if distributed.is_main_process():

@@ -9,6 +9,7 @@ convert_outputs_to_fp32).
 """
 
 import contextlib
+import gc
 import inspect
 import math
 import random
@@ -282,3 +283,44 @@ def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
             totals += torch.cat([(loss.double() * size)[None], totals.new_tensor([size, 1.0])])
     loss_sum, examples, batches = distributed.all_reduce_sum(totals).tolist()
     return loss_sum / max(examples, 1), examples, batches
+
+
+# Substrings accelerate looks for in a one-argument RuntimeError's message (CUDA/HIP/XPU, MPS,
+# cuDNN, CPU allocator): the errors a smaller batch can cure.
+OUT_OF_MEMORY_MESSAGES = (" out of memory.", "MPS backend out of memory",
+                          "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+                          "DefaultCPUAllocator: can't allocate memory")
+
+
+def should_reduce_batch_size(exception: BaseException) -> bool:
+    """True for an out-of-memory error that a smaller batch may avoid.
+    Guide: performance | Mirrors: accelerate utils.memory.should_reduce_batch_size"""
+    if isinstance(exception, RuntimeError) and len(exception.args) == 1:
+        return any(text in str(exception.args[0]) for text in OUT_OF_MEMORY_MESSAGES)
+    return False
+
+
+def _free_device_memory() -> None:
+    gc.collect()  # the failed attempt's tensors are only garbage once its frames are gone
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def find_executable_batch_size(function, starting_batch_size: int):
+    """function(batch_size) from starting_batch_size; on out-of-memory retry with int(0.9 x it).
+    Guide: performance | Mirrors: transformers find_executable_batch_size (auto_find_batch_size),
+    accelerate find_executable_batch_size | Differs: a call, not a decorator."""
+    batch_size = starting_batch_size
+    _free_device_memory()
+    while True:
+        if batch_size == 0:
+            raise RuntimeError("No executable batch size found, reached zero. Even a batch of one "
+                               "row ran out of memory: lower max_length, set gradient_checkpointing"
+                               "=True, or train a quantized (QLoRA) model.")
+        try:
+            return function(batch_size)
+        except Exception as error:  # noqa: BLE001 (re-raised unless it is out-of-memory)
+            if not should_reduce_batch_size(error):
+                raise
+        _free_device_memory()
+        batch_size = int(batch_size * 0.9)
