@@ -71,20 +71,14 @@ class MemoryPlan:
 # ----------------------------------------------------------------------------- weights
 def nf4_bytes(numel, blocksize=64, double_quant=True):
     """Bytes of one NF4 weight: packed 4-bit codes, absmax per block, the 16-value code table,
-    and with double quantization uint8 absmax + fp32 absmax per 256 blocks + offset.
-    QLoRA 3 | Mirrors: bitsandbytes quantize_4bit (QuantState tensors)
-    Differs: the 256-value nested code table is shared by all layers: nf4_shared_table_bytes."""
+    and with double quantization uint8 absmax + fp32 absmax per 256 blocks + offset + the
+    256-value fp32 map of the second level. QLoRA 3 | Mirrors: bitsandbytes quantize_4bit"""
     blocks = math.ceil(numel / blocksize)
     codes = (numel + 1) // 2 + 16 * 4  # two codes a byte; fp32 quant_map of the 16 NF4 levels
     if not double_quant:
         return codes + 4 * blocks  # one fp32 absmax per block
-    # uint8 absmax per block, fp32 absmax per 256 blocks, fp32 offset
-    return codes + blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) + 4
-
-
-def nf4_shared_table_bytes(double_quant=True):
-    """The 256-value fp32 dynamic map all double-quantized layers use (bitsandbytes caches one)."""
-    return 256 * 4 if double_quant else 0
+    # uint8 absmax per block, fp32 absmax per 256 blocks, fp32 offset, (256,) fp32 nested map
+    return codes + blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) + 4 + 256 * 4
 
 
 def parameter_shapes(config):
@@ -143,14 +137,15 @@ def _shard(nbytes, shape, world):
 
 
 # ----------------------------------------------------------------------------- optimizer
-def optimizer_state_bytes(numel, dtype_bytes, optim, optim_args=None):
+def optimizer_state_bytes(numel, dtype_bytes, optim, optim_args=None, embedding=False):
     """Bytes of one parameter tensor's optimizer state (the shared 8-bit maps are added once).
     Guide: 优化器配置与管理 | Mirrors: torch AdamW (exp_avg, exp_avg_sq, fp32 step), bitsandbytes
-    Optimizer2State.init_state (uint8 states, fp32 absmax per 256), torch SGD momentum_buffer"""
+    Optimizer2State.init_state (uint8 states, fp32 absmax per 256), torch SGD momentum_buffer
+    `embedding`: 32-bit states, as transformers registers nn.Embedding with bitsandbytes."""
     if optim in ("adamw_torch", "adamw_torch_fused"):
         return 2 * numel * dtype_bytes + 4  # step is a 0-d fp32 tensor
     if optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
-        if numel < BNB_MIN_8BIT_SIZE:
+        if numel < BNB_MIN_8BIT_SIZE or embedding:
             return 2 * numel * 4
         return 2 * numel + 2 * 4 * math.ceil(numel / BNB_OPTIM_BLOCKSIZE)
     items = (optim_args or "").replace(" ", "").split(",")
@@ -331,9 +326,10 @@ def estimate_memory(config, plan, device_type="cpu"):
         if plan.full:
             trainable += nbytes
             grads += nbytes
-            state = optimizer_state_bytes(numel, wd, plan.optim, plan.optim_args)
+            embedding = name == "model.embed_tokens.weight"
+            state = optimizer_state_bytes(numel, wd, plan.optim, plan.optim_args, embedding)
             optim += _shard(state, shape, world)
-            any_8bit |= numel >= BNB_MIN_8BIT_SIZE
+            any_8bit |= numel >= BNB_MIN_8BIT_SIZE and not embedding
         else:
             base += nbytes
         if not plan.full and lin in targets and name.endswith("weight"):
@@ -348,8 +344,6 @@ def estimate_memory(config, plan, device_type="cpu"):
                 state = optimizer_state_bytes(a_numel, a_bytes, plan.optim, plan.optim_args)
                 optim += _shard(state, a_shape, world)
                 any_8bit |= a_numel >= BNB_MIN_8BIT_SIZE
-    if n_quant:
-        base += nf4_shared_table_bytes(plan.bnb_4bit_use_double_quant)
     if any_8bit and plan.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         optim += 2 * 256 * 4  # the signed and unsigned dynamic maps, shared by every 8-bit state
     L = config.num_hidden_layers

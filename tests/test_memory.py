@@ -1,0 +1,223 @@
+"""The memory ledger (nanosft/memory.py) against the tensors of a real run, and its metrics.
+
+Compared: the weights, adapter, gradient and optimizer rows equal the distinct storage bytes of a
+model trained by the Trainer (full fp32 / 8-bit AdamW, LoRA, QLoRA with double quantization, DoRA
+with SGD momentum); the activations row is within 15% of the bytes autograd saves for backward,
+counted here with torch.autograd.graph.saved_tensors_hooks, with and without checkpointing; the NF4
+formula equals bitsandbytes' QuantState tensors; MemoryTracker reports what transformers'
+TrainerMemoryTracker reports on the same allocations. Tiny models (hidden 64), CPU, seeded.
+Run: timeout 900 python -m pytest -q tests/test_memory.py
+"""
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
+from transformers.trainer_utils import TrainerMemoryTracker
+
+from nanosft import memory, nf4
+from nanosft.args import TrainingArguments
+from nanosft.peft import LoraConfig, get_peft_model
+from nanosft.sft import _cast_trainable_to_bf16
+from nanosft.trainer import Trainer
+
+SIZES = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128}
+B, T = 2, 16
+
+
+def _model(method, target_modules=None, double_quant=True):
+    model = tiny_model(**SIZES)
+    if method == "full":
+        return model
+    if method.startswith("q"):
+        nf4.quantize_model(model, compress_statistics=double_quant)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=target_modules,
+                                             use_dora=method.endswith("dora")))
+    if method.startswith("q"):
+        _cast_trainable_to_bf16(model)  # what SFTTrainer does to adapters on a 4-bit base
+    return model
+
+
+def _storages(tensors):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if torch.is_tensor(t)}.values())
+
+
+def _quant_tensors(model):
+    out = []
+    for m in model.modules():
+        if isinstance(m, nf4.Linear4bit):
+            qs = m.quant_state
+            out += [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset]
+                                           if qs.nested else [])
+    return out
+
+
+CASES = [  # (method, optim, optim_args, target_modules, double_quant)
+    ("full", "adamw_torch", None, None, True),
+    ("full", "adamw_bnb_8bit", None, None, True),
+    ("lora", "adamw_torch_fused", None, "all-linear", True),
+    ("qlora", "adamw_torch", None, None, True),
+    ("qlora", "adamw_torch", None, ["q_proj", "down_proj"], False),
+    ("dora", "sgd", "momentum=0.9", None, True),
+]
+
+
+@pytest.mark.parametrize("method,optim,optim_args,targets,double_quant", CASES)
+def test_state_rows_equal_a_real_run(tmp_path, method, optim, optim_args, targets, double_quant):
+    model = _model(method, targets, double_quant)
+    data = [{"input_ids": list(range(i, i + T)), "labels": list(range(i, i + T))} for i in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=B,
+                             optim=optim, optim_args=optim_args, save_strategy="no",
+                             disable_tqdm=True, learning_rate=1e-3)
+    trainer = Trainer(model, args, train_dataset=data)
+    trainer.train()
+    # one more backward: gradients exist between backward and zero_grad
+    ids = torch.tensor([data[0]["input_ids"]] * B)
+    model(input_ids=ids, labels=ids).loss.backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model)
+    measured = {"base weights (frozen)": _storages(frozen),
+                "trainable parameters": _storages(trainable),
+                "gradients": _storages([p.grad for p in trainable]),
+                "optimizer states": _storages([v for s in trainer.optimizer.state.values()
+                                               for v in s.values()])}
+    plan = memory.MemoryPlan(full=method == "full", load_in_4bit=method.startswith("q"),
+                             bnb_4bit_use_double_quant=double_quant,
+                             use_dora=method.endswith("dora"), r=4, target_modules=targets,
+                             per_device_train_batch_size=B, max_length=T, optim=optim,
+                             optim_args=optim_args)
+    ledger = memory.estimate_memory(tiny_model(**SIZES).config, plan)
+    assert {k: ledger.rows[k] for k in measured} == measured
+
+
+def test_nf4_formula_equals_bitsandbytes_quant_state():
+    for shape, double_quant in (((64, 64), True), ((128, 64), False), ((96, 640), True)):
+        w = torch.randn(shape)
+        packed, qs = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=double_quant,
+                                        quant_type="nf4")
+        tensors = [packed, qs.absmax, qs.code]
+        if double_quant:
+            tensors += [qs.state2.absmax, qs.state2.code, qs.offset]
+        real = sum(t.numel() * t.element_size() for t in tensors)
+        assert memory.nf4_bytes(w.numel(), double_quant=double_quant) == real
+    # QLoRA's arithmetic: 4 bits + 1/64 B of uint8 absmax + 4/(64*256) B of fp32 absmax per weight,
+    # plus 1,092 B of tables per layer (16 + 256 fp32 levels, the fp32 offset)
+    n = 4096 * 4096
+    assert memory.nf4_bytes(n) == n * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * 4 + 256 * 4 + 4
+
+
+def _saved_bytes(model, run):
+    """Bytes of the distinct storages autograd saves for backward, less the model's own state."""
+    own = list(model.parameters()) + _quant_tensors(model)
+    state = {t.untyped_storage().data_ptr() for t in own}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in state:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    loss.backward()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+@pytest.mark.parametrize("method,bf16,targets", [("full", False, None), ("lora", False, None),
+                                                 ("lora", True, "all-linear"),
+                                                 ("qlora", True, None), ("qdora", True, None)])
+def test_activation_row_within_15_percent(method, bf16, targets, gradient_checkpointing):
+    model = _model(method, targets)
+    if gradient_checkpointing:
+        if method != "full":
+            model.enable_input_require_grads()
+        model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, SIZES["vocab_size"], (B, T), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return model(input_ids=ids, labels=ids).loss
+
+    measured = _saved_bytes(model, run)
+    plan = memory.MemoryPlan(full=method == "full", load_in_4bit=method.startswith("q"),
+                             use_dora=method.endswith("dora"), r=4, target_modules=targets,
+                             per_device_train_batch_size=B, max_length=T, bf16=bf16,
+                             gradient_checkpointing=gradient_checkpointing)
+    ledger = memory.estimate_memory(model.config if method == "full" else
+                                    model.get_base_model().config, plan)
+    # the logits row holds the loss's saved fp32 log-probs (B*T, V); the rest is the activations row
+    predicted = ledger.rows["activations (saved for backward)"] + B * T * SIZES["vocab_size"] * 4
+    assert abs(predicted - measured) <= 0.15 * measured
+    if gradient_checkpointing:  # negative control: a ledger blind to checkpointing is far off
+        plan.gradient_checkpointing = False
+        blind = memory.estimate_memory(tiny_model(**SIZES).config, plan)
+        assert blind.rows["activations (saved for backward)"] > 1.5 * measured
+
+
+def test_memory_tracker_matches_transformers():
+    """Same allocations under both trackers: alloc_delta agree within 8 MiB (RSS noise)."""
+    size = 64 * 2**20
+
+    def train(tracker, stage_arg):
+        metrics = {}
+        tracker.start(*stage_arg)
+        kept = torch.ones(size // 4)  # stays allocated: alloc_delta
+        temp = torch.ones(size // 4)  # freed before the end: peaked_delta
+        temp.add_(1)
+        del temp
+        tracker.stop_and_update_metrics(*stage_arg, metrics)
+        del kept
+        return metrics
+
+    ours = train(memory.MemoryTracker(skip_memory_metrics=False), ("train",))
+    reference = TrainerMemoryTracker(skip_memory_metrics=False)
+    reference.init_reported = True  # no __init__ stage here; it would look up the missing "init"
+    ref = train(reference, ())
+    assert set(ours) == set(ref) == {"train_mem_cpu_alloc_delta", "train_mem_cpu_peaked_delta"}
+    assert abs(ours["train_mem_cpu_alloc_delta"] - size) < 8 * 2**20
+    assert abs(ours["train_mem_cpu_alloc_delta"] - ref["train_mem_cpu_alloc_delta"]) < 8 * 2**20
+    assert abs(ours["train_mem_cpu_peaked_delta"] - size) < 8 * 2**20
+
+
+def test_trainer_reports_memory_metrics_only_when_asked(tmp_path):
+    data = [{"input_ids": list(range(i, i + T)), "labels": list(range(i, i + T))} for i in range(4)]
+    names = {"init_mem_cpu_alloc_delta", "init_mem_cpu_peaked_delta", "train_mem_cpu_alloc_delta",
+             "train_mem_cpu_peaked_delta"}
+    for skip in (True, False):
+        args = TrainingArguments(output_dir=str(tmp_path / str(skip)), max_steps=1,
+                                 per_device_train_batch_size=B, save_strategy="no",
+                                 disable_tqdm=True, skip_memory_metrics=skip)
+        metrics = Trainer(tiny_model(**SIZES), args, train_dataset=data).train().metrics
+        assert (names <= set(metrics)) is (not skip)
+
+
+@pytest.mark.parametrize("field,value,fix", [
+    ("per_device_train_batch_size", 0, "whole number >= 1"),
+    ("optim", "adam", "choose one of"),
+    ("dtype", "fp32", "choose one of float32"),
+    ("fsdp", -2, "whole number >= 1"),
+])
+def test_bad_plan_names_the_field_and_the_fix(field, value, fix):
+    with pytest.raises(ValueError, match=rf"{field}=.*{fix}"):
+        memory.MemoryPlan(**{field: value})
+
+
+def test_unmatched_target_modules_is_refused():
+    with pytest.raises(ValueError, match="target_modules=.*matches none of q_proj"):
+        config = tiny_model(**SIZES).config
+        memory.estimate_memory(config, memory.MemoryPlan(target_modules=["qkv"]))
+
+
+def test_fsdp_shards_state_rows_and_not_activations():
+    config = tiny_model(**SIZES).config
+    one = memory.estimate_memory(config, memory.MemoryPlan(full=True, max_length=T))
+    four = memory.estimate_memory(config, memory.MemoryPlan(full=True, max_length=T, fsdp=4))
+    # every tensor's first dim (64, 128, 256 or 64) divides by 4: exactly a quarter, no padding
+    for row in ("trainable parameters", "gradients"):
+        assert four.rows[row] * 4 == one.rows[row]
+    activations = "activations (saved for backward)"
+    assert four.rows[activations] == one.rows[activations]
