@@ -176,11 +176,11 @@ def check_example(example, dataset_text_field="text"):
     return fmt
 
 
-def load_examples(source, dataset_text_field="text", max_steps=None):
+def load_examples(source, dataset_text_field="text", max_steps=None, name="the dataset"):
     """Examples from a file, list, sequence or iterable (see to_example_list), each checked and all
     of one format (tokenized rows pass as they are); fields a format does not use are ignored.
     Walkthrough 2.1 | Mirrors: datasets load_dataset + TRL's format detection"""
-    examples, wheres = to_example_list(source, max_steps=max_steps)
+    examples, wheres = to_example_list(source, name, max_steps)
     if "input_ids" in examples[0]:
         return examples  # already tokenized: TRL skips straight to labels, truncation, packing
     formats = []

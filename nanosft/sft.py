@@ -109,7 +109,8 @@ class SFTTrainer(Trainer):
             raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
                              "or bfd packing.")
         # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
-        train_dataset = load_examples(train_dataset, args.dataset_text_field, args.max_steps)
+        train_dataset = load_examples(train_dataset, args.dataset_text_field, args.max_steps,
+                                      name="train_dataset")
         first = train_dataset[0]
         self.completion_only_loss = args.completion_only_loss
         if self.completion_only_loss is None:

@@ -14,12 +14,13 @@ import io
 import json
 import os
 import shutil
+import unittest.mock
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from nanosft import checkpoint, cli
+from nanosft import AutoModelForCausalLM, AutoTokenizer, checkpoint, cli
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.data import load_examples, prepare_dataset
@@ -142,7 +143,7 @@ def case_cli_data_file_missing(tmp, shared):
 def case_cli_model_folder_missing(tmp, shared):
     data = _write(tmp / "d.jsonl", json.dumps(PC[0]) + "\n")
     call = lambda: nanosft("train", "--model", tmp / "nomodel", "--data", data, "--output_dir", tmp / "out")
-    return Bad(call, CliExit, [f"--model {tmp / 'nomodel'}: no such folder"], ["config.json, model.safetensors"])
+    return Bad(call, CliExit, [f"--model {tmp / 'nomodel'}: no such folder"], ["a local folder or a Hub id"])
 
 
 def case_cli_malformed_jsonl_line(tmp, shared):
@@ -410,7 +411,7 @@ def case_resume_true_without_checkpoints(tmp, shared):
     (tmp / "out").mkdir()
     trainer = _trainer(tmp / "out")
     return Bad(lambda: trainer.train(resume_from_checkpoint=True), ValueError,
-               ["resume_from_checkpoint=True", str(tmp / "out")], ["train without resuming first"])
+               ["resume_from_checkpoint=True", str(tmp / "out")], ["resume_from_checkpoint=None to start a fresh run"])
 
 
 def case_resume_from_missing_path(tmp, shared):
@@ -436,6 +437,61 @@ def case_resume_checkpoint_of_another_model(tmp, shared):
 
 
 # ----------------------------------------------------------------------------- the test
+# ----------------------------------------------------------------------------- Hub ids, dataset inputs
+def _with_env(env, call):
+    with unittest.mock.patch.dict(os.environ, env):
+        return call()
+
+
+def case_hub_id_not_cached_offline(tmp, shared):
+    env = {"HF_HUB_CACHE": str(tmp / "hub"), "HF_HUB_OFFLINE": "1"}
+    call = lambda: _with_env(env, lambda: AutoModelForCausalLM.from_pretrained("org/absent"))
+    return Bad(call, FileNotFoundError, ["org/absent was not found", str(tmp / "hub" / "models--org--absent")],
+               ["HF_HUB_OFFLINE is set", "or give a local model folder"])
+
+
+def case_hub_unknown_revision(tmp, shared):
+    repo = tmp / "hub" / "models--org--tiny"
+    shutil.copytree(shared["model"], repo / "snapshots" / ("a" * 40))
+    _write(repo / "refs" / "main", "a" * 40)
+    env = {"HF_HUB_CACHE": str(tmp / "hub"), "HF_HUB_OFFLINE": "1"}
+    call = lambda: _with_env(env, lambda: AutoTokenizer.from_pretrained("org/tiny", revision="v9"))
+    return Bad(call, FileNotFoundError, ["revision 'v9' is not cached", "'main'", "a" * 40],
+               ["pass one of those as revision="])
+
+
+def case_dataset_rows_not_dicts(tmp, shared):
+    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out"), train_dataset=[PC[0], "Cold."],
+                              processing_class=shared["tokenizer"])
+    return Bad(call, TypeError, ["example 1", "got a str"], ["each row is one example with named fields"])
+
+
+def _columnar_without_format_columns(tmp, shared, kind):
+    import datasets
+
+    path = tmp / f"train.{kind}"
+    rows = [{"question": ex["prompt"], "answer": ex["completion"]} for ex in PC]
+    getattr(datasets.Dataset.from_list(rows), f"to_{kind}")(str(path))
+    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out"), train_dataset=str(path),
+                              processing_class=shared["tokenizer"])
+    return Bad(call, ValueError, [f"{path}, row 0", "keys: ['answer', 'question']"],
+               ["use one of TRL's three dataset formats"])
+
+
+def case_parquet_without_format_columns(tmp, shared):
+    return _columnar_without_format_columns(tmp, shared, "parquet")
+
+
+def case_csv_without_format_columns(tmp, shared):
+    return _columnar_without_format_columns(tmp, shared, "csv")
+
+
+def case_iterable_dataset_without_max_steps(tmp, shared):
+    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out", max_steps=-1),
+                              train_dataset=(ex for ex in PC), processing_class=shared["tokenizer"])
+    return Bad(call, ValueError, ["train_dataset is an iterable without a length"], ["set max_steps"])
+
+
 CASES = [(name[len("case_"):], fn) for name, fn in globals().items() if name.startswith("case_")]
 PARAMS = [pytest.param(fn, id=name) for name, fn in CASES]
 
