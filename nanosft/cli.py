@@ -379,6 +379,34 @@ def run_merge(args):
     return 0
 
 
+# ----------------------------------------------------------------------------- memory
+
+def run_memory(args):
+    """Print the memory ledger of a run on --model's config.json (no weights are read).
+    Guide: memory | Mirrors: `accelerate estimate-memory` (which stops at weights and Adam)"""
+    from nanosft import memory
+    from nanosft.model import ModelConfig
+
+    chosen = [name for name in ("full", "lora", "qlora") if getattr(args, name)]
+    if args.full and (args.dora or len(chosen) > 1):
+        raise ValueError(f"--{' and --'.join(chosen + ['dora'] * args.dora)} cannot be combined: "
+                         "--full trains every weight; pick --full, --lora, --dora or --qlora")
+    config = ModelConfig.from_pretrained(resolve_folder("--model", args.model))
+    plan = memory.MemoryPlan(
+        full=args.full, load_in_4bit=args.qlora or not (args.full or args.lora or args.dora),
+        use_dora=args.dora, r=args.r, target_modules=args.target_modules, dtype=args.dtype,
+        per_device_train_batch_size=args.per_device_train_batch_size, max_length=args.max_length,
+        gradient_checkpointing=args.gradient_checkpointing, optim=args.optim, bf16=args.bf16,
+        fsdp=args.fsdp)
+    ledger = memory.estimate_memory(config, plan, device_type=args.device)
+    kind = "full" if plan.full else ("Q" if plan.load_in_4bit else "") + ("DoRA" if plan.use_dora
+                                                                           else "LoRA")
+    print(f"memory ledger: {args.model}, {kind}, {plan.dtype} weights, bf16 autocast={plan.bf16}, "
+          f"per rank of {plan.fsdp}")
+    print(ledger.format())
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser and main
 
 def _add_sampling_flags(parser):
@@ -461,7 +489,26 @@ def build_parser(train_fields=True):
     merge.add_argument("--adapter", required=True, help="the adapter (folder or Hub id)")
     merge.add_argument("--out", required=True, help="a new folder for the merged model")
     merge.set_defaults(run=run_merge)
-    for command in (demo, train, generate, chat, merge):  # for "did you mean" on a mistyped flag
+
+    mem = add_parser("memory", help="predicted bytes per part of a training run (the ledger)")
+    mem.add_argument("--model", required=True, help="a model folder or Hub id (config.json only)")
+    for flag, text in (("full", "full fine-tuning"), ("lora", "LoRA on the float base"),
+                       ("dora", "DoRA (with --qlora: QDoRA)"), ("qlora", "LoRA on NF4 (default)")):
+        mem.add_argument(f"--{flag}", action="store_true", help=text)
+    flag_bool = value_parser("flag", bool)
+    numbers = (("per_device_train_batch_size", int, 8), ("max_length", int, 1024), ("r", int, 8),
+               ("fsdp", int, 1), ("optim", str, "adamw_torch_fused"), ("dtype", str, "float32"))
+    for flag, kind, default in numbers:
+        mem.add_argument(f"--{flag}", type=kind, default=default, help=f"default: {default}")
+    for flag in ("gradient_checkpointing", "bf16"):  # SFTConfig's defaults: both on
+        mem.add_argument(f"--{flag}", type=flag_bool, nargs="?", const=True, default=True,
+                         metavar="BOOL", help="default: true (as SFTConfig)")
+    mem.add_argument("--target_modules", type=value_parser("target_modules", list | str),
+                     default=None, help="default: peft's for the model type; or all-linear")
+    mem.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="cpu keeps linears whose in_features is not a multiple of 64 in float")
+    mem.set_defaults(run=run_memory)
+    for command in (demo, train, generate, chat, merge, mem):  # "did you mean" on a mistyped flag
         command.set_defaults(known_flags=[o for a in command._actions for o in a.option_strings])
     return parser
 
