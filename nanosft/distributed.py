@@ -1,18 +1,18 @@
 """torchrun environment -> process group; data parallel (DDP), FSDP2 and tensor parallel plumbing.
 
-The guide's "distributed training" part. `torchrun --nproc_per_node N` sets RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR / MASTER_PORT; `init_distributed` turns them into a process group (gloo on CPU, nccl on CUDA).
-`shard_batches` gives each rank its share of the seeded epoch order (accelerate's BatchSamplerShard). FSDP:
-fsdp / fsdp_config as transformers reads them, torch's fully_shard per decoder layer (4-bit bytes and their
-statistics sharded too), no-sync accumulation, gathered state dicts. Tensor parallel: transformers' Llama
-plan through torch's parallelize_module. Imports nothing of nanosft, so model.py can use it for tp_plan.
+The guide's "distributed training" part. `torchrun --nproc_per_node N` sets RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `init_distributed` turns them into a process group (gloo on
+CPU, nccl on CUDA). `shard_batches` gives each rank its share of the seeded epoch order
+(accelerate's BatchSamplerShard). FSDP: fsdp / fsdp_config as transformers reads them, torch's
+fully_shard per decoder layer (4-bit bytes and their statistics sharded too), no-sync accumulation,
+gathered state dicts. Tensor parallel: transformers' Llama plan through torch's parallelize_module.
+Imports nothing of nanosft, so model.py can use it for tp_plan.
 """
 
 import argparse
 import contextlib
 import copy
 import json
-import math
 import os
 import sys
 from datetime import timedelta
@@ -31,7 +31,8 @@ def _is_dtensor(value) -> bool:
 
 def init_distributed(args) -> bool:
     """Create the default process group from the torchrun environment; True when one exists.
-    Guide: distributed training | Mirrors: accelerate PartialState.__init__ (MULTI_CPU / MULTI_GPU)"""
+    Guide: distributed training | Mirrors: accelerate PartialState.__init__ (MULTI_CPU /
+    MULTI_GPU)"""
     if dist.is_available() and dist.is_initialized():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -40,55 +41,66 @@ def init_distributed(args) -> bool:
     if on_cuda:
         # one GPU per process: LOCAL_RANK picks it before NCCL builds its communicator
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if on_cuda else "gloo", timeout=timedelta(seconds=args.ddp_timeout))
+    dist.init_process_group(
+        backend="nccl" if on_cuda else "gloo", timeout=timedelta(seconds=args.ddp_timeout)
+    )
     return True
 
 
 def is_initialized() -> bool:
-    """True inside a process group. Guide: distributed training | Mirrors: torch.distributed.is_initialized"""
+    """True inside a process group. Guide: distributed training | Mirrors:
+    torch.distributed.is_initialized"""
     return dist.is_available() and dist.is_initialized()
 
 
 def get_world_size() -> int:
-    """Number of processes (1 without a process group). Guide: distributed training | Mirrors: accelerate num_processes"""
+    """Number of processes (1 without a process group). Guide: distributed training | Mirrors:
+    accelerate num_processes"""
     return dist.get_world_size() if is_initialized() else 1
 
 
 def get_rank() -> int:
-    """This process's global rank (0 without a process group). Guide: distributed training | Mirrors: accelerate process_index"""
+    """This process's global rank (0 without a process group). Guide: distributed training |
+    Mirrors: accelerate process_index"""
     return dist.get_rank() if is_initialized() else 0
 
 
 def is_main_process() -> bool:
-    """True on rank 0, the process that logs and writes files. Guide: distributed training | Mirrors: accelerate is_main_process"""
+    """True on rank 0, the process that logs and writes files. Guide: distributed training |
+    Mirrors: accelerate is_main_process"""
     return get_rank() == 0
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks in place and return it (a no-op for one process).
-    Guide: distributed training | Mirrors: transformers Trainer._get_num_items_in_batch (accelerator.gather(...).sum())"""
+    Guide: distributed training | Mirrors: transformers Trainer._get_num_items_in_batch
+    (accelerator.gather(...).sum())"""
     if is_initialized() and get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
 def barrier() -> None:
-    """Wait until every rank gets here (a no-op for one process). Guide: distributed training | Mirrors: accelerate wait_for_everyone"""
+    """Wait until every rank gets here (a no-op for one process). Guide: distributed training |
+    Mirrors: accelerate wait_for_everyone"""
     if is_initialized() and get_world_size() > 1:
         dist.barrier()
 
 
 def cleanup() -> None:
-    """Destroy the process group if there is one. Guide: distributed training | Mirrors: torch.distributed.destroy_process_group"""
+    """Destroy the process group if there is one. Guide: distributed training | Mirrors:
+    torch.distributed.destroy_process_group"""
     if is_initialized():
         dist.destroy_process_group()
 
 
-def shard_batches(batches: list, num_replicas: int, rank: int, batch_size: int, drop_last: bool = False) -> list:
-    """Rank `rank`'s batches: the global batches rank, rank+W, rank+2W, ... with the tail evened out.
-    Guide: distributed training | Mirrors: accelerate BatchSamplerShard._iter_with_no_split (even_batches=True)
-    Every rank must get the same number of full batches, so the last short batch is topped up and missing batches are
-    made from the first indices of the epoch again (with drop_last, incomplete rounds are simply dropped)."""
+def shard_batches(
+    batches: list, num_replicas: int, rank: int, batch_size: int, drop_last: bool = False
+) -> list:
+    """Rank `rank`'s batches: global batches rank, rank+W, ... with the tail evened out.
+    Guide: distributed training | Mirrors: accelerate BatchSamplerShard._iter_with_no_split
+    Every rank gets the same number of full batches: the short last batch is topped up and missing
+    ones are made from the epoch's first indices again (drop_last drops incomplete rounds)."""
     if num_replicas == 1:
         return batches
     batches = [list(b) for b in batches]
@@ -97,7 +109,8 @@ def shard_batches(batches: list, num_replicas: int, rank: int, batch_size: int, 
         return batches[rank:usable:num_replicas]
     if not batches:
         return []
-    # indices to recycle: those of the first W batches, repeated for datasets smaller than W * batch_size
+    # indices to recycle: those of the first W batches, repeated for datasets smaller than W *
+    # batch_size
     recycled = [i for b in batches[:num_replicas] for i in b]
     while len(recycled) < num_replicas * batch_size:
         recycled += recycled
@@ -112,19 +125,28 @@ def shard_batches(batches: list, num_replicas: int, rank: int, batch_size: int, 
 
 
 # ----------------------------------------------------------------------------- FSDP arguments
-# The fsdp_config keys nanosft acts on, with transformers' defaults (TrainingArguments._process_fsdp_args).
+# The fsdp_config keys nanosft acts on, with transformers' defaults
+# (TrainingArguments._process_fsdp_args).
 FSDP_CONFIG_DEFAULTS = {
     "version": 2,
     "reshard_after_forward": True,  # free the gathered weights after each layer's forward (ZeRO-3)
-    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # one fully_shard per decoder layer, then the root
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # fully_shard per decoder layer, then the root
     "transformer_layer_cls_to_wrap": None,  # None -> the decoder layer class
     "activation_checkpointing": False,  # recompute each decoder layer in backward
     "state_dict_type": "FULL_STATE_DICT",  # checkpoints gathered on rank 0 into the usual HF files
     # transformers adds these when it normalises a config; inert at these values, refused otherwise
-    "min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False,
+    "min_num_params": 0,
+    "xla": False,
+    "xla_fsdp_v2": False,
+    "xla_fsdp_grad_ckpt": False,
 }
 # transformers' class names for the one decoder layer class nanosft has
-DECODER_LAYER_NAMES = {"DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
+DECODER_LAYER_NAMES = {
+    "DecoderLayer",
+    "LlamaDecoderLayer",
+    "MistralDecoderLayer",
+    "Qwen2DecoderLayer",
+}
 _RESHARD_BY_STRATEGY = {"full_shard": True, "shard_grad_op": False}  # the legacy `fsdp="..."` words
 
 
@@ -143,40 +165,64 @@ def _read_fsdp_config(fsdp_config):
             with open(fsdp_config, encoding="utf-8") as f:
                 fsdp_config = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"fsdp_config={fsdp_config!r} could not be read ({e}); pass a dict or the path "
-                             "of a JSON file holding one") from e
+            raise ValueError(
+                f"fsdp_config={fsdp_config!r} could not be read ({e}); pass a dict or the path "
+                "of a JSON file holding one"
+            ) from e
     if not isinstance(fsdp_config, dict):
-        raise ValueError(f"fsdp_config={fsdp_config!r} is invalid: pass a dict or the path of a JSON file")
+        raise ValueError(
+            f"fsdp_config={fsdp_config!r} is invalid: pass a dict or the path of a JSON file"
+        )
     # "fsdp_version" and "version" mean the same key (accelerate's config files use the prefix)
     return {k.removeprefix("fsdp_"): v for k, v in fsdp_config.items()}
 
 
 def normalize_fsdp_config(fsdp, fsdp_config) -> dict | None:
-    """`fsdp` and `fsdp_config` -> the full config dict (None when FSDP is off); every bad key or value raises.
-    Guide: FSDP | Mirrors: transformers TrainingArguments._process_fsdp_args, _apply_legacy_fsdp_to_config
+    """`fsdp` and `fsdp_config` -> the full config dict (None when FSDP is off); bad keys raise.
+    Guide: FSDP | Mirrors: transformers TrainingArguments._process_fsdp_args
     Differs: FSDP2 only, and only the keys nanosft acts on; any other key is refused by name."""
     if fsdp in (None, False, "", []):
         return None
     config = _read_fsdp_config(fsdp_config)
     for word in fsdp.split() if isinstance(fsdp, str) else ([] if fsdp is True else list(fsdp)):
         if word not in (*_RESHARD_BY_STRATEGY, "auto_wrap"):
-            raise ValueError(f"fsdp={fsdp!r}: {word!r} is not supported; use fsdp=True (or \"full_shard\", "
-                             "\"shard_grad_op\", \"auto_wrap\"); CPU offload and hybrid sharding are not implemented")
+            raise ValueError(
+                f'fsdp={fsdp!r}: {word!r} is not supported; use fsdp=True (or "full_shard", '
+                '"shard_grad_op", "auto_wrap"); CPU offload and hybrid sharding are not implemented'
+            )
         config.setdefault("reshard_after_forward", _RESHARD_BY_STRATEGY.get(word, True))
     unknown = sorted(set(config) - set(FSDP_CONFIG_DEFAULTS))
     if unknown:
-        raise ValueError(f"fsdp_config has keys nanosft does not act on: {', '.join(unknown)}. Remove them; "
-                         f"the supported keys are {', '.join(FSDP_CONFIG_DEFAULTS)}.")
+        raise ValueError(
+            f"fsdp_config has keys nanosft does not act on: {', '.join(unknown)}. Remove them; "
+            f"the supported keys are {', '.join(FSDP_CONFIG_DEFAULTS)}."
+        )
     config = {**FSDP_CONFIG_DEFAULTS, **config}
-    for key in ("reshard_after_forward", "activation_checkpointing", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt"):
+    for key in (
+        "reshard_after_forward",
+        "activation_checkpointing",
+        "xla",
+        "xla_fsdp_v2",
+        "xla_fsdp_grad_ckpt",
+    ):
         config[key] = _as_bool(key, config[key])
-    fixed = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "FULL_STATE_DICT",
-             "min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
+    fixed = {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "state_dict_type": "FULL_STATE_DICT",
+        "min_num_params": 0,
+        "xla": False,
+        "xla_fsdp_v2": False,
+        "xla_fsdp_grad_ckpt": False,
+    }
     for key, only in fixed.items():
         if str(config[key]) != str(only):
-            raise ValueError(f"fsdp_config[{key!r}]={config[key]!r} is not supported: nanosft runs FSDP2 "
-                             f"(fully_shard) per decoder layer and saves gathered Hugging Face files; use {only!r} "
-                             "or remove the key")
+            raise ValueError(
+                f"fsdp_config[{key!r}]={config[key]!r} is not supported: nanosft runs FSDP2 "
+                f"(fully_shard) per decoder layer and saves gathered Hugging Face files; "
+                f"use {only!r} "
+                "or remove the key"
+            )
     config["version"] = 2
     layers = config["transformer_layer_cls_to_wrap"]
     config["transformer_layer_cls_to_wrap"] = [layers] if isinstance(layers, str) else layers
@@ -188,51 +234,70 @@ def check_fsdp_options(args) -> None:
     Guide: FSDP | Mirrors: accelerate FullyShardedDataParallelPlugin checks"""
     clashes = {
         "fp16": (args.fp16, "the fp16 GradScaler is not shard-aware here; use bf16=True"),
-        "optim": (args.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"),
-                  "bitsandbytes' 8-bit states do not shard; use optim=\"adamw_torch\""),
-        "torch_compile": (args.torch_compile, "compiling a sharded model is not supported here; drop it"),
+        "optim": (
+            args.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"),
+            'bitsandbytes\' 8-bit states do not shard; use optim="adamw_torch"',
+        ),
+        "torch_compile": (
+            args.torch_compile,
+            "compiling a sharded model is not supported here; drop it",
+        ),
     }
     for name, (bad, fix) in clashes.items():
         if bad:
             raise ValueError(f"fsdp with {name}={getattr(args, name)!r} is not supported: {fix}.")
 
 
-# ----------------------------------------------------------------------------- FSDP2: shard, accumulate, gather
+# ----------------------------------------------------------------------------- FSDP2: shard,
+# accumulate, gather
 def require_process_group(feature: str) -> None:
-    """Raise, naming the fix, when there is no multi-process group (a plain `python script.py` launch).
+    """Raise, naming the fix, when there is no multi-process group (a plain `python script.py`
+    launch).
     Guide: FSDP, tensor parallel | Mirrors: accelerate PartialState (distributed_type checks)"""
     if get_world_size() > 1:
         return
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
-    raise RuntimeError(f"{feature} needs several processes, but this one runs alone (torchrun environment: {env}). "
-                       f"Launch with `torchrun --nproc_per_node 2 your_script.py`; for one process, drop {feature}.")
+    raise RuntimeError(
+        f"{feature} needs several processes, but this one runs alone (torchrun environment: "
+        f"{env}). Launch with `torchrun --nproc_per_node 2 your_script.py`; for one process, "
+        f"drop {feature}."
+    )
 
 
 def _is_linear4bit(module) -> bool:
     # duck-typed so this module imports nothing of nanosft (model.py imports it for tp_plan)
-    return hasattr(module, "quant_state") and getattr(module, "weight", None) is not None \
+    return (
+        hasattr(module, "quant_state")
+        and getattr(module, "weight", None) is not None
         and module.weight.dtype == torch.uint8
+    )
 
 
 def _drop_exposed(module, state_dict, prefix, local_metadata):
-    # the checkpoint keeps bitsandbytes' keys ("weight.absmax"); the parameter aliases are FSDP plumbing
+    # the checkpoint keeps bitsandbytes' keys ("weight.absmax"); the parameter aliases are FSDP
+    # plumbing
     for name in ("weight_absmax", "weight_nested_absmax"):
         state_dict.pop(prefix + name, None)
 
 
 def expose_quant_statistics(linear4bit) -> None:
-    """Register a Linear4bit's absmax tensors as frozen parameters, so fully_shard shards them with the bytes.
-    Guide: FSDP (QLoRA) | Mirrors: the idea of bitsandbytes bnb_4bit_quant_storage (4-bit data FSDP can shard)
-    Differs: the 16- and 256-entry code tables and the offset stay whole on every rank (they are constants)."""
+    """Register a Linear4bit's absmax tensors as frozen parameters, so fully_shard shards them too.
+    Guide: FSDP (QLoRA) | Mirrors: the idea of bitsandbytes bnb_4bit_quant_storage
+    Differs: the 16- and 256-entry code tables and the offset stay whole on every rank."""
     qs = linear4bit.quant_state
-    linear4bit.weight_absmax = nn.Parameter(qs.absmax, requires_grad=False)  # (blocks,) uint8 or fp32
+    linear4bit.weight_absmax = nn.Parameter(
+        qs.absmax, requires_grad=False
+    )  # (blocks,) uint8 or fp32
     if qs.nested:
-        linear4bit.weight_nested_absmax = nn.Parameter(qs.state2.absmax, requires_grad=False)  # fp32
+        linear4bit.weight_nested_absmax = nn.Parameter(
+            qs.state2.absmax, requires_grad=False
+        )  # fp32
     linear4bit._register_state_dict_hook(_drop_exposed)
 
 
 def _quant_state_from_parameters(linear4bit):
-    # a shallow copy pointing at the parameters as they are now (gathered inside forward, sharded outside)
+    # a shallow copy pointing at the parameters as they are now (gathered inside forward, sharded
+    # outside)
     qs = copy.copy(linear4bit.quant_state)
     qs.absmax = linear4bit.weight_absmax
     if qs.nested:
@@ -242,8 +307,10 @@ def _quant_state_from_parameters(linear4bit):
 
 
 def _hook_quant_states(owner, linears) -> None:
-    """While `owner` runs forward, its Linear4bits read the gathered statistics; the copy made for each forward
-    stays with bitsandbytes' autograd context, whose backward sees them gathered again (FSDP's pre-backward)."""
+    """While `owner` runs forward, its Linear4bits read the gathered statistics; the copy made for
+    each forward
+    stays with bitsandbytes' autograd context, whose backward sees them gathered again (FSDP's
+    pre-backward)."""
     sharded = {}
 
     def gathered(module, args):
@@ -255,7 +322,9 @@ def _hook_quant_states(owner, linears) -> None:
         for lin in linears:
             lin.quant_state = sharded.pop(lin, lin.quant_state)
 
-    owner.register_forward_pre_hook(gathered)  # after fully_shard's own pre-hook, which is prepended
+    owner.register_forward_pre_hook(
+        gathered
+    )  # after fully_shard's own pre-hook, which is prepended
     owner.register_forward_hook(restore)
 
 
@@ -263,15 +332,18 @@ def _decoder_layers(model, names):
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         found = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(f"fsdp_config['transformer_layer_cls_to_wrap']={sorted(names)} matches no module of this "
-                         f"model (its classes: {', '.join(found[:12])}); name the decoder layer class")
+        raise ValueError(
+            f"fsdp_config['transformer_layer_cls_to_wrap']={sorted(names)} matches no module of "
+            "this "
+            f"model (its classes: {', '.join(found[:12])}); name the decoder layer class"
+        )
     return layers
 
 
 def apply_fsdp(model, fsdp_config: dict, device) -> nn.Module:
-    """fully_shard every decoder layer, then the root, over all ranks; returns `model` (sharded in place).
-    Guide: FSDP | Mirrors: accelerate fsdp2_prepare_model (auto-wrap by transformer layer class)
-    4-bit layers get their absmax registered first, so packed bytes and statistics are sharded alike."""
+    """fully_shard every decoder layer, then the root, over all ranks; returns `model` (in place).
+    Guide: FSDP | Mirrors: accelerate fsdp2_prepare_model (transformer-layer auto-wrap)
+    4-bit layers get their absmax registered first: packed bytes and statistics shard alike."""
     require_process_group("fsdp")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -301,7 +373,8 @@ def apply_fsdp(model, fsdp_config: dict, device) -> nn.Module:
 
 
 def is_fsdp(model) -> bool:
-    """True when fully_shard was applied to `model`. Guide: FSDP | Mirrors: accelerate is_fsdp2 checks"""
+    """True when fully_shard was applied to `model`. Guide: FSDP | Mirrors: accelerate is_fsdp2
+    checks"""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -309,8 +382,10 @@ def is_fsdp(model) -> bool:
 
 @contextlib.contextmanager
 def fsdp_no_sync(model):
-    """Accumulate full gradients locally, with no reduce-scatter, for the micro-batches before the sync step.
-    Guide: gradient accumulation (FSDP) | Mirrors: FSDPModule.set_requires_gradient_sync, DDP no_sync"""
+    """Accumulate full gradients locally, with no reduce-scatter, for the micro-batches before the
+    sync step.
+    Guide: gradient accumulation (FSDP) | Mirrors: FSDPModule.set_requires_gradient_sync, DDP
+    no_sync"""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -319,29 +394,36 @@ def fsdp_no_sync(model):
 
 
 def to_full(tensor):
-    """The whole tensor behind a DTensor (a collective: every rank calls it), any other value unchanged.
+    """The whole tensor behind a DTensor (a collective: every rank calls it), any other value
+    unchanged.
     Guide: FSDP, tensor parallel | Mirrors: torch DTensor.full_tensor"""
     return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
 def full_state_dict(model) -> dict:
-    """model.state_dict() with every sharded tensor gathered whole onto the CPU (every rank calls it).
-    Guide: FSDP checkpoints | Mirrors: torch get_model_state_dict(StateDictOptions(full_state_dict=True))"""
+    """model.state_dict() with every sharded tensor gathered whole onto the CPU (every rank calls
+    it).
+    Guide: FSDP checkpoints | Mirrors: torch
+    get_model_state_dict(StateDictOptions(full_state_dict=True))"""
     return {k: to_full(v).detach().cpu() for k, v in model.state_dict().items()}
 
 
 def full_optimizer_state_dict(optimizer) -> dict:
-    """optimizer.state_dict() in its one-process form: per-parameter states gathered whole (every rank calls it).
+    """optimizer.state_dict() in its one-process form: per-parameter states gathered whole (every
+    rank calls it).
     Guide: FSDP checkpoints | Mirrors: torch get_optimizer_state_dict(full_state_dict=True)
     Differs: keeps torch's integer parameter ids, so the file equals a one-process optimizer.pt."""
     state = optimizer.state_dict()
-    state["state"] = {i: {k: to_full(v).cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                      for i, s in state["state"].items()}
+    state["state"] = {
+        i: {k: to_full(v).cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+        for i, s in state["state"].items()
+    }
     return state
 
 
 def shard_optimizer_state_dict(state: dict, optimizer) -> dict:
-    """A whole (one-process) optimizer state dict cut to this rank's shards of each parameter, for load_state_dict.
+    """A whole (one-process) optimizer state dict cut to this rank's shards of each parameter, for
+    load_state_dict.
     Guide: FSDP checkpoints | Mirrors: torch set_optimizer_state_dict(full_state_dict=True)"""
     from torch.distributed.tensor import distribute_tensor
 
@@ -349,22 +431,27 @@ def shard_optimizer_state_dict(state: dict, optimizer) -> dict:
     out = {**state, "state": {}}
     for i, s in state["state"].items():
         p = params[int(i)]
-        out["state"][i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-                           if _is_dtensor(p) and torch.is_tensor(v) and v.dim() > 0 else v
-                           for k, v in s.items()}
+        out["state"][i] = {
+            k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            if _is_dtensor(p) and torch.is_tensor(v) and v.dim() > 0
+            else v
+            for k, v in s.items()
+        }
     return out
 
 
 def held_bytes(model) -> int:
-    """Bytes of parameter data this rank holds: local shards of sharded parameters, whole tensors otherwise,
-    plus a 4-bit layer's quantization tensors that are not parameters (code tables, or all of them unsharded).
+    """Parameter bytes this rank holds: local shards of sharded parameters, whole tensors
+    otherwise, plus 4-bit quantization tensors that are not parameters (code tables, offset).
     Guide: FSDP (memory) | Mirrors: the per-rank memory FSDP-QLoRA is about"""
     seen, total = set(), 0
     tensors = list(model.parameters())
     for m in model.modules():
         if _is_linear4bit(m):
             qs = m.quant_state
-            tensors += [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
+            tensors += [qs.absmax, qs.code] + (
+                [qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else []
+            )
     for t in tensors:
         local = t.to_local() if _is_dtensor(t) else t
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
@@ -375,9 +462,12 @@ def held_bytes(model) -> int:
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
-# transformers' LlamaConfig.base_model_tp_plan (Mistral and Qwen2 write the same): the Megatron layout.
-# Column-parallel q/k/v/gate/up give each rank whole heads and a slice of the MLP's hidden units; the
-# row-parallel o/down multiply those slices and sum over ranks: one all-reduce per attention, one per MLP.
+# transformers' LlamaConfig.base_model_tp_plan (Mistral and Qwen2 write the same): the Megatron
+# layout.
+# Column-parallel q/k/v/gate/up give each rank whole heads and a slice of the MLP's hidden units;
+# the
+# row-parallel o/down multiply those slices and sum over ranks: one all-reduce per attention, one
+# per MLP.
 LLAMA_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
@@ -390,33 +480,53 @@ LLAMA_TP_PLAN = {
 
 
 def check_tp_sizes(config, tp_size: int) -> None:
-    """Refuse a model whose heads, KV heads or MLP width do not split evenly over `tp_size` ranks, naming them.
-    Guide: tensor parallel | Mirrors: transformers distributed checks of tp_size against the config"""
-    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size}
+    """Refuse a model whose heads, KV heads or MLP width do not split evenly over `tp_size` ranks,
+    naming them.
+    Guide: tensor parallel | Mirrors: transformers distributed checks of tp_size against the
+    config"""
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
     bad = {k: v for k, v in sizes.items() if v % tp_size}
     if bad:
         listed = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ValueError(f"tensor parallel over {tp_size} ranks needs every split size divisible by {tp_size}, but "
-                         f"{listed} is not; launch a number of processes that divides it (e.g. torchrun "
-                         f"--nproc_per_node {math.gcd(*sizes.values())}) or use FSDP instead")
+        raise ValueError(
+            f"tensor parallel over {tp_size} ranks needs every split size divisible by "
+            f"{tp_size}, but {listed} is not; launch a number of processes (torchrun "
+            f"--nproc_per_node) that divides {', '.join(map(str, sizes.values()))}, "
+            "or use FSDP instead"
+        )
 
 
 def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
-    """Shard a CausalLM's decoder layers over all ranks with DTensor (colwise / rowwise per `tp_plan`), in place.
-    Guide: tensor parallel | Mirrors: transformers from_pretrained(tp_plan="auto") -> distribute_model
-    Differs: embeddings, norms and lm_head stay whole on every rank (transformers also splits lm_head)."""
-    if not is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # as transformers, from torchrun's env
-        init_distributed(argparse.Namespace(device="cuda" if torch.cuda.is_available() else "cpu", ddp_timeout=1800))
+    """Shard a CausalLM's decoder layers over all ranks (DTensor colwise / rowwise), in place.
+    Guide: tensor parallel | Mirrors: transformers from_pretrained(tp_plan="auto")
+    Differs: embeddings, norms and lm_head stay whole on each rank (transformers splits lm_head)."""
+    if (
+        not is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ):  # as transformers, from torchrun's env
+        init_distributed(
+            argparse.Namespace(
+                device="cuda" if torch.cuda.is_available() else "cpu", ddp_timeout=1800
+            )
+        )
     require_process_group("tp_plan")
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     plan = LLAMA_TP_PLAN if tp_plan == "auto" else tp_plan
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     if not isinstance(plan, dict) or any(v not in styles for v in plan.values()):
-        raise ValueError(f"tp_plan={tp_plan!r} is invalid: pass \"auto\" or a dict of module patterns to "
-                         "\"colwise\" / \"rowwise\"")
+        raise ValueError(
+            f'tp_plan={tp_plan!r} is invalid: pass "auto" or a dict of module patterns to '
+            '"colwise" / "rowwise"'
+        )
     check_tp_sizes(model.config, get_world_size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_type == "cuda":
@@ -427,7 +537,8 @@ def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clip gradients that are partly sharded (DTensor) and partly whole; returns the whole-model 2-norm.
+    """Clip gradients that are partly sharded (DTensor) and partly whole; returns the whole-model
+    2-norm.
     Guide: tensor parallel | Mirrors: torch.nn.utils.clip_grad_norm_
     Differs: whole gradients (norms, embeddings under TP) count as replicated, once."""
     from torch.distributed.tensor.experimental import implicit_replication

@@ -1,31 +1,38 @@
-"""FSDP2 (torch fully_shard, gloo, 2 CPU processes) trains to the parameters one process reaches with the same batch.
+"""FSDP2 (torch fully_shard, gloo, 2 CPU processes) trains to the parameters of one process.
 
-Compared: full fine-tuning, LoRA, DoRA over an NF4 base and QLoRA, each 4 AdamW steps with gradient accumulation 2;
-2 ranks x per-device batch 2 against 1 process x batch 4 (rank r gets global micro-batches r, r+2, ..., so each
-micro-step covers the same 4 rows). Every trainable parameter within 1e-5 (measured ~3e-7: fp32 sums in another
-order, turned into parameter changes of about lr x relative error by Adam), the logged losses and grad_norm too.
+Compared: full fine-tuning, LoRA, DoRA over an NF4 base and QLoRA, each 4 AdamW steps with gradient
+accumulation 2; 2 ranks x per-device batch 2 against 1 process x batch 4 (rank r gets global
+micro-batches r, r+2, ..., so each micro-step covers the same 4 rows). Every trainable parameter
+within 1e-5 (measured ~3e-7: fp32 sums in another order, turned into parameter changes of about lr x
+relative error by Adam), the logged losses and grad_norm too.
 Also asserted, in the same launch (starting processes is the slow part):
-- no reduce-scatter before the sync step: with accumulation 2 a run makes as many reduce-scatters as one without
-  accumulation and the same optimizer steps; negative control: without set_requires_gradient_sync(False) every
-  micro-batch reduce-scatters (twice as many);
-- clipping over sharded gradients: the logged norm equals the one-process norm; negative control: the norm of the
-  rank's own shards differs;
-- the token count all-reduce: negative control without it (average_tokens_across_devices=False) differs;
-- bytes per rank: each rank holds about half of the parameter bytes (4-bit bytes and absmax included);
-- kill-and-resume: a 2-rank run resumed from checkpoint-2 ends bitwise equal to the uninterrupted 2-rank run, and
-  checkpoint files equal the file a single process writes (same keys, shapes, optimizer state layout).
-Hermetic: torch.multiprocessing spawn on localhost, tiny models (hidden 64), random token rows, one thread each.
+- no reduce-scatter before the sync step: with accumulation 2 a run makes as many reduce-scatters as
+  one without accumulation and the same optimizer steps; negative control: without
+  set_requires_gradient_sync(False) every micro-batch reduce-scatters (twice as many);
+- clipping over sharded gradients: the logged norm equals the one-process norm; negative control:
+  the norm of the rank's own shards differs;
+- the token count all-reduce: negative control without it (average_tokens_across_devices=False)
+  differs;
+- bytes per rank: each rank holds about half of the parameter bytes (4-bit bytes and absmax
+  included);
+- kill-and-resume: a 2-rank run resumed from checkpoint-2 ends bitwise equal to the uninterrupted
+  2-rank run, and checkpoint files equal the file a single process writes (same keys, shapes,
+  optimizer state layout).
+Hermetic: torch.multiprocessing spawn on localhost, tiny models (hidden 64), random token rows, one
+thread each.
 Run: python -m pytest -q tests/test_fsdp.py
 """
 
 import contextlib
 import os
 import socket
+from unittest import mock
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from tiny import tiny_model
+from torch.distributed.fsdp import FSDPModule
 
 from nanosft import distributed
 from nanosft.args import TrainingArguments
@@ -35,20 +42,30 @@ from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.trainer import Trainer
 
 VOCAB = 64
-SIZES = {"hidden_size": 64, "intermediate_size": 128}  # NF4 needs in_features divisible by its 64-value blocks
+SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+}  # NF4 needs in_features divisible by its 64-value blocks
 MODES = ("full", "lora", "qdora", "qlora")
 TOL = 1e-5
 
 
 def build(mode):
-    """The same seeded tiny model in every process: float or NF4 base, with or without an adapter."""
+    """The same seeded tiny model in every process: float or NF4 base, with or without an
+    adapter."""
     model = tiny_model(seed=0, **SIZES)
     if mode in ("qdora", "qlora"):
         quantize_model(model)
     if mode == "full":
         return model
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=mode == "qdora", init_lora_weights="gaussian")
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=targets,
+        use_dora=mode == "qdora",
+        init_lora_weights="gaussian",
+    )
     return get_peft_model(model, config)
 
 
@@ -58,24 +75,49 @@ def rows(n=16):
     for _ in range(n):
         length = int(torch.randint(4, 14, (1,), generator=g))  # ragged: each rank pads differently
         ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        out.append({"input_ids": ids, "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)]})
+        out.append(
+            {
+                "input_ids": ids,
+                "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)],
+            }
+        )
     return out
 
 
 def make_trainer(mode, output_dir, batch_size, ga=2, fsdp=False, **overrides):
-    kwargs = {"output_dir": output_dir, "per_device_train_batch_size": batch_size, "gradient_accumulation_steps": ga,
-              "num_train_epochs": 2, "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no",
-              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 5, "max_grad_norm": 0.5,
-              **overrides}
+    kwargs = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": batch_size,
+        "gradient_accumulation_steps": ga,
+        "num_train_epochs": 2,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "optim": "adamw_torch",
+        "disable_tqdm": True,
+        "seed": 5,
+        "max_grad_norm": 0.5,
+        **overrides,
+    }
     if fsdp:
-        kwargs.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+        kwargs.update(
+            fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True}
+        )
     args = TrainingArguments(**kwargs)
-    return Trainer(build(mode), args, train_dataset=rows(), data_collator=DataCollatorForLanguageModeling(0))
+    return Trainer(
+        build(mode), args, train_dataset=rows(), data_collator=DataCollatorForLanguageModeling(0)
+    )
 
 
 def trainable_state(trainer):
-    """Name -> whole tensor of every trainable parameter (a collective under FSDP: every rank calls it)."""
-    return {n: distributed.to_full(p.detach()).clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    """Name -> whole tensor of every trainable parameter (a collective under FSDP: every rank calls
+    it)."""
+    return {
+        n: distributed.to_full(p.detach()).clone()
+        for n, p in trainer.model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def logged(trainer):
@@ -83,8 +125,13 @@ def logged(trainer):
 
 
 def count_reduce_scatters(run):
-    """Calls of the collective FSDP2 reduce-scatters gradients with (torch 2.13: dist.reduce_scatter_single)."""
-    name = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+    """Calls of the collective FSDP2 reduce-scatters gradients with (torch 2.13:
+    dist.reduce_scatter_single)."""
+    name = (
+        "reduce_scatter_single"
+        if hasattr(torch.distributed, "reduce_scatter_single")
+        else "reduce_scatter_tensor"
+    )
     calls, original = [], getattr(torch.distributed, name)
     setattr(torch.distributed, name, lambda *a, **k: calls.append(1) or original(*a, **k))
     try:
@@ -95,32 +142,60 @@ def count_reduce_scatters(run):
 
 
 def _worker(rank, port, out):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     result = {}
     for mode in MODES:
         trainer = make_trainer(mode, os.path.join(out, mode), batch_size=2, fsdp=True)
         trainer.train()
-        result[mode] = {"state": trainable_state(trainer), "logged": logged(trainer),
-                        "held_bytes": distributed.held_bytes(trainer.model)}
-        result[mode]["held_bytes_all"] = distributed.all_reduce_sum(torch.tensor(result[mode]["held_bytes"])).item()
+        result[mode] = {
+            "state": trainable_state(trainer),
+            "logged": logged(trainer),
+            "held_bytes": distributed.held_bytes(trainer.model),
+        }
+        result[mode]["held_bytes_all"] = distributed.all_reduce_sum(
+            torch.tensor(result[mode]["held_bytes"])
+        ).item()
     result["no_sync"] = {}
-    for label, ga, sync_every in (("ga2", 2, False), ("ga1", 1, False), ("ga2_reduce_every", 2, True)):
-        trainer = make_trainer("full", os.path.join(out, label), batch_size=2, ga=ga, fsdp=True, max_steps=2)
-        if sync_every:  # the classic mistake: no set_requires_gradient_sync(False) on the first micro-batches
-            trainer._no_sync = lambda model: contextlib.nullcontext()
-        result["no_sync"][label] = count_reduce_scatters(trainer.train)
-    trainer = make_trainer("full", os.path.join(out, "local"), batch_size=2, fsdp=True,
-                           average_tokens_across_devices=False)
+    for label, ga, sync_every in (
+        ("ga2", 2, False),
+        ("ga1", 1, False),
+        ("ga2_reduce_every", 2, True),
+    ):
+        trainer = make_trainer(
+            "full", os.path.join(out, label), batch_size=2, ga=ga, fsdp=True, max_steps=2
+        )
+        # the classic mistake: set_requires_gradient_sync(False) never reaches FSDP on the first
+        # micro-batches
+        skip = mock.patch.object(FSDPModule, "set_requires_gradient_sync", lambda *a, **k: None)
+        with skip if sync_every else contextlib.nullcontext():
+            result["no_sync"][label] = count_reduce_scatters(trainer.train)
+    trainer = make_trainer(
+        "full",
+        os.path.join(out, "local"),
+        batch_size=2,
+        fsdp=True,
+        average_tokens_across_devices=False,
+    )
     trainer.train()
     result["per_rank_tokens"] = trainable_state(trainer)
-    # negative control for clipping: the norm of this rank's own gradient shards, taken at the first sync step
+    # negative control for clipping: the norm of this rank's own gradient shards, taken at the first
+    # sync step
     trainer = make_trainer("full", os.path.join(out, "norm"), batch_size=2, fsdp=True, max_steps=1)
     clip, local_norms = trainer._clip_grad_norm, []
 
     def clip_and_record(model):
-        shards = [torch.linalg.vector_norm(p.grad.to_local()) for p in model.parameters() if p.grad is not None]
+        shards = [
+            torch.linalg.vector_norm(p.grad.to_local())
+            for p in model.parameters()
+            if p.grad is not None
+        ]
         local_norms.append(torch.linalg.vector_norm(torch.stack(shards)).item())
         return clip(model)
 
@@ -140,8 +215,11 @@ def runs(tmp_path_factory):
     for mode in MODES:
         trainer = make_trainer(mode, str(out / f"single-{mode}"), batch_size=4)
         trainer.train()
-        single[mode] = {"state": trainable_state(trainer), "logged": logged(trainer),
-                        "held_bytes": distributed.held_bytes(trainer.model)}
+        single[mode] = {
+            "state": trainable_state(trainer),
+            "logged": logged(trainer),
+            "held_bytes": distributed.held_bytes(trainer.model),
+        }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -157,8 +235,13 @@ def test_two_ranks_equal_one_process(runs, mode):
     assert set(sharded["state"]) == set(single["state"]) and single["state"]
     for name, value in single["state"].items():
         torch.testing.assert_close(sharded["state"][name], value, rtol=0, atol=TOL, msg=name)
-    moved = max((value - build_state(mode)[name]).abs().max().item() for name, value in single["state"].items())
-    assert moved > 100 * TOL  # the parameters did move: the comparison is not between two untouched models
+    moved = max(
+        (value - build_state(mode)[name]).abs().max().item()
+        for name, value in single["state"].items()
+    )
+    assert (
+        moved > 100 * TOL
+    )  # the parameters did move: the comparison is not between two untouched models
 
 
 def build_state(mode):
@@ -167,9 +250,14 @@ def build_state(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_each_rank_holds_half_the_parameter_bytes(runs, mode):
-    one, rank0, both = runs[0][mode]["held_bytes"], runs[1][mode]["held_bytes"], runs[1][mode]["held_bytes_all"]
+    one, rank0, both = (
+        runs[0][mode]["held_bytes"],
+        runs[1][mode]["held_bytes"],
+        runs[1][mode]["held_bytes_all"],
+    )
     print(f"{mode}: one process {one:,} bytes, rank 0 of 2 holds {rank0:,} ({rank0 / one:.3f})")
-    # whole on every rank: each 4-bit layer's code tables (16 + 256 fp32) and offset (1 fp32); the rest is split
+    # whole on every rank: each 4-bit layer's code tables (16 + 256 fp32) and offset (1 fp32); the
+    # rest is split
     linears4bit = 14 if mode.startswith("q") else 0  # 2 layers x 7 projections
     assert both - one == linears4bit * (16 + 256 + 1) * 4
     assert abs(rank0 - both / 2) <= 0.02 * one  # uneven shards differ by at most a row per tensor
@@ -179,13 +267,17 @@ def test_no_reduce_scatter_before_the_sync_step(runs):
     counts = runs[1]["no_sync"]
     # same optimizer steps, twice the micro-batches: reduce-scatters only on the sync micro-batch
     assert counts["ga2"] == counts["ga1"] > 0
-    assert counts["ga2_reduce_every"] == 2 * counts["ga2"]  # negative control: every micro-batch reduces
+    assert (
+        counts["ga2_reduce_every"] == 2 * counts["ga2"]
+    )  # negative control: every micro-batch reduces
 
 
 def test_clip_norm_over_sharded_grads_is_the_one_process_norm(runs):
     single, sharded = runs[0]["full"]["logged"][0][1], runs[1]["norm"]
     assert abs(sharded - single) < TOL * max(1.0, single)
-    assert abs(runs[1]["norm_local"] - single) > 1e-3  # negative control: the norm of one rank's shards
+    assert (
+        abs(runs[1]["norm_local"] - single) > 1e-3
+    )  # negative control: the norm of one rank's shards
 
 
 def test_token_count_all_reduce_is_needed(runs):
@@ -194,13 +286,20 @@ def test_token_count_all_reduce_is_needed(runs):
 
 
 # ----- bad input: each error names the problem and the fix, before anything is written
-@pytest.mark.parametrize("fsdp, config, words", [
-    (True, {"fsdp_cpu_offload": True}, ["cpu_offload", "supported keys", "reshard_after_forward"]),
-    (True, {"version": 1}, ["'version'", "use 2"]),
-    (True, {"state_dict_type": "SHARDED_STATE_DICT"}, ["state_dict_type", "FULL_STATE_DICT"]),
-    (True, {"reshard_after_forward": "maybe"}, ["reshard_after_forward", "true or false"]),
-    ("full_shard offload", None, ["'offload'", "fsdp=True"]),
-])
+@pytest.mark.parametrize(
+    "fsdp, config, words",
+    [
+        (
+            True,
+            {"fsdp_cpu_offload": True},
+            ["cpu_offload", "supported keys", "reshard_after_forward"],
+        ),
+        (True, {"version": 1}, ["'version'", "use 2"]),
+        (True, {"state_dict_type": "SHARDED_STATE_DICT"}, ["state_dict_type", "FULL_STATE_DICT"]),
+        (True, {"reshard_after_forward": "maybe"}, ["reshard_after_forward", "true or false"]),
+        ("full_shard offload", None, ["'offload'", "fsdp=True"]),
+    ],
+)
 def test_bad_fsdp_config_is_refused(tmp_path, fsdp, config, words):
     with pytest.raises(ValueError) as e:
         TrainingArguments(output_dir=str(tmp_path), fsdp=fsdp, fsdp_config=config)
@@ -209,14 +308,18 @@ def test_bad_fsdp_config_is_refused(tmp_path, fsdp, config, words):
 
 def test_fsdp_config_from_a_json_file_with_prefixed_keys(tmp_path):
     path = tmp_path / "fsdp_config.json"
-    path.write_text('{"fsdp_version": 2, "fsdp_reshard_after_forward": false, '
-                    '"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}')
+    path.write_text(
+        '{"fsdp_version": 2, "fsdp_reshard_after_forward": false, '
+        '"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}'
+    )
     args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, fsdp_config=str(path))
     assert args.fsdp is True and args.fsdp_config["reshard_after_forward"] is False
     assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="bad.json.*could not be read"):
-        TrainingArguments(output_dir=str(tmp_path), fsdp=True, fsdp_config=str(tmp_path / "bad.json"))
+        TrainingArguments(
+            output_dir=str(tmp_path), fsdp=True, fsdp_config=str(tmp_path / "bad.json")
+        )
 
 
 @pytest.mark.parametrize("option", [{"optim": "adamw_bnb_8bit"}, {"torch_compile": True}])
@@ -228,8 +331,11 @@ def test_fsdp_with_options_it_cannot_honour_is_refused(tmp_path, option):
 def test_fsdp_in_one_process_is_refused_before_training(tmp_path, monkeypatch):
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
-    trainer = make_trainer("full", str(tmp_path / "out"), batch_size=2, fsdp=True, save_strategy="steps",
-                           save_steps=1)
-    with pytest.raises(RuntimeError, match="fsdp needs several processes.*torchrun --nproc_per_node 2"):
+    trainer = make_trainer(
+        "full", str(tmp_path / "out"), batch_size=2, fsdp=True, save_strategy="steps", save_steps=1
+    )
+    with pytest.raises(
+        RuntimeError, match="fsdp needs several processes.*torchrun --nproc_per_node 2"
+    ):
         trainer.train()
     assert not (tmp_path / "out").exists()  # nothing half-written

@@ -1,13 +1,16 @@
-"""Tensor parallelism (torch parallelize_module, gloo, 2 CPU processes) computes what one process computes.
+"""Tensor parallelism (torch parallelize_module, gloo, 2 CPU processes) computes what one process
+computes.
 
 CausalLM.from_pretrained(dir, tp_plan="auto") splits q/k/v/gate/up column-wise and o/down row-wise
-(transformers' Llama base_model_tp_plan): 4 query heads and 2 KV heads become 2 + 1 per rank. Compared with the
-same folder loaded in one process: logits and loss of a padded batch, every parameter's gradient, and every
-parameter after 3 AdamW steps with clipping (max_grad_norm 1.0, the norm over sharded and whole gradients). All
-within 1e-5 (measured ~1e-7: the row-parallel sum adds two halves in another order). Negative control: a plan
-that splits the query heads but not k/v (each rank then pairs its query heads with the wrong KV heads) is caught.
+(transformers' Llama base_model_tp_plan): 4 query heads and 2 KV heads become 2 + 1 per rank.
+Compared with the same folder loaded in one process: logits and loss of a padded batch, every
+parameter's gradient, and every parameter after 3 AdamW steps with clipping (max_grad_norm 1.0, the
+norm over sharded and whole gradients). All within 1e-5 (measured ~1e-7: the row-parallel sum adds
+two halves in another order). Negative control: a plan that splits the query heads but not k/v (each
+rank then pairs its query heads with the wrong KV heads) is caught.
 Bad input: sizes that do not divide, and tp_plan without torchrun's environment.
-Hermetic: torch.multiprocessing spawn on localhost, a tiny model saved to a temp folder, one thread each.
+Hermetic: torch.multiprocessing spawn on localhost, a tiny model saved to a temp folder, one thread
+each.
 Run: python -m pytest -q tests/test_tp.py
 """
 
@@ -36,7 +39,8 @@ def batch():
 
 
 def run(model):
-    """Logits, loss and whole gradients of one batch, then parameters after STEPS clipped AdamW steps."""
+    """Logits, loss and whole gradients of one batch, then parameters after STEPS clipped AdamW
+    steps."""
     out = model(**batch())
     out.loss.backward()
     grads = {n: distributed.to_full(p.grad).clone() for n, p in model.named_parameters()}
@@ -50,27 +54,48 @@ def run(model):
         optimizer.step()
         optimizer.zero_grad()
     result["norms"] = norms
-    result["params"] = {n: distributed.to_full(p.detach()).clone() for n, p in model.named_parameters()}
+    result["params"] = {
+        n: distributed.to_full(p.detach()).clone() for n, p in model.named_parameters()
+    }
     return result
 
 
 def _worker(rank, port, folder):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     model = CausalLM.from_pretrained(folder, tp_plan="auto")
     attn = model.model.layers[0].self_attn
-    result = {"local_q_rows": attn.q_proj.weight.to_local().shape[0],
-              "local_k_rows": attn.k_proj.weight.to_local().shape[0],
-              "local_o_cols": attn.o_proj.weight.to_local().shape[1],
-              "held_bytes": distributed.held_bytes(model), **run(model)}
-    # negative control: query heads split, k/v whole -> rank 1's query heads 2, 3 read KV head 0 instead of 1
-    plan = {k: v for k, v in distributed.LLAMA_TP_PLAN.items() if "k_proj" not in k and "v_proj" not in k}
+    result = {
+        "local_q_rows": attn.q_proj.weight.to_local().shape[0],
+        "local_k_rows": attn.k_proj.weight.to_local().shape[0],
+        "local_o_cols": attn.o_proj.weight.to_local().shape[1],
+        "held_bytes": distributed.held_bytes(model),
+        **run(model),
+    }
+    # negative control: query heads split, k/v whole -> rank 1's query heads 2, 3 read KV head 0
+    # instead of 1
+    plan = {
+        k: v
+        for k, v in distributed.LLAMA_TP_PLAN.items()
+        if "k_proj" not in k and "v_proj" not in k
+    }
     with torch.no_grad():
-        result["wrong_plan_logits"] = CausalLM.from_pretrained(folder, tp_plan=plan)(**batch()).logits
+        result["wrong_plan_logits"] = CausalLM.from_pretrained(folder, tp_plan=plan)(
+            **batch()
+        ).logits
     try:  # 2 ranks cannot split 3 KV heads
-        distributed.check_tp_sizes(ModelConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
-                                               intermediate_size=96), 2)
+        distributed.check_tp_sizes(
+            ModelConfig(
+                hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96
+            ),
+            2,
+        )
     except ValueError as e:
         result["bad_sizes"] = str(e)
     if rank == 0:
@@ -94,7 +119,9 @@ def runs(tmp_path_factory):
 
 def test_heads_are_split_across_ranks(runs):
     tp = runs[1]
-    assert tp["local_q_rows"] == 2 * 16 and tp["local_k_rows"] == 1 * 16  # 2 of 4 query heads, 1 of 2 KV heads
+    assert (
+        tp["local_q_rows"] == 2 * 16 and tp["local_k_rows"] == 1 * 16
+    )  # 2 of 4 query heads, 1 of 2 KV heads
     assert tp["local_o_cols"] == 2 * 16  # o_proj reads this rank's heads only
     print(f"TP bytes: one process {runs[0]['held_bytes']:,}, rank 0 of 2 {tp['held_bytes']:,}")
     assert tp["held_bytes"] < 0.8 * runs[0]["held_bytes"]  # embeddings, norms, lm_head stay whole
@@ -123,7 +150,11 @@ def test_negative_control_kv_heads_not_split(runs):
 
 def test_sizes_that_do_not_divide_are_refused(runs):
     message = runs[1]["bad_sizes"]
-    assert "num_key_value_heads=3" in message and "2 ranks" in message and "num_attention_heads" not in message
+    assert (
+        "num_key_value_heads=3" in message
+        and "2 ranks" in message
+        and "num_attention_heads" not in message
+    )
 
 
 def test_tp_plan_without_torchrun_is_refused(tmp_path, monkeypatch):
