@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanosft import distributed, hub
+from nanosft import distributed, hub, nf4
 from nanosft.hub import load_state_dict_from_hf, save_state_dict_to_hf  # model API too
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -485,27 +485,47 @@ class CausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
     @classmethod
-    def from_pretrained(cls, model_dir, dtype=None, tp_plan=None):
-        """Load config.json and safetensors weights; dtype None -> float32, "auto" -> config.json's dtype.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.from_pretrained
-        Differs: keys and shapes must match exactly; every mismatch is named. tp_plan="auto" (under torchrun)
-        splits the decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
+    def from_pretrained(cls, model_dir, dtype=None, quantization_config=None, device_map=None,
+                        tp_plan=None):
+        """Build on the meta device, then read the safetensors tensor by tensor, each cast to dtype
+        (None: float32, "auto": config.json's) and, given a BitsAndBytesConfig, each linear weight
+        quantized as soon as it is read: no full-precision copy of the model ever exists.
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.from_pretrained, Bnb4BitHfQuantizer
+        Differs: keys and shapes must match exactly, all checked from the file headers before any
+        weight is read; device_map is one device. tp_plan="auto" (under torchrun) splits the
+        decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
         config = ModelConfig.from_pretrained(model_dir)
-        dtype = (config.dtype or "float32") if dtype == "auto" else (dtype or torch.float32)
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        state_dict = load_state_dict_from_hf(model_dir)
+        dtype = hub.torch_dtype((config.dtype or "float32") if dtype == "auto" else
+                                (dtype or torch.float32))
+        if quantization_config is not None:
+            quantization_config = nf4.BitsAndBytesConfig.from_any(quantization_config)
+        index = hub.safetensors_index(model_dir)  # headers only: names, dtypes, shapes, offsets
         with torch.device("meta"):  # no random init of weights about to be replaced
             model = cls(config)
         expected = model.state_dict()
         if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
-            expected.pop("lm_head.weight"), state_dict.pop("lm_head.weight", None)
-        hub.check_state_dict(state_dict, expected, model_dir)
-        model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False, assign=True)
+            expected.pop("lm_head.weight"), index.pop("lm_head.weight", None)
+        hub.check_state_dict(index, expected, model_dir)
+        for key, tensor in hub.iter_tensors(index):
+            model._load_tensor(key, tensor.to(device_map or "cpu", dtype), quantization_config)
+            del tensor  # the next read must not overlap this one
         model.config.dtype = str(dtype).removeprefix("torch.")
         model.tie_weights()
-        if tp_plan is not None:  # "auto": transformers' Llama base_model_tp_plan over all torchrun ranks
+        if tp_plan is not None:  # "auto": transformers' Llama base_model_tp_plan over all ranks
             distributed.apply_tensor_parallel(model, tp_plan)
         return model
+
+    def _load_tensor(self, key, tensor, quantization_config):
+        # one checkpoint tensor into its module: a linear weight becomes a Linear4bit right here
+        module_name, _, leaf = key.rpartition(".")
+        module = self.get_submodule(module_name)
+        qc, tied = quantization_config, self.config.tie_word_embeddings
+        if (qc is not None and leaf == "weight" and type(module) is nn.Linear
+                and qc.quantizes(module_name, tensor, tied_lm_head=tied)):
+            parent, _, child = module_name.rpartition(".")
+            setattr(self.get_submodule(parent), child, qc.quantize(tensor, module.bias))
+        else:
+            setattr(module, leaf, nn.Parameter(tensor, requires_grad=tensor.is_floating_point()))
 
     def save_pretrained(self, save_directory, max_shard_size="5GB"):
         """Write config.json (transformers-5 spelling), generation_config.json and safetensors weights.

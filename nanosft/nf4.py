@@ -306,14 +306,19 @@ class BitsAndBytesConfig:
             return cls(**{k: config[k] for k in names if k in config})
         return cls(**{k: getattr(config, k) for k in names if hasattr(config, k)})
 
-    def skips(self, name, tied_lm_head=False):
-        """True when the module `name` stays in float: matched by a skip pattern (its full name,
-        a dotted suffix or an enclosing module), or a tied lm_head (it is the embedding)."""
+    def quantizes(self, name, weight, tied_lm_head=False):
+        """Whether the linear `name` with this float weight becomes 4-bit: not matched by a skip
+        pattern (full name, dotted suffix or enclosing module), not a tied lm_head (that is the
+        embedding), and rows the CPU kernels decode (else it stays float, with a warning)."""
         patterns = ["lm_head"] if self.llm_int8_skip_modules is None else self.llm_int8_skip_modules
-        if tied_lm_head and name == "lm_head":
-            return True
-        return any(name == p or name.endswith("." + p) or name.startswith(p + ".")
-                   for p in patterns)
+        if (tied_lm_head and name == "lm_head") or any(
+                name == p or name.endswith("." + p) or name.startswith(p + ".") for p in patterns):
+            return False
+        if not cpu_kernels_decode(weight.shape[1], 64, weight.device):
+            logger.warning("from_pretrained: %s stays in float (in_features=%d, not a multiple "
+                           "of 64)", name, weight.shape[1])
+            return False
+        return True
 
     def quantize(self, weight, bias=None):
         """A `Linear4bit` holding `weight` (already in the load dtype) and `bias` as given.
