@@ -5,7 +5,8 @@ y = m/||W + sBA||_row (W + sBA) x + b with the norm detached (negative control: 
 differ); DoRA equals LoRA when m is initialised to ||W + sBA||; peft's RNG order for A/B init
 (init_lora_weights True, False, "gaussian"; negative control: skipping B's constructor changes A);
 merge/unmerge (exact up to fp32 rounding for a float base, within the NF4 requantization bound for a
-4-bit base); disable; mixed batches; gradients; clear errors. Hermetic: tiny random layers on CPU, seeds fixed.
+4-bit base); disable; mixed batches; gradients; clear errors. Hermetic: tiny random layers on CPU,
+seeds fixed.
 Run: python -m pytest -q tests/test_lora.py
 """
 
@@ -75,7 +76,8 @@ def test_init_consumes_the_rng_in_peft_order():
 
 
 def test_init_lora_weights_false_and_gaussian_draw_as_peft():
-    # False: A and B keep their nn.Linear constructor draws; "gaussian": A ~ N(0, 1/r) drawn after them, B = 0
+    # False: A and B keep their nn.Linear constructor draws; "gaussian": A ~ N(0, 1/r) drawn after
+    # them, B = 0
     torch.manual_seed(7)
     plain = LoraLinear(make_base("float"), r=R, init_lora_weights=False)
     torch.manual_seed(7)

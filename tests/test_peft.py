@@ -1,4 +1,5 @@
-"""Behaviour of nanosft.peft on a tiny CausalLM: naming, freezing, identity at init, the 2.6 forward, files, errors.
+"""Behaviour of nanosft.peft on a tiny CausalLM: naming, freezing, identity at init, the 2.6
+forward, files, errors.
 
 Compared against formulas written out here (peft's naming rule, r*(in+out) parameter counts, the
 prompt-tuning concatenation done by hand, the NF4 two-codes-a-byte rule); the same checks against
@@ -27,8 +28,15 @@ from nanosft.peft import (
     set_peft_model_state_dict,
 )
 
-TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 64}
+TINY = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -42,7 +50,11 @@ def _batch():
     input_ids = torch.randint(0, TINY["vocab_size"], (2, 6), generator=g)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 4:] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": input_ids.masked_fill(attention_mask == 0, -100),
+    }
 
 
 def _nonzero_B(model, seed=3):
@@ -54,15 +66,21 @@ def _nonzero_B(model, seed=3):
 
 
 def test_parameter_names_follow_peft_convention():
-    model = get_peft_model(_model(), LoraConfig(r=4))  # target_modules None -> llama default q_proj, v_proj
+    # target_modules None -> llama default q_proj, v_proj
+    model = get_peft_model(_model(), LoraConfig(r=4))
     expected = set()
     for i in range(2):
         for proj in ("q_proj", "v_proj"):
             prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-            expected |= {f"{prefix}.base_layer.weight", f"{prefix}.lora_A.default.weight", f"{prefix}.lora_B.default.weight"}
+            expected |= {
+                f"{prefix}.base_layer.weight",
+                f"{prefix}.lora_A.default.weight",
+                f"{prefix}.lora_B.default.weight",
+            }
     names = {n for n, _ in model.named_parameters()}
     assert expected <= names
-    assert "base_model.model.model.layers.0.self_attn.k_proj.weight" in names  # untouched layers keep their names
+    # untouched layers keep their names
+    assert "base_model.model.model.layers.0.self_attn.k_proj.weight" in names
     assert not any("lora_" in n for n in names - expected)
     assert model.peft_config["default"].target_modules == ["q_proj", "v_proj"]
 
@@ -73,7 +91,10 @@ def test_base_frozen_only_adapters_trainable_with_rank_formula():
     assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
     # r * (in + out) per wrapped layer: q_proj 64 -> 64, down_proj 128 -> 64, two layers each
     expected = 2 * (4 * (64 + 64) + 4 * (128 + 64))
-    assert model.get_nb_trainable_parameters() == (expected, sum(p.numel() for p in model.parameters()))
+    assert model.get_nb_trainable_parameters() == (
+        expected,
+        sum(p.numel() for p in model.parameters()),
+    )
 
 
 def test_identity_at_init_and_negative_control():
@@ -82,7 +103,8 @@ def test_identity_at_init_and_negative_control():
         base_logits = _model()(**batch).logits
         lora = get_peft_model(_model(), LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
         torch.testing.assert_close(lora(**batch).logits, base_logits, rtol=0, atol=1e-6)
-        noisy = get_peft_model(_model(), LoraConfig(r=4, init_lora_weights=False))  # B not zero: not identity
+        # B not zero: not identity
+        noisy = get_peft_model(_model(), LoraConfig(r=4, init_lora_weights=False))
         assert not torch.allclose(noisy(**batch).logits, base_logits, atol=1e-4)
 
 
@@ -90,11 +112,17 @@ def test_all_linear_excludes_lm_head_and_regex_is_fullmatch():
     model = get_peft_model(_model(), LoraConfig(r=2, target_modules="all-linear"))
     wrapped = [n for n, m in model.named_modules() if isinstance(m, LoraLinear)]
     assert len(wrapped) == 2 * 7 and not any("lm_head" in n for n in wrapped)
-    assert model.peft_config["default"].target_modules[0] == "model.layers.0.self_attn.q_proj"  # saved expanded
-    regex = get_peft_model(_model(), LoraConfig(r=2, target_modules=r"model\.layers\.1\.mlp\.(up|gate)_proj"))
+    # saved expanded
+    assert model.peft_config["default"].target_modules[0] == "model.layers.0.self_attn.q_proj"
+    regex = get_peft_model(
+        _model(), LoraConfig(r=2, target_modules=r"model\.layers\.1\.mlp\.(up|gate)_proj")
+    )
     assert [n for n, m in regex.named_modules() if isinstance(m, LoraLinear)] == [
-        "base_model.model.model.layers.1.mlp.gate_proj", "base_model.model.model.layers.1.mlp.up_proj"]
-    with pytest.raises(ValueError, match="matches no module"):  # a bare name is not a fullmatch of a path
+        "base_model.model.model.layers.1.mlp.gate_proj",
+        "base_model.model.model.layers.1.mlp.up_proj",
+    ]
+    # a bare name is not a fullmatch of a path
+    with pytest.raises(ValueError, match="matches no module"):
         get_peft_model(_model(), LoraConfig(r=2, target_modules="q_proj"))
 
 
@@ -103,22 +131,28 @@ def test_lora_forward_passes_num_items_in_batch_through():
     _nonzero_B(model)
     batch = _batch()
     out = model(**batch, num_items_in_batch=torch.tensor(3))
-    expected = causal_lm_loss(out.logits, batch["labels"], num_items_in_batch=3)  # sum / 3, not the mean
+    # sum / 3, not the mean
+    expected = causal_lm_loss(out.logits, batch["labels"], num_items_in_batch=3)
     torch.testing.assert_close(out.loss, expected, **TOL)
     assert not torch.allclose(out.loss, causal_lm_loss(out.logits, batch["labels"]))
 
 
 def test_prompt_tuning_forward_is_walkthrough_2_6_by_hand():
     model = get_peft_model(_model(), PromptTuningConfig(num_virtual_tokens=3))
-    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["prompt_encoder.default.embedding.weight"]
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        "prompt_encoder.default.embedding.weight"
+    ]
     batch, n = _batch(), 3
     prompts = model.prompt_encoder["default"].embedding.weight.detach()
-    inputs_embeds = torch.cat([prompts.expand(2, -1, -1), model.word_embeddings(batch["input_ids"])], dim=1)
+    inputs_embeds = torch.cat(
+        [prompts.expand(2, -1, -1), model.word_embeddings(batch["input_ids"])], dim=1
+    )
     mask = torch.cat([torch.ones(2, n, dtype=torch.long), batch["attention_mask"]], dim=1)
     labels = torch.cat([torch.full((2, n), -100), batch["labels"]], dim=1)
     with torch.no_grad():
-        expected = model.get_base_model()(inputs_embeds=inputs_embeds, attention_mask=mask, labels=labels,
-                                          num_items_in_batch=7)
+        expected = model.get_base_model()(
+            inputs_embeds=inputs_embeds, attention_mask=mask, labels=labels, num_items_in_batch=7
+        )
         out = model(**batch, num_items_in_batch=7)
     torch.testing.assert_close(out.logits, expected.logits, **TOL)
     torch.testing.assert_close(out.loss, expected.loss, **TOL)
@@ -134,14 +168,18 @@ def test_prompt_tuning_text_init_repeats_the_text_tokens(tmp_path):
     model = get_peft_model(base, PromptTuningConfig(num_virtual_tokens=5, prompt_tuning_init="TEXT",
                                                     prompt_tuning_init_text="hi", tokenizer=Tok()))
     expected = base.get_input_embeddings().weight[[5, 6, 5, 6, 5]]
-    torch.testing.assert_close(model.prompt_encoder["default"].embedding.weight, expected, rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.prompt_encoder["default"].embedding.weight, expected, rtol=0, atol=0
+    )
     model.save_pretrained(tmp_path)  # reloading needs no tokenizer: the table comes from the file
     loaded = PeftModelForCausalLM.from_pretrained(_model(seed=1), tmp_path)
     assert torch.equal(loaded.prompt_encoder["default"].embedding.weight, expected)
 
 
 def test_save_load_round_trip_is_exact(tmp_path):
-    model = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=16, use_dora=True, modules_to_save=["lm_head"]))
+    model = get_peft_model(
+        _model(), LoraConfig(r=4, lora_alpha=16, use_dora=True, modules_to_save=["lm_head"])
+    )
     _nonzero_B(model)
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "adapter_model.safetensors", "pt") as f:
@@ -151,14 +189,20 @@ def test_save_load_round_trip_is_exact(tmp_path):
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector" in keys
     assert "base_model.model.lm_head.weight" in keys and not any(".default" in k for k in keys)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and config["inference_mode"] is True and config["lora_alpha"] == 16
+    assert (
+        config["peft_type"] == "LORA"
+        and config["inference_mode"] is True
+        and config["lora_alpha"] == 16
+    )
     loaded = PeftModelForCausalLM.from_pretrained(_model(), tmp_path)
     assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
     want, got = get_peft_model_state_dict(model), get_peft_model_state_dict(loaded)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     batch = _batch()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(**batch).logits, model.eval()(**batch).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded(**batch).logits, model.eval()(**batch).logits, rtol=0, atol=0
+        )
     trainable = PeftModelForCausalLM.from_pretrained(_model(), tmp_path, is_trainable=True)
     assert {n for n, p in trainable.named_parameters() if p.requires_grad} == \
         {n for n, p in model.named_parameters() if p.requires_grad}
@@ -202,9 +246,11 @@ def test_prepare_model_for_kbit_training():
     model = quantize_model(_model()).to(torch.bfloat16)
     prepare_model_for_kbit_training(model)
     assert not any(p.requires_grad for p in model.parameters())
-    assert {p.dtype for p in model.parameters()} == {torch.float32, torch.uint8}  # norms, embeddings upcast
+    # norms, embeddings upcast
+    assert {p.dtype for p in model.parameters()} == {torch.float32, torch.uint8}
     assert model.is_gradient_checkpointing
-    assert model.get_input_embeddings()(torch.tensor([[1, 2]])).requires_grad  # the input-grad hook is on
+    # the input-grad hook is on
+    assert model.get_input_embeddings()(torch.tensor([[1, 2]])).requires_grad
     plain = prepare_model_for_kbit_training(_model())  # not quantized: no checkpointing
     assert not plain.is_gradient_checkpointing
 
@@ -218,14 +264,17 @@ def test_errors_name_the_culprit(tmp_path):
         get_peft_model(_model(), LoraConfig(target_modules=["self_attn"]))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         PeftModelForCausalLM.from_pretrained(_model(), tmp_path / "nothing")
-    # a truncated adapter_config.json: the file and the position are named, not only json's "Expecting value"
+    # a truncated adapter_config.json: the file and the position are named, not only json's
+    # "Expecting value"
     get_peft_model(_model(), LoraConfig(r=4)).save_pretrained(tmp_path / "cut")
     config_file = tmp_path / "cut" / "adapter_config.json"
     config_file.write_text(config_file.read_text()[:40])
     with pytest.raises(ValueError, match=rf"{config_file}: invalid JSON at line \d+ column \d+"):
         PeftModelForCausalLM.from_pretrained(_model(), tmp_path / "cut")
     # an adapter for a wider base: the tensor and both shapes are named
-    get_peft_model(_model(hidden_size=32, intermediate_size=64), LoraConfig(r=4)).save_pretrained(tmp_path / "w")
+    get_peft_model(_model(hidden_size=32, intermediate_size=64), LoraConfig(r=4)).save_pretrained(
+        tmp_path / "w"
+    )
     with pytest.raises(ValueError, match=r"q_proj\.lora_A\.weight.*\(4, 32\).*\(4, 64\)"):
         PeftModelForCausalLM.from_pretrained(_model(), tmp_path / "w")
     # an adapter for a deeper base: a tensor that fits no module
@@ -233,8 +282,11 @@ def test_errors_name_the_culprit(tmp_path):
     with pytest.raises(ValueError, match=r"layers\.2\..*fits no module"):
         PeftModelForCausalLM.from_pretrained(_model(), tmp_path / "d")
     config = json.loads((tmp_path / "d" / "adapter_config.json").read_text())
-    (tmp_path / "d" / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": {"q_proj": 2}}))
-    with pytest.raises(ValueError, match=r"d.adapter_config\.json sets rank_pattern="):  # the file is named
+    (tmp_path / "d" / "adapter_config.json").write_text(
+        json.dumps({**config, "rank_pattern": {"q_proj": 2}})
+    )
+    # the file is named
+    with pytest.raises(ValueError, match=r"d.adapter_config\.json sets rank_pattern="):
         PeftModelForCausalLM.from_pretrained(_model(num_hidden_layers=3), tmp_path / "d")
 
 

@@ -1,6 +1,6 @@
-"""Tutorial 07: PeftModelForCausalLM.forward, the LoRA branch and the prompt-tuning branch (walkthrough 2.6).
+"""Tutorial 07: PeftModelForCausalLM.forward, its LoRA and prompt-tuning branches (walkthrough 2.6).
 
-compute_loss (2.5) calls `outputs = model(**inputs)`; with peft that model is a PeftModelForCausalLM.
+compute_loss (2.5) calls `outputs = model(**inputs)`; with peft that model is PeftModelForCausalLM.
 For LoRA its forward passes everything straight to the base model (the LoRA layers sit inside it).
 For prompt tuning it runs the seven lines of walkthrough 2.6, which we replay one by one on a tiny
 2-layer model and check against nanosft.peft; peft's numbers are printed beside ours when installed.
@@ -8,8 +8,9 @@ Run:      python tutorials/07_peft_forward.py
 Runtime:  a few seconds on CPU (about 10 s when transformers and peft are imported).
 You should see:
   - the wrapped module names and `trainable params: ... || all params: ... || trainable%: ...`;
-  - the LoRA branch loss equal to the base model's at init (B = 0), and num_items_in_batch passed on;
-  - inputs_embeds (2, 6, 64) -> prompts (2, 4, 64) -> (2, 10, 64), the prefix mask of ones, -100 labels;
+  - the LoRA branch loss equal to the base model's at init (B = 0), num_items_in_batch passed on;
+  - inputs_embeds (2, 6, 64) -> prompts (2, 4, 64) -> (2, 10, 64), the prefix mask of ones and
+    the -100 labels;
   - one extra trained target per row (the last virtual token predicts the first real one);
   - the adapter file keys, and "OK: walkthrough 2.6 replayed step by step" at the end.
 """
@@ -25,7 +26,8 @@ from safetensors import safe_open
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.peft import LoraConfig, PromptTuningConfig, get_peft_model
 
-warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes, not ours
+# transformers' deprecation notes, not ours
+warnings.filterwarnings("ignore", category=FutureWarning)
 HAVE_PEFT = all(importlib.util.find_spec(m) for m in ("peft", "transformers"))
 TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -81,7 +83,8 @@ if HAVE_PEFT:
     print("peft's initial adapter weights are bit-identical to ours (same seed, same RNG order)")
 
 # %% [markdown]
-# ## The LoRA branch: `return self.base_model(input_ids=..., attention_mask=..., labels=..., **kwargs)`
+# ## The LoRA branch: `return self.base_model(input_ids=..., attention_mask=..., labels=...,
+# **kwargs)`
 # Nothing is prepended; num_items_in_batch (2.3) rides along in kwargs so the loss is a sum / N.
 
 # %%
@@ -89,7 +92,8 @@ banner("Walkthrough 2.6, LoRA branch: straight through to the base model")
 with torch.no_grad():
     out = model(**batch)
     out_n = model(**batch, num_items_in_batch=torch.tensor(4))
-print(f"logits shape: {tuple(out.logits.shape)}  loss: {out.loss.item():.6f}  base loss: {base_loss.item():.6f}")
+print(f"logits shape: {tuple(out.logits.shape)}  loss: {out.loss.item():.6f}  "
+      f"base loss: {base_loss.item():.6f}")
 targets = int((labels[:, 1:] != -100).sum())
 print(f"{targets} targets; with num_items_in_batch=4 the loss is sum/4 = {out_n.loss.item():.6f}"
       f" = mean * {targets}/4 = {out.loss.item() * targets / 4:.6f}")
@@ -105,7 +109,8 @@ if HAVE_PEFT:
 # walkthrough 2.6 by hand, then compare with `model(**batch)`.
 
 # %%
-banner("Walkthrough 2.6, prompt tuning: get_peft_model(model, PromptTuningConfig(num_virtual_tokens=4))")
+banner("Walkthrough 2.6, prompt tuning: "
+       "get_peft_model(model, PromptTuningConfig(num_virtual_tokens=4))")
 base, hf = tiny_models()
 pt = get_peft_model(base, PromptTuningConfig(num_virtual_tokens=4))
 pt.print_trainable_parameters()
@@ -115,7 +120,8 @@ banner("batch_size = _get_batch_size(input_ids, inputs_embeds)")
 batch_size = input_ids.shape[0]
 print("batch_size:", batch_size)
 
-banner("prefix_attention_mask = torch.ones(batch_size, num_virtual_tokens); attention_mask = cat(...)")
+banner("prefix_attention_mask = torch.ones(batch_size, num_virtual_tokens); "
+       "attention_mask = cat(...)")
 prefix_attention_mask = torch.ones(batch_size, n).to(attention_mask.device)
 mask = torch.cat((prefix_attention_mask, attention_mask), dim=1)
 print(mask)
@@ -139,16 +145,22 @@ banner("return self.base_model(inputs_embeds=inputs_embeds, **kwargs)")
 with torch.no_grad():
     draft = pt.base_model(inputs_embeds=inputs_embeds, attention_mask=mask, labels=full_labels)
     real = pt(**batch)
-print(f"logits shape: {tuple(real.logits.shape)} (num_virtual_tokens + T = {n} + {input_ids.shape[1]})")
+print(f"logits shape: {tuple(real.logits.shape)} "
+      f"(num_virtual_tokens + T = {n} + {input_ids.shape[1]})")
 print(f"draft loss {draft.loss.item():.6f} == nanosft loss {real.loss.item():.6f}")
 assert real.logits.shape == (2, n + 6, TINY["vocab_size"])
 assert torch.equal(draft.logits, real.logits) and torch.equal(draft.loss, real.loss)
 # after the shift, position n-1 (the last virtual token) predicts the first real token:
 extra = int((full_labels[:, 1:] != -100).sum()) - targets
-print(f"trained targets: {targets} without the prefix, {targets + extra} with it (+1 per row whose first label is kept)")
+print(
+    f"trained targets: {targets} without the prefix, {targets + extra} with it "
+    "(+1 per row whose first label is kept)"
+)
 assert extra == int((labels[:, 0] != -100).sum())
 if HAVE_PEFT:
-    ref_pt = peft.get_peft_model(hf, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    ref_pt = peft.get_peft_model(
+        hf, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    )
     with torch.no_grad():
         ref_pt.prompt_encoder["default"].embedding.weight.copy_(pt.prompt_encoder["default"].embedding.weight)
         ref_out = ref_pt(**batch)
@@ -169,6 +181,8 @@ with tempfile.TemporaryDirectory() as d:
     with safe_open(f"{d}/pt/adapter_model.safetensors", "pt") as f:
         pt_keys = list(f.keys())
 print("\n".join(keys[:4]), f"\n... {len(keys)} LoRA tensors; prompt tuning saves {pt_keys}")
-assert keys[0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" and pt_keys == ["prompt_embeddings"]
+assert keys[0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" and pt_keys == [
+    "prompt_embeddings"
+]
 
 print("\nOK: walkthrough 2.6 replayed step by step")

@@ -1,10 +1,11 @@
 """`nanosft merge` output loads in transformers and gives the logits of nanosft's unmerged adapter.
 
-Compared: transformers AutoModelForCausalLM.from_pretrained(merged folder) logits vs nanosft's base + LoRA adapter
-(unmerged, PeftModelForCausalLM) on the same chat prompt, fp32, atol/rtol 1e-5 (merging only re-associates
-W x + B A x * scaling, so the difference is float rounding, ~1e-7); AutoTokenizer ids vs nanosft's. Negative
-control: the base alone is far from both, so the adapter is not a no-op. Hermetic: the tiny default model in
-nanosft/assets/default and an adapter with random lora_B (init_lora_weights=False) built in-process.
+Compared: transformers AutoModelForCausalLM.from_pretrained(merged folder) logits vs nanosft's base
++ LoRA adapter (unmerged, PeftModelForCausalLM) on the same chat prompt, fp32, atol/rtol 1e-5
+(merging only re-associates W x + B A x * scaling, so the difference is float rounding, ~1e-7);
+AutoTokenizer ids vs nanosft's. Negative control: the base alone is far from both, so the adapter is
+not a no-op. Hermetic: the tiny default model in nanosft/assets/default and an adapter with random
+lora_B (init_lora_weights=False) built in-process.
 Run: python -m pytest -q tests/parity/test_merge_parity.py
 """
 
@@ -21,7 +22,9 @@ from nanosft.tokenizer import Tokenizer
 def test_merged_folder_loads_in_transformers_with_nanosft_logits(tmp_path, capsys):
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    get_peft_model(CausalLM.from_pretrained(demo.DEFAULT_DIR), config).save_pretrained(tmp_path / "adapter")
+    get_peft_model(CausalLM.from_pretrained(demo.DEFAULT_DIR), config).save_pretrained(
+        tmp_path / "adapter"
+    )
     code = main(["merge", "--model", demo.DEFAULT_DIR, "--adapter", str(tmp_path / "adapter"),
                  "--out", str(tmp_path / "merged")])
     assert code == 0, capsys.readouterr().err
@@ -34,12 +37,17 @@ def test_merged_folder_loads_in_transformers_with_nanosft_logits(tmp_path, capsy
                                             return_dict=True)["input_ids"] == ids
     input_ids = torch.tensor([ids])
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    ours = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(demo.DEFAULT_DIR), str(tmp_path / "adapter"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32
+    ).eval()
+    ours = PeftModelForCausalLM.from_pretrained(
+        CausalLM.from_pretrained(demo.DEFAULT_DIR), str(tmp_path / "adapter")
+    )
     base = CausalLM.from_pretrained(demo.DEFAULT_DIR).eval()
     with torch.no_grad():
         hf_logits = hf(input_ids=input_ids).logits
         our_logits = ours(input_ids=input_ids).logits
         base_logits = base(input_ids=input_ids).logits
     torch.testing.assert_close(hf_logits, our_logits, rtol=1e-5, atol=1e-5)
-    assert (base_logits - our_logits).abs().max() > 1e-2  # negative control: the adapter changes the model
+    # negative control: the adapter changes the model
+    assert (base_logits - our_logits).abs().max() > 1e-2
