@@ -221,3 +221,21 @@ def test_fsdp_shards_state_rows_and_not_activations():
         assert four.rows[row] * 4 == one.rows[row]
     activations = "activations (saved for backward)"
     assert four.rows[activations] == one.rows[activations]
+
+
+def test_cli_memory_prints_the_ledger_and_refuses_bad_flags(capsys):
+    from nanosft import cli
+    from nanosft.model import ModelConfig
+
+    folder = "nanosft/assets/default"
+    assert cli.main(["memory", "--model", folder, "--lora", "--max_length", "64",
+                     "--gradient_checkpointing", "false"]) == 0
+    out = capsys.readouterr().out
+    plan = memory.MemoryPlan(max_length=64, bf16=True)
+    ledger = memory.estimate_memory(ModelConfig.from_pretrained(folder), plan)
+    for name, value in ledger.rows.items():
+        assert f"{name:<34}{value / memory.MiB:>10.3f} MiB" in out
+    assert cli.main(["memory", "--model", folder, "--full", "--qlora"]) == 2
+    assert "--full and --qlora cannot be combined" in capsys.readouterr().err
+    assert cli.main(["memory", "--model", folder, "--max_length", "0"]) == 2
+    assert "max_length=0 is invalid" in capsys.readouterr().err
