@@ -1,11 +1,14 @@
-"""Bad inputs fail early with an error that names the culprit and the fix, and leave no partial output behind.
+"""Bad inputs fail early with an error that names the culprit and the fix, and leave no partial
+output behind.
 
-Compared, for each of the cases below (the command line, TrainingArguments/SFTConfig, datasets, tokenizers, model
-folders, adapters, checkpoints): the exception type (or, for the command line, exit status 2 and a one-paragraph
-stderr without a traceback), that the message contains the culprit (file and line, field, tensor with both
-shapes, folder) and the fix, and that the failing call created or changed no file under tmp_path (a snapshot of
-every path, size and mtime before and after: no half-written output folder, no temp file, no metrics.jsonl).
-Hermetic: tiny models (hidden 32, 2 layers) and a tokenizer trained in-process, every file in tmp_path, CPU.
+Compared, for each of the cases below (the command line, TrainingArguments/SFTConfig, datasets,
+Hub ids, tokenizers, model folders, adapters, checkpoints): the exception type (or, for the command
+line, exit status 2 and a one-paragraph stderr without a traceback), that the message contains the
+culprit (file and line, field, tensor with both shapes, folder) and the fix, and that the failing
+call created or changed no file under tmp_path (a snapshot of every path, size and mtime before and
+after: no half-written output folder, no temp file, no metrics.jsonl).
+Hermetic: tiny models (hidden 32, 2 layers) and a tokenizer trained in-process, every file in
+tmp_path, CPU; Hub ids resolve from a cache in tmp_path with HF_HUB_OFFLINE=1.
 Run: python -m pytest -q tests/test_bad_inputs.py
 """
 
@@ -65,13 +68,15 @@ def nanosft(*argv):
 
 def tiny_model(vocab_size=300, hidden=32, seed=0):
     torch.manual_seed(seed)
-    return CausalLM(ModelConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64))
+    return CausalLM(ModelConfig(vocab_size=vocab_size, hidden_size=hidden,
+                                intermediate_size=2 * hidden,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                max_position_embeddings=64))
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """A model folder with its tokenizer, and a finished 2-step run with checkpoint-1 and checkpoint-2."""
+    """A model folder with its tokenizer, and a finished 2-step run (checkpoint-1, checkpoint-2)."""
     root = tmp_path_factory.mktemp("shared")
     tokenizer = Tokenizer.train(CORPUS, vocab_size=300)
     tokenizer.save_pretrained(root / "model")
@@ -83,7 +88,8 @@ def shared(tmp_path_factory):
 
 def _rows(n=8):
     g = torch.Generator().manual_seed(1)
-    return [{"input_ids": torch.randint(1, 64, (6,), generator=g).tolist(), "labels": [-100, 5, 6, 7, 8, 9]}
+    return [{"input_ids": torch.randint(1, 64, (6,), generator=g).tolist(),
+             "labels": [-100, 5, 6, 7, 8, 9]}
             for _ in range(n)]
 
 
@@ -97,7 +103,8 @@ def _trainer(output_dir, model=None, **overrides):
 
 
 def _sft_config(output_dir, **overrides):
-    kwargs = {"output_dir": str(output_dir), "bf16": False, "gradient_checkpointing": False, "use_cpu": True,
+    kwargs = {"output_dir": str(output_dir), "bf16": False, "gradient_checkpointing": False,
+              "use_cpu": True,
               "max_steps": 1, "save_strategy": "no", "disable_tqdm": True}
     return SFTConfig(**{**kwargs, **overrides})
 
@@ -119,7 +126,8 @@ def _edit_json(path, **changes):
     path.write_text(json.dumps(values))
 
 
-PC = [{"prompt": "What is two plus two?", "completion": " Four."}, {"prompt": "Hot?", "completion": " Cold."}]
+PC = [{"prompt": "What is two plus two?", "completion": " Four."},
+      {"prompt": "Hot?", "completion": " Cold."}]
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -129,26 +137,32 @@ def case_cli_unknown_command(tmp, shared):
 
 def case_cli_misspelled_flag(tmp, shared):
     data = _write(tmp / "d.jsonl", json.dumps(PC[0]) + "\n")
-    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir", tmp / "out",
+    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir",
+                           tmp / "out",
                            "--learnig_rate", "1e-4")
     return Bad(call, CliExit, ["'--learnig_rate'"], ["did you mean --learning_rate"])
 
 
 def case_cli_data_file_missing(tmp, shared):
-    call = lambda: nanosft("train", "--model", shared["model"], "--data", tmp / "nope.jsonl", "--output_dir",
+    call = lambda: nanosft("train", "--model", shared["model"], "--data", tmp / "nope.jsonl",
+                           "--output_dir",
                            tmp / "out")
     return Bad(call, CliExit, [f"--data {tmp / 'nope.jsonl'}: no such file"], ["give a JSONL file"])
 
 
 def case_cli_model_folder_missing(tmp, shared):
     data = _write(tmp / "d.jsonl", json.dumps(PC[0]) + "\n")
-    call = lambda: nanosft("train", "--model", tmp / "nomodel", "--data", data, "--output_dir", tmp / "out")
-    return Bad(call, CliExit, [f"--model {tmp / 'nomodel'}: no such folder"], ["a local folder or a Hub id"])
+    call = lambda: nanosft("train", "--model", tmp / "nomodel", "--data", data, "--output_dir",
+                           tmp / "out")
+    return Bad(call, CliExit, [f"--model {tmp / 'nomodel'}: no such folder"],
+               ["a local folder or a Hub id"])
 
 
 def case_cli_malformed_jsonl_line(tmp, shared):
-    data = _write(tmp / "d.jsonl", json.dumps(PC[0]) + "\n" + '{"prompt": "Hot?", "completion": " Cold."\n')
-    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir", tmp / "out",
+    data = _write(tmp / "d.jsonl",
+                  json.dumps(PC[0]) + "\n" + '{"prompt": "Hot?", "completion": " Cold."\n')
+    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir",
+                           tmp / "out",
                            "--max_steps", "1")
     return Bad(call, CliExit, [f"{data}, line 2: not valid JSON"], ["one JSON object per line"])
 
@@ -156,14 +170,16 @@ def case_cli_malformed_jsonl_line(tmp, shared):
 def case_cli_config_unknown_key(tmp, shared):
     data = _write(tmp / "d.jsonl", json.dumps(PC[0]) + "\n")
     config = _write(tmp / "c.json", json.dumps({"learning_rat": 1e-4}))
-    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir", tmp / "out",
+    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir",
+                           tmp / "out",
                            "--config", config)
     return Bad(call, CliExit, [str(config), "'learning_rat'"], ["did you mean 'learning_rate'"])
 
 
 def case_cli_qlora_and_full(tmp, shared):
     data = _write(tmp / "d.jsonl", json.dumps(PC[0]) + "\n")
-    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir", tmp / "out",
+    call = lambda: nanosft("train", "--model", shared["model"], "--data", data, "--output_dir",
+                           tmp / "out",
                            "--qlora", "--full")
     return Bad(call, CliExit, ["--qlora and --full"], ["pick one"])
 
@@ -172,8 +188,10 @@ def case_cli_merge_into_non_empty_folder(tmp, shared):
     adapter = tmp / "adapter"
     get_peft_model(tiny_model(300), LoraConfig(target_modules=["q_proj"])).save_pretrained(adapter)
     _write(tmp / "merged" / "keep.txt", "precious")
-    call = lambda: nanosft("merge", "--model", shared["model"], "--adapter", adapter, "--out", tmp / "merged")
-    return Bad(call, CliExit, [f"--out {tmp / 'merged'} exists and is not empty"], ["give a new folder"])
+    call = lambda: nanosft("merge", "--model", shared["model"], "--adapter", adapter, "--out",
+                           tmp / "merged")
+    return Bad(call, CliExit, [f"--out {tmp / 'merged'} exists and is not empty"],
+               ["give a new folder"])
 
 
 def case_cli_tokenizer_larger_than_model(tmp, shared):
@@ -181,7 +199,8 @@ def case_cli_tokenizer_larger_than_model(tmp, shared):
     tiny_model(64).save_pretrained(model)  # same tokenizer (300 tokens), an embedding of 64 rows
     data = _write(tmp / "d.jsonl", "".join(json.dumps(x) + "\n" for x in PC))
     call = lambda: nanosft("train", "--model", model, "--data", data, "--output_dir", tmp / "out",
-                           "--max_steps", "1", "--bf16", "false", "--gradient_checkpointing", "false",
+                           "--max_steps", "1", "--bf16", "false", "--gradient_checkpointing",
+                           "false",
                            "--use_cpu", "true", "--save_strategy", "no")
     return Bad(call, CliExit, ["64", "tokenizer"], ["embedding"])
 
@@ -204,7 +223,8 @@ def case_args_fp16_on_cpu(tmp, shared):
 
 def case_args_output_dir_is_a_file(tmp, shared):
     target = _write(tmp / "out", "not a folder")
-    return Bad(lambda: TrainingArguments(output_dir=str(target)), ValueError, [f"output_dir={str(target)!r}"],
+    return Bad(lambda: TrainingArguments(output_dir=str(target)), ValueError,
+               [f"output_dir={str(target)!r}"],
                ["existing file", "pass a directory"])
 
 
@@ -214,31 +234,37 @@ def case_args_unknown_optimizer(tmp, shared):
 
 
 def case_args_json_config_unknown_key(tmp, shared):
-    path = _write(tmp / "args.json", json.dumps({"output_dir": str(tmp / "out"), "num_train_epoch": 2}))
-    return Bad(lambda: TrainingArguments.from_json_file(str(path)), ValueError, [str(path), "'num_train_epoch'"],
+    path = _write(tmp / "args.json",
+                  json.dumps({"output_dir": str(tmp / "out"), "num_train_epoch": 2}))
+    return Bad(lambda: TrainingArguments.from_json_file(str(path)), ValueError,
+               [str(path), "'num_train_epoch'"],
                ["did you mean 'num_train_epochs'"])
 
 
 def case_args_json_config_bad_json(tmp, shared):
     path = _write(tmp / "args.json", '{"output_dir": "x",\n "seed": 1,,\n}')
-    return Bad(lambda: TrainingArguments.from_json_file(str(path)), ValueError, [str(path), "line 2"])
+    return Bad(lambda: TrainingArguments.from_json_file(str(path)), ValueError,
+               [str(path), "line 2"])
 
 
 def case_args_best_model_with_mismatched_strategies(tmp, shared):
     call = lambda: TrainingArguments(output_dir=str(tmp / "out"), load_best_model_at_end=True,
                                      eval_strategy="epoch", save_strategy="steps")
-    return Bad(call, ValueError, ["load_best_model_at_end", "'steps'", "'epoch'"], ['save_strategy="best"'])
+    return Bad(call, ValueError, ["load_best_model_at_end", "'steps'", "'epoch'"],
+               ['save_strategy="best"'])
 
 
 # ----------------------------------------------------------------------------- datasets
 def case_data_malformed_jsonl_line(tmp, shared):
     path = _write(tmp / "d.jsonl", '{"text": "fine"}\n\n{"text": "broken}\n')
-    return Bad(lambda: load_examples(str(path)), ValueError, [f"{path}, line 3"], ["one JSON object per line"])
+    return Bad(lambda: load_examples(str(path)), ValueError, [f"{path}, line 3"],
+               ["one JSON object per line"])
 
 
 def case_data_line_not_an_object(tmp, shared):
     path = _write(tmp / "d.jsonl", '["text", "in a list"]\n')
-    return Bad(lambda: load_examples(str(path)), TypeError, [f"{path}, line 1", "got a list"], ['{"text": "..."}'])
+    return Bad(lambda: load_examples(str(path)), TypeError, [f"{path}, line 1", "got a list"],
+               ['{"text": "..."}'])
 
 
 def case_data_empty_dataset(tmp, shared):
@@ -249,30 +275,36 @@ def case_data_empty_dataset(tmp, shared):
 
 def case_data_unknown_role(tmp, shared):
     chat = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hello"}]
-    path = _write(tmp / "d.jsonl", json.dumps({"messages": chat[:1]}) + "\n" + json.dumps({"messages": chat}) + "\n")
-    return Bad(lambda: load_examples(str(path)), ValueError, [f"{path}, line 2", "messages[1]['role'] is 'wizard'"],
+    path = _write(tmp / "d.jsonl",
+                  json.dumps({"messages": chat[:1]}) + "\n" + json.dumps({"messages": chat}) + "\n")
+    return Bad(lambda: load_examples(str(path)), ValueError,
+               [f"{path}, line 2", "messages[1]['role'] is 'wizard'"],
                ["expected one of"])
 
 
 def case_data_content_not_a_string(tmp, shared):
     chat = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    return Bad(lambda: load_examples([{"messages": chat}]), TypeError, ["example 0", "messages[0]['content']"],
+    return Bad(lambda: load_examples([{"messages": chat}]), TypeError,
+               ["example 0", "messages[0]['content']"],
                ["join multi-part content into one string"])
 
 
 def case_data_prompt_without_completion(tmp, shared):
-    return Bad(lambda: load_examples([PC[0], {"prompt": "Hot?"}]), ValueError, ["example 1", "'completion'"],
+    return Bad(lambda: load_examples([PC[0], {"prompt": "Hot?"}]), ValueError,
+               ["example 1", "'completion'"],
                ["need both 'prompt' and 'completion'"])
 
 
 def case_data_no_known_field(tmp, shared):
-    return Bad(lambda: load_examples([{"txt": "typo in the field name"}]), ValueError, ["example 0", "['txt']"],
+    return Bad(lambda: load_examples([{"txt": "typo in the field name"}]), ValueError,
+               ["example 0", "['txt']"],
                ["use one of TRL's three dataset formats"])
 
 
 def case_data_mixed_formats(tmp, shared):
     return Bad(lambda: load_examples([PC[0], {"text": "plain"}]), ValueError,
-               ["example 1", "language_modeling", "prompt_completion"], ["one dataset holds one format"])
+               ["example 1", "language_modeling", "prompt_completion"],
+               ["one dataset holds one format"])
 
 
 def case_data_every_example_fully_masked(tmp, shared):
@@ -282,15 +314,18 @@ def case_data_every_example_fully_masked(tmp, shared):
 
 
 def case_data_packing_without_max_length(tmp, shared):
-    # nearest honest case of "longer than max_length with truncation off": packing needs a row length
-    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out", packing=True, max_length=None),
+    # nearest honest case of "longer than max_length with truncation off": packing needs a row
+    # length
+    call = lambda: SFTTrainer(tiny_model(300),
+                              _sft_config(tmp / "out", packing=True, max_length=None),
                               train_dataset=PC, processing_class=shared["tokenizer"])
     return Bad(call, ValueError, ["packing=True", "max_length"], ["needs max_length"])
 
 
 # ----------------------------------------------------------------------------- tokenizers
 def case_tokenizer_pad_token_missing(tmp, shared):
-    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out", pad_token="<pad>"), train_dataset=PC,
+    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out", pad_token="<pad>"),
+                              train_dataset=PC,
                               processing_class=shared["tokenizer"])
     return Bad(call, ValueError, ["pad token '<pad>'"], ["SFTConfig(pad_token=...)"])
 
@@ -298,7 +333,8 @@ def case_tokenizer_pad_token_missing(tmp, shared):
 def case_tokenizer_json_missing(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     os.remove(folder / "tokenizer.json")
-    return Bad(lambda: Tokenizer.from_pretrained(str(folder)), FileNotFoundError, [str(folder / "tokenizer.json")],
+    return Bad(lambda: Tokenizer.from_pretrained(str(folder)), FileNotFoundError,
+               [str(folder / "tokenizer.json")],
                ["Hugging Face tokenizer folder"])
 
 
@@ -306,14 +342,16 @@ def case_tokenizer_json_corrupt(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     text = (folder / "tokenizer.json").read_text()
     (folder / "tokenizer.json").write_text(text[: len(text) // 2])  # a truncated download
-    return Bad(lambda: Tokenizer.from_pretrained(str(folder)), ValueError, [str(folder / "tokenizer.json"), "line"])
+    return Bad(lambda: Tokenizer.from_pretrained(str(folder)), ValueError,
+               [str(folder / "tokenizer.json"), "line"])
 
 
 def case_tokenizer_special_token_not_in_vocab(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     _edit_json(folder / "tokenizer_config.json", eos_token="<|eot|>")
     return Bad(lambda: Tokenizer.from_pretrained(str(folder)), ValueError,
-               [str(folder / "tokenizer_config.json"), "eos_token '<|eot|>'"], ["set eos_token to an existing token"])
+               [str(folder / "tokenizer_config.json"), "eos_token '<|eot|>'"],
+               ["set eos_token to an existing token"])
 
 
 # ----------------------------------------------------------------------------- model folders
@@ -329,7 +367,8 @@ def case_model_missing_shard(tmp, shared):
     tiny_model(300).save_pretrained(str(folder), max_shard_size="40KB")
     shard = sorted(folder.glob("model-*.safetensors"))[1]
     os.remove(shard)
-    return Bad(lambda: CausalLM.from_pretrained(str(folder)), FileNotFoundError, [str(shard)], ["re-download"])
+    return Bad(lambda: CausalLM.from_pretrained(str(folder)), FileNotFoundError, [str(shard)],
+               ["re-download"])
 
 
 def case_model_corrupt_safetensors_header(tmp, shared):
@@ -344,39 +383,47 @@ def case_model_weights_do_not_fit_config(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     _edit_json(folder / "config.json", intermediate_size=96)
     return Bad(lambda: CausalLM.from_pretrained(str(folder)), ValueError,
-               ["model.layers.0.mlp.down_proj.weight", "(32, 64)", "(32, 96)"], ["fix the sizes in config.json"])
+               ["model.layers.0.mlp.down_proj.weight", "(32, 64)", "(32, 96)"],
+               ["fix the sizes in config.json"])
 
 
 def case_model_config_missing(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     os.remove(folder / "config.json")
-    return Bad(lambda: CausalLM.from_pretrained(str(folder)), FileNotFoundError, [str(folder / "config.json")],
+    return Bad(lambda: CausalLM.from_pretrained(str(folder)), FileNotFoundError,
+               [str(folder / "config.json")],
                ["save_pretrained writes it"])
 
 
 def case_model_config_bad_json(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     (folder / "config.json").write_text('{"model_type": "llama",\n "hidden_size": 32,,\n}')
-    return Bad(lambda: CausalLM.from_pretrained(str(folder)), ValueError, [str(folder / "config.json"), "line 2"])
+    return Bad(lambda: CausalLM.from_pretrained(str(folder)), ValueError,
+               [str(folder / "config.json"), "line 2"])
 
 
 # ----------------------------------------------------------------------------- adapters
 def case_adapter_for_another_base(tmp, shared):
-    get_peft_model(tiny_model(300, hidden=32), LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp / "a")
+    get_peft_model(tiny_model(300, hidden=32),
+                   LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp / "a")
     call = lambda: PeftModelForCausalLM.from_pretrained(tiny_model(300, hidden=64), str(tmp / "a"))
-    return Bad(call, ValueError, [str(tmp / "a" / "adapter_model.safetensors"), "q_proj.lora_A", "(8, 32)",
+    return Bad(call, ValueError,
+               [str(tmp / "a" / "adapter_model.safetensors"), "q_proj.lora_A", "(8, 32)",
                                   "(8, 64)"], ["another base model"])
 
 
 def case_adapter_weights_missing(tmp, shared):
-    get_peft_model(tiny_model(300), LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp / "a")
+    get_peft_model(tiny_model(300),
+                   LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp / "a")
     os.remove(tmp / "a" / "adapter_model.safetensors")
     call = lambda: PeftModelForCausalLM.from_pretrained(tiny_model(300), str(tmp / "a"))
-    return Bad(call, FileNotFoundError, [str(tmp / "a" / "adapter_model.safetensors")], ["as written by save_pretrained"])
+    return Bad(call, FileNotFoundError, [str(tmp / "a" / "adapter_model.safetensors")],
+               ["as written by save_pretrained"])
 
 
 def case_adapter_unsupported_peft_feature(tmp, shared):
-    get_peft_model(tiny_model(300), LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp / "a")
+    get_peft_model(tiny_model(300),
+                   LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp / "a")
     _edit_json(tmp / "a" / "adapter_config.json", use_qalora=True)
     call = lambda: PeftModelForCausalLM.from_pretrained(tiny_model(300), str(tmp / "a"))
     return Bad(call, ValueError, ["use_qalora=True"], ["remove it or use peft itself"])
@@ -411,7 +458,8 @@ def case_resume_true_without_checkpoints(tmp, shared):
     (tmp / "out").mkdir()
     trainer = _trainer(tmp / "out")
     return Bad(lambda: trainer.train(resume_from_checkpoint=True), ValueError,
-               ["resume_from_checkpoint=True", str(tmp / "out")], ["resume_from_checkpoint=None to start a fresh run"])
+               ["resume_from_checkpoint=True", str(tmp / "out")],
+               ["resume_from_checkpoint=None to start a fresh run"])
 
 
 def case_resume_from_missing_path(tmp, shared):
@@ -425,19 +473,21 @@ def case_resume_corrupt_optimizer_state(tmp, shared):
     (ckpt / checkpoint.OPTIMIZER_NAME).write_bytes(b"not a torch file")
     trainer = _trainer(tmp / "out")
     return Bad(lambda: trainer.train(resume_from_checkpoint=True), ValueError,
-               [f"{ckpt / checkpoint.OPTIMIZER_NAME} could not be read"], [f"delete {ckpt}", "earlier checkpoint"])
+               [f"{ckpt / checkpoint.OPTIMIZER_NAME} could not be read"],
+               [f"delete {ckpt}", "earlier checkpoint"])
 
 
 def case_resume_checkpoint_of_another_model(tmp, shared):
     ckpt = _copy(shared["run"] / "checkpoint-2", tmp / "out" / "checkpoint-2")
     trainer = _trainer(tmp / "out", model=tiny_model(64, hidden=64))
     return Bad(lambda: trainer.train(resume_from_checkpoint=True), ValueError,
-               [f"{ckpt / 'model.safetensors'} does not fit this model", "model.embed_tokens.weight",
+               [f"{ckpt / 'model.safetensors'} does not fit this model",
+                "model.embed_tokens.weight",
                 "[64, 32]", "[64, 64]"])
 
 
 # ----------------------------------------------------------------------------- the test
-# ----------------------------------------------------------------------------- Hub ids, dataset inputs
+# ----------------------------------------------------------------------------- Hub ids, datasets
 def _with_env(env, call):
     with unittest.mock.patch.dict(os.environ, env):
         return call()
@@ -446,7 +496,8 @@ def _with_env(env, call):
 def case_hub_id_not_cached_offline(tmp, shared):
     env = {"HF_HUB_CACHE": str(tmp / "hub"), "HF_HUB_OFFLINE": "1"}
     call = lambda: _with_env(env, lambda: AutoModelForCausalLM.from_pretrained("org/absent"))
-    return Bad(call, FileNotFoundError, ["org/absent was not found", str(tmp / "hub" / "models--org--absent")],
+    return Bad(call, FileNotFoundError,
+               ["org/absent was not found", str(tmp / "hub" / "models--org--absent")],
                ["HF_HUB_OFFLINE is set", "or give a local model folder"])
 
 
@@ -461,9 +512,11 @@ def case_hub_unknown_revision(tmp, shared):
 
 
 def case_dataset_rows_not_dicts(tmp, shared):
-    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out"), train_dataset=[PC[0], "Cold."],
+    call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out"),
+                              train_dataset=[PC[0], "Cold."],
                               processing_class=shared["tokenizer"])
-    return Bad(call, TypeError, ["example 1", "got a str"], ["each row is one example with named fields"])
+    return Bad(call, TypeError, ["example 1", "got a str"],
+               ["each row is one example with named fields"])
 
 
 def _columnar_without_format_columns(tmp, shared, kind):
@@ -489,7 +542,8 @@ def case_csv_without_format_columns(tmp, shared):
 def case_iterable_dataset_without_max_steps(tmp, shared):
     call = lambda: SFTTrainer(tiny_model(300), _sft_config(tmp / "out", max_steps=-1),
                               train_dataset=(ex for ex in PC), processing_class=shared["tokenizer"])
-    return Bad(call, ValueError, ["train_dataset is an iterable without a length"], ["set max_steps"])
+    return Bad(call, ValueError, ["train_dataset is an iterable without a length"],
+               ["set max_steps"])
 
 
 CASES = [(name[len("case_"):], fn) for name, fn in globals().items() if name.startswith("case_")]
@@ -497,13 +551,14 @@ PARAMS = [pytest.param(fn, id=name) for name, fn in CASES]
 
 
 def _snapshot(root):
-    """Every path under root with its size and mtime: any file written, removed or changed shows up."""
+    """Every path under root with its size and mtime: any file written, removed or changed shows."""
     found = {}
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
             path = os.path.join(folder, name)
             info = os.stat(path)
-            found[os.path.relpath(path, root)] = (info.st_size, info.st_mtime_ns) if name in files else "dir"
+            found[os.path.relpath(path, root)] = (info.st_size,
+                                                  info.st_mtime_ns) if name in files else "dir"
     return found
 
 
@@ -522,5 +577,6 @@ def test_bad_input_is_named_with_its_fix_and_leaves_nothing_behind(make, tmp_pat
         assert part in message, f"{part!r} missing from: {message}"
     if isinstance(info.value, CliExit):
         assert info.value.status == 2
-        assert "Traceback" not in message and len(message.strip().splitlines()) <= 3  # a short paragraph
+        assert "Traceback" not in message
+        assert len(message.strip().splitlines()) <= 3  # a short paragraph
     assert _snapshot(tmp_path) == before

@@ -21,7 +21,8 @@ from nanosft.data import (
 )
 from nanosft.tokenizer import CHATML_TEMPLATE, Tokenizer
 
-CORPUS = ["the cat sat on the mat.", "hello world, what is two plus two? four.", "be nice and brief."]
+CORPUS = ["the cat sat on the mat.", "hello world, what is two plus two? four.",
+          "be nice and brief."]
 CHAT = [
     {"role": "system", "content": "be nice"},
     {"role": "user", "content": "hello"},
@@ -31,8 +32,9 @@ CHAT = [
 ]
 # ChatML with no {% generation %} tags: assistant turns must still be found (by rendering prefixes).
 PLAIN_CHATML = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
 
@@ -62,7 +64,8 @@ def supervised_runs(tok, row):
 # ---------------------------------------------------------------- bad inputs, each with its message
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", ['{"text": "ok"}', '{"text": "broken"', '{"text": "ok"}'])
+    path = write_jsonl(tmp_path / "d.jsonl",
+                       ['{"text": "ok"}', '{"text": "broken"', '{"text": "ok"}'])
     with pytest.raises(ValueError, match=r"d\.jsonl, line 2: not valid JSON"):
         load_examples(path)
 
@@ -98,15 +101,18 @@ def test_prompt_without_completion():
 
 
 def test_unknown_role_names_example_field_and_message():
-    bad = [{"messages": CHAT}, {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}]
-    with pytest.raises(ValueError, match=r"example 1: field 'messages': messages\[1\]\['role'\] is 'bot'"):
+    bad = [{"messages": CHAT},
+           {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}]
+    with pytest.raises(ValueError,
+                       match=r"example 1: field 'messages': messages\[1\]\['role'\] is 'bot'"):
         load_examples(bad)
 
 
 def test_non_string_content_names_example_and_message(tmp_path):
     line = json.dumps({"messages": [{"role": "user", "content": 42}]})
     path = write_jsonl(tmp_path / "d.jsonl", [line])
-    with pytest.raises(TypeError, match=r"line 1 \(example 0\): field 'messages': messages\[0\]\['content'\] "
+    with pytest.raises(TypeError,
+                       match=r"line 1 \(example 0\): field 'messages': messages\[0\]\['content'\] "
                                         r"must be a str, got int"):
         load_examples(path)
 
@@ -114,12 +120,14 @@ def test_non_string_content_names_example_and_message(tmp_path):
 def test_non_string_text_and_completion():
     with pytest.raises(TypeError, match=r"example 0: field 'text' must be a string, got int"):
         load_examples([{"text": 3}])
-    with pytest.raises(TypeError, match=r"example 0: field 'completion' must be a string, got list"):
+    with pytest.raises(TypeError,
+                       match=r"example 0: field 'completion' must be a string, got list"):
         load_examples([{"prompt": "a", "completion": ["b"]}])
 
 
 def test_mixed_formats_are_an_error():
-    with pytest.raises(ValueError, match=r"example 1: format conversational differs from example 0's"):
+    with pytest.raises(ValueError,
+                       match=r"example 1: format conversational differs from example 0's"):
         load_examples([{"text": "a"}, {"messages": CHAT}])
 
 
@@ -159,7 +167,8 @@ def test_language_modeling_appends_eos_once(tok):
 
 
 def test_custom_eos_token_and_text_field(tok):
-    rows = prepare_dataset([{"body": "the cat"}], tok, dataset_text_field="body", eos_token="<|endoftext|>")
+    rows = prepare_dataset([{"body": "the cat"}], tok, dataset_text_field="body",
+                           eos_token="<|endoftext|>")
     assert rows[0]["input_ids"][-1] == tok.pad_token_id
 
 
@@ -181,7 +190,8 @@ def test_prompt_merging_into_completion_warns_and_masks_from_the_divergence(tok)
 
 
 def test_completion_only_loss_false_trains_on_prompt_too(tok):
-    rows = prepare_dataset([{"prompt": "the cat", "completion": " sat"}], tok, completion_only_loss=False)
+    rows = prepare_dataset([{"prompt": "the cat", "completion": " sat"}], tok,
+                           completion_only_loss=False)
     assert rows[0]["labels"] == rows[0]["input_ids"]
 
 
@@ -299,7 +309,8 @@ def test_bins_form_within_each_map_batch():
 
 def test_wrapped_cuts_the_concatenation():
     rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9]}]
-    assert [r["input_ids"] for r in pack_dataset(rows, 4, "wrapped")] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
+    assert [r["input_ids"] for r in pack_dataset(rows, 4, "wrapped")] == [[1, 2, 3, 4],
+                                                                          [5, 6, 7, 8], [9]]
 
 
 def test_packing_errors():
