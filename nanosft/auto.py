@@ -46,16 +46,14 @@ def _device_from_map(device_map):
 
 
 def _check_quantization_config(config):
-    if getattr(config, "load_in_8bit", False):
-        raise ValueError("quantization_config: load_in_8bit is not supported; nanosft quantizes to "
-                         "4-bit NF4 (BitsAndBytesConfig(load_in_4bit=True))")
-    if not getattr(config, "load_in_4bit", False):
-        raise ValueError("quantization_config: set load_in_4bit=True (nanosft's only quantization),"
-                         " or pass quantization_config=None for a full-precision model")
-    quant_type = getattr(config, "bnb_4bit_quant_type", "nf4")
-    if quant_type != "nf4":
-        raise ValueError(f"quantization_config: bnb_4bit_quant_type={quant_type!r} is not "
-                         'supported; use "nf4"')
+    """nf4.BitsAndBytesConfig from ours, a dict or transformers' BitsAndBytesConfig; NF4 only."""
+    from nanosft import nf4
+
+    config = nf4.BitsAndBytesConfig.from_any(config)  # refuses 8-bit and unknown options by name
+    if config.bnb_4bit_quant_type != "nf4":
+        raise ValueError(f"quantization_config: bnb_4bit_quant_type={config.bnb_4bit_quant_type!r} "
+                         'is not supported here; use "nf4" (transformers\' default is "fp4")')
+    return config
 
 
 class AutoModelForCausalLM:
@@ -77,12 +75,12 @@ class AutoModelForCausalLM:
         folder = hub.resolve_pretrained_path(pretrained_model_name_or_path, revision, "model")
         device = _device_from_map(device_map)
         model = CausalLM.from_pretrained(folder, dtype=dtype).to(device)
-        if quantization_config is not None:
-            _check_quantization_config(quantization_config)
-            config = quantization_config
-            model = nf4.quantize_model(
-                model, compute_dtype=getattr(config, "bnb_4bit_compute_dtype", None),
-                compress_statistics=getattr(config, "bnb_4bit_use_double_quant", False))
+        if quantization_config is not None:  # quantized after loading, on the target device
+            config = _check_quantization_config(quantization_config)
+            skip = config.llm_int8_skip_modules or ["lm_head"]  # transformers' default skip
+            model = nf4.quantize_model(model, skip_modules=skip,
+                                       compute_dtype=config.bnb_4bit_compute_dtype,
+                                       compress_statistics=config.bnb_4bit_use_double_quant)
         return model.eval()
 
 
