@@ -18,3 +18,12 @@ def run_tutorial(filename, timeout=300) -> str:
                             timeout=timeout, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
+
+
+def assert_reference_ran(out, *checks):
+    """Each `reference check ran: <check>` line is in a tutorial's output and none says it skipped.
+
+    The test extras install the reference libraries, so in CI every comparison must have run."""
+    assert "reference check skipped" not in out, out[out.index("reference check skipped"):][:200]
+    for check in checks:
+        assert f"reference check ran: {check}" in out, f"the comparison with {check} did not run"

@@ -9,7 +9,7 @@ Run: python -m pytest -q tests/test_tutorial_00.py
 import math
 import re
 
-from run_tutorial import run_tutorial
+from run_tutorial import assert_reference_ran, run_tutorial
 
 
 def test_tutorial_00_runs_and_prints_each_stage():
@@ -24,4 +24,5 @@ def test_tutorial_00_runs_and_prints_each_stage():
     assert re.search(rf"logits shape: \(1, \d+, {vocab}\)", out)
     loss = float(re.search(r"loss: ([0-9.]+)", out).group(1))
     assert abs(loss - math.log(vocab)) < 0.1  # untrained model: near-uniform predictions
+    assert_reference_ran(out, "transformers AutoTokenizer + LlamaForCausalLM")
     assert out.rstrip().endswith("OK: tokenizer and model agree on ids, shapes and loss")

@@ -22,4 +22,10 @@ def test_tutorial_01_traces_the_whole_flow():
         assert line in out, line
     sync = [part.split("do_sync_step=")[1].split()[0] for part in out.splitlines() if "do_sync_step=" in part
             and part.startswith("[trace]")]
+    # the reference call tree was read from the installed transformers / peft sources
+    for reference in ("transformers.trainer.Trainer.train", "transformers.trainer.Trainer.compute_loss",
+                      "peft.peft_model.PeftModelForCausalLM.forward",
+                      "peft.tuners.lora.bnb.Linear4bit.forward"):
+        assert reference in out, reference
+    assert "not installed" not in out
     assert sync == ["False", "True"]  # gradient_accumulation_steps=2: only the window's last micro-batch steps

@@ -8,9 +8,9 @@ Hermetic: a tokenizer trained on a few sentences, tiny models, hand-written exam
 Run: python -m pytest -q tests/test_tutorial_02.py
 """
 
-import importlib.util
+import re
 
-from run_tutorial import run_tutorial
+from run_tutorial import assert_reference_ran, run_tutorial
 
 
 def test_tutorial_02_sfttrainer_init():
@@ -19,10 +19,12 @@ def test_tutorial_02_sfttrainer_init():
     assert "q_proj.lora_A.default.weight torch.bfloat16" in out
     assert "lora_magnitude_vector.default.weight torch.float32" in out
     assert "base layer of q_proj: Linear4bit" in out
-    assert "'What is two plus two?[ Fou][r][.][<|im_end|>]'" in out  # prompt masked, completion + EOS trained
+    # prompt/completion row: the prompt is printed bare (masked), the completion and EOS in [brackets]
+    row = re.search(r"'What is two plus two\?((?:\[[^\]]*\])+)'", out)
+    assert row and "".join(re.findall(r"\[([^\]]*)\]", row.group(1))) == " Four." + "<|im_end|>"
     assert "prompt_completion: completion_only_loss=True" in out
     assert "padding_free=False); rows 2" in out and "padding_free=True); rows 1" in out
     assert "position_ids [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1," in out  # restart at the second document
-    if all(importlib.util.find_spec(m) for m in ("trl", "datasets")):
-        assert out.count("TRL rows == nanosft rows: True") == 3
+    assert out.count("TRL rows == nanosft rows: True") == 3  # one per dataset format
+    assert_reference_ran(out, "trl SFTTrainer dataset preparation")
     assert "OK: walkthrough 2.1 checked" in out

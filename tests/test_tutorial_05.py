@@ -10,13 +10,14 @@ Run: python -m pytest -q tests/test_tutorial_05.py
 
 import re
 
-from run_tutorial import run_tutorial
+from run_tutorial import assert_reference_ran, run_tutorial
 
 
 def test_tutorial_05_training_step_rules():
     out = run_tutorial("05_training_step.py")
     assert "model.training: False -> True" in out
     assert "requires_grad=False  grad_fn=None" in out
+    assert_reference_ran(out, "transformers Trainer.training_step")
     assert "OK: walkthrough 2.4 training_step checked" in out
     rows = {}
     for line in out.splitlines():

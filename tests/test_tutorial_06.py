@@ -9,10 +9,9 @@ Hermetic: a tiny CausalLM, a tiny trained tokenizer and two hand-written rows, i
 Run: python -m pytest -q tests/test_tutorial_06.py
 """
 
-import importlib.util
 import re
 
-from run_tutorial import run_tutorial
+from run_tutorial import assert_reference_ran, run_tutorial
 
 
 def test_tutorial_06_compute_loss_pieces():
@@ -27,6 +26,7 @@ def test_tutorial_06_compute_loss_pieces():
     assert "ValueError: The model returned no loss" in out
     m = re.search(r"SFTTrainer.compute_loss ([0-9.]+)\s+chunked by hand ([0-9.]+)\s+Trainer.compute_loss ([0-9.]+)", out)
     assert abs(float(m.group(1)) - float(m.group(3))) < 1e-5 and abs(float(m.group(2)) - float(m.group(3))) < 1e-5
-    if importlib.util.find_spec("trl"):
-        assert "trl ChunkedLogProbFunction (fp32, tiles of 64)" in out
+    assert "trl ChunkedLogProbFunction (fp32, tiles of 64)" in out
+    assert_reference_ran(out, "transformers ForCausalLMLoss", "transformers LabelSmoother",
+                         "trl ChunkedLogProbFunction")
     assert "OK: walkthrough 2.5 compute_loss checked" in out

@@ -16,6 +16,9 @@ from run_tutorial import run_tutorial
 def test_tutorial_08_runs_and_prints_each_line_of_2_7():
     out = run_tutorial("08_linear4bit_forward.py")
     assert "==================== NF4 code values (QLoRA 3) ====================" in out
+    assert "8 positive, 7 negative, 1 exact zero" in out  # NF4 by hand
+    assert "bytes and absmax identical to bitsandbytes.functional.quantize_4bit: True" in out
+    assert "weight.requires_grad=False, weight.grad=None" in out
     plain = 0.5 + 4 / 64 + 16 * 4 / 1024**2
     assert f"bytes per weight, 1024x1024: {plain:.4f} without" in out
     assert "elif self.merged: False | else: runs" in out
@@ -28,4 +31,8 @@ def test_tutorial_08_runs_and_prints_each_line_of_2_7():
     assert f"rsLoRA scaling = lora_alpha / sqrt(r) = {8 / 4**0.5}" in out
     assert "DoRA output == m / ||W + sBA|| * (W + sBA) x + b: True" in out
     assert "float base: merged=True" in out and "unmerge() -> merged = False" in out
+    # the peft comparisons ran (the test extras install peft)
+    assert "peft bnb.Linear4bit beside ours: max |ours - peft|" in out
+    assert "peft DoRA beside ours: max |ours - peft|" in out
+    assert "peft's merged NF4 bytes identical to ours: True" in out
     assert out.rstrip().endswith("OK: walkthrough 2.7 replayed step by step")

@@ -9,7 +9,7 @@ Run: python -m pytest -q tests/test_tutorial_11.py
 
 import re
 
-from run_tutorial import run_tutorial
+from run_tutorial import assert_reference_ran, run_tutorial
 
 
 def test_tutorial_11_accumulation_equals_big_batch_and_clipping():
@@ -23,4 +23,5 @@ def test_tutorial_11_accumulation_equals_big_batch_and_clipping():
     assert abs(float(m.group(1)) - float(m.group(2))) < 1e-5
     m = re.search(r"max_grad_norm ([0-9.]+): clip_coef [0-9.]+; norm of the grads the optimizer saw ([0-9.]+)", out)
     assert abs(float(m.group(1)) - float(m.group(2))) < 1e-5
+    assert_reference_ran(out, "transformers Trainer (accumulation + clipping)")
     assert "OK: gradient accumulation and clipping checked" in out

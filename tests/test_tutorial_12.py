@@ -9,7 +9,7 @@ Run: python -m pytest -q tests/test_tutorial_12.py
 
 import re
 
-from run_tutorial import run_tutorial
+from run_tutorial import assert_reference_ran, run_tutorial
 
 
 def test_tutorial_12_bf16_and_grad_scaler_skip():
@@ -23,4 +23,5 @@ def test_tutorial_12_bf16_and_grad_scaler_skip():
     assert rows[1][2] == "inf" and [r[4] for r in rows] == ["True", "False", "True"]
     lrs = [float(r[3]) for r in rows]
     assert lrs[0] != lrs[1] and lrs[1] == lrs[2]  # the skipped step did not advance the schedule
+    assert_reference_ran(out, "transformers LlamaForCausalLM under autocast")
     assert "OK: mixed precision checked" in out

@@ -10,7 +10,7 @@ Run: python -m pytest -q tests/test_tutorial_14.py
 
 
 
-from run_tutorial import run_tutorial
+from run_tutorial import assert_reference_ran, run_tutorial
 
 
 def test_tutorial_14_nan_filter_and_clipping():
@@ -28,4 +28,5 @@ def test_tutorial_14_nan_filter_and_clipping():
     clip = out.split("max_grad_norm=1.0 (clipping):")[1].split("the bad step's own loss")[0]
     assert "grad_norm            nan" in no_clip and "trainer: Stopping at step" in no_clip
     assert "nan" not in clip and "step 10" in clip and "Stopping" not in clip
+    assert_reference_ran(out, "transformers Trainer (zero-token micro-batch)")
     assert "OK: troubleshooting checked" in out

@@ -128,7 +128,7 @@ try:
     import transformers
 except ImportError:
     transformers = None
-    print("transformers is not installed: skipping the side-by-side check")
+    print("reference check skipped: transformers is not installed")
 if transformers is not None:
     transformers.utils.logging.disable_progress_bar()  # keep the printout readable
     with tempfile.TemporaryDirectory() as folder:
@@ -143,5 +143,6 @@ if transformers is not None:
     print(f"loss  nanosft {loss.item():.6f}   transformers {hf_loss.item():.6f}")
     assert hf_ids == input_ids
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-5)
+    print("reference check ran: transformers AutoTokenizer + LlamaForCausalLM")
 
 print("\nOK: tokenizer and model agree on ids, shapes and loss")

@@ -167,7 +167,7 @@ try:
     import transformers
     import trl
 except ImportError:
-    print("trl / transformers / datasets not installed: skipping the side-by-side check")
+    print("reference check skipped: trl / transformers / datasets not installed")
 else:
     datasets.disable_progress_bars()
     transformers.utils.logging.set_verbosity_error()
@@ -190,5 +190,6 @@ else:
               f"{reference.data_collator.padding_free}")
         all_equal &= same
     assert all_equal
+    print("reference check ran: trl SFTTrainer dataset preparation")
 
 print("\nOK: walkthrough 2.1 checked")

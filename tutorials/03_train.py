@@ -3,13 +3,14 @@
 The walkthrough's train() is one line: `return inner_training_loop(args=args, resume_from_checkpoint=...,
 trial=trial, ignore_keys_for_eval=...)` ("Main training entry point"). Before that line transformers 5.23 (and
 nanosft) turn on activation (gradient) checkpointing when asked, and resolve resume_from_checkpoint (True means
-the newest output_dir/checkpoint-N). We record the call train() makes, show checkpointing changes memory, not
-gradients, and resume a run from its checkpoint to the same weights as an uninterrupted run.
+the newest output_dir/checkpoint-N). We record the call train() makes, measure that checkpointing
+cuts the bytes saved for backward but not the gradients, and resume a run from its checkpoint to the same weights as an uninterrupted run.
 Run:      python tutorials/03_train.py
 Runtime:  about 8 s on one CPU core with transformers installed (importing it is half), 4 s without.
 You should see:
   - "train() -> _inner_training_loop(args, resume_from_checkpoint=None)" and checkpointing False -> True;
-  - the same gradient with and without gradient checkpointing (it recomputes, it does not approximate);
+  - the bytes saved for backward per layer, then 0 per layer with gradient checkpointing, and the
+    same gradient (it recomputes, it does not approximate);
   - resume_from_checkpoint=True resolving to checkpoint-2, and the resumed weights equal the uninterrupted ones;
   - transformers' TrainOutput beside ours, and "OK: walkthrough 2.2 checked".
 """
@@ -24,6 +25,7 @@ import torch
 
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft.memory import count_saved_tensors
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
 
@@ -80,21 +82,39 @@ assert returned == "the loop's TrainOutput"
 
 # %% [markdown]
 # ## gradient_checkpointing: memory, not math
-# A checkpointed layer keeps only its input in the forward and recomputes its activations during backward.
+# A checkpointed layer keeps only its input in the forward and recomputes its activations during
+# backward. We measure both halves of that claim: the bytes autograd saves for backward, counted
+# with torch.autograd.graph.saved_tensors_hooks (nanosft.memory.count_saved_tensors: every saved
+# tensor's storage once, the model's own weights left out), and the gradients.
 
 # %%
 banner("2.2 Trainer.train(): if args.gradient_checkpointing: model.gradient_checkpointing_enable()")
 inputs = COLLATOR(ROWS[:2])
-grads = {}
+grads, saved = {}, {}
 for checkpointing in (False, True):
     model = tiny_model()
     if checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
-    model(**inputs).loss.backward()
+    with count_saved_tensors(model) as counted:  # the forward: what autograd keeps for backward
+        loss = model(**inputs).loss
+    loss.backward()
     grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    saved[checkpointing] = counted
+    print(f"checkpointing={checkpointing!s:5}: bytes saved for backward per decoder layer "
+          f"{counted.per_layer}, outside the layers {counted.outside}, total {counted.total}")
+B, T = inputs["input_ids"].shape
+kept_inputs = TINY["num_hidden_layers"] * B * T * TINY["hidden_size"] * 4  # (B, T, C) fp32 per layer
+print(f"with checkpointing the layers save nothing; outside grows by "
+      f"{saved[True].outside - saved[False].outside} bytes, about the layer inputs the checkpoints "
+      f"keep ({TINY['num_hidden_layers']} x (B={B}, T={T}, C={TINY['hidden_size']}) fp32 = "
+      f"{kept_inputs})")
+print(f"activation memory: {saved[False].total} -> {saved[True].total} bytes "
+      f"({saved[True].total / saved[False].total:.0%})")
 difference = (grads[True] - grads[False]).abs().max().item()
 print(f"max |grad with checkpointing - grad without| = {difference:.1e}")
+assert all(b > 0 for b in saved[False].per_layer) and all(b == 0 for b in saved[True].per_layer)
+assert saved[True].total < saved[False].total / 2
 assert difference < 1e-6
 
 # %% [markdown]
@@ -148,7 +168,7 @@ try:
     import datasets
     import transformers
 except ImportError:
-    print("transformers / datasets not installed: skipping the side-by-side check")
+    print("reference check skipped: transformers / datasets not installed")
 else:
     transformers.utils.logging.set_verbosity_error()
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
@@ -165,5 +185,6 @@ else:
           f"training_loss={hf_result.training_loss:.6f})")
     assert hf_result.global_step == full_result.global_step
     assert abs(hf_result.training_loss - full_result.training_loss) < 1e-5
+    print("reference check ran: transformers Trainer.train")
 
 print("\nOK: walkthrough 2.2 checked")

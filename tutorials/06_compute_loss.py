@@ -89,7 +89,7 @@ torch.testing.assert_close(ours_fn, sum_by_hand, rtol=1e-6, atol=1e-6)
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
 except ImportError:
-    print("transformers is not installed: skipping ForCausalLMLoss")
+    print("reference check skipped: transformers is not installed (ForCausalLMLoss)")
 else:
     hf_mean = ForCausalLMLoss(outputs.logits, labels, TINY["vocab_size"])
     hf_sum = ForCausalLMLoss(outputs.logits, labels, TINY["vocab_size"], num_items_in_batch=num_items_in_batch)
@@ -97,6 +97,7 @@ else:
           f"sum/20 {hf_sum.item():.6f} (ours {loss_n.item():.6f})")
     torch.testing.assert_close(hf_mean, loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(hf_sum, loss_n, rtol=1e-6, atol=1e-6)
+    print("reference check ran: transformers ForCausalLMLoss")
 
 # %% [markdown]
 # Under DDP compute_loss also multiplies this loss by world_size (average_tokens_across_devices): the count
@@ -129,11 +130,12 @@ torch.testing.assert_close(smoothed, smooth_by_hand, rtol=1e-6, atol=1e-6)
 try:
     from transformers.trainer_pt_utils import LabelSmoother
 except ImportError:
-    print("transformers is not installed: skipping LabelSmoother")
+    print("reference check skipped: transformers is not installed (LabelSmoother)")
 else:
     hf_smoothed = LabelSmoother(epsilon=EPS)({"logits": outputs.logits}, labels, shift_labels=True)
     print(f"transformers LabelSmoother: {hf_smoothed.item():.6f}")
     torch.testing.assert_close(hf_smoothed, smoothed, rtol=1e-6, atol=1e-6)
+    print("reference check ran: transformers LabelSmoother")
 
 # %%
 banner("2.5 compute_loss: compute_loss_func(outputs, labels, num_items_in_batch=...)  # User-defined")
@@ -195,12 +197,13 @@ torch.testing.assert_close(sft_loss, loss_n, rtol=1e-5, atol=1e-6)
 try:
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 except ImportError:
-    print("trl is not installed: skipping ChunkedLogProbFunction")
+    print("reference check skipped: trl is not installed (ChunkedLogProbFunction)")
 else:
     trl_log_p = ChunkedLogProbFunction.apply(hidden_flat, weight, None, targets.clamp(min=0), 1.0, TILE)[0]
     trl_loss = -trl_log_p[mask].sum() / num_items_in_batch
     print(f"trl ChunkedLogProbFunction (fp32, tiles of {TILE}): loss {trl_loss.item():.6f}")
     torch.testing.assert_close(trl_log_p[mask], chunked_log_p[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(trl_loss, sft_loss, rtol=1e-5, atol=1e-6)
+    print("reference check ran: trl ChunkedLogProbFunction")
 
 print("\nOK: walkthrough 2.5 compute_loss checked")

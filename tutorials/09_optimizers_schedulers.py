@@ -1,27 +1,33 @@
 """Tutorial 09: the optimizer and the learning-rate schedule of a training run.
 
-Guide (custom training loop), 优化器配置与管理: AdamW优化器实现 (two parameter groups, decoupled weight decay)
-and 学习率调度器类型 (linear, cosine, constant, warmup, plateau); walkthrough 1 `self.lr_scheduler.step()`,
-which runs only after a successful optimizer step.
+Guide (custom training loop), 优化器配置与管理: AdamW优化器实现 (two parameter groups, decoupled
+weight decay) and 学习率调度器类型 (linear, cosine, constant, warmup, plateau); walkthrough 1
+`self.lr_scheduler.step()`, which runs only after a successful optimizer step.
 Run:      python tutorials/09_optimizers_schedulers.py
-Runtime:  a few seconds on CPU (about 10 s more when transformers is installed).
+Runtime:  about 20 s on a 2-core CPU (transformers' import is most of it).
 You should see:
-  - the decay / no-decay split of a tiny Llama (norm weights get no decay) and transformers' split beside it;
+  - the decay / no-decay split of a tiny Llama (norm weights get no decay) and transformers' beside it;
   - one AdamW step rebuilt by hand, equal to torch's fused AdamW that nanosft builds;
-  - every schedule as a row of numbers and a sparkline over 12 steps with 3 warmup steps, the first at lr 0;
-  - transformers' curve beside each, max |difference| 0, and "OK: ..." at the end.
+  - every schedule as a sparkline over 12 steps (3 warmup) with the guide's "when to use" beside it,
+    and transformers' curve compared (max |difference| 0);
+  - ReduceLROnPlateau driven by the Trainer's eval loss: the lr halves after each plateau, as
+    torch's rule replayed by hand on the logged eval losses predicts; "OK: ..." at the end.
 """
 
 # %%
+import contextlib
+import io
 import math
 import os
 import tempfile
 
 import torch
 
-from nanosft.args import SFTConfig
+from nanosft.args import SFTConfig, TrainingArguments
+from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.optim import create_optimizer, get_decay_parameter_names, get_scheduler
+from nanosft.trainer import Trainer
 
 try:
     import transformers
@@ -63,8 +69,9 @@ if transformers is not None:
     hf_decay = transformers.Trainer.get_decay_parameter_names(None, transformers.LlamaForCausalLM(hf_config))
     print(f"transformers Trainer.get_decay_parameter_names: {len(hf_decay)} decayed, same names: {hf_decay == decay}")
     assert hf_decay == decay
+    print("reference check ran: transformers Trainer.get_decay_parameter_names")
 else:
-    print("(transformers not installed: reference split skipped)")
+    print("reference check skipped: transformers is not installed")
 
 # %% [markdown]
 # ## AdamW优化器实现: one step by hand
@@ -107,6 +114,21 @@ SCHEDULES = [
     ("inverse_sqrt", None), ("cosine_with_min_lr", {"min_lr_rate": 0.2}),
     ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}), ("warmup_stable_decay", {"num_decay_steps": 4}),
 ]
+# The guide's 使用场景 ("when to use") column; rows the guide's table lacks are marked (not in the guide).
+WHEN_TO_USE = {
+    "linear": "标准训练任务 standard training (the Trainer's default)",
+    "cosine": "需要平滑学习率变化 a smooth lr decay",
+    "cosine_with_restarts": "(not in the guide) several decays, each restarting high",
+    "polynomial": "(not in the guide) a decay of chosen curvature to lr_end",
+    "constant": "特殊需求或调试 special needs or debugging",
+    "constant_with_warmup": "大多数训练场景 (warmup) most runs: warmup, then flat",
+    "inverse_sqrt": "(not in the guide) long runs with no fixed end",
+    "cosine_with_min_lr": "需要平滑学习率变化 smooth decay, floored above 0",
+    "cosine_warmup_with_min_lr": "大多数训练场景 (warmup) warmup + smooth floored decay",
+    "warmup_stable_decay": "(not in the guide) flat for most of the run, decay at the end",
+    "reduce_lr_on_plateau": "验证集性能监控 driven by the eval metric (below)",
+}
+assert set(WHEN_TO_USE) == {name for name, _ in SCHEDULES} | {"reduce_lr_on_plateau"}
 
 
 def curve(make, name, kwargs):
@@ -131,8 +153,54 @@ for name, kwargs in SCHEDULES:
         line += f"  | transformers max|diff| {gap:.0e}"
         assert gap <= 1e-12, name
     print(line)
+    print(f"{'':<26} when to use: {WHEN_TO_USE[name]}")
+if transformers is not None:
+    print("reference check ran: transformers.get_scheduler, every schedule above")
 assert curves["linear"][0] == 0.0 and curves["linear"][W] == BASE  # warmup ends at the base lr
 assert curves["constant"] == [BASE] * T  # "constant" ignores warmup entirely
+
+# %% [markdown]
+# ## ReduceLROnPlateau: 基于指标调整, driven by the eval loss
+# The one schedule that reads a metric: after each evaluation the Trainer calls
+# lr_scheduler.step(eval_loss) (transformers Trainer._evaluate) and skips the per-step call. The
+# held-out rows here are random tokens, so the model can only memorise its 4 training rows: eval loss
+# stops improving almost at once, and with patience=1 the lr halves after every two evals without
+# a new best. We replay torch's rule by hand on the logged eval losses and predict every logged lr.
+
+# %%
+banner("ReduceLROnPlateau: lr_scheduler.step(eval_loss) after each evaluation")
+print(f"when to use: {WHEN_TO_USE['reduce_lr_on_plateau']}")
+g = torch.Generator().manual_seed(1)
+plateau_rows = []
+for _ in range(8):
+    ids = torch.randint(1, config.vocab_size, (12,), generator=g).tolist()
+    plateau_rows.append({"input_ids": ids, "labels": ids})
+PATIENCE, FACTOR, LR0 = 1, 0.5, 3e-2
+torch.manual_seed(0)
+plateau_args = TrainingArguments(
+    output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=12, learning_rate=LR0,
+    optim="adamw_torch", lr_scheduler_type="reduce_lr_on_plateau",
+    lr_scheduler_kwargs={"patience": PATIENCE, "factor": FACTOR}, eval_strategy="steps", eval_steps=1,
+    logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", bf16=False)
+plateau = Trainer(CausalLM(config), plateau_args, train_dataset=plateau_rows[:4],
+                  eval_dataset=plateau_rows[4:], data_collator=DataCollatorForLanguageModeling(0))
+with contextlib.redirect_stdout(io.StringIO()):
+    plateau.train()
+logged_lr = [h["learning_rate"] for h in plateau.state.log_history if "loss" in h]
+eval_losses = [h["eval_loss"] for h in plateau.state.log_history if "eval_loss" in h]
+# torch's rule (mode="min", threshold=1e-4 relative): a new best resets the count of bad evals;
+# more than `patience` bad evals in a row multiply the lr by `factor` and reset the count.
+lr, best, bad, predicted = LR0, math.inf, 0, [LR0]
+for loss in eval_losses[:-1]:
+    best, bad = (loss, 0) if loss < best * (1 - 1e-4) else (best, bad + 1)
+    if bad > PATIENCE:
+        lr, bad = lr * FACTOR, 0
+    predicted.append(lr)  # the lr of the next optimizer step
+print("step | eval_loss | logged lr | replayed rule")
+for step, (loss, got, want) in enumerate(zip(eval_losses, logged_lr, predicted), start=1):
+    print(f"{step:4d} | {loss:9.4f} | {got:9.6f} | {want:9.6f}")
+assert logged_lr == predicted
+assert logged_lr[-1] < LR0 / 4  # several plateaus, several halvings
 
 # %% [markdown]
 # ## warmup_steps below 1 is a ratio
