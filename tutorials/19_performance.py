@@ -9,8 +9,8 @@ not asserted (a shared CPU is noisy); what is deterministic (op counts, byte cou
 the batch sizes tried) is asserted.
 Run:      python tutorials/19_performance.py             (torch.compile with backend="aot_eager")
           python tutorials/19_performance.py --inductor  (the default backend, inductor: C++
-                                                          codegen, 30-80 s of compiling on 2 cores)
-Runtime:  about 20 s on one CPU core (half of it torch.compile tracing the model).
+                                                          codegen, ~50 s of CPU compiling first)
+Runtime:  about 15 s of CPU time, half of it torch.compile tracing (longer on a busy machine).
 You should see:
   - the profiler's top ops and "aten::mm: 45 calls = 3 x 15 linears" with its share of the time;
   - compiled vs eager: step times and |loss difference|; checkpointing: saved bytes per layer drop
@@ -112,7 +112,8 @@ assert mm_calls == 3 * linears and 0 < share < 1
 # ## torch.compile: TrainingArguments(torch_compile=True) calls torch.compile(model)
 # Compiling traces the model into graphs once (seconds), then runs the graphs. aot_eager captures
 # forward and backward but runs the same aten ops (same numbers); inductor fuses them into
-# generated kernels (faster per step, float sums reordered: ~1e-6 differences).
+# generated kernels (float sums reordered: ~1e-6 differences), which pays on real model sizes;
+# on this toy model the compiled step is not faster, and the first step costs the compile.
 
 # %%
 backend = "inductor" if "--inductor" in sys.argv else "aot_eager"
