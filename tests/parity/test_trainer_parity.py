@@ -5,19 +5,18 @@ same pre-tokenized rows with prompt labels -100, seed, batch 2 x GA 3 (8 micro-b
 ends on a short window), adamw_torch, linear warmup, clipping, with and without label smoothing. Compared per
 optimizer step (>= 20 steps, also for BFD-packed padding-free batches): loss,
 grad_norm, learning_rate, epoch, and TRL's entropy / mean_token_accuracy / num_tokens.
+Negative control: the LoRA run with its adapters frozen (learning_rate 0) fails the loss comparison.
 Hermetic: CPU, fp32, no downloads (a WordLevel tokenizer built in memory). Tolerance 1e-5 (fp32; TRL's chunked
 log-softmax and our plain one differ by float rounding only).
 Run: python -m pytest -q tests/parity/test_trainer_parity.py
 """
 
+import datasets
+import peft
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-peft = pytest.importorskip("peft")
-datasets = pytest.importorskip("datasets")
-
+import transformers
+import trl
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
@@ -109,16 +108,28 @@ def test_sft_trainer_matches_trl_with_lora(tmp_path):
     ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **sft), train_dataset=rows,
                       processing_class=our_tok, peft_config=LoraConfig(**lora))
     # same starting adapters whatever RNG draws each library's LoRA init makes (B is zero in both)
-    ref_params = dict(ref.model.named_parameters())
+    ref_start = {name: p.detach().clone() for name, p in ref.model.named_parameters()}
     with torch.no_grad():
         for name, param in ours.model.named_parameters():
             if param.requires_grad:
-                param.copy_(ref_params[name])
+                param.copy_(ref_start[name])
     ref_logs, our_logs = train_logs(ref), train_logs(ours)
     assert_logs_close(our_logs, ref_logs, KEYS + ("entropy", "mean_token_accuracy"))
     assert [h["num_tokens"] for h in our_logs] == [h["num_tokens"] for h in ref_logs]
-    # negative control: the adapters moved (a frozen run would also log a learning rate)
-    assert our_logs[-1]["loss"] != pytest.approx(our_logs[0]["loss"], abs=1e-3)
+    # Negative control: the same run with the adapters frozen (learning_rate 0: AdamW and its decoupled
+    # weight decay move nothing) starts at TRL's loss, then fails the comparison above.
+    frozen = SFTTrainer(make_models()[1], SFTConfig(str(tmp_path / "frozen"), **{**sft, "learning_rate": 0.0}),
+                        train_dataset=rows, processing_class=our_tok, peft_config=LoraConfig(**lora))
+    with torch.no_grad():
+        for name, param in frozen.model.named_parameters():
+            if param.requires_grad:
+                param.copy_(ref_start[name])
+    start = {n: p.detach().clone() for n, p in frozen.model.named_parameters() if p.requires_grad}
+    frozen_logs = train_logs(frozen)
+    assert all(torch.equal(p, start[n]) for n, p in frozen.model.named_parameters() if n in start)
+    assert frozen_logs[0]["loss"] == pytest.approx(ref_logs[0]["loss"], abs=1e-5)
+    with pytest.raises(AssertionError):
+        assert_logs_close(frozen_logs, ref_logs, ("loss",))
 
 
 def sft_pair(tmp_path, dataset, **overrides):
