@@ -9,6 +9,7 @@ temp folder beside it, fsynced, then renamed into place, so a crash or a full di
 of one. Finding the latest checkpoint and rotating old ones live in output_folder.py.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -21,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
+from nanosft import distributed
 from nanosft.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
     _CHECKPOINT_RE,
     ADAPTER_CONFIG_NAME,
@@ -174,14 +176,14 @@ def _dedupe_shared(state_dict):
     return tensors, tied
 
 
-def save_model_weights(model, folder):
-    """Write the adapter (PEFT format) of a LoRA model, else model.safetensors of the state dict.
-    Mirrors: transformers Trainer.save_model -> save_pretrained (safe_serialization)"""
+def save_model_weights(model, folder, state_dict=None):
+    """Write the adapter (PEFT format) of a LoRA model, else model.safetensors of the state dict
+    (`state_dict`: whole tensors gathered under FSDP). Mirrors: transformers Trainer.save_model"""
     model = _unwrap(model)
     if _has_adapter(model):
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=state_dict)
         return
-    tensors, tied = _dedupe_shared(model.state_dict())
+    tensors, tied = _dedupe_shared(model.state_dict() if state_dict is None else state_dict)
     metadata = {"format": "pt", "tied": json.dumps(tied)}
     save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata=metadata)
 
@@ -227,10 +229,13 @@ def _move_into_place(tmp, final):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_all(folder, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size):
-    save_model_weights(model, folder)
+def _write_all(folder, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size,
+               gathered=(None, None)):
+    model_state, optimizer_state = gathered  # FSDP: whole tensors, so the files equal one process's
+    save_model_weights(model, folder, model_state)
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_NAME))
+        optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
+        torch.save(optimizer_state, os.path.join(folder, OPTIMIZER_NAME))
     if lr_scheduler is not None:
         torch.save(lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
     if scaler is not None:
@@ -248,13 +253,15 @@ def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
     Rank 0 writes everything; other ranks add their rng_state_{rank}.pth once the folder exists."""
     checkpoint_dir = os.path.normpath(checkpoint_dir)
     parent, name = os.path.split(checkpoint_dir)
+    gathered = _gather_sharded(model, optimizer)  # every rank takes part; rank 0 writes
     if rank == 0:
         os.makedirs(parent or ".", exist_ok=True)
         tmp = os.path.join(parent, TEMP_PREFIX + name)
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             os.makedirs(tmp)
-            _write_all(tmp, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size)
+            _write_all(tmp, model, optimizer, lr_scheduler, scaler, trainer_state, args, world_size,
+                       gathered)
             _fsync_tree(tmp)
             _move_into_place(tmp, checkpoint_dir)
         except (OSError, RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap I/O
@@ -274,6 +281,21 @@ def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
     if rank != 0:
         save_rng_state(checkpoint_dir, rank, world_size)
     _barrier(world_size)
+
+
+def _gather_sharded(model, optimizer):
+    # (whole model state, whole optimizer state) of an FSDP model, else (None, None); an adapter
+    # checkpoint gathers the trainable tensors only, not the frozen (maybe 4-bit) base
+    model = _unwrap(model)
+    if not distributed.is_fsdp(model):
+        return None, None
+    only = None
+    if _has_adapter(model):
+        only = {n for n, p in model.named_parameters() if p.requires_grad}
+    optimizer_state = None
+    if optimizer is not None:
+        optimizer_state = distributed.full_optimizer_state_dict(optimizer)
+    return distributed.full_state_dict(model, only), optimizer_state
 
 
 def _missing_files(checkpoint_dir, model, optimizer, lr_scheduler):
@@ -352,7 +374,9 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
     _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True."""
     check_same_setup(checkpoint_dir, model)
     check_is_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler)
-    load_model_weights(model, checkpoint_dir)
+    sharded = distributed.is_fsdp(_unwrap(model))
+    with distributed.whole_tensors_into_shards() if sharded else contextlib.nullcontext():
+        load_model_weights(model, checkpoint_dir)  # FSDP: each rank keeps its part of the file
 
     def read_pt(path):
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -363,6 +387,8 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
         if obj is None or not os.path.isfile(path):
             continue
         state = _load_or_explain(path, read_pt)
+        if obj is optimizer and sharded:  # one-process layout -> this rank's shards
+            state = distributed.shard_optimizer_state_dict(state, optimizer)
         try:
             obj.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as e:
@@ -387,6 +413,9 @@ def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
                             lr_scheduler=lr_scheduler, scaler=scaler, rank=_rank(),
                             world_size=args.world_size)
     state = TrainerState.from_dict(saved)
+    # this run's schedule length, as TrainerState.init_training_references sets it after loading
+    state.max_steps = max_steps
+    state.num_train_epochs = num_train_epochs
     epochs_trained = state.global_step // num_update_steps_per_epoch
     steps_trained_in_current_epoch = 0
     if not args.ignore_data_skip:  # micro-batches already consumed in the interrupted epoch

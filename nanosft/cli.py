@@ -95,7 +95,9 @@ def add_dataclass_flags(parser, cls, prefix):
             continue
         default = field.default if field.default is not dataclasses.MISSING else "(computed)"
         kinds = _kinds(hints[field.name])
-        flag_only_bool = set(kinds) <= {bool, type(None)}
+        # a bool flag alone means True; --resume_from_checkpoint alone means the latest checkpoint
+        flag_only_bool = (set(kinds) <= {bool, type(None)}
+                          or field.name == "resume_from_checkpoint")
         group.add_argument(f"--{field.name}", *FLAG_ALIASES.get(field.name, []),
                            dest=prefix + field.name, default=argparse.SUPPRESS,
                            type=value_parser(field.name, hints[field.name]), metavar="VALUE",
@@ -194,7 +196,8 @@ def run_demo(args):
     mode = "full" if args.full else ("dora" if args.dora else "lora") if args.no_quant else \
         ("qdora" if args.dora else "qlora")
     return demo.run(output_dir=args.output_dir, mode=mode, device=pick_device(args.device),
-                    steps=args.steps, report_to=args.report_to, trace=_trace().is_enabled())
+                    steps=args.steps, report_to=args.report_to, trace=_trace().is_enabled(),
+                    overwrite_output_dir=args.overwrite_output_dir)
 
 
 # ----------------------------------------------------------------------------- train
@@ -223,6 +226,8 @@ def build_train_configs(args, sft_names, lora_names):
         raise ValueError(f"--{' and --'.join(chosen)} cannot be combined; pick one way to train")
     if args.dora:
         values["lora"]["use_dora"] = True
+    if str(values["sft"].get("resume_from_checkpoint")).lower() in ("true", "latest"):
+        values["sft"]["resume_from_checkpoint"] = True  # the latest valid checkpoint
     if _trace().is_enabled():
         values["sft"].setdefault("disable_tqdm", True)  # a progress bar would cut the trace lines
     sft_config = SFTConfig(**values["sft"])
@@ -241,6 +246,7 @@ def run_train(args):
     from nanosft.sft import SFTTrainer
 
     sft_config, peft_config = build_train_configs(args, args.sft_names, args.lora_names)
+    _check_output_dir(sft_config)
     for flag, path in (("--data", args.data), ("--eval_data", args.eval_data)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(
@@ -261,7 +267,7 @@ def run_train(args):
         trainer.model.save_pretrained(sft_config.output_dir)  # adapter (PEFT format) or the model
         tokenizer.save_pretrained(sft_config.output_dir)
         if "tensorboard" in sft_config.report_to:
-            _tensorboard(trainer, sft_config.output_dir)
+            _tensorboard(sft_config.output_dir)
         kind = "adapter" if peft_config is not None else "model"
         print(f"saved the {kind} and tokenizer to {sft_config.output_dir} "
               f"(train_loss {result.training_loss:.4f}, {result.global_step} steps)")
@@ -269,15 +275,25 @@ def run_train(args):
     return 0
 
 
-def _tensorboard(trainer, output_dir):
-    from nanosft import demo
+def _check_output_dir(sft_config):
+    """Before the model loads: resolve --resume_from_checkpoint (a folder, or the latest valid
+    checkpoint), and refuse a fresh run in a folder holding another run; errors name the flags."""
+    from nanosft import output_folder
+
+    sft_config.resume_from_checkpoint = output_folder.resolve_resume_checkpoint(
+        sft_config.resume_from_checkpoint, sft_config.output_dir, command_line=True)
+    if sft_config.resume_from_checkpoint is None and not sft_config.overwrite_output_dir:
+        refusal = output_folder.output_dir_refusal(sft_config.output_dir, command_line=True)
+        if refusal:
+            raise ValueError(refusal)
+
+
+def _tensorboard(output_dir):
+    import importlib.util
 
     log_dir = os.path.join(output_dir, "runs")
-    if demo.write_tensorboard_events(trainer.state.log_history, log_dir):
+    if importlib.util.find_spec("tensorboard") is not None:  # the Trainer wrote them as it logged
         print(f"TensorBoard events: {log_dir}  (tensorboard --logdir {log_dir})")
-    else:
-        print('report_to="tensorboard": tensorboard is not installed; '
-              'pip install "nanosft[tensorboard]"')
 
 
 # ----------------------------------------------------------------------------- generate, chat
@@ -447,6 +463,8 @@ def build_parser(train_fields=True):
     demo.add_argument("--steps", type=int, default=120, help="optimizer steps (default 120)")
     demo.add_argument("--output_dir", default="nanosft-demo", help="where adapter, metrics go")
     demo.add_argument("--report_to", choices=("none", "tensorboard"), default="none")
+    demo.add_argument("--overwrite_output_dir", action="store_true",
+                      help="replace the run already in --output_dir")
     demo.set_defaults(run=run_demo)
 
     train = add_parser("train", help="SFT of your model (folder or Hub id) on your data",

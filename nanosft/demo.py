@@ -7,6 +7,7 @@ right answer after training means the adapter unlocked knowledge of the base. Wa
 prepare-train path run once); QLoRA 2305.14314.
 """
 
+import importlib.util
 import json
 import os
 import time
@@ -127,24 +128,6 @@ def save_loss_curve(log_history, path):
     return path
 
 
-def write_tensorboard_events(log_history, log_dir):
-    """Write the logged scalars as TensorBoard events (report_to="tensorboard"); False when it is not installed.
-
-    Mirrors: transformers TensorBoardCallback.on_log | Differs: written once after training, not live.
-    """
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return False
-    writer = SummaryWriter(log_dir=log_dir)
-    for record in log_history:
-        for key, value in record.items():
-            if key not in ("step", "epoch") and isinstance(value, (int, float)):
-                writer.add_scalar(f"train/{key}" if not key.startswith("eval_") else key, value, record["step"])
-    writer.close()
-    return True
-
-
 def write_summary(path, summary: dict) -> None:
     """demo_summary.json (accuracies, timings) written atomically. Walkthrough 1 | Mirrors: Trainer.save_metrics"""
     tmp = path + ".tmp"
@@ -153,7 +136,8 @@ def write_summary(path, summary: dict) -> None:
     os.replace(tmp, path)
 
 
-def demo_config(output_dir, steps, mode, device, report_to="none", trace=False):
+def demo_config(output_dir, steps, mode, device, report_to="none", trace=False,
+                overwrite_output_dir=False):
     """The SFTConfig of the demo: small batches, a high LoRA learning rate, assistant-only loss, no checkpoints.
 
     Walkthrough 2.1 (args) | Mirrors: trl SFTConfig | Differs: gradient checkpointing off (the model is tiny).
@@ -165,7 +149,8 @@ def demo_config(output_dir, steps, mode, device, report_to="none", trace=False):
         learning_rate=5e-4 if mode == "full" else 2e-3, lr_scheduler_type="cosine", warmup_steps=0.1,
         logging_steps=max(1, steps // 10), logging_first_step=True, save_strategy="no", report_to=report_to,
         gradient_checkpointing=False, bf16=False, use_cpu=device == "cpu", assistant_only_loss=True,
-        max_length=64, seed=0, disable_tqdm=trace)  # the trace prints its own lines: keep the bar out of them
+        max_length=64, seed=0, overwrite_output_dir=overwrite_output_dir,
+        disable_tqdm=trace)  # the trace prints its own lines: keep the bar out of them
 
 
 def load_demo_model(model_dir, mode, device):
@@ -190,15 +175,20 @@ def demo_peft_config(mode):
     return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", use_dora=mode in ("qdora", "dora"))
 
 
-def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", trace=False):
-    """Held-out answers before, SFTTrainer.train(), answers after, then save adapter, metrics and plots.
-
+def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", trace=False,
+        overwrite_output_dir=False):
+    """Held-out answers before, SFTTrainer.train(), answers after; saves adapter, metrics, plots.
     Walkthrough 1 (SFTTrainer.__init__ -> trainer.train()) | Mirrors: a TRL QLoRA recipe
+    An output_dir holding another run is refused before anything runs, unless overwrite_output_dir.
     """
+    from nanosft import output_folder
     from nanosft import trace as walkthrough_trace
     from nanosft.sft import SFTTrainer
     from nanosft.tokenizer import Tokenizer
 
+    refusal = output_folder.output_dir_refusal(output_dir, command_line=True, can_resume=False)
+    if refusal and not overwrite_output_dir:
+        raise ValueError(refusal)
     start = time.time()
     model_dir = default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -209,7 +199,7 @@ def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", tra
     before, accuracy_before = exact_match(model, tokenizer, pairs, device)
     print(f"before SFT: held-out exact match {accuracy_before:.1%}")
 
-    config = demo_config(output_dir, steps, mode, device, report_to, trace)
+    config = demo_config(output_dir, steps, mode, device, report_to, trace, overwrite_output_dir)
     trainer = SFTTrainer(model, args=config, train_dataset=os.path.join(model_dir, TRAIN_FILE),
                          processing_class=tokenizer, peft_config=demo_peft_config(mode))
     walkthrough_trace.attach(trainer)
@@ -230,10 +220,8 @@ def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", tra
           f"log: {os.path.join(output_dir, 'metrics.jsonl')}")
     plot = save_loss_curve(trainer.state.log_history, os.path.join(output_dir, "loss.png"))
     print(f"loss curve: {plot}" if plot else 'loss curve: pip install "nanosft[plot]" to draw loss.png')
-    if report_to == "tensorboard":
-        log_dir = os.path.join(output_dir, "runs")
-        ok = write_tensorboard_events(trainer.state.log_history, log_dir)
-        print(f"TensorBoard events: {log_dir}" if ok else 'tensorboard: pip install "nanosft[tensorboard]"')
+    if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is not None:
+        print(f"TensorBoard events (written as it logged): {os.path.join(output_dir, 'runs')}")
     write_summary(os.path.join(output_dir, "demo_summary.json"), {
         "mode": mode, "steps": result.global_step, "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after, "train_seconds": round(train_seconds, 2),
