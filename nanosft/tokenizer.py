@@ -3,8 +3,8 @@
 Train a tiny tokenizer, load / save a Hugging Face tokenizer folder (tokenizer.json,
 tokenizer_config.json, chat_template.jinja) that transformers' AutoTokenizer reads back with the
 same ids, and render chats: a built-in ChatML renderer in plain Python, or a folder's own Jinja
-template. Walkthrough 2.1 (SFTTrainer.__init__: processing_class, apply_chat_template) and the
-dataset preparation of hf-reference 4.2; file layout as hf-reference 7.5.
+template. Walkthrough 2.1 (SFTTrainer.__init__: processing_class, apply_chat_template) and TRL
+SFTTrainer._prepare_dataset's tokenization; the files as transformers 5 writes them.
 """
 
 import json
@@ -270,7 +270,7 @@ class Tokenizer:
 
     def save_pretrained(self, folder):
         """Write tokenizer.json, tokenizer_config.json (v5 layout) and chat_template.jinja atomically.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.save_pretrained (hf-reference 7.5)"""
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.save_pretrained"""
         config = {"backend": "tokenizers"}
         config.update({key: token for key, token in self._special.items() if token is not None})
         config.update(model_max_length=self.model_max_length, tokenizer_class="TokenizersBackend")
