@@ -400,12 +400,26 @@ def to_full(tensor):
     return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
-def full_state_dict(model) -> dict:
-    """model.state_dict() with every sharded tensor gathered whole onto the CPU (every rank calls
-    it).
-    Guide: FSDP checkpoints | Mirrors: torch
-    get_model_state_dict(StateDictOptions(full_state_dict=True))"""
-    return {k: to_full(v).detach().cpu() for k, v in model.state_dict().items()}
+def full_state_dict(model, only=None) -> dict:
+    """model.state_dict() (or its keys in `only`) with every sharded tensor gathered whole onto the
+    CPU; a collective, so every rank calls it. Tied weights stay one tensor under both names.
+    Guide: FSDP checkpoints | Mirrors: torch get_model_state_dict(full_state_dict=True)"""
+    gathered, out = {}, {}
+    for k, v in model.state_dict().items():
+        if only is None or k in only:  # the same keys, in the same order, on every rank
+            if id(v) not in gathered:
+                gathered[id(v)] = to_full(v).detach().cpu()
+            out[k] = gathered[id(v)]
+    return out
+
+
+def whole_tensors_into_shards():
+    """Context in which copying a whole tensor into a sharded parameter keeps this rank's part of
+    it (load_state_dict of a one-process file into an FSDP model).
+    Guide: FSDP checkpoints | Mirrors: torch implicit_replication"""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
 
 
 def full_optimizer_state_dict(optimizer) -> dict:

@@ -240,11 +240,12 @@ class PeftModelForCausalLM(nn.Module):
         t, a = self.get_nb_trainable_parameters()
         print(f"trainable params: {t:,d} || all params: {a:,d} || trainable%: {100 * t / a:.4f}")
 
-    def save_pretrained(self, save_directory):
-        """Write the active adapter's two files in peft's format (nanosft.adapter_files).
-        Mirrors: peft PeftModel.save_pretrained
-        Differs: no README.md model card."""
-        state = get_peft_model_state_dict(self, adapter_name=self.active_adapter)
+    def save_pretrained(self, save_directory, state_dict=None):
+        """Write the active adapter's two files in peft's format (nanosft.adapter_files); a given
+        `state_dict` (whole tensors gathered under FSDP) is read instead of the model's.
+        Mirrors: peft PeftModel.save_pretrained | Differs: no README.md model card."""
+        state = get_peft_model_state_dict(self, state_dict=state_dict,
+                                          adapter_name=self.active_adapter)
         save_adapter_files(save_directory, self.active_peft_config, state)
 
     @classmethod

@@ -15,9 +15,10 @@ Also asserted, in the same launch (starting processes is the slow part):
   differs;
 - bytes per rank: each rank holds about half of the parameter bytes (4-bit bytes and absmax
   included);
-- kill-and-resume: a 2-rank run resumed from checkpoint-2 ends bitwise equal to the uninterrupted
-  2-rank run, and checkpoint files equal the file a single process writes (same keys, shapes,
-  optimizer state layout).
+- resume (full, QLoRA): a fresh 2-rank Trainer resumed from checkpoint-1 (mid-epoch: what a run
+  killed after checkpoint-1 leaves) ends bitwise equal to the uninterrupted 2-rank run; negative
+  control: resuming with ignore_data_skip (replaying the epoch) is caught. Checkpoint files equal
+  what one process writes: same files, keys, dtypes, shapes, optimizer layout, values within 1e-5.
 Hermetic: torch.multiprocessing spawn on localhost, tiny models (hidden 64), random token rows, one
 thread each.
 Run: python -m pytest -q tests/test_fsdp.py
@@ -31,8 +32,10 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 from tiny import tiny_model
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from nanosft import distributed
 from nanosft.args import TrainingArguments
@@ -141,6 +144,24 @@ def count_reduce_scatters(run):
     return len(calls)
 
 
+def resume_runs(out):
+    """Per mode: the uninterrupted run, a fresh Trainer resumed from its checkpoint-1 (mid-epoch:
+    what a run killed after checkpoint-1 leaves), and the negative control with ignore_data_skip."""
+    runs = {}
+    for mode in ("full", "qlora"):
+        saving = {"save_strategy": "steps", "save_steps": 1}
+        first = make_trainer(mode, os.path.join(out, f"ckpt-{mode}"), 2, fsdp=True, **saving)
+        first.train()
+        resumed = {}
+        for label, extra in (("resumed", {}), ("replayed", {"ignore_data_skip": True})):
+            trainer = make_trainer(mode, os.path.join(out, f"{label}-{mode}"), 2, fsdp=True,
+                                   **saving, **extra)
+            trainer.train(resume_from_checkpoint=os.path.join(out, f"ckpt-{mode}", "checkpoint-1"))
+            resumed[label] = trainable_state(trainer)
+        runs[mode] = {"uninterrupted": trainable_state(first), **resumed}
+    return runs
+
+
 def _worker(rank, port, out):
     os.environ.update(
         RANK=str(rank),
@@ -202,6 +223,7 @@ def _worker(rank, port, out):
     trainer._clip_grad_norm = clip_and_record
     trainer.train()
     result["norm"], result["norm_local"] = logged(trainer)[0][1], local_norms[0]
+    result["resume"] = resume_runs(out)
     if rank == 0:
         torch.save(result, os.path.join(out, "fsdp_result.pt"))
     distributed.cleanup()
@@ -223,8 +245,11 @@ def runs(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    for mode in ("full", "qlora"):  # the files one process writes, to compare with FSDP's
+        saving = {"save_strategy": "steps", "save_steps": 2}
+        make_trainer(mode, str(out / f"single-ckpt-{mode}"), batch_size=4, **saving).train()
     mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
-    return single, torch.load(out / "fsdp_result.pt", weights_only=False)
+    return single, torch.load(out / "fsdp_result.pt", weights_only=False), out
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -339,3 +364,34 @@ def test_fsdp_in_one_process_is_refused_before_training(tmp_path, monkeypatch):
     ):
         trainer.train()
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("mode", ["full", "qlora"])
+def test_resumed_run_is_bitwise_equal_to_the_uninterrupted_one(runs, mode):
+    run = runs[1]["resume"][mode]
+    for name, value in run["uninterrupted"].items():
+        assert torch.equal(run["resumed"][name], value), name
+    # negative control: replaying the epoch from its first batch after resuming is caught
+    assert any(not torch.equal(run["replayed"][k], v) for k, v in run["uninterrupted"].items())
+
+
+@pytest.mark.parametrize("mode", ["full", "qlora"])
+def test_fsdp_checkpoint_files_equal_what_one_process_writes(runs, mode):
+    out = runs[2]
+    one, two = out / f"single-ckpt-{mode}" / "checkpoint-2", out / f"ckpt-{mode}" / "checkpoint-2"
+    weights = "model.safetensors" if mode == "full" else "adapter_model.safetensors"
+    assert sorted(p.name for p in one.iterdir() if "rng" not in p.name) == \
+        sorted(p.name for p in two.iterdir() if "rng" not in p.name)
+    a, b = load_file(one / weights), load_file(two / weights)
+    assert list(a) == list(b) and a
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=TOL, msg=name)
+    opt_a = torch.load(one / "optimizer.pt", weights_only=True)
+    opt_b = torch.load(two / "optimizer.pt", weights_only=True)
+    assert opt_a["param_groups"] == opt_b["param_groups"]
+    assert set(opt_a["state"]) == set(opt_b["state"])
+    for i, state in opt_a["state"].items():
+        for key, value in state.items():
+            assert not isinstance(opt_b["state"][i][key], DTensor)  # whole tensors in the file
+            torch.testing.assert_close(opt_b["state"][i][key], value, rtol=0, atol=TOL)
