@@ -430,9 +430,13 @@ def _rank() -> int:
 
 
 def save_model(model, processing_class, output_dir) -> None:
-    """The final model (a PEFT model: its adapter only) and the tokenizer in output_dir.
+    """The final model (a PEFT model: its adapter only) and the tokenizer in output_dir; every
+    rank calls it (FSDP: the shards are gathered), rank 0 writes the one-process files.
     Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
+    state_dict = _gather_sharded(model, None)[0]
+    if _rank() != 0:
+        return
     os.makedirs(output_dir, exist_ok=True)
-    _unwrap(model).save_pretrained(output_dir)
+    _unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
     if hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)

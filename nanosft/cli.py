@@ -263,9 +263,9 @@ def run_train(args):
                          peft_config=peft_config)
     _trace().attach(trainer)
     result = trainer.train()
+    # adapter (PEFT format) or the model, and the tokenizer; every rank: FSDP gathers the shards
+    trainer.save_model(sft_config.output_dir)
     if distributed.is_main_process():
-        trainer.model.save_pretrained(sft_config.output_dir)  # adapter (PEFT format) or the model
-        tokenizer.save_pretrained(sft_config.output_dir)
         if "tensorboard" in sft_config.report_to:
             _tensorboard(sft_config.output_dir)
         kind = "adapter" if peft_config is not None else "model"

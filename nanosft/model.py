@@ -527,10 +527,11 @@ class CausalLM(nn.Module):
         else:
             setattr(module, leaf, nn.Parameter(tensor, requires_grad=tensor.is_floating_point()))
 
-    def save_pretrained(self, save_directory, max_shard_size="5GB"):
+    def save_pretrained(self, save_directory, max_shard_size="5GB", state_dict=None):
         """Write config.json (transformers-5 spelling), generation_config.json and safetensors weights.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained"""
-        state_dict = self.state_dict()
+        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained
+        `state_dict`: the tensors to write instead of the model's (whole ones gathered under FSDP)."""
+        state_dict = self.state_dict() if state_dict is None else dict(state_dict)
         if self.config.tie_word_embeddings:
             state_dict.pop("lm_head.weight")  # loaders re-tie it to model.embed_tokens.weight
         save_state_dict_to_hf(state_dict, save_directory, max_shard_size)

@@ -464,8 +464,7 @@ class Trainer:
         checkpoint.load_model_weights(self.model, self.state.best_model_checkpoint)
 
     def save_model(self, output_dir=None) -> None:
-        """Save the model (a PEFT model: its adapter only) and the tokenizer; rank 0 writes.
+        """Save the model (a PEFT model: its adapter only) and the tokenizer; every rank calls it
+        (FSDP gathers the shards), rank 0 writes.
         Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
-        if distributed.is_main_process():
-            checkpoint.save_model(self.model, self.processing_class,
-                                  output_dir or self.args.output_dir)
+        checkpoint.save_model(self.model, self.processing_class, output_dir or self.args.output_dir)
