@@ -149,7 +149,7 @@ print(peak.stop()["cpu_peak_growth"])
 print("\n=== loading a checkpoint as NF4: peak RSS growth ===")
 with tempfile.TemporaryDirectory() as folder:
     torch.manual_seed(0)
-    big = dict(CONFIG, hidden_size=512, intermediate_size=1024, num_hidden_layers=4)
+    big = dict(CONFIG, hidden_size=512, intermediate_size=1536, num_hidden_layers=6)
     CausalLM(ModelConfig(**big)).save_pretrained(folder)
     fp32_mib = os.path.getsize(os.path.join(folder, "model.safetensors")) / MiB
     peaks = {}
