@@ -75,6 +75,7 @@ def train_step(model, optimizer, batch):
 
 
 def seconds_per_call(fn, repeat):
+    """Mean wall-clock seconds of fn() over `repeat` calls."""
     start = time.perf_counter()
     for _ in range(repeat):
         fn()
@@ -266,6 +267,7 @@ FITS = 5
 
 
 def out_of_memory_above(limit, tried):
+    """A forward pre-hook that records each batch's rows and fails like CUDA above `limit`."""
     def hook(module, args, kwargs):
         rows = len(kwargs["input_ids"])
         tried.append(rows)
