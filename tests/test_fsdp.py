@@ -18,7 +18,8 @@ Also asserted, in the same launch (starting processes is the slow part):
 - resume (full, QLoRA): a fresh 2-rank Trainer resumed from checkpoint-1 (mid-epoch: what a run
   killed after checkpoint-1 leaves) ends bitwise equal to the uninterrupted 2-rank run; negative
   control: resuming with ignore_data_skip (replaying the epoch) is caught. Checkpoint files equal
-  what one process writes: same files, keys, dtypes, shapes, optimizer layout, values within 1e-5.
+  what one process writes: same files, keys, dtypes, shapes, optimizer layout, values within 1e-5;
+  so do the folders Trainer.save_model writes (config or adapter_config identical).
 Hermetic: torch.multiprocessing spawn on localhost, tiny models (hidden 64), random token rows, one
 thread each.
 Run: python -m pytest -q tests/test_fsdp.py
@@ -175,6 +176,7 @@ def _worker(rank, port, out):
     for mode in MODES:
         trainer = make_trainer(mode, os.path.join(out, mode), batch_size=2, fsdp=True)
         trainer.train()
+        trainer.save_model(os.path.join(out, f"saved-{mode}"))  # every rank: shards are gathered
         result[mode] = {
             "state": trainable_state(trainer),
             "logged": logged(trainer),
@@ -237,6 +239,7 @@ def runs(tmp_path_factory):
     for mode in MODES:
         trainer = make_trainer(mode, str(out / f"single-{mode}"), batch_size=4)
         trainer.train()
+        trainer.save_model(str(out / f"single-saved-{mode}"))
         single[mode] = {
             "state": trainable_state(trainer),
             "logged": logged(trainer),
@@ -395,3 +398,17 @@ def test_fsdp_checkpoint_files_equal_what_one_process_writes(runs, mode):
         for key, value in state.items():
             assert not isinstance(opt_b["state"][i][key], DTensor)  # whole tensors in the file
             torch.testing.assert_close(opt_b["state"][i][key], value, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_model_writes_the_files_of_one_process(runs, mode):
+    one, two = runs[2] / f"single-saved-{mode}", runs[2] / f"saved-{mode}"
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
+    weights = "model.safetensors" if mode == "full" else "adapter_model.safetensors"
+    a, b = load_file(one / weights), load_file(two / weights)
+    assert list(a) == list(b) and a
+    for name in a:  # the trained values: one process and FSDP agree to the parity tolerance
+        assert a[name].dtype == b[name].dtype, name
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=TOL, msg=name)
+    config = "config.json" if mode == "full" else "adapter_config.json"
+    assert (one / config).read_text() == (two / config).read_text()
