@@ -3,7 +3,7 @@ micro-batch), GradScaler skips, gradient accumulation == one big batch, and a re
 uninterrupted one.
 
 Hermetic: a tiny nanosft CausalLM (hidden 32, vocab 64, 2 layers) and random token rows made in-process, CPU,
-one thread, fixed seeds; expected values come from the formulas of hf-reference section 1, written out here.
+one thread, fixed seeds; expected values come from transformers Trainer's formulas, written out here.
 Run: python -m pytest -q tests/test_trainer.py
 """
 
@@ -47,7 +47,7 @@ def make_trainer(tmp_path, n_rows=10, model=None, **overrides):
 
 
 # (N, batch, GA, epochs, max_steps, drop_last) -> (epochs, update steps/epoch, max_steps, samples, total batch, steps_in_epoch)
-# from hf-reference 1.2: len = ceil(N/bs) (floor with drop_last); nupe = ceil(len/GA); epoch-based max_steps =
+# Trainer.set_initial_training_values: len = ceil(N/bs) (floor with drop_last); nupe = ceil(len/GA); max_steps =
 # ceil(epochs*nupe); step-based epochs = ceil(max_steps/nupe), samples = max_steps*total.
 CASES = [
     ((10, 2, 2, 3, -1, False), (3, 3, 9, 30, 4, 5)),       # 5 micro-batches, last window has 1
@@ -362,3 +362,53 @@ def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
     trainer.train()
     first = trainer.state.log_history[0]
     assert "eval_loss" in first and first["step"] == 0
+
+
+def test_logs_carry_samples_tokens_per_second_and_step_time(tmp_path):
+    # 10 rows / batch 2 = 5 micro-batches, GA 3 -> windows of 3 and 2; logging every step. The
+    # rates share one clock, so their ratios are exact counts: samples and tokens per step.
+    trainer = make_trainer(tmp_path, n_rows=10, num_train_epochs=2)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    batches = list(trainer.get_train_dataloader())
+    windows = [batches[0:3], batches[3:5]] * 2  # every epoch has the same sizes (order differs)
+    for h, window in zip(logs, windows):
+        assert h["train_step_time"] == pytest.approx(1 / h["train_steps_per_second"], rel=2e-2)
+        samples = h["train_samples_per_second"] / h["train_steps_per_second"]
+        assert samples == pytest.approx(sum(len(b["input_ids"]) for b in window), rel=2e-2)
+    # tokens per sample over the whole run: attention-mask ones, not padded positions
+    seen_tokens = sum(int(b["attention_mask"].sum()) for b in batches) * 2
+    from_rates = sum(h["train_tokens_per_second"] / h["train_samples_per_second"]
+                     * sum(len(b["input_ids"]) for b in window) for h, window in zip(logs, windows))
+    assert from_rates == pytest.approx(seen_tokens, rel=2e-2)
+    padded = sum(b["input_ids"].numel() for b in batches) * 2
+    assert padded > seen_tokens * 1.05  # negative control: counting padding is another number
+    final = trainer.state.log_history[-1]  # transformers' speed_metrics names for the whole run
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second"} <= set(final)
+
+
+def test_tensorboard_events_are_written_during_training(tmp_path):
+    pytest.importorskip("tensorboard")  # an optional extra (nanosft[tensorboard]), not a reference
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = make_trainer(tmp_path, n_rows=12, gradient_accumulation_steps=1, max_steps=3,
+                           report_to="tensorboard")
+    seen_mid_run = []
+    original = trainer.training_step
+
+    def read_events_then_step(model, inputs, num_items_in_batch=None):
+        if trainer.state.global_step == 2:  # steps 1 and 2 were logged; step 3 not yet run
+            events = EventAccumulator(str(tmp_path / "runs"))
+            events.Reload()
+            seen_mid_run.extend(e.step for e in events.Scalars("train/loss"))
+        return original(model, inputs, num_items_in_batch)
+
+    trainer.training_step = read_events_then_step
+    trainer.train()
+    assert seen_mid_run == [1, 2]  # on disk while training, not written afterwards
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    torch.testing.assert_close([e.value for e in events.Scalars("train/loss")], losses,
+                               rtol=1e-6, atol=0)  # TensorBoard stores float32
+    assert "train/train_samples_per_second" in events.Tags()["scalars"]
