@@ -3,12 +3,14 @@
 SFTTrainer hands the Trainer a collator that turns a list of token-id lists into one padded batch
 with labels (-100 = no loss). We grow it in three drafts on three tiny prompt/completion examples:
 pad, then labels, then the completion mask; then check the last draft against
-nanosft.collator.DataCollatorForLanguageModeling, show padding-free rows and BERT-style MLM, and
-print TRL's collator output beside ours when trl is installed.
-Run: python tutorials/10_collators.py   (about 10 s with trl installed, 2 s without)
+nanosft.collator.DataCollatorForLanguageModeling, show padding-free rows and BERT-style MLM, the
+guide's other tasks (classification: default_data_collator, DataCollatorWithPadding; token
+classification: DataCollatorForTokenClassification) beside transformers' own, and TRL's collator.
+Run: python tutorials/10_collators.py   (about 15 s with transformers and trl installed)
 You should see: a token / input_id / label / attn table per draft; "naive rule drops 3 real EOS";
 "draft 3 == nanosft DataCollatorForLanguageModeling: True"; position_ids restarting at 0 in the
-padding-free row; roughly 80/10/10 MLM replacements; "TRL == nanosft: True" when trl is present.
+padding-free row; roughly 80/10/10 MLM replacements; (B,) labels for classification and -100-padded
+per-token labels for NER, each equal to transformers'; "TRL == nanosft: True".
 """
 
 # %%
@@ -16,7 +18,12 @@ import importlib.util
 
 import torch
 
-from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft.collator import (
+    DataCollatorForLanguageModeling,
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    default_data_collator,
+)
 from nanosft.data import build_labels
 
 # A toy vocabulary: id 0 is the end-of-turn token, and (as in many chat models) also the pad token.
@@ -144,10 +151,67 @@ print(f"picked {picked.float().mean().item():.3f} of tokens; [MASK] {shares[0]:.
       f"unchanged {shares[1]:.3f}, random {shares[2]:.3f}")
 assert abs(picked.float().mean().item() - 0.15) < 0.01 and abs(shares[0] - 0.8) < 0.03
 
+# %% [markdown]
+# ## 不同任务类型的数据处理: the non-LM collators beside the LM ones
+# The guide's table pairs each task with a collator. Sentence classification has one label per
+# row: `default_data_collator` (transformers' DefaultDataCollator) only stacks rows that are already
+# one length, and DataCollatorWithPadding pads variable rows and leaves the (B,) labels alone. Token
+# classification (NER, the guide's 序列标注) has one label per token: DataCollatorForTokenClassification
+# pads them with -100, as the LM collators do, but there is no shift: label t belongs to token t.
+
+# %%
+banner("不同任务类型的数据处理: classification and token classification collators")
+CLS_ROWS = [{"input_ids": ids("2 + 2 = 4"), "label": 1}, {"input_ids": ids("hi hello"), "label": 0},
+            {"input_ids": ids("1 + 2 ="), "label": 1}]
+TAGS = {"2": 1, "1": 1, "3": 1, "4": 1}  # a toy NER: numbers are tag 1, everything else tag 0
+NER_ROWS = [{"input_ids": r["input_ids"], "labels": [TAGS.get(VOCAB[i], 0) for i in r["input_ids"]]}
+            for r in CLS_ROWS]
+fixed = [{"input_ids": r["input_ids"][:2], "label": r["label"]} for r in CLS_ROWS]  # one length
+batches = {
+    "文本分类 default_data_collator (rows of one length)": (default_data_collator(fixed), fixed),
+    "文本分类 DataCollatorWithPadding": (DataCollatorWithPadding(pad_token_id=PAD)(CLS_ROWS), CLS_ROWS),
+    "序列标注 DataCollatorForTokenClassification": (
+        DataCollatorForTokenClassification(pad_token_id=PAD)(NER_ROWS), NER_ROWS),
+    "语言建模 DataCollatorForLanguageModeling": (
+        DataCollatorForLanguageModeling(pad_token_id=PAD)(EXAMPLES), EXAMPLES),
+}
+for name, (batch, _) in batches.items():
+    shapes = {k: tuple(v.shape) for k, v in batch.items()}
+    print(f"{name:52s} {shapes}")
+    print(f"{'':52s} labels {batch['labels'].tolist()}")
+token_labels = batches["序列标注 DataCollatorForTokenClassification"][0]["labels"]
+assert batches["文本分类 DataCollatorWithPadding"][0]["labels"].shape == (3,)  # one per row
+assert token_labels.shape == (3, 5) and token_labels[1, 2:].eq(-100).all()  # padded per token
+assert token_labels[0].tolist() == [1, 0, 1, 0, 1]  # no shift: label t is token t's tag
+
+if importlib.util.find_spec("transformers") is None:
+    print("reference check skipped: transformers is not installed")
+else:
+    import transformers
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=BackendTokenizer(WordLevel(WORDS, unk_token=VOCAB[0])), pad_token=VOCAB[PAD])
+    theirs = {
+        "文本分类 default_data_collator (rows of one length)": transformers.default_data_collator,
+        "文本分类 DataCollatorWithPadding": transformers.DataCollatorWithPadding(hf_tok),
+        "序列标注 DataCollatorForTokenClassification":
+            transformers.DataCollatorForTokenClassification(hf_tok),
+    }
+    for name, collate in theirs.items():
+        ours_batch, rows_in = batches[name]
+        ref = collate([dict(r) for r in rows_in])
+        same = set(ref) == set(ours_batch) and all(torch.equal(ref[k], ours_batch[k]) for k in ref)
+        print(f"transformers {name.split()[1]} == nanosft: {same}")
+        assert same
+    print("reference check ran: transformers default_data_collator, DataCollatorWithPadding, "
+          "DataCollatorForTokenClassification")
+
 # %%
 banner("TRL beside nanosft (SFTTrainer's own collator)")
 if importlib.util.find_spec("trl") is None:
-    print("trl not installed: skipped")
+    print("reference check skipped: trl is not installed")
 else:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling as TrlCollator
 
@@ -163,3 +227,4 @@ else:
         same = all(torch.equal(ours[k], theirs[k]) for k in ours)
         print(f"  TRL == nanosft: {same}")
         assert same
+    print("reference check ran: trl DataCollatorForLanguageModeling")
