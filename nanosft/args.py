@@ -250,9 +250,9 @@ class TrainingArguments:
 
     def _validate_fsdp(self):
         # transformers' normalisation (fsdp_ prefix stripped, legacy strings); unknown keys refused
-        self.fsdp_config = normalize_fsdp_config(self.fsdp, self.fsdp_config)
-        self.fsdp = bool(self.fsdp_config)
-        if self.fsdp:
+        config = normalize_fsdp_config(self.fsdp, self.fsdp_config)
+        if config is not None:  # FSDP off: both fields stay as given, as in transformers
+            self.fsdp, self.fsdp_config = True, config
             check_fsdp_options(self)
 
     # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----
