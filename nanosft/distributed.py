@@ -559,3 +559,14 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
     with implicit_replication():
         return to_full(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+
+
+def refuse_tensor_parallel(model) -> None:
+    """Raise, naming the fix, for a tensor-parallel model handed to the data-parallel Trainer: its
+    ranks hold different shards and must see the same batches, which DDP's data sharding breaks.
+    Guide: tensor parallel | Mirrors: nothing (transformers' Trainer mixes TP with data sharding)"""
+    if any(_is_dtensor(p) for p in model.parameters()):
+        raise ValueError("this model was loaded with tp_plan (its weights are split over the "
+                         "ranks); the Trainer shards data over ranks and cannot train it. Train it "
+                         "with a loop like tutorials/15_custom_loop.py, every rank on the same "
+                         "batches, or load it without tp_plan and use fsdp=True.")

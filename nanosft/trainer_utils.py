@@ -254,6 +254,7 @@ def prepare_model(model, args):
     to call (Trainer.model stays the unwrapped one, what checkpoints save).
     Walkthrough 2.3 | Mirrors: accelerate Accelerator.prepare_model"""
     if args.world_size > 1 and not args.fsdp:
+        distributed.refuse_tensor_parallel(model)  # DDP would all-reduce its shards' grads
         device_ids = [args.local_process_index] if args.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if args.torch_compile:

@@ -8,7 +8,8 @@ parameter's gradient, and every parameter after 3 AdamW steps with clipping (max
 norm over sharded and whole gradients). All within 1e-5 (measured ~1e-7: the row-parallel sum adds
 two halves in another order). Negative control: a plan that splits the query heads but not k/v (each
 rank then pairs its query heads with the wrong KV heads) is caught.
-Bad input: sizes that do not divide, and tp_plan without torchrun's environment.
+Bad input: sizes that do not divide, tp_plan without torchrun's environment, and a TP model
+given to the data-parallel Trainer.
 Hermetic: torch.multiprocessing spawn on localhost, a tiny model saved to a temp folder, one thread
 each.
 Run: python -m pytest -q tests/test_tp.py
@@ -23,7 +24,9 @@ import torch.multiprocessing as mp
 from tiny import tiny_model
 
 from nanosft import distributed
+from nanosft.args import TrainingArguments
 from nanosft.model import CausalLM, ModelConfig
+from nanosft.trainer import Trainer
 
 TOL = 1e-5
 STEPS = 3
@@ -98,6 +101,13 @@ def _worker(rank, port, folder):
         )
     except ValueError as e:
         result["bad_sizes"] = str(e)
+    try:  # the data-parallel Trainer would give the two ranks different batches
+        rows = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]}] * 4
+        args = TrainingArguments(output_dir=os.path.join(folder, "out"), use_cpu=True,
+                                 max_steps=1, save_strategy="no", disable_tqdm=True)
+        Trainer(model, args, train_dataset=rows).train()
+    except ValueError as e:
+        result["trainer_refused"] = str(e)
     if rank == 0:
         torch.save(result, os.path.join(folder, "tp_result.pt"))
     distributed.cleanup()
@@ -163,3 +173,8 @@ def test_tp_plan_without_torchrun_is_refused(tmp_path, monkeypatch):
     tiny_model(seed=0).save_pretrained(str(tmp_path))
     with pytest.raises(RuntimeError, match="torchrun --nproc_per_node 2"):
         CausalLM.from_pretrained(str(tmp_path), tp_plan="auto")
+
+
+def test_trainer_refuses_a_tensor_parallel_model(runs):
+    message = runs[1]["trainer_refused"]
+    assert "tp_plan" in message and "fsdp=True" in message and "same batches" in message
