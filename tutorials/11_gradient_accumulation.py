@@ -10,7 +10,8 @@ Run:      python tutorials/11_gradient_accumulation.py
 Runtime:  about 9 s on one CPU core with transformers installed (importing it is half), 4 s without.
 You should see:
   - the rows' token counts and, per set-up, the micro-batches with their num_items_in_batch;
-  - "max |grad - grad(1 x 4)|" ~1e-8 for 2 x 2 and 4 x 1, and ~1e-2 for the mean-of-means control;
+  - "max |grad - grad(1 x 4)|" ~1e-8 for 2 x 2 and 4 x 1, with num_items_in_batch (the Trainer) and
+    with torchtune's rule (sum, then scale by 1/tokens at the step), ~1e-2 for the mean of means;
   - grad_norm (logged) == the pre-clip norm by hand, and the clipped norm == max_grad_norm;
   - transformers' grad_norm beside ours, and "OK: gradient accumulation and clipping checked".
 """
@@ -100,6 +101,45 @@ for batch_size, ga in ((4, 1), (2, 2), (1, 4)):
     assert max_diff(grads, reference) < 1e-6
 
 # %% [markdown]
+# ## The second exact normalisation: torchtune's (sum now, scale at the step)
+# num_items_in_batch needs the window's token count before its first backward (the Trainer looks
+# ahead: get_batch_samples fetches the whole window first). torchtune's recipes need no look-ahead:
+# each micro-batch backpropagates its *sum* of token losses, the tokens are counted as they come,
+# and just before optimizer.step() every gradient is multiplied by 1 / (tokens in the window).
+# Written here as a plain loop over the same 4 rows, the same model and the same collator.
+
+# %%
+banner("torchtune: backward(sum of token losses), then grad *= 1 / tokens in the window")
+COLLATE = DataCollatorForLanguageModeling(pad_token_id=0)
+
+
+def torchtune_window(batch_size):
+    """One window over the 4 rows in micro-batches of `batch_size`; returns (grads, token counts)."""
+    model = tiny_model()
+    num_tokens, seen_counts = 0, []
+    for start in range(0, len(ROWS), batch_size):
+        batch = COLLATE(ROWS[start:start + batch_size])
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        targets = batch["labels"][:, 1:]  # position t predicts token t + 1
+        loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(),
+                                                     ignore_index=-100, reduction="sum")
+        loss_sum.backward()  # summed into .grad, unnormalised
+        seen_counts.append(int((targets != -100).sum()))
+        num_tokens += seen_counts[-1]
+    for p in model.parameters():  # at the step: scale by the tokens actually seen
+        p.grad.mul_(1.0 / num_tokens)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, seen_counts
+
+
+torchtune = {}
+for batch_size, ga in ((2, 2), (1, 4)):
+    grads, seen_counts = torchtune_window(batch_size)
+    torchtune[(batch_size, ga)] = max_diff(grads, reference)
+    print(f"batch {batch_size} x GA {ga} (torchtune): tokens per micro-batch {seen_counts}, scaled by "
+          f"1/{sum(seen_counts)} at the step   max |grad - grad(1 x 4)| = {torchtune[(batch_size, ga)]:.2e}")
+    assert sum(seen_counts) == sum(counts) and torchtune[(batch_size, ga)] < 1e-6
+
+# %% [markdown]
 # ## The classic bug: a mean of per-micro-batch means
 # Before transformers 4.46 (and the walkthrough's `loss = loss / self.args.gradient_accumulation_steps` rule
 # when the model takes no loss kwargs) each micro-batch returned its own mean and was divided by GA. With
@@ -107,12 +147,22 @@ for batch_size, ga in ((4, 1), (2, 2), (1, 4)):
 
 # %%
 banner("negative control: mean of means (loss / gradient_accumulation_steps per micro-batch)")
+mean_of_means = {}
 for batch_size, ga in ((2, 2), (1, 4)):
     grads, _, micro = one_step(batch_size, ga, mean_of_means=True)
+    mean_of_means[(batch_size, ga)] = max_diff(grads, reference)
     detail = ", ".join(f"{own} tok -> mean/{ga} {loss:.4f}" for own, _, loss in micro)
     print(f"batch {batch_size} x GA {ga} (mean of means): {detail}")
     print(f"   max |grad - grad(1 x 4)| = {max_diff(grads, reference):.2e}   (not equal: tokens weighted unevenly)")
     assert max_diff(grads, reference) > 1e-4
+
+# %%
+banner("all three against one big batch of 4 rows: max |grad - grad(1 x 4)|")
+print(f"{'set-up':10} | {'num_items_in_batch':>18} | {'torchtune 1/tokens':>18} | {'mean of means':>13}")
+for key in ((2, 2), (1, 4)):
+    print(f"{key[0]} x GA {key[1]:<3} | {max_diff(results[key], reference):18.2e} | {torchtune[key]:18.2e} | "
+          f"{mean_of_means[key]:13.2e}")
+    assert max(max_diff(results[key], reference), torchtune[key]) < 1e-6 < 1e-4 < mean_of_means[key]
 
 # %% [markdown]
 # ## 梯度裁剪 / gradient clipping
