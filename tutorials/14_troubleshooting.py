@@ -1,19 +1,25 @@
-"""Tutorial 14: troubleshooting and monitoring, a NaN loss and an exploding gradient (guide: 故障排除指南).
+"""Tutorial 14: troubleshooting and monitoring (guide: 故障排除指南, its gradient and distributed items).
 
 The guide's 梯度爆炸 entry: "症状: 损失值突然变为NaN或无穷大; 解决方案: 启用梯度裁剪, 检查学习率设置".
-Walkthrough 2.3's loop has two monitors for this: `args.logging_nan_inf_filter` (a nan/inf micro-batch loss is
-replaced by the average accumulated so far, so the logged curve stays finite) and grad_norm (the pre-clip norm
-logged at every step, the first number to watch). We make both failures happen on purpose:
-A) a micro-batch with no trained token under a per-batch mean loss gives loss nan (0/0) with zero gradient;
-B) one bad batch whose loss is 10^4 times too large; without clipping the weights blow up, with it they do not.
+Walkthrough 2.3's loop has two monitors for this: `args.logging_nan_inf_filter` (a nan/inf micro-batch
+loss is replaced by the average accumulated so far, so the logged curve stays finite) and grad_norm (the
+pre-clip norm logged at every step, the first number to watch). We make each failure happen on purpose:
+A) a micro-batch with no trained token under a per-batch mean loss gives loss nan (0/0);
+B) 梯度爆炸: one bad batch whose loss is 10^4 times too large, clipped at a threshold above every
+   ordinary grad_norm, so clipping binds at the bad step only;
+C) 梯度消失: per-layer gradient norms of a badly initialised 20-layer stack, with and without residuals;
+D) 梯度累积错误: a missing zero_grad() doubles the next gradient;
+E) 同步失败: a peer that never joins a collective, ended by the process group timeout (ddp_timeout);
+F) 内存同步问题: a parameter checksum all-gathered across two ranks catches a rank that skipped an update.
+(负载不均衡 / group_by_length is not covered here: nanosft's Trainer has no group_by_length yet.)
 Run:      python tutorials/14_troubleshooting.py
-Runtime:  about 8 s on one CPU core with transformers installed (importing it is half), 4 s without.
+Runtime:  about 25 s on a 2-core CPU (3 s of it is E's timeout).
 You should see:
-  - A: tr_loss_step nan on the empty micro-batch; logged loss finite with the filter, nan without; same weights;
-  - A: with num_items_in_batch (the default) the empty micro-batch adds 0 and nothing is nan;
-  - B: grad_norm ~1e5 at the bad step; without clipping nan afterwards, a logged loss of 0.0 hiding it, and
-    nanosft's "Stopping at step ..." message; with max_grad_norm=1.0 the run recovers;
-  - "OK: troubleshooting checked".
+  - A: tr_loss_step nan on the empty micro-batch; logged loss finite with the filter, nan without;
+  - B: grad_norm ~1e4 at the bad step; without clipping the losses after it stay in the thousands; with
+    max_grad_norm 1.5 x the largest ordinary norm, "binds at steps [3] only" and the run recovers;
+  - C: first/last layer gradient ratio ~0 plain, ~0.8 residual; D: max |grad - 2 g| = 0;
+  - E, F: "first step out of sync: 2" and the all_reduce returning after ~3 s; "OK: troubleshooting checked".
 """
 
 # %%
@@ -154,27 +160,170 @@ for _ in range(8):
     ids = torch.randint(1, TINY["vocab_size"], (8,), generator=g).tolist()
     ROWS_B.append({"input_ids": ids, "labels": ids})
 runs = {}
-for max_grad_norm in (0.0, 1.0):
+for max_grad_norm in (0.0, None):  # None: a threshold read off the unclipped run's ordinary steps
+    if max_grad_norm is None:
+        ordinary = [norm for step, _, norm in runs[0.0][1] if step < 3]  # the steps before the bad one
+        max_grad_norm = round(1.5 * max(ordinary), 2)  # above every ordinary norm: binds in the blow-up
     trainer = train(ROWS_B * 3, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=10,
-                    learning_rate=1.0, max_grad_norm=max_grad_norm)
+                    learning_rate=0.1, max_grad_norm=max_grad_norm)
     printed, _ = run(trainer, bad_micro_batch=2)
     logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
     runs[max_grad_norm] = (printed, logged)
     print(f"max_grad_norm={max_grad_norm} ({'no clipping' if max_grad_norm == 0 else 'clipping'}):")
     for step, loss, norm in logged:
-        print(f"   step {step:2d}  loss {loss:12.4f}  grad_norm {norm:14.4f}")
+        binds = " <- clipped" if 0 < max_grad_norm < norm else ""
+        print(f"   step {step:2d}  loss {loss:12.4f}  grad_norm {norm:14.4f}{binds}")
     for line in printed.splitlines():
         if line.startswith("Stopping"):
             print(f"   trainer: {line}")
-no_clip, clip = runs[0.0][1], runs[1.0][1]
-assert no_clip[2][2] > 1e4 and clip[2][2] > 1e4  # the bad step shows in grad_norm either way (pre-clip norm)
-assert any(math.isnan(norm) for _, _, norm in no_clip)  # the update blew the weights up
-assert any(loss == 0.0 for _, loss, norm in no_clip if math.isnan(norm))  # the filter logs 0.0 over a nan
-assert "Stopping at step" in runs[0.0][0] and len(no_clip) < 10
+CLIP = max_grad_norm
+no_clip, clip = runs[0.0][1], runs[CLIP][1]
+clipped_steps = [step for step, _, norm in clip if norm > CLIP]
+print(f"max_grad_norm={CLIP} binds at steps {clipped_steps} only (ordinary grad_norm <= {max(ordinary):.2f})")
+assert clipped_steps == [3]  # the bad micro-batch is step 3; every other step runs unclipped
+assert clip[:2] == no_clip[:2]  # before the blow-up the two runs are the same run
+assert no_clip[2][2] > 1e4 and clip[2][2] > 1e4  # the bad step shows in grad_norm either way (pre-clip)
+after = [loss for _, loss, _ in no_clip[3:]]
+assert len(no_clip) < 10 or any(not math.isfinite(x) or x > 100 for x in after)  # no clipping: ruined
 assert len(clip) == 10 and all(math.isfinite(loss) and math.isfinite(n) for _, loss, n in clip)
 assert clip[-1][1] < 10  # back to an ordinary loss after the bad batch
-print("the bad step's own loss is huge in both runs; what differs is every step after it")
-print("no clipping: one bad batch ruins the weights; with max_grad_norm=1.0 the same batch moves them by at most "
-      "lr * 1.0 and training goes on")
+print("the bad step's own loss is huge in both runs; what differs is every step after it: with the")
+print(f"threshold at {CLIP} the bad batch moves the weights by at most lr * {CLIP} and training goes on")
+
+# %% [markdown]
+# ## C) 梯度消失 / vanishing gradients: per-layer gradient norms of a badly initialised deep stack
+# "症状: 损失下降缓慢, 参数更新微小; 解决方案: 调整网络架构, 使用残差连接". Twenty tanh layers whose
+# weights start too small (std 0.05 / sqrt(width)): each layer shrinks the backward signal, so the
+# first layers get almost no gradient. The same stack with residual connections (x + f(x), as every
+# decoder layer of the Llama has) passes the gradient through the identity path.
+
+# %%
+banner("故障排除 C: 梯度消失 / vanishing gradients: per-layer grad norms, plain vs residual")
+DEPTH, WIDTH = 20, 32
+
+
+def layer_grad_norms(residual):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight, std=0.05 / math.sqrt(WIDTH))  # the bad init
+    x = torch.randn(16, WIDTH)
+    for layer in layers:
+        x = x + torch.tanh(layer(x)) if residual else torch.tanh(layer(x))
+    x.pow(2).mean().backward()
+    return [layer.weight.grad.norm().item() for layer in layers]
+
+
+plain, residual = layer_grad_norms(False), layer_grad_norms(True)
+print("layer        " + " ".join(f"{i:>8d}" for i in (0, 5, 10, 15, DEPTH - 1)))
+for name, norms in (("plain", plain), ("residual", residual)):
+    print(f"{name:12s} " + " ".join(f"{norms[i]:8.1e}" for i in (0, 5, 10, 15, DEPTH - 1)))
+print(f"first / last layer grad norm: plain {plain[0] / plain[-1]:.1e}, "
+      f"residual {residual[0] / residual[-1]:.1e}")
+assert plain[0] / plain[-1] < 1e-6  # vanished: the first layer barely learns
+assert residual[0] / residual[-1] > 1e-1  # the identity path carries the gradient down
+
+# %% [markdown]
+# ## D) 梯度累积错误 / accumulation mistakes
+# "症状: 内存不足或参数更新异常; 解决方案: 正确设置累积步数, 确保梯度清零". Two classic ones: a loop
+# that forgets zero_grad() after the optimizer step (each step's gradient adds the previous one), and
+# the mean of per-micro-batch means (tutorial 11 measures that one against one big batch).
+
+# %%
+banner("故障排除 D: 梯度累积错误 / no zero_grad(): the next step's gradient carries the last one")
+model = tiny_model()
+batch = COLLATOR(ROWS_B[:2])
+model(**batch).loss.backward()
+first = model.lm_head.weight.grad.clone()
+model(**batch).loss.backward()  # the same batch again, with no model.zero_grad() in between
+doubled = (model.lm_head.weight.grad - 2 * first).abs().max().item()
+print(f"without zero_grad the second backward leaves 2 x the gradient: max |grad - 2 g| = {doubled:.1e}")
+model.zero_grad()
+model(**batch).loss.backward()
+fresh = (model.lm_head.weight.grad - first).abs().max().item()
+print(f"with model.zero_grad() (the Trainer calls it after every optimizer step): max |grad - g| = "
+      f"{fresh:.1e}")
+assert doubled < 1e-6 and fresh < 1e-6
+
+# %% [markdown]
+# ## E, F) 同步失败 / a peer that hangs, and 内存同步问题 / parameters out of sync
+# Two ranks (gloo, on this CPU). E: rank 1 never joins an all_reduce; rank 0 does not wait forever,
+# the collective fails after the process group's timeout, which the Trainer sets from
+# args.ddp_timeout (here 3 s instead of the default 1800). F: both ranks train the same model on the
+# same data, but rank 1 skips one optimizer step; a checksum of the parameters, all-gathered across
+# ranks after every step, names the step where they diverged.
+
+# %%
+banner("故障排除 E, F: ddp_timeout ends a hang; a cross-rank checksum catches a skipped update")
+
+
+def sync_worker(rank, world, port, results):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=TrainingArguments(ddp_timeout=3).ddp_timeout)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timeout)
+    # F: the same model and batches on both ranks; rank 1 skips the optimizer step at step 2
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checksums = []
+    for step in range(1, 4):
+        model.zero_grad()
+        model(**COLLATOR(ROWS_B[2 * step:2 * step + 2])).loss.backward()
+        if not (rank == 1 and step == 2):
+            optimizer.step()
+        local = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
+        gathered = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        checksums.append([x.item() for x in gathered])
+    # E: rank 1 hangs (it never enters the collective); rank 0's all_reduce times out
+    waited, error = None, None
+    if rank == 0:
+        import time
+
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as exc:
+            timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+            error = f"{type(exc).__name__} ({'timed out' if timed_out else str(exc)[:80]})"
+        waited = time.monotonic() - start
+    else:
+        import time
+
+        time.sleep(6)
+    results[rank] = (checksums, waited, error)
+
+
+def run_ranks():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    # fork: the workers inherit this script's state instead of re-running it from the top
+    mp.start_processes(sync_worker, args=(2, port, results), nprocs=2, join=True, start_method="fork")
+    return dict(results)
+
+
+results = run_ranks()
+checksums, waited, error = results[0]
+for step, sums in enumerate(checksums, start=1):
+    same = sums[0] == sums[1]
+    print(f"step {step}: parameter checksum rank 0 {sums[0]:.10f}  rank 1 {sums[1]:.10f}  "
+          f"{'in sync' if same else 'OUT OF SYNC'}")
+diverged = [step for step, sums in enumerate(checksums, start=1) if sums[0] != sums[1]]
+print(f"first step out of sync: {diverged[0]} (rank 1 skipped its update there)")
+print(f"rank 0's all_reduce with a hung peer returned after {waited:.1f} s "
+      f"(ddp_timeout=3): {error}")
+assert diverged == [2, 3]  # once a rank skips an update it stays out of sync
+assert checksums == results[1][0]  # both ranks gathered the same numbers
+assert error is not None and 2.5 < waited < 30  # ended by the timeout, not by waiting forever
 
 print("\nOK: troubleshooting checked")
