@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from nanosft import distributed
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft.fsdp import held_bytes
 from nanosft.nf4 import quantize_model
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.trainer import Trainer
@@ -180,7 +181,7 @@ def _worker(rank, port, out):
         result[mode] = {
             "state": trainable_state(trainer),
             "logged": logged(trainer),
-            "held_bytes": distributed.held_bytes(trainer.model),
+            "held_bytes": held_bytes(trainer.model),
         }
         result[mode]["held_bytes_all"] = distributed.all_reduce_sum(
             torch.tensor(result[mode]["held_bytes"])
@@ -243,7 +244,7 @@ def runs(tmp_path_factory):
         single[mode] = {
             "state": trainable_state(trainer),
             "logged": logged(trainer),
-            "held_bytes": distributed.held_bytes(trainer.model),
+            "held_bytes": held_bytes(trainer.model),
         }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

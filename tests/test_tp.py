@@ -23,8 +23,9 @@ import torch
 import torch.multiprocessing as mp
 from tiny import tiny_model
 
-from nanosft import distributed
+from nanosft import distributed, tensor_parallel
 from nanosft.args import TrainingArguments
+from nanosft.fsdp import held_bytes
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
 
@@ -53,7 +54,7 @@ def run(model):
     for step in range(STEPS):
         if step:
             model(**batch()).loss.backward()
-        norms.append(distributed.clip_grad_norm_(model.parameters(), 1.0).item())
+        norms.append(tensor_parallel.clip_grad_norm_(model.parameters(), 1.0).item())
         optimizer.step()
         optimizer.zero_grad()
     result["norms"] = norms
@@ -78,14 +79,14 @@ def _worker(rank, port, folder):
         "local_q_rows": attn.q_proj.weight.to_local().shape[0],
         "local_k_rows": attn.k_proj.weight.to_local().shape[0],
         "local_o_cols": attn.o_proj.weight.to_local().shape[1],
-        "held_bytes": distributed.held_bytes(model),
+        "held_bytes": held_bytes(model),
         **run(model),
     }
     # negative control: query heads split, k/v whole -> rank 1's query heads 2, 3 read KV head 0
     # instead of 1
     plan = {
         k: v
-        for k, v in distributed.LLAMA_TP_PLAN.items()
+        for k, v in tensor_parallel.LLAMA_TP_PLAN.items()
         if "k_proj" not in k and "v_proj" not in k
     }
     with torch.no_grad():
@@ -93,7 +94,7 @@ def _worker(rank, port, folder):
             **batch()
         ).logits
     try:  # 2 ranks cannot split 3 KV heads
-        distributed.check_tp_sizes(
+        tensor_parallel.check_tp_sizes(
             ModelConfig(
                 hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96
             ),
@@ -119,7 +120,7 @@ def runs(tmp_path_factory):
     tiny_model(seed=0, hidden_size=64, intermediate_size=128).save_pretrained(str(folder))
     torch.set_num_threads(1)
     single = run(CausalLM.from_pretrained(str(folder)))
-    single["held_bytes"] = distributed.held_bytes(CausalLM.from_pretrained(str(folder)))
+    single["held_bytes"] = held_bytes(CausalLM.from_pretrained(str(folder)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

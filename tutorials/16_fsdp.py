@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from nanosft import distributed
+from nanosft import distributed, fsdp
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.nf4 import quantize_model
 from nanosft.peft import LoraConfig, get_peft_model
@@ -44,7 +44,7 @@ TINY = {
     "max_position_embeddings": 64,
 }
 WORLD = 2
-FSDP_CONFIG = distributed.normalize_fsdp_config(
+FSDP_CONFIG = fsdp.normalize_fsdp_config(
     True, None
 )  # what TrainingArguments(fsdp=True) holds
 
@@ -82,7 +82,7 @@ def rank_print(rank, text):
 def holds(rank):
     banner("1. shards and the all-gather")
     full_q = tiny_model().model.layers[0].self_attn.q_proj.weight.detach().clone()  # (64, 64)
-    model = distributed.apply_fsdp(tiny_model(), FSDP_CONFIG, "cpu")
+    model = fsdp.apply_fsdp(tiny_model(), FSDP_CONFIG, "cpu")
     q_proj = model.model.layers[0].self_attn.q_proj
     shard = q_proj.weight.to_local()
     rows = shard.shape[0]
@@ -121,7 +121,7 @@ def gradients(rank):
     tokens = (labels[:, 1:] != -100).sum().float()  # all ranks' tokens
     runs = {}
     for name, count in (("global count", tokens), ("per-rank mean", None)):
-        model = distributed.apply_fsdp(tiny_model(), FSDP_CONFIG, "cpu")
+        model = fsdp.apply_fsdp(tiny_model(), FSDP_CONFIG, "cpu")
         if count is None:  # the mistake: each rank divides by its own tokens
             loss = model(ids[mine], labels=labels[mine]).loss
         else:  # FSDP averages over ranks (divides by 2): the loss is multiplied back, as Trainer
@@ -152,7 +152,7 @@ def qlora(rank):
 
     ids, _ = global_batch()
     one = build()
-    one_bytes = distributed.held_bytes(one)
+    one_bytes = fsdp.held_bytes(one)
     # every rank keeps each 4-bit layer's code tables and offset whole: 16 + 256 + 1 fp32 constants
     tables = sum(
         t.numel() * t.element_size()
@@ -162,9 +162,9 @@ def qlora(rank):
     )
     with torch.no_grad():
         want = one(ids).logits
-    model = distributed.apply_fsdp(build(), FSDP_CONFIG, "cpu")
+    model = fsdp.apply_fsdp(build(), FSDP_CONFIG, "cpu")
     base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-    mine = distributed.held_bytes(model)
+    mine = fsdp.held_bytes(model)
     with torch.no_grad():
         diff = (model(ids).logits - want).abs().max().item()
     rank_print(

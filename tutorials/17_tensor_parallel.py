@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
-from nanosft import distributed
+from nanosft import distributed, tensor_parallel
 from nanosft.model import MLP, CausalLM, ModelConfig
 
 TINY = {
@@ -133,7 +133,7 @@ def whole_model(rank, folder):
 def refused(rank):
     banner("4. sizes that do not divide")
     try:
-        distributed.check_tp_sizes(
+        tensor_parallel.check_tp_sizes(
             ModelConfig(
                 **{**TINY, "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}
             ),
