@@ -4,68 +4,25 @@ Guide: memory (QLoRA's arithmetic, gradient checkpointing). `estimate_memory(con
 without building a model, the base weights (fp32 / bf16 / NF4 with absmax and double-quantization
 tables), trainable parameters, gradients, optimizer states, the tensors each decoder layer saves for
 backward (with and without checkpointing) and the logits / loss buffers (B x T x V), per FSDP rank.
-`MemoryTracker` measures peaks the way transformers' TrainerMemoryTracker reports them.
-Papers: QLoRA 2305.14314 (2-3), activation recomputation 1604.06174, ZeRO / FSDP 1910.02054.
+The plan and shapes live in nanosft.memory_plan, the per-layer saves in nanosft.memory_activations,
+the measuring tools (`MemoryTracker`, `PeakMemory`, ...) in nanosft.memory_measure; their names
+import from here too. Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
 """
 
 import dataclasses
-import gc
 import math
-import re
 
-import torch
+from nanosft.memory_activations import head_saved_bytes, layer_saved_bytes
+from nanosft.memory_measure import (  # noqa: F401 (measuring tools, re-exported)
+    MemoryTracker, PeakMemory, count_saved_tensors, cpu_memory, cpu_peak_reset, unique_bytes)
+from nanosft.memory_plan import (  # noqa: F401 (the plan and shapes, re-exported)
+    DTYPE_BYTES, LAYER_LINEARS, OPTIMIZERS, MemoryPlan, _fail, lora_targets, nf4_quantizable,
+    parameter_shapes)
 
 MiB = 2**20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd")
-LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' optimizer states in fp32
 BNB_OPTIM_BLOCKSIZE = 256  # one fp32 absmax per 256 values of an 8-bit optimizer state
 NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-level absmax values
-
-
-def _fail(field, value, fix):
-    raise ValueError(f"{field}={value!r} is invalid: {fix}")
-
-
-@dataclasses.dataclass
-class MemoryPlan:
-    """What a run keeps in memory: method, batch shape, precision (SFTConfig / LoraConfig names).
-    Guide: memory | Mirrors: trl SFTConfig, peft LoraConfig, transformers BitsAndBytesConfig
-    Differs: `fsdp` is the number of ranks sharding the model (transformers takes a strategy)."""
-
-    full: bool = False  # full fine-tuning; otherwise LoRA / DoRA adapters on a frozen base
-    load_in_4bit: bool = False  # NF4 base linears (QLoRA)
-    bnb_4bit_use_double_quant: bool = True
-    use_dora: bool = False
-    r: int = 8
-    target_modules: list | str | None = None  # None -> peft's default for the model type
-    dtype: str = "float32"  # base weights as loaded (from_pretrained dtype)
-    per_device_train_batch_size: int = 8
-    max_length: int = 1024
-    gradient_checkpointing: bool = False
-    optim: str = "adamw_torch_fused"
-    optim_args: str | None = None
-    bf16: bool = False  # bf16 autocast (mixed precision): weights stay in `dtype`
-    fsdp: int = 1
-
-    def __post_init__(self):
-        for name in ("per_device_train_batch_size", "max_length", "r", "fsdp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                _fail(name, value, "it must be a whole number >= 1")
-        if self.dtype not in DTYPE_BYTES:
-            _fail("dtype", self.dtype, f"choose one of {', '.join(DTYPE_BYTES)}")
-        if self.optim not in OPTIMIZERS:
-            _fail("optim", self.optim, f"choose one of {', '.join(OPTIMIZERS)}")
-        if self.full and (self.load_in_4bit or self.use_dora):
-            _fail("full", True, "full fine-tuning trains every weight, so it takes no 4-bit base "
-                  "and no DoRA; drop --qlora / --dora or --full")
-
-    @property
-    def adapter_dtype(self):
-        """bf16 adapters on a 4-bit base (SFTTrainer casts them), else the base dtype."""
-        return "bfloat16" if self.load_in_4bit else self.dtype
 
 
 # ----------------------------------------------------------------------------- weights
@@ -79,54 +36,6 @@ def nf4_bytes(numel, blocksize=64, double_quant=True):
         return codes + 4 * blocks  # one fp32 absmax per block
     # uint8 absmax per block, fp32 absmax per 256 blocks, fp32 offset, (256,) fp32 nested map
     return codes + blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) + 4 + 256 * 4
-
-
-def parameter_shapes(config):
-    """(name, shape) of every parameter under transformers' Llama names; a tied lm_head once.
-    Guide: memory | Mirrors: transformers LlamaForCausalLM.state_dict keys"""
-    C, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
-    H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    out = {"q_proj": H * D, "k_proj": KV * D, "v_proj": KV * D, "o_proj": C, "gate_proj": I,
-           "up_proj": I, "down_proj": C}
-    inp = {"q_proj": C, "k_proj": C, "v_proj": C, "o_proj": H * D, "gate_proj": C, "up_proj": C,
-           "down_proj": I}
-    shapes = [("model.embed_tokens.weight", (V, C))]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.append((p + "input_layernorm.weight", (C,)))
-        for lin in LAYER_LINEARS:
-            block = "self_attn." if lin in LAYER_LINEARS[:4] else "mlp."
-            shapes.append((p + block + lin + ".weight", (out[lin], inp[lin])))
-            bias = config.mlp_bias if block == "mlp." else config.attention_bias
-            if bias and not (lin == "o_proj" and config.model_type == "qwen2"):
-                shapes.append((p + block + lin + ".bias", (out[lin],)))
-        shapes.append((p + "post_attention_layernorm.weight", (C,)))
-    shapes.append(("model.norm.weight", (C,)))
-    if not config.tie_word_embeddings:
-        shapes.append(("lm_head.weight", (V, C)))
-    return shapes
-
-
-def lora_targets(config, plan):
-    """Short names of the layer linears LoRA wraps: target_modules, "all-linear", or peft's default.
-    Guide: memory | Mirrors: peft check_target_module_exists (list: suffix match, str: regex)"""
-    from nanosft.peft import DEFAULT_TARGET_MODULES
-
-    if plan.full:
-        return set()
-    target = plan.target_modules
-    if target is None:
-        target = DEFAULT_TARGET_MODULES[config.model_type]
-    if isinstance(target, str) and target.lower() == "all-linear":
-        return set(LAYER_LINEARS)
-    if isinstance(target, str):
-        return {lin for lin in LAYER_LINEARS if re.fullmatch(target, f"model.layers.0.x.{lin}")}
-    return {lin for lin in LAYER_LINEARS if any(t == lin or t.endswith("." + lin) for t in target)}
-
-
-def _quantizable(shape, device_type):
-    # nf4.quantize_model keeps a CPU linear in float where bitsandbytes' CPU kernel decodes wrongly
-    return device_type != "cpu" or shape[1] % 64 == 0 or shape[1] % 2 == 1
 
 
 def _shard(nbytes, shape, world):
@@ -151,123 +60,6 @@ def optimizer_state_bytes(numel, dtype_bytes, optim, optim_args=None, embedding=
     items = (optim_args or "").replace(" ", "").split(",")
     momentum = float(dict(kv.split("=") for kv in items if kv).get("momentum", 0.0))
     return numel * dtype_bytes if momentum else 0
-
-
-# ----------------------------------------------------------------------------- activations
-class _Saved:
-    """Tensors saved for backward, by name, so a tensor saved by several ops is counted once."""
-
-    def __init__(self):
-        self.bytes = {}
-
-    def add(self, name, numel, nbytes):
-        self.bytes[name] = numel * nbytes
-
-
-def _norm(saved, tag, N, C, rg, trainable, wd):
-    # RMSNorm: pow and x32 * rsqrt save the fp32 input and rsqrt (N, 1); weight * xn saves xn
-    if rg:
-        saved.add(f"{tag}.input_fp32", N * C, 4)
-        saved.add(f"{tag}.rsqrt", N, 4)
-    if trainable:
-        saved.add(f"{tag}.normed", N * C, wd)
-    return rg or trainable
-
-
-def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
-    """Saves of one (LoRA) linear on input `x_name`; returns whether its output needs grad."""
-    N, plan, ad, wd = ctx["N"], ctx["plan"], ctx["ad"], ctx["wd"]
-    trains_base, has_lora = plan.full, lin in ctx["targets"]
-    float_base = plan.full or not ctx["nf4"].get(lin, False)
-    cb = ad or wd  # a float base computes in the autocast dtype, else in its own
-    if trains_base:  # weight grad needs the input: the same tensor, or its autocast copy
-        if cb == x_bytes:
-            saved.add(x_name, N * in_f, x_bytes)
-        else:
-            saved.add(f"{lin}.input_cast", N * in_f, cb)
-    if float_base and ad and ad != wd and (rg_in or trains_base):
-        saved.add(f"{lin}.weight_cast", out_f * in_f, ad)  # autocast's copy of the weight
-    if has_lora:
-        ca = ad or DTYPE_BYTES[plan.adapter_dtype]
-        r = plan.r
-        if ca == x_bytes:
-            saved.add(x_name, N * in_f, x_bytes)  # lora_A reads the same input
-        else:
-            saved.add(f"{lin}.lora_input_cast", N * in_f, ca)  # one cast copy per adapter
-        saved.add(f"{lin}.lora_A_out", N * r, ca)
-        if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:
-            saved.add(f"{lin}.lora_weight_cast", r * (in_f + out_f), ad)
-        if plan.use_dora:  # B A through an identity (in, in), and the two outputs m scales
-            saved.add(f"{lin}.dora_eye", in_f * in_f, ca)
-            saved.add(f"{lin}.dora_eye_A", in_f * r, ca)
-            saved.add(f"{lin}.dora_base_result", N * out_f, cb if float_base else x_bytes)
-            saved.add(f"{lin}.dora_lora_result", N * out_f, ca)
-    return rg_in or trains_base or has_lora
-
-
-def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
-    """Bytes one decoder layer saves for backward, by tensor (shared ones once), no checkpointing.
-    Guide: memory (activations) | Mirrors: autograd's saves in transformers LlamaDecoderLayer
-    Assumes flash / memory-efficient SDPA (no (T, T) matrix), as nanosft's causal batches use."""
-    C, I, T = config.hidden_size, config.intermediate_size, plan.max_length
-    H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    B = plan.per_device_train_batch_size
-    N, wd = B * T, DTYPE_BYTES[plan.dtype]
-    ad = 2 if plan.bf16 else None
-    in_features = {"o_proj": H * D, "down_proj": I}
-    nf4 = {lin: plan.load_in_4bit and _quantizable((0, in_features.get(lin, C)), device_type)
-           for lin in LAYER_LINEARS}
-    ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4,
-           "targets": lora_targets(config, plan)}
-    saved = _Saved()
-    # the first layer's input needs no grad unless the embedding trains
-    rg = plan.full or not first
-    n_rg = _norm(saved, "input_layernorm", N, C, rg, plan.full, wd)
-    q_rg, k_rg, v_rg = (_linear(saved, ctx, lin, "normed_1", wd, C, o, n_rg)
-                        for lin, o in (("q_proj", H * D), ("k_proj", KV * D), ("v_proj", KV * D)))
-    attn_rg = q_rg or k_rg or v_rg
-    s = ad or wd  # SDPA works in the autocast dtype, else in the stream's
-    if attn_rg:
-        if first:
-            saved.add("rope_cos_sin", 2 * T * D, wd)  # shared by every layer, counted in the first
-        saved.add("sdpa.q", N * H * D, s)
-        saved.add("sdpa.k", N * KV * D, s)
-        saved.add("sdpa.v", N * KV * D, s)
-        saved.add("sdpa.out", N * H * D, s)
-        saved.add("sdpa.logsumexp", B * H * T, 4)
-    o_rg = _linear(saved, ctx, "o_proj", "sdpa.out", s, H * D, C, attn_rg)
-    h_rg = rg or o_rg
-    n2_rg = _norm(saved, "post_attention_layernorm", N, C, h_rg, plan.full, wd)
-    g_rg = _linear(saved, ctx, "gate_proj", "normed_2", wd, C, I, n2_rg)
-    u_rg = _linear(saved, ctx, "up_proj", "normed_2", wd, C, I, n2_rg)
-    g = (ad or wd) if (plan.full or not nf4["gate_proj"]) else wd  # 4-bit: returns its input dtype
-    if g_rg:
-        saved.add("mlp.gate_out", N * I, g)  # silu's input
-        saved.add("mlp.up_out", N * I, g)  # mul's other factor
-    if u_rg:
-        saved.add("mlp.silu_out", N * I, g)
-    _linear(saved, ctx, "down_proj", "mlp.act_product", g, I, C, g_rg or u_rg)
-    return saved.bytes
-
-
-def head_saved_bytes(config, plan):
-    """Bytes saved for backward outside the decoder layers (ids, final norm, lm_head input),
-    and the loss's fp32 log-probabilities (N, V), which the logits row reports.
-    Guide: memory | Mirrors: transformers ForCausalLMLoss (logits.float(), cross_entropy)"""
-    C, V = config.hidden_size, config.vocab_size
-    N, wd = plan.per_device_train_batch_size * plan.max_length, DTYPE_BYTES[plan.dtype]
-    ad = 2 if plan.bf16 else None
-    saved = _Saved()
-    if plan.full:
-        saved.add("embed_tokens.input_ids", N, 8)
-    _norm(saved, "norm", N, C, True, plan.full, wd)
-    if plan.full:
-        saved.add("lm_head.input", N * C, ad or wd)
-    if ad and ad != wd:
-        saved.add("lm_head.weight_cast", V * C, ad)
-    saved.add("loss.labels", N, 8)
-    saved.add("loss.total_weight", 1, 4)
-    return saved.bytes, N * V * 4
 
 
 # ----------------------------------------------------------------------------- the ledger
@@ -316,7 +108,7 @@ def estimate_memory(config, plan, device_type="cpu"):
         numel = math.prod(shape)
         lin = name.split(".")[-2]
         quant = (plan.load_in_4bit and lin in LAYER_LINEARS and name.endswith("weight")
-                 and _quantizable(shape, device_type))
+                 and nf4_quantizable(shape, device_type))
         n_quant += quant
         if quant:  # FSDP shards the packed (numel / 2, 1) codes
             nbytes = nf4_bytes(numel, double_quant=plan.bnb_4bit_use_double_quant)
@@ -390,180 +182,7 @@ def estimate_memory(config, plan, device_type="cpu"):
     return MemoryLedger(rows=rows, notes=notes, per_layer=per_layer, plan=plan)
 
 
-# ----------------------------------------------------------------------------- measuring
-def unique_bytes(tensors):
-    """Bytes of the distinct storages behind `tensors` (views and shared tables counted once).
-    Guide: memory | Mirrors: torch UntypedStorage.nbytes"""
-    seen = {}
-    for t in tensors:
-        if torch.is_tensor(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def cpu_peak_reset():
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where /proc refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def cpu_memory():
-    """(RSS, peak RSS since the last reset) of this process in bytes, from /proc/self/status.
-    Mirrors: psutil Process.memory_info().rss (transformers' cpu_mem_used)"""
-    values = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    values[line.split(":")[0]] = int(line.split()[1]) * 1024
-    except OSError:
-        import psutil
-
-        rss = psutil.Process().memory_info().rss
-        return rss, rss
-    return values["VmRSS"], values["VmHWM"]
-
-
-class MemoryTracker:
-    """Memory deltas per stage (init, train, eval) under transformers' metric names.
-    Guide: memory | Mirrors: transformers TrainerMemoryTracker (start, stop, update_metrics)
-    Differs: the CPU peak is the kernel's VmHWM (reset per stage), not RSS polled by a thread."""
-
-    def __init__(self, skip_memory_metrics=False):
-        self.skip_memory_metrics = skip_memory_metrics
-        self.cur_stage, self.cpu, self.gpu, self.init_reported = None, {}, {}, False
-        self.cuda = torch.cuda.is_available()
-
-    def start(self, stage):
-        """Begin measuring `stage`; a stage inside another (eval inside train) is ignored."""
-        if self.skip_memory_metrics or (self.cur_stage is not None and self.cur_stage != stage):
-            return
-        self.cur_stage = stage
-        gc.collect()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.empty_cache()
-            self.gpu_begin = torch.cuda.memory_allocated()
-        cpu_peak_reset()
-        self.cpu_begin = cpu_memory()[0]
-
-    def stop(self, stage):
-        """End `stage`: alloc = end - begin, peaked = max(0, peak - end), as in transformers."""
-        if self.skip_memory_metrics or self.cur_stage != stage:
-            return
-        _, peak = cpu_memory()  # read before gc.collect can lower anything
-        gc.collect()
-        now = cpu_memory()[0]
-        self.cpu[stage] = {"begin": self.cpu_begin, "end": now, "alloc": now - self.cpu_begin,
-                           "peaked": max(0, peak - now)}
-        if self.cuda:
-            torch.cuda.empty_cache()
-            now, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-            self.gpu[stage] = {"begin": self.gpu_begin, "end": now, "alloc": now - self.gpu_begin,
-                               "peaked": max(0, peak - now)}
-        self.cur_stage = None
-
-    def update_metrics(self, stage, metrics):
-        """Add `{stage}_mem_cpu_alloc_delta`, `..._peaked_delta` (+ `_gpu_`); init's go first."""
-        if self.skip_memory_metrics:
-            return
-        stages = [stage]
-        if not self.init_reported and "init" in self.cpu:
-            stages.insert(0, "init")
-            self.init_reported = True
-            metrics["before_init_mem_cpu"] = self.cpu["init"]["begin"]
-            if self.cuda:
-                metrics["before_init_mem_gpu"] = self.gpu["init"]["begin"]
-        for s in stages:
-            for kind in ("alloc", "peaked"):
-                if s in self.cpu:
-                    metrics[f"{s}_mem_cpu_{kind}_delta"] = self.cpu[s][kind]
-                if self.cuda and s in self.gpu:
-                    metrics[f"{s}_mem_gpu_{kind}_delta"] = self.gpu[s][kind]
-
-    def stop_and_update_metrics(self, stage, metrics=None):
-        """stop(stage), then update_metrics(stage, metrics) when a dict is given."""
-        self.stop(stage)
-        if metrics is not None:
-            self.update_metrics(stage, metrics)
-
-
-class PeakMemory:
-    """The peak a run reaches above its start: CPU RSS (VmHWM) and, on CUDA, allocated bytes.
-    Guide: memory | Mirrors: torch.cuda.max_memory_allocated, the kernel's VmHWM"""
-
-    def __init__(self, device_type="cpu"):
-        self.cuda = device_type == "cuda" and torch.cuda.is_available()
-
-    def start(self):
-        """Reset the peaks and remember where this run starts."""
-        self.exact = cpu_peak_reset()
-        self.cpu_start = cpu_memory()[0]
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            self.gpu_start = torch.cuda.memory_allocated()
-        return self
-
-    def stop(self):
-        """{"cpu_peak_growth": bytes, "gpu_peak_growth": bytes on CUDA} since start()."""
-        out = {"cpu_peak_growth": cpu_memory()[1] - self.cpu_start}
-        if self.cuda:
-            out["gpu_peak_growth"] = torch.cuda.max_memory_allocated() - self.gpu_start
-        return out
-
-
-def count_saved_tensors(model):
-    """A context manager counting the bytes autograd saves for backward, per decoder layer, less
-    the model's own weights and quantization state; `.per_layer`, `.outside`, `.total` after it.
-    Guide: memory | Mirrors: torch.autograd.graph.saved_tensors_hooks"""
-    return _SavedTensorCounter(model)
-
-
-class _SavedTensorCounter:
-    def __init__(self, model):
-        self.model = model
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.layers = list(inner.model.layers)
-        state = [p for p in model.parameters()] + [b for b in model.buffers()]
-        for m in model.modules():
-            qs = getattr(m, "quant_state", None)
-            if qs is not None:
-                state += [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset]
-                                                 if qs.nested else [])
-        self.state_ptrs = {t.untyped_storage().data_ptr() for t in state if torch.is_tensor(t)}
-
-    def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.state_ptrs and ptr not in self.seen:
-            self.seen[ptr] = (self.where, t.untyped_storage().nbytes())
-        return t
-
-    def __enter__(self):
-        self.seen, self.where = {}, "outside"
-        self.handles = []
-        for i, layer in enumerate(self.layers):  # attribute each save to the layer running
-            enter = layer.register_forward_pre_hook(lambda m, a, i=i: setattr(self, "where", i))
-            leave = layer.register_forward_hook(lambda m, a, o: setattr(self, "where", "outside"))
-            self.handles += [enter, leave]
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-        for h in self.handles:
-            h.remove()
-        self.per_layer = [sum(b for w, b in self.seen.values() if w == i)
-                          for i in range(len(self.layers))]
-        self.outside = sum(b for w, b in self.seen.values() if w == "outside")
-        self.total = sum(b for _, b in self.seen.values())
-        return False
-
-
+# ----------------------------------------------------------------------------- the Trainer's lines
 def plan_from_model(model, args, max_length, device_type="cpu"):
     """A MemoryPlan read off a live (peft-wrapped or not, 4-bit or not) model and its arguments.
     Guide: memory | Mirrors: what SFTTrainer.__init__ set up (peft_config, 4-bit base)"""

@@ -1,4 +1,4 @@
-"""The memory ledger (nanosft/memory.py) against the tensors of a real run, and its metrics.
+"""The memory ledger (nanosft/memory*.py) against the tensors of a real run, and its metrics.
 
 Compared: the weights, adapter, gradient and optimizer rows equal the distinct storage bytes of a
 model trained by the Trainer (full fp32 / 8-bit AdamW, LoRA, QLoRA with double quantization, DoRA

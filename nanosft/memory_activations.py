@@ -1,0 +1,126 @@
+"""What one training step saves for backward, predicted per tensor from the config alone.
+
+Guide: memory (activations, gradient checkpointing). `layer_saved_bytes` walks one decoder layer op
+by op (RMSNorm, the LoRA / DoRA / NF4 linears, SDPA, SwiGLU) and names each tensor autograd keeps,
+so one saved by several ops counts once; `head_saved_bytes` does the same for the final norm,
+lm_head and loss. nanosft.memory sums them into the ledger's activations row.
+Paper: activation recomputation 1604.06174.
+"""
+
+from nanosft.memory_plan import DTYPE_BYTES, LAYER_LINEARS, lora_targets, nf4_quantizable
+
+
+class _Saved:
+    """Tensors saved for backward, by name, so a tensor saved by several ops is counted once."""
+
+    def __init__(self):
+        self.bytes = {}
+
+    def add(self, name, numel, nbytes):
+        self.bytes[name] = numel * nbytes
+
+
+def _norm(saved, tag, N, C, rg, trainable, wd):
+    # RMSNorm: pow and x32 * rsqrt save the fp32 input and rsqrt (N, 1); weight * xn saves xn
+    if rg:
+        saved.add(f"{tag}.input_fp32", N * C, 4)
+        saved.add(f"{tag}.rsqrt", N, 4)
+    if trainable:
+        saved.add(f"{tag}.normed", N * C, wd)
+    return rg or trainable
+
+
+def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
+    """Saves of one (LoRA) linear on input `x_name`; returns whether its output needs grad."""
+    N, plan, ad, wd = ctx["N"], ctx["plan"], ctx["ad"], ctx["wd"]
+    trains_base, has_lora = plan.full, lin in ctx["targets"]
+    float_base = plan.full or not ctx["nf4"].get(lin, False)
+    cb = ad or wd  # a float base computes in the autocast dtype, else in its own
+    if trains_base:  # weight grad needs the input: the same tensor, or its autocast copy
+        if cb == x_bytes:
+            saved.add(x_name, N * in_f, x_bytes)
+        else:
+            saved.add(f"{lin}.input_cast", N * in_f, cb)
+    if float_base and ad and ad != wd and (rg_in or trains_base):
+        saved.add(f"{lin}.weight_cast", out_f * in_f, ad)  # autocast's copy of the weight
+    if has_lora:
+        ca = ad or DTYPE_BYTES[plan.adapter_dtype]
+        r = plan.r
+        if ca == x_bytes:
+            saved.add(x_name, N * in_f, x_bytes)  # lora_A reads the same input
+        else:
+            saved.add(f"{lin}.lora_input_cast", N * in_f, ca)  # one cast copy per adapter
+        saved.add(f"{lin}.lora_A_out", N * r, ca)
+        if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:
+            saved.add(f"{lin}.lora_weight_cast", r * (in_f + out_f), ad)
+        if plan.use_dora:  # B A through an identity (in, in), and the two outputs m scales
+            saved.add(f"{lin}.dora_eye", in_f * in_f, ca)
+            saved.add(f"{lin}.dora_eye_A", in_f * r, ca)
+            saved.add(f"{lin}.dora_base_result", N * out_f, cb if float_base else x_bytes)
+            saved.add(f"{lin}.dora_lora_result", N * out_f, ca)
+    return rg_in or trains_base or has_lora
+
+
+def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
+    """Bytes one decoder layer saves for backward, by tensor (shared ones once), no checkpointing.
+    Guide: memory (activations) | Mirrors: autograd's saves in transformers LlamaDecoderLayer
+    Assumes flash / memory-efficient SDPA (no (T, T) matrix), as nanosft's causal batches use."""
+    C, I, T = config.hidden_size, config.intermediate_size, plan.max_length
+    H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    B = plan.per_device_train_batch_size
+    N, wd = B * T, DTYPE_BYTES[plan.dtype]
+    ad = 2 if plan.bf16 else None
+    in_features = {"o_proj": H * D, "down_proj": I}
+    nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
+           for lin in LAYER_LINEARS}
+    ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4,
+           "targets": lora_targets(config, plan)}
+    saved = _Saved()
+    # the first layer's input needs no grad unless the embedding trains
+    rg = plan.full or not first
+    n_rg = _norm(saved, "input_layernorm", N, C, rg, plan.full, wd)
+    q_rg, k_rg, v_rg = (_linear(saved, ctx, lin, "normed_1", wd, C, o, n_rg)
+                        for lin, o in (("q_proj", H * D), ("k_proj", KV * D), ("v_proj", KV * D)))
+    attn_rg = q_rg or k_rg or v_rg
+    s = ad or wd  # SDPA works in the autocast dtype, else in the stream's
+    if attn_rg:
+        if first:
+            saved.add("rope_cos_sin", 2 * T * D, wd)  # shared by every layer, counted in the first
+        saved.add("sdpa.q", N * H * D, s)
+        saved.add("sdpa.k", N * KV * D, s)
+        saved.add("sdpa.v", N * KV * D, s)
+        saved.add("sdpa.out", N * H * D, s)
+        saved.add("sdpa.logsumexp", B * H * T, 4)
+    o_rg = _linear(saved, ctx, "o_proj", "sdpa.out", s, H * D, C, attn_rg)
+    h_rg = rg or o_rg
+    n2_rg = _norm(saved, "post_attention_layernorm", N, C, h_rg, plan.full, wd)
+    g_rg = _linear(saved, ctx, "gate_proj", "normed_2", wd, C, I, n2_rg)
+    u_rg = _linear(saved, ctx, "up_proj", "normed_2", wd, C, I, n2_rg)
+    g = (ad or wd) if (plan.full or not nf4["gate_proj"]) else wd  # 4-bit: returns its input dtype
+    if g_rg:
+        saved.add("mlp.gate_out", N * I, g)  # silu's input
+        saved.add("mlp.up_out", N * I, g)  # mul's other factor
+    if u_rg:
+        saved.add("mlp.silu_out", N * I, g)
+    _linear(saved, ctx, "down_proj", "mlp.act_product", g, I, C, g_rg or u_rg)
+    return saved.bytes
+
+
+def head_saved_bytes(config, plan):
+    """Bytes saved for backward outside the decoder layers (ids, final norm, lm_head input),
+    and the loss's fp32 log-probabilities (N, V), which the logits row reports.
+    Guide: memory | Mirrors: transformers ForCausalLMLoss (logits.float(), cross_entropy)"""
+    C, V = config.hidden_size, config.vocab_size
+    N, wd = plan.per_device_train_batch_size * plan.max_length, DTYPE_BYTES[plan.dtype]
+    ad = 2 if plan.bf16 else None
+    saved = _Saved()
+    if plan.full:
+        saved.add("embed_tokens.input_ids", N, 8)
+    _norm(saved, "norm", N, C, True, plan.full, wd)
+    if plan.full:
+        saved.add("lm_head.input", N * C, ad or wd)
+    if ad and ad != wd:
+        saved.add("lm_head.weight_cast", V * C, ad)
+    saved.add("loss.labels", N, 8)
+    saved.add("loss.total_weight", 1, 4)
+    return saved.bytes, N * V * 4
