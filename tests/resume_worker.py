@@ -1,30 +1,40 @@
-"""Child process for tests/test_resume.py and tests/test_faults.py: train a tiny model, maybe die, maybe resume.
+"""Child process for tests/test_resume.py and tests/test_faults.py: train a tiny model, maybe die,
+maybe resume.
 
-Usage: python tests/resume_worker.py SPEC.json
-SPEC = {"jobs": [job, ...], "result": path}. Each job builds a fresh tiny model and trainer and trains it:
-  kind            "full" (Trainer, full fine-tuning), "lora" (SFTTrainer + LoRA with dropout) or "qlora" (NF4 base)
+Usage: python tests/resume_worker.py SPEC.json SPEC = {"jobs": [job, ...], "result": path}. Each
+job builds a fresh tiny model and trainer and trains it:
+  kind            "full" (Trainer, full fine-tuning), "lora" (SFTTrainer + LoRA with dropout) or
+  "qlora" (NF4 base)
   ga              gradient_accumulation_steps
   output_dir      where checkpoint-N folders go (save_steps=1: one per optimizer step)
   resume          null, true (newest checkpoint) or a checkpoint path
-  kill_at_step    SIGKILL this process during the optimizer step after checkpoint-<kill_at_step> was written,
-                  after `kill_micro` + 1 micro-batches of that step (their gradients are lost with the process)
-  kill_in_save    SIGKILL this process while checkpoint-<kill_in_save> is being written (after the weights,
+  kill_at_step    SIGKILL this process during the optimizer step after checkpoint-<kill_at_step> was
+  written,
+                  after `kill_micro` + 1 micro-batches of that step (their gradients are lost with
+                  the process)
+  kill_in_save    SIGKILL this process while checkpoint-<kill_in_save> is being written (after the
+  weights,
                   optimizer, scheduler and RNG files, before trainer_state.json)
   no_rng          negative control: do not restore the RNG state from the checkpoint
   ignore_data_skip  negative control: replay the interrupted epoch from its first batch
   kill_rank       with torchrun-style variables: only this rank kills itself (a peer that dies)
   death_file      the SIGKILLed process first writes time.time() here
   signal          "SIGKILL" (default) or "SIGSTOP": the process freezes instead of dying
-  fsize_limit     {"step": K, "bytes": N}: from the save of checkpoint-K on, no file may grow past N bytes
+  fsize_limit     {"step": K, "bytes": N}: from the save of checkpoint-K on, no file may grow past N
+  bytes
                   (RLIMIT_FSIZE, SIGXFSZ ignored): every write then fails as on a full disk
-  grad_scaler     {"init_scale": S, "growth_interval": G}: give the trainer a CPU torch.amp.GradScaler (what fp16
-                  sets up on CUDA), so scaler.pt is saved and restored; a huge S makes some steps overflow and skip
-  record_error    store the exception of train() (type, errno, message) instead of failing the process
+  grad_scaler     {"init_scale": S, "growth_interval": G}: give the trainer a CPU
+  torch.amp.GradScaler (what fp16
+                  sets up on CUDA), so scaler.pt is saved and restored; a huge S makes some steps
+                  overflow and skip
+  record_error    store the exception of train() (type, errno, message) instead of failing the
+  process
   trace           file that gets one JSON line per micro-batch: global step and a hash of the batch
-The SIGKILL comes from wrappers the worker puts on the trainer instance and on a checkpoint function: the library
-is not edited. After every job that finishes, the final state dict, the logged (step, loss, grad_norm, lr) and the
-checkpoint the job resumed from are stored under the job's name in SPEC["result"] (rank 0 only under torchrun-style
-environment variables). One thread and fixed seeds: two processes doing the same work get the same bits.
+The SIGKILL comes from wrappers the worker puts on the trainer instance and on a checkpoint
+function: the library is not edited. After every job that finishes, the final state dict, the
+logged (step, loss, grad_norm, lr) and the checkpoint the job resumed from are stored under the
+job's name in SPEC["result"] (rank 0 only under torchrun-style environment variables). One
+thread and fixed seeds: two processes doing the same work get the same bits.
 """
 
 import hashlib
@@ -54,7 +64,7 @@ VOCAB = 64  # full fine-tuning runs on random ids from this vocabulary
 
 
 def make_tokenizer(folder):
-    """Train the byte-level BPE once and save it, so every process loads the very same vocabulary."""
+    """Train the byte-level BPE once and save it: every process loads the very same vocabulary."""
     from nanosft.tokenizer import Tokenizer
 
     corpus = [p + c for p, c in TEXTS] * 4
@@ -65,28 +75,50 @@ def tiny_model(vocab_size, hidden=32, seed=0):
     from nanosft.model import CausalLM, ModelConfig
 
     torch.manual_seed(seed)
-    return CausalLM(ModelConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                max_position_embeddings=128))
+    return CausalLM(
+        ModelConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    )
 
 
 def random_rows(n=14, seed=1):
-    """Token rows of random lengths whose first third is prompt (-100): every micro-batch has its own count."""
+    """Rows of random lengths, the first third prompt (-100): each micro-batch has its count."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n):
         length = int(torch.randint(4, 12, (1,), generator=g))
         ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [t if j >= length // 3 else -100 for j, t in enumerate(ids)]})
+        rows.append(
+            {
+                "input_ids": ids,
+                "labels": [t if j >= length // 3 else -100 for j, t in enumerate(ids)],
+            }
+        )
     return rows
 
 
 def common_args(job):
-    return {"output_dir": job["output_dir"], "per_device_train_batch_size": 2,
-            "gradient_accumulation_steps": job["ga"], "num_train_epochs": job.get("epochs", 2),
-            "logging_steps": 1, "save_strategy": "steps", "save_steps": 1, "save_total_limit": 2,
-            "use_cpu": True, "disable_tqdm": True, "ignore_data_skip": job.get("ignore_data_skip", False),
-            "ddp_timeout": job.get("ddp_timeout", 1800)}
+    return {
+        "output_dir": job["output_dir"],
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": job["ga"],
+        "num_train_epochs": job.get("epochs", 2),
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 1,
+        "save_total_limit": 2,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "ignore_data_skip": job.get("ignore_data_skip", False),
+        "ddp_timeout": job.get("ddp_timeout", 1800),
+    }
 
 
 def build_full(job):
@@ -94,8 +126,14 @@ def build_full(job):
     from nanosft.collator import DataCollatorForLanguageModeling
     from nanosft.trainer import Trainer
 
-    args = TrainingArguments(learning_rate=1e-3, weight_decay=0.1, warmup_steps=1, optim="adamw_torch", seed=3,
-                             **common_args(job))
+    args = TrainingArguments(
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        warmup_steps=1,
+        optim="adamw_torch",
+        seed=3,
+        **common_args(job),
+    )
     return Trainer(tiny_model(VOCAB), args, train_dataset=random_rows(job.get("rows", 14)),
                    data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
 
@@ -109,14 +147,23 @@ def build_sft(job):
 
     tokenizer = Tokenizer.from_pretrained(job["tokenizer_dir"])
     quantized = job["kind"] == "qlora"
-    model = tiny_model(len(tokenizer), hidden=64 if quantized else 32)  # NF4 blocks need in_features % 64 == 0
+    # NF4 blocks need in_features % 64 == 0
+    model = tiny_model(len(tokenizer), hidden=64 if quantized else 32)
     if quantized:
         quantize_model(model)
-    args = SFTConfig(learning_rate=1e-2, max_length=64, bf16=False, gradient_checkpointing=False, seed=5,
-                     **common_args(job))
+    args = SFTConfig(
+        learning_rate=1e-2,
+        max_length=64,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=5,
+        **common_args(job),
+    )
     peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear")
     data = [{"prompt": p, "completion": c} for p, c in TEXTS]
-    return SFTTrainer(model, args, train_dataset=data, processing_class=tokenizer, peft_config=peft_config)
+    return SFTTrainer(
+        model, args, train_dataset=data, processing_class=tokenizer, peft_config=peft_config
+    )
 
 
 def die(job):
@@ -126,11 +173,12 @@ def die(job):
         with open(job["death_file"], "w") as f:
             f.write(repr(time.time()))
     sys.stdout.flush()
-    os.kill(os.getpid(), getattr(signal, job.get("signal", "SIGKILL")))  # SIGSTOP: a hung, not a dead, peer
+    # SIGSTOP: a hung, not a dead, peer
+    os.kill(os.getpid(), getattr(signal, job.get("signal", "SIGKILL")))
 
 
 def attach_hooks(trainer, job):
-    """Per-micro-batch trace and the SIGKILL points, as wrappers on this trainer instance and checkpoint module."""
+    """Per-micro-batch trace and SIGKILL points: wrappers on this trainer and checkpoint module."""
     from nanosft import checkpoint
 
     step = trainer.training_step
@@ -164,11 +212,11 @@ def attach_hooks(trainer, job):
 
         save_weights, limit = checkpoint.save_model_weights, job["fsize_limit"]
 
-        def save_weights_on_full_disk(model, folder):
+        def save_weights_on_full_disk(model, folder, *args, **kwargs):
             if folder.endswith(f"checkpoint-{limit['step']}"):
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
                 resource.setrlimit(resource.RLIMIT_FSIZE, (limit["bytes"], resource.RLIM_INFINITY))
-            save_weights(model, folder)
+            save_weights(model, folder, *args, **kwargs)
 
         checkpoint.save_model_weights = save_weights_on_full_disk
     if job.get("no_rng"):
@@ -178,7 +226,8 @@ def attach_hooks(trainer, job):
 def run_job(job):
     from nanosft import checkpoint
 
-    torch.manual_seed(1234)  # whatever ran before this job, it starts from the same global RNG state
+    # whatever ran before this job, it starts from the same global RNG state
+    torch.manual_seed(1234)
     trainer = build_full(job) if job["kind"] == "full" else build_sft(job)
     if job.get("grad_scaler"):
         trainer.scaler = torch.amp.GradScaler("cpu", **job["grad_scaler"])
@@ -193,8 +242,12 @@ def run_job(job):
     except Exception as error:
         if not job.get("record_error"):
             raise
-        return {"error": type(error).__name__, "errno": getattr(error, "errno", None), "message": str(error),
-                "global_step": trainer.state.global_step}
+        return {
+            "error": type(error).__name__,
+            "errno": getattr(error, "errno", None),
+            "message": str(error),
+            "global_step": trainer.state.global_step,
+        }
     logs = [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"])
             for h in trainer.state.log_history if "loss" in h]
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -203,12 +256,17 @@ def run_job(job):
 
 
 def spawn(spec: dict, spec_path: str, env: dict | None = None):
-    """Write `spec` to `spec_path` and start this script on it in a fresh Python process (stdout/err to a .log)."""
+    """Write `spec` to `spec_path`, start this script on it in a fresh process (output: .log)."""
     import subprocess
 
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    child_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, child_env.get("PYTHONPATH")]))
     with open(spec_path + ".log", "w") as log:  # the child keeps its own copy of the descriptor
@@ -223,7 +281,8 @@ def log_tail(spec_path, lines=25):
 
 
 def main(spec_path):
-    torch.set_num_threads(1)  # same thread count in every process: CPU kernels then give the same bits
+    # same thread count in every process: CPU kernels then give the same bits
+    torch.set_num_threads(1)
     with open(spec_path) as f:
         spec = json.load(f)
     results = {}

@@ -1,9 +1,11 @@
-"""Behaviour of nanosft.args: validation errors, derived values, torchrun properties, JSON round trip.
+"""Behaviour of nanosft.args: validation errors, derived values, torchrun properties, JSON round
+trip.
 
-Compared: each bad value raises ValueError naming the field and the value; derived fields follow the
-rules written out here (eval_steps <- logging_steps, warmup ratio -> ceil(total * ratio), the
-gradient_checkpointing alias); world_size / ranks / device come from the torchrun environment variables.
-Hermetic: no reference library, no network; env vars are set with monkeypatch.
+Compared: each bad value raises ValueError naming the field and the value; derived fields follow
+the rules written out here (eval_steps <- logging_steps, warmup ratio -> ceil(total * ratio),
+the gradient_checkpointing alias); world_size / ranks / device come from the torchrun
+environment variables. Hermetic: no reference library, no network; env vars are set with
+monkeypatch.
 Run: python -m pytest -q tests/test_args.py
 """
 
@@ -34,7 +36,8 @@ from nanosft.args import SFTConfig, TrainingArguments
     ({"report_to": "wandb"}, "report_to"),
     ({"label_smoothing_factor": 1.0}, "label_smoothing_factor"),
     ({"load_best_model_at_end": True, "eval_strategy": "epoch"}, "load_best_model_at_end"),
-    ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 10}, "save_steps"),
+    ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 10},
+     "save_steps"),
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type"),
     ({"lr_scheduler_kwargs": [1, 2]}, "lr_scheduler_kwargs"),
 ])
@@ -89,14 +92,25 @@ def test_sft_defaults_differ_from_training_arguments_where_trl_says():
 
 def test_gradient_checkpointing_alias_both_ways():
     assert TrainingArguments(gradient_checkpointing=True).activation_checkpointing is True
-    args = TrainingArguments(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})
-    assert args.gradient_checkpointing is True and args.gradient_checkpointing_kwargs == {"use_reentrant": True}
+    args = TrainingArguments(
+        activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}
+    )
+    assert args.gradient_checkpointing is True and args.gradient_checkpointing_kwargs == {
+        "use_reentrant": True
+    }
     # The new name wins when both are given.
-    assert TrainingArguments(gradient_checkpointing=True, activation_checkpointing=False).gradient_checkpointing is False
+    assert (
+        TrainingArguments(
+            gradient_checkpointing=True, activation_checkpointing=False
+        ).gradient_checkpointing
+        is False
+    )
 
 
 def test_eval_steps_defaults_to_logging_steps_and_best_metric_is_loss():
-    args = TrainingArguments(eval_strategy="steps", logging_steps=20, save_steps=40, load_best_model_at_end=True)
+    args = TrainingArguments(
+        eval_strategy="steps", logging_steps=20, save_steps=40, load_best_model_at_end=True
+    )
     assert args.eval_steps == 20
     assert args.metric_for_best_model == "loss" and args.greater_is_better is False
     assert TrainingArguments(metric_for_best_model="accuracy").greater_is_better is True
@@ -117,7 +131,9 @@ def test_torchrun_environment_sets_ranks_and_batch_sizes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    args = TrainingArguments(per_device_train_batch_size=2, per_device_eval_batch_size=5, use_cpu=True)
+    args = TrainingArguments(
+        per_device_train_batch_size=2, per_device_eval_batch_size=5, use_cpu=True
+    )
     assert (args.world_size, args.process_index, args.local_process_index) == (4, 3, 1)
     assert args.should_save is False
     assert (args.train_batch_size, args.eval_batch_size) == (2, 5)
@@ -128,7 +144,12 @@ def test_single_process_defaults(monkeypatch):
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     args = TrainingArguments()
-    assert (args.world_size, args.process_index, args.local_process_index, args.should_save) == (1, 0, 0, True)
+    assert (args.world_size, args.process_index, args.local_process_index, args.should_save) == (
+        1,
+        0,
+        0,
+        True,
+    )
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert args.device.type == expected
     assert TrainingArguments(use_cpu=True).device == torch.device("cpu")
@@ -146,7 +167,8 @@ def test_from_dict_names_unknown_keys():
     with pytest.raises(ValueError, match=r"'learnig_rate' \(did you mean 'learning_rate'\?\)"):
         SFTConfig.from_dict({"learnig_rate": 1e-4, "packing": True})
     with pytest.raises(ValueError, match="'max_length'"):
-        TrainingArguments.from_dict({"max_length": 128})  # an SFTConfig field is unknown to TrainingArguments
+        # an SFTConfig field is unknown to TrainingArguments
+        TrainingArguments.from_dict({"max_length": 128})
 
 
 def test_from_json_file_errors_name_file_and_line(tmp_path):

@@ -1,10 +1,11 @@
 """Behaviour of nanosft.checkpoint: exact resume, atomic saves, rotation, clear errors.
 
-Compared: after save -> more training -> load, the weights, optimizer moments, scheduler position and the
-python/numpy/torch random draws equal what they were at save time (draws taken right after saving vs right
-after loading); a save that fails mid-way (a write monkeypatched to raise OSError) leaves the previous
-checkpoint loadable and no temp folder; rotation keeps the newest and the best; a folder that is not a
-checkpoint is named with what it lacks. Hermetic: tiny nn.Modules on CPU in tmp_path.
+Compared: after save -> more training -> load, the weights, optimizer moments, scheduler
+position and the python/numpy/torch random draws equal what they were at save time (draws taken
+right after saving vs right after loading); a save that fails mid-way (a write monkeypatched to
+raise OSError) leaves the previous checkpoint loadable and no temp folder; rotation keeps the
+newest and the best; a folder that is not a checkpoint is named with what it lacks. Hermetic:
+tiny nn.Modules on CPU in tmp_path.
 Run: python -m pytest -q tests/test_checkpoint.py
 """
 
@@ -23,7 +24,7 @@ from nanosft.optim import create_optimizer, create_scheduler
 
 
 class TinyTied(nn.Module):
-    """Embedding tied to the output head, a norm and a biased linear: the shapes checkpointing must handle."""
+    """Embedding tied to the head, a norm and a biased linear: shapes checkpoints must handle."""
 
     def __init__(self):
         super().__init__()
@@ -40,8 +41,14 @@ class TinyTied(nn.Module):
 def _setup(seed=0):
     torch.manual_seed(seed)
     model = TinyTied()
-    args = TrainingArguments(output_dir="unused", learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
-                             lr_scheduler_type="cosine", optim="adamw_torch")
+    args = TrainingArguments(
+        output_dir="unused",
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        optim="adamw_torch",
+    )
     optimizer = create_optimizer(model, args)
     scheduler = create_scheduler(args, optimizer, num_training_steps=10)
     return model, optimizer, scheduler, args
@@ -129,7 +136,9 @@ def test_failed_save_keeps_previous_checkpoint_and_leaves_no_partial_folder(tmp_
         return real_save(obj, f, *a, **kw)
 
     monkeypatch.setattr(torch, "save", disk_full_on_scheduler)
-    with pytest.raises(OSError, match="checkpoint-2 failed.*earlier checkpoints are untouched") as err:
+    with pytest.raises(
+        OSError, match="checkpoint-2 failed.*earlier checkpoints are untouched"
+    ) as err:
         _save(str(tmp_path / "checkpoint-2"), model, optimizer, scheduler, args, 2)
     monkeypatch.undo()
     assert err.value.errno == 28
@@ -146,7 +155,10 @@ def test_saving_the_same_step_twice_replaces_the_folder(tmp_path):
     ckpt.save_checkpoint(path, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                          trainer_state={"global_step": 4, "tag": "second"}, args=args)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
-    assert json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["tag"] == "second"
+    assert (
+        json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["tag"]
+        == "second"
+    )
 
 
 def _make_checkpoints(root, steps):
@@ -161,7 +173,11 @@ def test_rotation_keeps_newest_and_best(tmp_path):
     deleted = ckpt.rotate_checkpoints(str(tmp_path), save_total_limit=2,
                                       best_model_checkpoint=str(tmp_path / "checkpoint-10"))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-25"]
-    assert [os.path.basename(d) for d in deleted] == ["checkpoint-5", "checkpoint-15", "checkpoint-20"]
+    assert [os.path.basename(d) for d in deleted] == [
+        "checkpoint-5",
+        "checkpoint-15",
+        "checkpoint-20",
+    ]
 
 
 def test_rotation_with_limit_one_still_keeps_the_best(tmp_path):
@@ -190,11 +206,18 @@ def test_get_last_checkpoint_ignores_and_warns_about_temp_folders(tmp_path):
 def test_resume_from_a_folder_that_is_not_a_checkpoint_names_what_is_missing(tmp_path):
     model, optimizer, scheduler, _ = _setup()
     (tmp_path / "checkpoint-7").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"missing trainer_state\.json, model\.safetensors, optimizer\.pt, "
-                                                r"scheduler\.pt.*did you mean .*checkpoint-7"):
-        ckpt.load_checkpoint(str(tmp_path), model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"missing trainer_state\.json, model\.safetensors, optimizer\.pt, "
+        r"scheduler\.pt.*did you mean .*checkpoint-7",
+    ):
+        ckpt.load_checkpoint(
+            str(tmp_path), model=model, optimizer=optimizer, lr_scheduler=scheduler
+        )
     with pytest.raises(FileNotFoundError, match="is not a folder"):
-        ckpt.load_checkpoint(str(tmp_path / "nope"), model=model, optimizer=optimizer, lr_scheduler=scheduler)
+        ckpt.load_checkpoint(
+            str(tmp_path / "nope"), model=model, optimizer=optimizer, lr_scheduler=scheduler
+        )
 
 
 def test_corrupt_file_is_named(tmp_path):
@@ -232,8 +255,14 @@ def test_rng_files_per_rank(tmp_path):
 def test_lora_model_saves_the_adapter_only(tmp_path):
     peft = pytest.importorskip("nanosft.peft")
     model_mod = pytest.importorskip("nanosft.model")
-    config = model_mod.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, max_position_embeddings=32)
+    config = model_mod.ModelConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = peft.get_peft_model(model_mod.CausalLM(config), peft.LoraConfig(r=2, lora_alpha=4))
     args = TrainingArguments(output_dir="unused", learning_rate=1e-2, optim="adamw_torch")

@@ -1,18 +1,21 @@
-"""Faults during training: a kill in the middle of a save, a full disk, a non-finite loss, a DDP peer that dies.
+"""Faults during training: a kill in the middle of a save, a full disk, a non-finite loss, a DDP
+peer that dies.
 
-Compared: (1) a process SIGKILLed while checkpoint-3 is being written (tests/resume_worker.py hooks the
-trainer_state.json write inside the temp folder) leaves checkpoint-2 loadable, the partial folder ignored by
-get_last_checkpoint with a warning, and a fresh process resumes to parameters bitwise equal (torch.equal) to an
-uninterrupted run. (2) OSError(ENOSPC) raised by a write of checkpoint-3 (torch.save, os.fsync) surfaces as an
-OSError that names the folder and the fix, with no temp folder left and checkpoint-2 resumable to the same bits; a
-real write failure (RLIMIT_FSIZE in a child process: safetensors and torch raise their own error types) also keeps
-checkpoint-2. (3) walkthrough 2.3's logging_nan_inf_filter adds the running average instead of a nan step loss
-(value computed here from the step losses), and a loss non-finite for Trainer.max_nonfinite_logs logging windows
-in a row stops the run with a message naming the learning rate, bf16/fp16 and clipping; non-finite windows that
-are not consecutive do not stop it (negative control). (4) under 2-process DDP, when rank 1 is SIGKILLed (sockets close) or frozen
-with SIGSTOP (only the timeout can help), rank 0 exits non-zero within ddp_timeout (10 s) plus a margin.
-Hermetic: tiny CausalLMs (hidden 32, 2 layers, vocab 64) on random token rows, CPU, one thread, fixed seeds,
-tmp_path only, localhost gloo.
+Compared: (1) a process SIGKILLed while checkpoint-3 is being written (tests/resume_worker.py
+hooks the trainer_state.json write inside the temp folder) leaves checkpoint-2 loadable, the
+partial folder ignored by get_last_checkpoint with a warning, and a fresh process resumes to
+parameters bitwise equal (torch.equal) to an uninterrupted run. (2) OSError(ENOSPC) raised by a
+write of checkpoint-3 (torch.save, os.fsync) surfaces as an OSError that names the folder and
+the fix, with no temp folder left and checkpoint-2 resumable to the same bits; a real write
+failure (RLIMIT_FSIZE in a child process: safetensors and torch raise their own error types)
+also keeps checkpoint-2. (3) walkthrough 2.3's logging_nan_inf_filter adds the running average
+instead of a nan step loss (value computed here from the step losses), and a loss non-finite for
+Trainer.max_nonfinite_logs logging windows in a row stops the run with a message naming the
+learning rate, bf16/fp16 and clipping; non-finite windows that are not consecutive do not stop
+it (negative control). (4) under 2-process DDP, when rank 1 is SIGKILLed (sockets close) or
+frozen with SIGSTOP (only the timeout can help), rank 0 exits non-zero within ddp_timeout (10 s)
+plus a margin. Hermetic: tiny CausalLMs (hidden 32, 2 layers, vocab 64) on random token rows,
+CPU, one thread, fixed seeds, tmp_path only, localhost gloo.
 Run: python -m pytest -q tests/test_faults.py
 """
 
@@ -35,12 +38,15 @@ from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.optim import create_optimizer, get_scheduler
 from nanosft.trainer import Trainer
 
-posix_only = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals and RLIMIT_FSIZE")
+posix_only = pytest.mark.skipif(
+    not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals and RLIMIT_FSIZE"
+)
 WAIT_S = 240
 
 
 def _full_job(tmp_path, name, **extra):
-    # 14 rows / batch 2 = 7 micro-batches, GA 2 -> 4 steps per epoch, 8 in all; one checkpoint per step
+    # 14 rows / batch 2 = 7 micro-batches, GA 2 -> 4 steps per epoch, 8 in all; one checkpoint per
+    # step
     return {"name": name, "kind": "full", "ga": 2, "output_dir": str(tmp_path / name), **extra}
 
 
@@ -74,8 +80,12 @@ def test_kill_during_save_leaves_previous_checkpoint_and_partial_one_ignored(kil
     # the kill came after the weights, optimizer, scheduler and RNG files, before trainer_state.json
     assert "model.safetensors" in partial and checkpoint.TRAINER_STATE_NAME not in partial
     with pytest.warns(UserWarning, match=r"\.tmp-checkpoint-3.*interrupted"):
-        assert checkpoint.get_last_checkpoint(str(root / "run")) == str(root / "run" / "checkpoint-2")
-    with pytest.raises(FileNotFoundError, match=r"\.tmp-checkpoint-3 is not a checkpoint: missing trainer_state"):
+        assert checkpoint.get_last_checkpoint(str(root / "run")) == str(
+            root / "run" / "checkpoint-2"
+        )
+    with pytest.raises(
+        FileNotFoundError, match=r"\.tmp-checkpoint-3 is not a checkpoint: missing trainer_state"
+    ):
         checkpoint.check_is_checkpoint(str(root / "run" / ".tmp-checkpoint-3"))
 
 
@@ -84,9 +94,15 @@ def test_previous_checkpoint_loads_after_kill_during_save(killed_in_save, tmp_pa
     root, _, _ = killed_in_save
     trainer = worker.build_full(_full_job(tmp_path, "fresh"))
     trainer.optimizer = create_optimizer(trainer.model, trainer.args)  # the groups the run saved
-    trainer.lr_scheduler = get_scheduler("linear", trainer.optimizer, num_warmup_steps=1, num_training_steps=8)
-    state = checkpoint.load_checkpoint(str(root / "run" / "checkpoint-2"), model=trainer.model,
-                                       optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler)
+    trainer.lr_scheduler = get_scheduler(
+        "linear", trainer.optimizer, num_warmup_steps=1, num_training_steps=8
+    )
+    state = checkpoint.load_checkpoint(
+        str(root / "run" / "checkpoint-2"),
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        lr_scheduler=trainer.lr_scheduler,
+    )
     assert state["global_step"] == 2 and len(trainer.optimizer.state) > 0
 
 
@@ -103,10 +119,12 @@ def test_resume_after_kill_during_save_is_bitwise_equal(killed_in_save):
     assert results["resume-copy"]["resumed_from"] == "checkpoint-2"
     _assert_same_state(results["resume-copy"]["state"], results["reference"]["state"])
     assert results["resume-copy"]["logs"] == results["reference"]["logs"]
-    assert not [d for d in os.listdir(work) if d.startswith(".tmp-")]  # the next save of step 3 replaced it
+    # the next save of step 3 replaced it
+    assert not [d for d in os.listdir(work) if d.startswith(".tmp-")]
 
 
-# ----------------------------------------------------------------------------- disk full while saving
+# ----------------------------------------------------------------------------- disk full while
+# saving
 def _enospc(path):
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
@@ -136,8 +154,11 @@ def _fail_fsync(monkeypatch, partial):
     monkeypatch.setattr(os, "fsync", fsync)
 
 
-@pytest.mark.parametrize("fail", [_fail_torch_save, _fail_fsync], ids=["torch.save-optimizer", "os.fsync"])
-def test_disk_full_during_save_is_a_clear_error_and_keeps_last_checkpoint(tmp_path, monkeypatch, fail):
+@pytest.mark.parametrize("fail", [_fail_torch_save, _fail_fsync],
+                         ids=["torch.save-optimizer", "os.fsync"])
+def test_disk_full_during_save_is_a_clear_error_and_keeps_last_checkpoint(
+    tmp_path, monkeypatch, fail
+):
     run = tmp_path / "run"
     trainer = worker.build_full(_full_job(tmp_path, "run"))
     with monkeypatch.context() as patch:
@@ -146,8 +167,13 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_last_checkpoint(tmp_pa
             trainer.train()
     assert info.value.errno == errno.ENOSPC
     message = str(info.value)
-    assert str(run / "checkpoint-3") in message and "Free disk space" in message and "resume" in message
-    assert sorted(os.listdir(run)) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]  # no temp folder
+    assert (
+        str(run / "checkpoint-3") in message
+        and "Free disk space" in message
+        and "resume" in message
+    )
+    # no temp folder
+    assert sorted(os.listdir(run)) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]
     # the last good checkpoint resumes to the bits of an uninterrupted run
     resumed = worker.build_full(_full_job(tmp_path, "run"))
     resumed.train(resume_from_checkpoint=True)
@@ -158,7 +184,7 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_last_checkpoint(tmp_pa
 
 @pytest.fixture(scope="module")
 def real_write_failure(tmp_path_factory):
-    """A child process whose file-size limit drops to 4 KiB when checkpoint-3 starts: real failing writes."""
+    """A child whose file-size limit drops to 4 KiB at checkpoint-3: real failing writes."""
     root = tmp_path_factory.mktemp("fsize")
     job = _full_job(root, "run", fsize_limit={"step": 3, "bytes": 4096}, record_error=True)
     spec_path = str(root / "fsize.json")
@@ -184,12 +210,26 @@ def test_real_write_failure_message_names_checkpoint_and_fix(real_write_failure)
 
 # ----------------------------------------------------------------------------- non-finite loss
 def _trainer(tmp_path, **overrides):
-    kwargs = {"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
-              "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no", "use_cpu": True,
-              "optim": "adamw_torch", "disable_tqdm": True, "seed": 3, "max_steps": 8}
+    kwargs = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "optim": "adamw_torch",
+        "disable_tqdm": True,
+        "seed": 3,
+        "max_steps": 8,
+    }
     kwargs.update(overrides)
-    return Trainer(worker.tiny_model(worker.VOCAB), TrainingArguments(**kwargs), train_dataset=worker.random_rows(16),
-                   data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+    return Trainer(
+        worker.tiny_model(worker.VOCAB),
+        TrainingArguments(**kwargs),
+        train_dataset=worker.random_rows(16),
+        data_collator=DataCollatorForLanguageModeling(pad_token_id=0),
+    )
 
 
 def _poison_logits_from_step(trainer, first_bad_step):
@@ -217,10 +257,12 @@ def test_nan_step_loss_is_replaced_by_running_average(tmp_path, use_filter):
     _poison_logits_from_step(trainer, 2)
     losses = _record_step_losses(trainer)
     trainer.train()
-    assert math.isfinite(losses[0]) and math.isnan(losses[1])  # the model really returned a nan loss
+    # the model really returned a nan loss
+    assert math.isfinite(losses[0]) and math.isnan(losses[1])
     logged = trainer.state.log_history[0]["loss"]
     if use_filter:
-        # walkthrough 2.3: "tr_loss += tr_loss / (1 + global_step - _globalstep_last_logged)" = l1 + l1 / 2
+        # walkthrough 2.3: "tr_loss += tr_loss / (1 + global_step - _globalstep_last_logged)" = l1 +
+        # l1 / 2
         assert math.isclose(logged, (losses[0] + losses[0] / 2) / 2, rel_tol=1e-6)
     else:  # negative control: without the filter the nan reaches the log
         assert math.isnan(logged)
@@ -231,7 +273,8 @@ def test_loss_nonfinite_for_n_logged_steps_stops_with_advice(tmp_path, capsys):
     _poison_logits_from_step(trainer, 2)
     out = trainer.train()
     n = Trainer.max_nonfinite_logs
-    assert out.global_step == 1 + n < 8  # step 1 was fine; steps 2 .. 1+n were not; the run stopped there
+    # step 1 was fine; steps 2 .. 1+n were not; the run stopped there
+    assert out.global_step == 1 + n < 8
     message = capsys.readouterr().out
     assert f"in {n} logging windows in a row" in message
     assert "lower learning_rate (now 0.5)" in message and "bf16 instead of fp16" in message
@@ -239,7 +282,8 @@ def test_loss_nonfinite_for_n_logged_steps_stops_with_advice(tmp_path, capsys):
 
 
 def test_nonfinite_windows_not_in_a_row_do_not_stop(tmp_path, capsys):
-    # negative control: n-1 bad windows, a good one, n-1 bad ones: the count restarts, the run ends normally
+    # negative control: n-1 bad windows, a good one, n-1 bad ones: the count restarts, the run ends
+    # normally
     n = Trainer.max_nonfinite_logs
     bad = set(range(2, n + 1)) | set(range(n + 2, 2 * n + 1))
     trainer = _trainer(tmp_path, max_steps=2 * n + 2)
@@ -256,21 +300,39 @@ def test_nonfinite_windows_not_in_a_row_do_not_stop(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- a DDP peer dies
 @posix_only
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+@pytest.mark.skipif(not torch.distributed.is_available(),
+                    reason="torch.distributed is not built in")
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"], ids=["peer-killed", "peer-hung"])
 def test_ddp_peer_failure_makes_survivor_exit_within_timeout(tmp_path, how):
-    # killed: its sockets close and gloo fails at once; hung (SIGSTOP): only ddp_timeout can end the wait
+    # killed: its sockets close and gloo fails at once; hung (SIGSTOP): only ddp_timeout can end the
+    # wait
     ddp_timeout = 10
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     death_file = str(tmp_path / "rank1.died")
-    job = {**_full_job(tmp_path, "run", rows=20, kill_at_step=1, kill_micro=0, kill_rank=1, signal=how,
-                       death_file=death_file), "ddp_timeout": ddp_timeout}
+    job = {
+        **_full_job(
+            tmp_path,
+            "run",
+            rows=20,
+            kill_at_step=1,
+            kill_micro=0,
+            kill_rank=1,
+            signal=how,
+            death_file=death_file,
+        ),
+        "ddp_timeout": ddp_timeout,
+    }
     procs = []
     for rank in (0, 1):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port}
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         procs.append(worker.spawn({"jobs": [job]}, str(tmp_path / f"rank{rank}.json"), env))
     try:
         survivor_code = procs[0].wait(timeout=WAIT_S)
@@ -282,9 +344,13 @@ def test_ddp_peer_failure_makes_survivor_exit_within_timeout(tmp_path, how):
         died = float(f.read())
     log = worker.log_tail(str(tmp_path / "rank0.json"))
     assert survivor_code != 0, log
-    # the bound: the timeout plus a margin for a loaded CI machine; without a timeout a hung peer blocks forever
-    assert exited - died < ddp_timeout + 20, f"rank 0 took {exited - died:.1f} s after its peer failed"
+    # the bound: the timeout plus a margin for a loaded CI machine; without a timeout a hung peer
+    # blocks forever
+    assert exited - died < ddp_timeout + 20, (
+        f"rank 0 took {exited - died:.1f} s after its peer failed"
+    )
     if how == "SIGSTOP":
         assert exited - died >= ddp_timeout - 3, "rank 0 gave up before ddp_timeout"
     assert "RuntimeError" in log  # gloo's error reached the top, nothing swallowed it
-    assert os.path.isfile(tmp_path / "run" / "checkpoint-1" / "rng_state_1.pth")  # the last save was complete
+    # the last save was complete
+    assert os.path.isfile(tmp_path / "run" / "checkpoint-1" / "rng_state_1.pth")

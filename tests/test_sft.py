@@ -1,10 +1,12 @@
-"""SFTTrainer set-up and loss: prompt-completion masking, pad fallback, LoRA wrapping, QLoRA bf16 cast, bfd packing
-(padding-free batches), the SFT loss against a hand-written shifted cross-entropy, TRL's logged metrics.
+"""SFTTrainer set-up and loss: prompt-completion masking, pad fallback, LoRA wrapping, QLoRA bf16
+cast, bfd packing (padding-free batches), the SFT loss against a hand-written shifted
+cross-entropy, TRL's logged metrics.
 
-Hermetic: a byte-level BPE tokenizer trained in-process on a few sentences, a tiny nanosft CausalLM, CPU, fixed
-seeds. The TRL training-log comparison is in tests/parity/test_trainer_parity.py; the eval token
-accuracy is compared with TRL's SFTTrainer.evaluate here (a tiny transformers Llama with the same
-weights, a WordLevel tokenizer built in memory; fp32, tolerance 1e-6).
+Hermetic: a byte-level BPE tokenizer trained in-process on a few sentences, a tiny nanosft
+CausalLM, CPU, fixed seeds. The TRL training-log comparison is in
+tests/parity/test_trainer_parity.py; the eval token accuracy is compared with TRL's
+SFTTrainer.evaluate here (a tiny transformers Llama with the same weights, a WordLevel tokenizer
+built in memory; fp32, tolerance 1e-6).
 Run: python -m pytest -q tests/test_sft.py
 """
 
@@ -37,14 +39,27 @@ def model_for(tokenizer):
 
 
 def config(tmp_path, **overrides):
-    values = {"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-              "max_steps": 3, "learning_rate": 1e-2, "logging_steps": 1, "save_strategy": "no", "use_cpu": True,
-              "bf16": False, "gradient_checkpointing": False, "optim": "adamw_torch", "disable_tqdm": True}
+    values = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "optim": "adamw_torch",
+        "disable_tqdm": True,
+    }
     return SFTConfig(**{**values, **overrides})
 
 
 def test_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
-    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer
+    )
     assert trainer.completion_only_loss
     row, example = trainer.train_dataset[0], PAIRS[0]
     n_prompt = len(tokenizer.encode(example["prompt"]))
@@ -56,8 +71,12 @@ def test_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
 def test_pad_token_falls_back_to_eos(tmp_path):
     tok = Tokenizer.train(TEXTS, vocab_size=300, pad_token=None)
     assert tok.pad_token is None
-    trainer = SFTTrainer(model_for(tok), config(tmp_path), train_dataset=[{"text": t} for t in TEXTS],
-                         processing_class=tok)
+    trainer = SFTTrainer(
+        model_for(tok),
+        config(tmp_path),
+        train_dataset=[{"text": t} for t in TEXTS],
+        processing_class=tok,
+    )
     assert trainer.data_collator.pad_token_id == tok.eos_token_id
     assert trainer.model.config.pad_token_id == tok.eos_token_id
 
@@ -102,15 +121,21 @@ def test_bfd_packing_gives_padding_free_batches(tmp_path, tokenizer):
 
 
 def test_sft_loss_is_shifted_cross_entropy_over_num_items(tmp_path, tokenizer):
-    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer
+    )
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    num_items = torch.tensor(37.0)  # any window count: the loss divides by it, not by this batch's tokens
+    # any window count: the loss divides by it, not by this batch's tokens
+    num_items = torch.tensor(37.0)
     loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=num_items)
-    logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = trainer.model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).logits
     expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
                                ignore_index=-100, reduction="sum") / num_items
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
-    own = trainer.model(**batch, num_items_in_batch=num_items).loss  # the model's ForCausalLMLoss agrees
+    # the model's ForCausalLMLoss agrees
+    own = trainer.model(**batch, num_items_in_batch=num_items).loss
     torch.testing.assert_close(loss, own, rtol=0, atol=1e-6)
     # negative control: the unshifted loss (logits t vs label t) is another number
     unshifted = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
@@ -119,31 +144,55 @@ def test_sft_loss_is_shifted_cross_entropy_over_num_items(tmp_path, tokenizer):
 
 
 def test_logs_carry_trl_metrics(tmp_path, tokenizer):
-    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert list(logs[0]) == ["loss", "grad_norm", "learning_rate", "train_tokens_per_second",
-                             "train_samples_per_second", "train_steps_per_second", "train_step_time",
-                             "entropy", "mean_token_accuracy", "num_tokens", "epoch", "step"]
+    assert list(logs[0]) == [
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "train_tokens_per_second",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "train_step_time",
+        "entropy",
+        "mean_token_accuracy",
+        "num_tokens",
+        "epoch",
+        "step",
+    ]
     # num_tokens: the running count of attention-mask tokens over all micro-batches seen so far
-    total = sum(len(trainer.train_dataset[i]["input_ids"]) for i in range(len(trainer.train_dataset)))
+    total = sum(
+        len(trainer.train_dataset[i]["input_ids"]) for i in range(len(trainer.train_dataset))
+    )
     assert logs[1]["num_tokens"] == total  # 8 rows = 2 windows of 2 x 2: one full epoch by step 2
     assert all(0.0 <= h["mean_token_accuracy"] <= 1.0 and h["entropy"] > 0 for h in logs)
 
 
 def test_prompt_tuning_loss_counts_the_virtual_prefix_as_peft_does(tmp_path, tokenizer):
-    """With prompt tuning the logits are n_virtual positions longer than the labels; the SFT loss must pad the
-    labels with -100 in front (as PeftModelForCausalLM.forward does for the model's own loss), not crash or misalign."""
+    """With prompt tuning the logits are n_virtual positions longer than the labels; the SFT loss
+    must pad the labels with -100 in front (as PeftModelForCausalLM.forward does for the model's own
+    loss), not crash or misalign."""
     from nanosft.peft import PromptTuningConfig
 
     n_virtual = 3
-    trainer = SFTTrainer(model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer,
-                         peft_config=PromptTuningConfig(num_virtual_tokens=n_virtual))
+    trainer = SFTTrainer(
+        model_for(tokenizer),
+        config(tmp_path),
+        train_dataset=PAIRS,
+        processing_class=tokenizer,
+        peft_config=PromptTuningConfig(num_virtual_tokens=n_virtual),
+    )
     batch = trainer.data_collator(trainer.train_dataset[:2])
     loss = trainer.compute_loss(trainer.model, dict(batch))
-    own = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    own = trainer.model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+    )
     assert own.logits.size(1) == batch["labels"].size(1) + n_virtual
-    torch.testing.assert_close(loss, own.loss, rtol=1e-6, atol=1e-6)  # both: mean over supervised targets
+    # both: mean over supervised targets
+    torch.testing.assert_close(loss, own.loss, rtol=1e-6, atol=1e-6)
     trainer.train()
     assert trainer.state.global_step == 3
 
@@ -163,9 +212,16 @@ def test_eval_mean_token_accuracy_is_trls_mean_of_batch_accuracies(tmp_path):
     from nanosft.model import CausalLM, ModelConfig
 
     vocab = 48
-    config = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-              "pad_token_id": 0}
+    config = {
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+    }
     torch.manual_seed(0)
     ref_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     with torch.no_grad():  # a head that mostly predicts the current token: repeats score hits
@@ -178,8 +234,11 @@ def test_eval_mean_token_accuracy_is_trls_mean_of_batch_accuracies(tmp_path):
         ids = torch.randint(2, vocab, (runs,), generator=g).repeat_interleave(-(-length // runs))
         ids = ids[:length].tolist()
         rows.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})
-    backend = BackendTokenizer(WordLevel({"<pad>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab)}},
-                                         unk_token="<pad>"))
+    backend = BackendTokenizer(
+        WordLevel(
+            {"<pad>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab)}}, unk_token="<pad>"
+        )
+    )
     backend.pre_tokenizer = WhitespaceSplit()
     backend.add_special_tokens(["<pad>", "</s>"])
     ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",

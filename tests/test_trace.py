@@ -1,8 +1,10 @@
-"""nanosft.trace: silent unless enabled; attach() traces one optimizer step and then leaves no wrapper or hook behind.
+"""nanosft.trace: silent unless enabled; attach() traces one optimizer step, then leaves no wrapper
+or hook behind.
 
-Compared: printed lines (none when off), the trainer's / model's / optimizer's instance state before and after a
-traced run (instance attributes shadowing methods, forward hooks, optimizer step hooks). Hermetic: the tiny
-default model in nanosft/assets/default and four in-memory chat examples; CPU only.
+Compared: printed lines (none when off), the trainer's / model's / optimizer's instance state
+before and after a traced run (instance attributes shadowing methods, forward hooks, optimizer
+step hooks). Hermetic: the tiny default model in nanosft/assets/default and four in-memory chat
+examples; CPU only.
 Run: python -m pytest -q tests/test_trace.py
 """
 
@@ -27,8 +29,16 @@ def tracing():
 
 
 def make_trainer(tmp_path):
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, save_strategy="no",
-                     gradient_checkpointing=False, bf16=False, disable_tqdm=True, learning_rate=1e-3)
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        bf16=False,
+        disable_tqdm=True,
+        learning_rate=1e-3,
+    )
     return SFTTrainer(CausalLM.from_pretrained(demo.DEFAULT_DIR), args=args, train_dataset=CHATS,
                       processing_class=Tokenizer.from_pretrained(demo.DEFAULT_DIR),
                       peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]))
@@ -54,16 +64,27 @@ def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(tracing, tmp
     assert "training_step" in vars(trainer)  # wrapped on this instance only
     trainer.train()
     out = capsys.readouterr().out
-    assert out.count("training_step(model, inputs, num_items_in_batch)") == 1  # 2 steps run, 1 traced
-    # an SFTTrainer: the trace shows the loss that runs (SFTTrainer.compute_loss), not outputs["loss"]
+    # 2 steps run, 1 traced
+    assert out.count("training_step(model, inputs, num_items_in_batch)") == 1
+    # an SFTTrainer: the trace shows the loss that runs (SFTTrainer.compute_loss), not
+    # outputs["loss"]
     assert "SFTTrainer.compute_loss overrides Trainer.compute_loss" in out
     assert "loss = per_token_loss.sum() / num_items_in_batch" in out
     assert 'loss = outputs["loss"]' not in out
     assert "mean_token_accuracy=" in out
     assert handle.done
-    wrapped = {"train", "_inner_training_loop", "get_train_dataloader", "set_initial_training_values",
-               "_prepare_for_training", "get_batch_samples", "training_step", "compute_loss", "_clip_grad_norm",
-               "_on_step_end"}
+    wrapped = {
+        "train",
+        "_inner_training_loop",
+        "get_train_dataloader",
+        "set_initial_training_values",
+        "_prepare_for_training",
+        "get_batch_samples",
+        "training_step",
+        "compute_loss",
+        "_clip_grad_norm",
+        "_on_step_end",
+    }
     assert not wrapped & set(vars(trainer))  # the class methods show through again
     assert "step" not in vars(trainer.lr_scheduler) and "zero_grad" not in vars(trainer.model)
     assert not trainer.optimizer._optimizer_step_pre_hooks

@@ -1,9 +1,10 @@
-"""Trainer loop invariants: derived counts, num_items_in_batch, the sync rule, nan filter (without a host read per
-micro-batch), GradScaler skips, gradient accumulation == one big batch, and a resumed run bitwise equal to an
-uninterrupted one.
+"""Trainer loop invariants: derived counts, num_items_in_batch, the sync rule, nan filter (without
+a host read per micro-batch), GradScaler skips, gradient accumulation == one big batch, and a
+resumed run bitwise equal to an uninterrupted one.
 
-Hermetic: a tiny nanosft CausalLM (hidden 32, vocab 64, 2 layers) and random token rows made in-process, CPU,
-one thread, fixed seeds; expected values come from transformers Trainer's formulas, written out here.
+Hermetic: a tiny nanosft CausalLM (hidden 32, vocab 64, 2 layers) and random token rows made in-
+process, CPU, one thread, fixed seeds; expected values come from transformers Trainer's
+formulas, written out here.
 Run: python -m pytest -q tests/test_trainer.py
 """
 
@@ -27,47 +28,88 @@ VOCAB = TINY_LLAMA["vocab_size"]
 
 
 def rows(n, seed=1, min_len=4, max_len=12):
-    """Rows of random ids whose first third is a prompt (label -100): supervised counts differ per row."""
+    """Random ids, the first third a prompt (label -100): supervised counts differ per row."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         length = int(torch.randint(min_len, max_len, (1,), generator=g))
         ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        out.append({"input_ids": ids, "labels": [t if j >= length // 3 else -100 for j, t in enumerate(ids)]})
+        out.append(
+            {
+                "input_ids": ids,
+                "labels": [t if j >= length // 3 else -100 for j, t in enumerate(ids)],
+            }
+        )
     return out
 
 
 def make_trainer(tmp_path, n_rows=10, model=None, **overrides):
-    kwargs = {"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 3,
-              "num_train_epochs": 1, "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no",
-              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3}
+    kwargs = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 3,
+        "num_train_epochs": 1,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "optim": "adamw_torch",
+        "disable_tqdm": True,
+        "seed": 3,
+    }
     kwargs.update(overrides)
     return Trainer(model or tiny_model(), TrainingArguments(**kwargs), train_dataset=rows(n_rows),
                    data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
 
 
-# (N, batch, GA, epochs, max_steps, drop_last) -> (epochs, update steps/epoch, max_steps, samples, total batch, steps_in_epoch)
-# Trainer.set_initial_training_values: len = ceil(N/bs) (floor with drop_last); nupe = ceil(len/GA); max_steps =
+# (N, batch, GA, epochs, max_steps, drop_last) -> (epochs, update steps/epoch, max_steps, samples,
+# total batch, steps_in_epoch)
+# Trainer.set_initial_training_values: len = ceil(N/bs) (floor with drop_last); nupe = ceil(len/GA);
+# max_steps =
 # ceil(epochs*nupe); step-based epochs = ceil(max_steps/nupe), samples = max_steps*total.
 CASES = [
     ((10, 2, 2, 3, -1, False), (3, 3, 9, 30, 4, 5)),       # 5 micro-batches, last window has 1
     ((10, 2, 2, 2.5, -1, False), (3, 3, 8, 25, 4, 5)),     # fractional epochs: ceil(2.5 * 3)
     ((10, 2, 2, 3, 7, False), (3, 3, 7, 28, 4, 5)),        # max_steps wins over epochs
-    ((10, 3, 4, 1, -1, False), (1, 1, 1, 10, 12, 4)),      # fewer micro-batches than GA: still one update
+    # fewer micro-batches than GA: still one update
+    ((10, 3, 4, 1, -1, False), (1, 1, 1, 10, 12, 4)),
     ((10, 3, 1, 2, -1, True), (2, 3, 6, 20, 3, 3)),        # drop_last drops the short 4th batch
-    ((7, 2, 3, 1, 10, False), (5, 2, 10, 60, 6, 4)),       # 4 micro-batches, GA 3 -> 2 updates/epoch
+    # 4 micro-batches, GA 3 -> 2 updates/epoch
+    ((7, 2, 3, 1, 10, False), (5, 2, 10, 60, 6, 4)),
 ]
 
 
 @pytest.mark.parametrize("case,expected", CASES)
 def test_set_initial_training_values(tmp_path, case, expected):
     n, bs, ga, epochs, max_steps, drop_last = case
-    trainer = make_trainer(tmp_path, n_rows=n, per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
-                           num_train_epochs=epochs, max_steps=max_steps, dataloader_drop_last=drop_last)
+    trainer = make_trainer(
+        tmp_path,
+        n_rows=n,
+        per_device_train_batch_size=bs,
+        gradient_accumulation_steps=ga,
+        num_train_epochs=epochs,
+        max_steps=max_steps,
+        dataloader_drop_last=drop_last,
+    )
     dl = trainer.get_train_dataloader()
     got = trainer.set_initial_training_values(trainer.args, dl)
-    (num_train_epochs, nupe, num_examples, num_train_samples, total_bs, steps_in_epoch, got_max_steps) = got
-    assert (num_train_epochs, nupe, got_max_steps, num_train_samples, total_bs, steps_in_epoch) == expected
+    (
+        num_train_epochs,
+        nupe,
+        num_examples,
+        num_train_samples,
+        total_bs,
+        steps_in_epoch,
+        got_max_steps,
+    ) = got
+    assert (
+        num_train_epochs,
+        nupe,
+        got_max_steps,
+        num_train_samples,
+        total_bs,
+        steps_in_epoch,
+    ) == expected
     assert num_examples == n
 
 
@@ -94,25 +136,35 @@ def test_get_batch_samples_counts_shifted_labels(tmp_path):
 
 
 def test_sync_steps_and_short_last_window(tmp_path):
-    # 10 rows / batch 2 = 5 micro-batches, GA 3 -> windows of 3 and 2; optimizer steps after micro-steps 3 and 5
+    # 10 rows / batch 2 = 5 micro-batches, GA 3 -> windows of 3 and 2; optimizer steps after micro-
+    # steps 3 and 5
     trainer = make_trainer(tmp_path, n_rows=10, num_train_epochs=2)
     seen = []
     original = trainer.training_step
 
     def recording_step(model, inputs, num_items_in_batch=None):
-        seen.append((trainer.state.global_step, trainer.current_gradient_accumulation_steps, num_items_in_batch))
+        seen.append(
+            (
+                trainer.state.global_step,
+                trainer.current_gradient_accumulation_steps,
+                num_items_in_batch,
+            )
+        )
         return original(model, inputs, num_items_in_batch)
 
     trainer.training_step = recording_step
     trainer.train()
     assert [s[1] for s in seen] == [3, 3, 3, 2, 2] * 2
-    assert [s[0] for s in seen] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # global_step moves only at sync steps
+    # global_step moves only at sync steps
+    assert [s[0] for s in seen] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
     assert trainer.state.global_step == 4
     assert [h["epoch"] for h in trainer.state.log_history if "loss" in h] == [0.6, 1.0, 1.6, 2.0]
     with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
         lines = [json.loads(line) for line in f]
     train_lines = [r for r in lines if "loss" in r]
-    assert [r["step"] for r in train_lines] == [1, 2, 3, 4] and all(r["train_tokens_per_second"] > 0 for r in train_lines)
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 4] and all(
+        r["train_tokens_per_second"] > 0 for r in train_lines
+    )
 
 
 def test_nan_inf_filter_adds_running_average(tmp_path):
@@ -124,7 +176,8 @@ def test_nan_inf_filter_adds_running_average(tmp_path):
         trainer.train()
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if use_filter:
-            assert logged == [(2.0 + 2.0 / 2) / 2]  # nan replaced by tr_loss / (1 + steps since last log)
+            # nan replaced by tr_loss / (1 + steps since last log)
+            assert logged == [(2.0 + 2.0 / 2) / 2]
         else:
             assert math.isinf(logged[0])  # negative control: the bad value reaches the log
 
@@ -138,8 +191,10 @@ def test_nonfinite_guard_stops_training(tmp_path, capsys):
 
 
 def test_micro_batch_loop_reads_no_tensor_value_between_logs(tmp_path, monkeypatch):
-    # A Python `if` on a loss tensor (or .item()) waits for the device on every micro-batch; the loop and the
-    # training step may only read values when they log. Negative control: the nan filter's isfinite, read as a bool.
+    # A Python `if` on a loss tensor (or .item()) waits for the device on every micro-batch; the
+    # loop and the
+    # training step may only read values when they log. Negative control: the nan filter's isfinite,
+    # read as a bool.
     reads = []
 
     def counting(name):
@@ -159,14 +214,19 @@ def test_micro_batch_loop_reads_no_tensor_value_between_logs(tmp_path, monkeypat
     # negative control: the old `if not torch.isfinite(tr_loss_step)` in the loop is caught
     def old_filter(loss):
         return not torch.isfinite(loss)
-    as_if_in_loop = old_filter.__code__.replace(co_filename=trainer_module.__file__, co_name="_inner_training_loop")
+
+    as_if_in_loop = old_filter.__code__.replace(
+        co_filename=trainer_module.__file__, co_name="_inner_training_loop"
+    )
     reads.clear()
     assert types.FunctionType(as_if_in_loop, globals())(torch.tensor(1.0)) is False
     assert reads == ["_inner_training_loop"]
 
 
 def test_gradscaler_inf_grad_skips_optimizer_and_scheduler(tmp_path):
-    trainer = make_trainer(tmp_path, n_rows=6, gradient_accumulation_steps=1, max_steps=3, warmup_steps=0)
+    trainer = make_trainer(
+        tmp_path, n_rows=6, gradient_accumulation_steps=1, max_steps=3, warmup_steps=0
+    )
     # fp16 autocast needs CUDA in nanosft's args; the scaler path itself runs on CPU
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     weight = trainer.model.lm_head.weight
@@ -176,7 +236,11 @@ def test_gradscaler_inf_grad_skips_optimizer_and_scheduler(tmp_path):
     def step_with_inf_on_second(model, inputs, n=None):
         snapshots.append(weight.detach().clone())
         lrs.append(trainer.lr_scheduler.last_epoch)
-        handle = weight.register_hook(lambda g: g * float("inf")) if trainer.state.global_step == 1 else None
+        handle = (
+            weight.register_hook(lambda g: g * float("inf"))
+            if trainer.state.global_step == 1
+            else None
+        )
         out = original(model, inputs, n)
         if handle:
             handle.remove()
@@ -232,13 +296,15 @@ def test_resume_mid_epoch_is_bitwise_equal(tmp_path):
     pytest.importorskip("nanosft.checkpoint")
     common = {"n_rows": 14, "num_train_epochs": 2, "save_strategy": "steps", "save_steps": 2,
               "weight_decay": 0.1, "warmup_steps": 1}
-    # 14 rows / 2 = 7 micro-batches, GA 3 -> 3 updates per epoch; checkpoint-2 sits mid-epoch 0 (6 batches seen)
+    # 14 rows / 2 = 7 micro-batches, GA 3 -> 3 updates per epoch; checkpoint-2 sits mid-epoch 0 (6
+    # batches seen)
     full = make_trainer(tmp_path / "full", **common)
     full.train()
     kept = tmp_path / "resumed"
     kept.mkdir()
     shutil.copytree(tmp_path / "full" / "checkpoint-2", kept / "checkpoint-2")
-    resumed = make_trainer(kept, model=tiny_model(seed=123), **common)  # other init: all must come from the checkpoint
+    # other init: all must come from the checkpoint
+    resumed = make_trainer(kept, model=tiny_model(seed=123), **common)
     out = resumed.train(resume_from_checkpoint=True)
     assert out.global_step == full.state.global_step == 6
     for key, value in _params(full.model).items():
@@ -250,7 +316,9 @@ def test_resume_mid_epoch_is_bitwise_equal(tmp_path):
 
 
 def test_trainer_state_round_trip():
-    state = TrainerState(global_step=5, epoch=1.25, log_history=[{"loss": 1.0, "step": 5}], best_metric=0.5)
+    state = TrainerState(
+        global_step=5, epoch=1.25, log_history=[{"loss": 1.0, "step": 5}], best_metric=0.5
+    )
     assert TrainerState.from_dict({**state.to_dict(), "unknown_key": 1}) == state
 
 
@@ -261,7 +329,8 @@ def test_evaluate_weights_batch_losses_by_size(tmp_path):
     collate = DataCollatorForLanguageModeling(pad_token_id=0)
     total = 0.0
     with torch.no_grad():
-        for chunk in (eval_rows[0:2], eval_rows[2:4], eval_rows[4:5]):  # dataset order, batches of 2
+        # dataset order, batches of 2
+        for chunk in (eval_rows[0:2], eval_rows[2:4], eval_rows[4:5]):
             batch = collate(chunk)
             out = trainer.model(**batch)
             total += out.loss.item() * len(chunk)
@@ -275,9 +344,19 @@ def test_evaluate_weights_batch_losses_by_size(tmp_path):
 def test_load_best_model_at_end_restores_best_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
-    trainer = make_trainer(tmp_path, n_rows=8, gradient_accumulation_steps=1, max_steps=4, learning_rate=0.05,
-                           eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-                           load_best_model_at_end=True, save_total_limit=2)
+    trainer = make_trainer(
+        tmp_path,
+        n_rows=8,
+        gradient_accumulation_steps=1,
+        max_steps=4,
+        learning_rate=0.05,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        save_total_limit=2,
+    )
     trainer.eval_dataset = rows(4, seed=8)
     trainer.train()
     eval_losses = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
@@ -299,7 +378,8 @@ def test_bf16_autocast_on_cpu(tmp_path):
     bf16.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     bf16.train()
     assert seen and set(seen) == {torch.bfloat16}  # the forward ran under autocast
-    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())  # master weights stay fp32
+    # master weights stay fp32
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
     loss32, loss16 = (t.state.log_history[0]["loss"] for t in (fp32, bf16))
     assert loss16 != loss32 and abs(loss16 - loss32) < 0.05  # bf16 rounding, same training
 
@@ -313,11 +393,18 @@ def test_label_smoothing_formula(tmp_path):
     lp = torch.log_softmax(logits[:, :-1], -1)
     target, mask = labels[:, 1:], labels[:, 1:] != -100
     nll = -(lp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
-    uniform = -(lp.mean(-1) * mask).sum() / mask.sum()  # cross-entropy against the uniform distribution
+    # cross-entropy against the uniform distribution
+    uniform = -(lp.mean(-1) * mask).sum() / mask.sum()
     expected = (1 - eps) * nll + eps * uniform
-    torch.testing.assert_close(label_smoothed_loss(logits, labels, eps), expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(label_smoothed_loss(logits, labels, 0.0, num_items_in_batch=torch.tensor(4.0)),
-                               nll * mask.sum() / 4, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        label_smoothed_loss(logits, labels, eps), expected, rtol=0, atol=1e-6
+    )
+    torch.testing.assert_close(
+        label_smoothed_loss(logits, labels, 0.0, num_items_in_batch=torch.tensor(4.0)),
+        nll * mask.sum() / 4,
+        rtol=0,
+        atol=1e-6,
+    )
 
 
 def test_resume_without_data_skip_differs(tmp_path):
@@ -338,12 +425,17 @@ def test_compute_loss_func_gets_window_count_and_is_not_divided_by_ga(tmp_path):
     def token_sum_loss(outputs, labels, num_items_in_batch=None):
         calls.append((labels.shape, num_items_in_batch))
         logits, target = outputs.logits[:, :-1], labels[:, 1:]
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") \
+        return (
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), target.flatten(), reduction="sum"
+            )
             / num_items_in_batch
+        )
 
     trainer = make_trainer(tmp_path, max_steps=1)
     trainer.compute_loss_func = token_sum_loss
-    trainer.model_accepts_loss_kwargs = False  # a model without loss kwargs: the count still reaches the function
+    # a model without loss kwargs: the count still reaches the function
+    trainer.model_accepts_loss_kwargs = False
     trainer.train()
     batches = list(trainer.get_train_dataloader())[:3]
     expected_count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
@@ -351,9 +443,17 @@ def test_compute_loss_func_gets_window_count_and_is_not_divided_by_ga(tmp_path):
     # the window's loss is the token mean over all 3 micro-batches: no extra division by GA
     model = tiny_model()
     with torch.no_grad():
-        total = sum(torch.nn.functional.cross_entropy(model(**b).logits[:, :-1].flatten(0, 1),
-                                                      b["labels"][:, 1:].flatten(), reduction="sum") for b in batches)
-    assert math.isclose(trainer.state.log_history[0]["loss"], (total / expected_count).item(), rel_tol=1e-5)
+        total = sum(
+            torch.nn.functional.cross_entropy(
+                model(**b).logits[:, :-1].flatten(0, 1),
+                b["labels"][:, 1:].flatten(),
+                reduction="sum",
+            )
+            for b in batches
+        )
+    assert math.isclose(
+        trainer.state.log_history[0]["loss"], (total / expected_count).item(), rel_tol=1e-5
+    )
 
 
 def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
