@@ -201,13 +201,13 @@ class Trainer:
             print(f"  Total optimization steps = {max_steps:,}")
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             print(f"  Number of trainable parameters = {trainable:,}")
+            if resume_from_checkpoint is not None:
+                print(f"  Resuming training from {resume_from_checkpoint} with epoch "
+                      f"{epochs_trained} and global step {self.state.global_step}")
             self._memory_ledger = memory.predict_for_trainer(self.model, args)
             if self._memory_ledger is not None:  # guide: memory (nanosft/memory.py)
                 print(memory.summary_line(self._memory_ledger))
         self._peak_memory = memory.PeakMemory(args.device.type).start()
-            if resume_from_checkpoint is not None:
-                print(f"  Resuming training from {resume_from_checkpoint} with epoch "
-                      f"{epochs_trained} and global step {self.state.global_step}")
         start_time = time.time()
         self._initial_global_step = self.state.global_step
         # "tr_loss is a tensor to avoid synchronization of TPUs through .item()"
