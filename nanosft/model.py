@@ -506,8 +506,8 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
             expected.pop("lm_head.weight"), index.pop("lm_head.weight", None)
         hub.check_state_dict(index, expected, model_dir)
-        for key, tensor in hub.iter_tensors(index):
-            model._load_tensor(key, tensor.to(device_map or "cpu", dtype), quantization_config)
+        for key, tensor in hub.iter_tensors(index, dtype, device=device_map or "cpu"):
+            model._load_tensor(key, tensor, quantization_config)
             del tensor  # the next read must not overlap this one
         model.config.dtype = str(dtype).removeprefix("torch.")
         model.tie_weights()

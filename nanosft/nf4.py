@@ -171,19 +171,29 @@ class Linear4bit(nn.Module):
 
     def set_weight(self, weight):
         """Quantize a float [out, in] tensor into this layer (LoRA merge requantizes with it).
-        QLoRA 3 | Mirrors: bitsandbytes Params4bit._quantize"""
+        QLoRA 3 | Mirrors: bitsandbytes Params4bit._quantize (quantize_4bit)
+        Differs: in row chunks (same bytes), so loading a large weight needs little scratch."""
         if not cpu_kernels_decode(weight.shape[-1], self.blocksize, weight.device):
             raise ValueError(
                 f"Linear4bit: in_features={weight.shape[-1]} is not a multiple of "
                 f"blocksize={self.blocksize}; bitsandbytes' CPU 4-bit kernels decode such rows "
                 "wrongly (blocks crossing rows). Use an in_features divisible by the blocksize, "
                 "or keep this layer in float (skip_modules).")
-        packed, state = _bnb().functional.quantize_4bit(
-            weight.detach().contiguous(), blocksize=self.blocksize,
-            compress_statistics=self.compress_statistics, quant_type=self.quant_type)
+        bnbF, w = _bnb().functional, weight.detach()
+        # Row chunks of about 2^18 values hold whole blocks when in_features % blocksize == 0, so
+        # they give one call's bytes while bnb's fp32 scratch (~26 B a value) stays a few MB.
+        rows = max(1, 2**18 // w.shape[1]) if w.shape[1] % self.blocksize == 0 else len(w)
+        parts = [bnbF.quantize_4bit(chunk.contiguous(), blocksize=self.blocksize,
+                                    quant_type=self.quant_type) for chunk in w.split(rows)]
+        absmax, offset, state2 = torch.cat([state.absmax for _, state in parts]), None, None
+        if self.compress_statistics:  # double quantization, as bnb's quantize_4bit does it
+            offset = absmax.mean()
+            absmax, state2 = bnbF.quantize_blockwise(absmax - offset, blocksize=256)
+        self.quant_state = bnbF.QuantState(
+            absmax, shape=w.shape, code=parts[0][1].code, blocksize=self.blocksize,
+            quant_type=self.quant_type, dtype=w.dtype, offset=offset, state2=state2)
         # ((out*in+1)//2, 1) uint8: two 4-bit codes a byte, the first in the high nibble
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.quant_state = state
+        self.weight = nn.Parameter(torch.cat([packed for packed, _ in parts]), requires_grad=False)
 
     def dequantize(self):
         """Float weight [out, in] in the dtype it was quantized from (`quant_state.dtype`).
@@ -291,9 +301,9 @@ class BitsAndBytesConfig:
         self.bnb_4bit_quant_storage = torch.uint8
         self.bnb_4bit_compute_dtype = hub.torch_dtype(self.bnb_4bit_compute_dtype or torch.float32,
                                                       "bnb_4bit_compute_dtype")
-        if self.llm_int8_enable_fp32_cpu_offload or self.llm_int8_has_fp16_weight:
-            refuse("llm_int8_enable_fp32_cpu_offload / llm_int8_has_fp16_weight",
-                   "these 8-bit options do not apply to 4-bit loading: leave them False")
+        for field in ("llm_int8_enable_fp32_cpu_offload", "llm_int8_has_fp16_weight"):
+            if getattr(self, field):
+                refuse(field, "it is an 8-bit option with no 4-bit meaning here: leave it False")
 
     @classmethod
     def from_any(cls, config):
