@@ -3,9 +3,10 @@
 `LoraConfig` and `PromptTuningConfig` carry peft's field names and defaults, and turn into (and
 back from) the adapter_config.json dict peft 0.21.2 writes; `find_target_modules` says which
 modules of a model a LoraConfig names (and `resolve_target_modules` what its target_modules is
-saved as). `get_peft_model_state_dict` / `set_peft_model_state_dict` map a wrapped model's tensors
-to peft's saved keys and back; `save_adapter_files` / `load_adapter_files` write (atomically) and
-read the two files. Nothing here builds or runs a layer, so this module sits below peft.py.
+saved as), `prompt_init_token_ids` which tokens a TEXT prompt starts from.
+`get_peft_model_state_dict` / `set_peft_model_state_dict` map a wrapped model's tensors to peft's
+saved keys and back; `save_adapter_files` / `load_adapter_files` write (atomically) and read the
+two files. Nothing here builds or runs a layer, so this module sits below peft.py.
 """
 
 import dataclasses
@@ -142,6 +143,20 @@ class PromptTuningConfig:
         _check_unused(d, _PROMPT_UNUSED, source)
         names = [f.name for f in dataclasses.fields(cls) if f.name != "tokenizer"]
         return cls(**{name: d[name] for name in names if name in d})
+
+
+def prompt_init_token_ids(config, total):
+    """The `total` token ids a TEXT init copies: prompt_tuning_init_text encoded, cut or repeated.
+    Walkthrough 2.1 (get_peft_model builds the prompt) | Mirrors: peft PromptEmbedding.__init__"""
+    tokenizer = config.tokenizer
+    if tokenizer is None:
+        from nanosft.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_pretrained(config.tokenizer_name_or_path)
+    ids = list(tokenizer.encode(config.prompt_tuning_init_text))
+    if not ids:
+        raise ValueError(f"prompt_tuning_init_text={config.prompt_tuning_init_text!r} "
+                         "encodes to no tokens")
+    return (ids * -(-total // len(ids)))[:total]  # truncate, or repeat up to the virtual length
 
 
 def peft_config_from_dict(d, source="adapter config"):

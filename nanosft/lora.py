@@ -3,10 +3,13 @@
 `LoraLinear.forward` reads like walkthrough 2.7 (`Linear4bit.forward`) line by line: the base
 output, the defensive clone, the loop over active adapters, `lora_B(lora_A(dropout(x))) * scaling`,
 and the DoRA branch reusing `base_result`. Init, merge, dtype casts and the mixed-adapter batch
-follow peft 0.21.2.
+follow peft 0.21.2. Beside them, the other layers and settings a LoRA run puts on the base
+model: `ModulesToSaveWrapper` (a config's `modules_to_save`: a trained full copy) and
+`prepare_model_for_kbit_training` (QLoRA's base: frozen, fp32 outside the 4-bit layers).
 Papers: LoRA (2106.09685), rsLoRA (2312.03732), QLoRA (2305.14314), DoRA (2402.09353).
 """
 
+import copy
 import math
 import warnings
 
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanosft.nf4 import Linear4bit
+from nanosft.nf4 import Linear4bit, is_quantized
 
 
 def base_weight(base_layer):
@@ -353,3 +356,42 @@ class LoraLinear(nn.Module):
                 if requires_conversion and cast_each:
                     result = result.to(expected_dtype)  # add, then cast (peft's DoRA variant)
         return result.to(torch_result_dtype)
+
+
+# ----------------------------------------------------------------------------- around the adapters
+
+class ModulesToSaveWrapper(nn.Module):
+    """Keeps the frozen `original_module`; trains a full copy under `modules_to_save.<adapter>`.
+    Walkthrough 2.1 | Mirrors: peft ModulesToSaveWrapper"""
+
+    def __init__(self, module, adapter_name, trainable=True):
+        super().__init__()
+        self.original_module = module.requires_grad_(False)
+        trained_copy = copy.deepcopy(module).requires_grad_(trainable)
+        self.modules_to_save = nn.ModuleDict({adapter_name: trained_copy})
+        self.active_adapter = adapter_name
+
+    @property
+    def weight(self):
+        """The trained copy's weight. Mirrors: peft ModulesToSaveWrapper.weight"""
+        return self.modules_to_save[self.active_adapter].weight
+
+    def forward(self, *args, **kwargs):
+        """Run the trained copy, never the original. Mirrors: peft ModulesToSaveWrapper.forward"""
+        return self.modules_to_save[self.active_adapter](*args, **kwargs)
+
+
+def prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                    gradient_checkpointing_kwargs=None):
+    """Freeze everything, upcast fp16/bf16 (non-4-bit) params to fp32; 4-bit: checkpointing on.
+    Walkthrough 2.1 | Mirrors: peft prepare_model_for_kbit_training (an opt-in step TRL skips)"""
+    kwargs = gradient_checkpointing_kwargs or {}
+    for p in model.parameters():
+        p.requires_grad = False
+        if p.dtype in (torch.float16, torch.bfloat16):  # norms, embeddings, lm_head; not NF4 codes
+            p.data = p.data.float()
+    if is_quantized(model) and use_gradient_checkpointing:
+        if kwargs.get("use_reentrant", True):  # else no grad reaches the frozen embeddings' output
+            model.enable_input_require_grads()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model

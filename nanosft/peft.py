@@ -3,12 +3,12 @@
 `get_peft_model` (called in SFTTrainer.__init__, walkthrough 2.1) swaps each targeted linear for a
 `LoraLinear`, or adds virtual prompt tokens, and freezes the base; `PeftModelForCausalLM.forward`
 is walkthrough 2.6 line by line. Parameter names equal peft 0.21.2's. The configs, the modules they
-target and the adapter files live in nanosft.adapter_files (their names import from here too).
+target and the adapter files live in nanosft.adapter_files; the layers injected (LoraLinear,
+ModulesToSaveWrapper) and prepare_model_for_kbit_training in nanosft.lora (all import from here).
 Papers: LoRA (2106.09685), rsLoRA (2312.03732), DoRA (2402.09353), prompt tuning (2104.08691).
 """
 
 import contextlib
-import copy
 import dataclasses
 import warnings
 
@@ -19,8 +19,10 @@ from torch import nn
 from nanosft.adapter_files import (  # noqa: F401
     DEFAULT_TARGET_MODULES, PEFT_FORMAT_VERSION, LoraConfig, PromptTuningConfig,
     find_target_modules, get_peft_model_state_dict, load_adapter_files, peft_config_from_dict,
-    resolve_target_modules, save_adapter_files, set_peft_model_state_dict, target_module_matches)
-from nanosft.lora import LoraLinear
+    prompt_init_token_ids, resolve_target_modules, save_adapter_files, set_peft_model_state_dict,
+    target_module_matches)
+from nanosft.lora import (  # noqa: F401
+    LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
 from nanosft.nf4 import is_quantized
 
 # ----------------------------------------------------------------------------- LoRA injection
@@ -28,27 +30,6 @@ from nanosft.nf4 import is_quantized
 def _replace_module(model, name, new):
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
-class ModulesToSaveWrapper(nn.Module):
-    """Keeps the frozen `original_module`; trains a full copy under `modules_to_save.<adapter>`.
-    Walkthrough 2.1 | Mirrors: peft ModulesToSaveWrapper"""
-
-    def __init__(self, module, adapter_name, trainable=True):
-        super().__init__()
-        self.original_module = module.requires_grad_(False)
-        trained_copy = copy.deepcopy(module).requires_grad_(trainable)
-        self.modules_to_save = nn.ModuleDict({adapter_name: trained_copy})
-        self.active_adapter = adapter_name
-
-    @property
-    def weight(self):
-        """The trained copy's weight. Mirrors: peft ModulesToSaveWrapper.weight"""
-        return self.modules_to_save[self.active_adapter].weight
-
-    def forward(self, *args, **kwargs):
-        """Run the trained copy, never the original. Mirrors: peft ModulesToSaveWrapper.forward"""
-        return self.modules_to_save[self.active_adapter](*args, **kwargs)
 
 
 def inject_adapter(model, config, adapter_name="default"):
@@ -110,7 +91,7 @@ class PromptEmbedding(nn.Module):
         self.embedding = nn.Embedding(total, config.token_dim)  # RANDOM: nn.Embedding's N(0, 1)
         if config.prompt_tuning_init == "TEXT" and not config.inference_mode:
             device = word_embeddings.weight.device
-            ids = torch.tensor(_init_text_ids(config, total), device=device)
+            ids = torch.tensor(prompt_init_token_ids(config, total), device=device)
             with torch.no_grad():  # copy the words' embeddings, in fp32
                 self.embedding.weight.copy_(word_embeddings(ids))
 
@@ -118,18 +99,6 @@ class PromptEmbedding(nn.Module):
         """Look up the virtual tokens' rows.
         Walkthrough 2.6 get_prompt | Mirrors: peft PromptEmbedding.forward"""
         return self.embedding(indices)  # (B, n_virtual) -> (B, n_virtual, C)
-
-
-def _init_text_ids(config, total):
-    tokenizer = config.tokenizer
-    if tokenizer is None:
-        from nanosft.tokenizer import Tokenizer
-        tokenizer = Tokenizer.from_pretrained(config.tokenizer_name_or_path)
-    ids = list(tokenizer.encode(config.prompt_tuning_init_text))
-    if not ids:
-        raise ValueError(f"prompt_tuning_init_text={config.prompt_tuning_init_text!r} "
-                         "encodes to no tokens")
-    return (ids * -(-total // len(ids)))[:total]  # truncate, or repeat up to the virtual length
 
 
 # ----------------------------------------------------------------------------- the wrapper
@@ -320,19 +289,3 @@ def get_peft_model(model, peft_config, adapter_name="default"):
     name = getattr(model, "name_or_path", None)
     peft_config.base_model_name_or_path = name or peft_config.base_model_name_or_path
     return PeftModelForCausalLM(model, peft_config, adapter_name)
-
-
-def prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                    gradient_checkpointing_kwargs=None):
-    """Freeze everything, upcast fp16/bf16 (non-4-bit) params to fp32; 4-bit: checkpointing on.
-    Walkthrough 2.1 | Mirrors: peft prepare_model_for_kbit_training (an opt-in step TRL skips)"""
-    kwargs = gradient_checkpointing_kwargs or {}
-    for p in model.parameters():
-        p.requires_grad = False
-        if p.dtype in (torch.float16, torch.bfloat16):  # norms, embeddings, lm_head; not NF4 codes
-            p.data = p.data.float()
-    if is_quantized(model) and use_gradient_checkpointing:
-        if kwargs.get("use_reentrant", True):  # else no grad reaches the frozen embeddings' output
-            model.enable_input_require_grads()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model
