@@ -26,6 +26,7 @@ from nanosft import distributed
 from nanosft.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
     _CHECKPOINT_RE,
     ADAPTER_CONFIG_NAME,
+    check_output_dir,
     ADAPTER_WEIGHTS_NAME,
     PREFIX_CHECKPOINT_DIR,
     TEMP_PREFIX,
@@ -440,3 +441,14 @@ def save_model(model, processing_class, output_dir) -> None:
     _unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
     if hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
+
+
+def resolve_and_check(args, model, resume_from_checkpoint):
+    """Before training: the checkpoint to resume (None, the latest valid for True, or a folder);
+    a fresh run refused in another run's output_dir; a checkpoint of another set-up refused.
+    Walkthrough 2.2 | Mirrors: transformers Trainer.train (resume handling)"""
+    resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
+    check_output_dir(args, resuming=resume_from_checkpoint is not None)
+    if resume_from_checkpoint is not None:
+        check_same_setup(resume_from_checkpoint, model)
+    return resume_from_checkpoint

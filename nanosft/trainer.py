@@ -14,14 +14,15 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from nanosft import checkpoint, distributed, memory, output_folder, trainer_callback
+from nanosft import checkpoint, distributed, memory, trainer_callback
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
-from nanosft.optim import create_optimizer, get_scheduler
+from nanosft.optim import create_optimizer, create_scheduler
 from nanosft.trainer_utils import (IGNORE_INDEX, LogWindow, TrainerControl,  # noqa: F401
                                    TrainerState, TrainOutput, build_dataloader,
                                    convert_outputs_to_fp32, count_num_items_in_batch,
                                    find_executable_batch_size,  # auto_find_batch_size
+                                   autocast_context,
                                    label_smoothed_loss, model_accepts_loss_kwargs, no_sync,
                                    prepare_model, select_columns, set_seed, signature_columns,
                                    skip_first_batches, speed_metrics)
@@ -133,11 +134,8 @@ class Trainer:
         Differs: a fresh run refuses an output_dir holding another run (check_output_dir)."""
         args = self.args
         self._memory_tracker.start("train")
-        resume_from_checkpoint = output_folder.resolve_resume_checkpoint(
-            resume_from_checkpoint or args.resume_from_checkpoint, args.output_dir)
-        output_folder.check_output_dir(args, resuming=resume_from_checkpoint is not None)
-        if resume_from_checkpoint is not None:  # another set-up is refused before training
-            checkpoint.check_same_setup(resume_from_checkpoint, self.model)
+        resume_from_checkpoint = checkpoint.resolve_and_check(  # also: output_dir, set-up
+            args, self.model, resume_from_checkpoint or args.resume_from_checkpoint)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
@@ -163,10 +161,7 @@ class Trainer:
             self.optimizer = create_optimizer(self.model, self.args)
         model = prepare_model(self.model, self.args)  # DDP / torch.compile, or self.model
         if self.lr_scheduler is None:
-            self.lr_scheduler = get_scheduler(
-                self.args.lr_scheduler_type, self.optimizer, num_training_steps=max_steps,
-                num_warmup_steps=self.args.get_warmup_steps(max_steps),
-                scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+            self.lr_scheduler = create_scheduler(self.args, self.optimizer, max_steps)
         return model
 
     def _inner_training_loop(self, args, resume_from_checkpoint=None) -> TrainOutput:
@@ -181,29 +176,18 @@ class Trainer:
          total_train_batch_size, steps_in_epoch, max_steps) = self.set_initial_training_values(
             args, train_dataloader)
         model = self._prepare_for_training(max_steps)
-        # 5.23's _init_training_state: a fresh TrainerState, or the checkpoint's (with the model,
-        # optimizer, scheduler, scaler and RNG restored)
+        # 5.23's _init_training_state: a fresh TrainerState, or the checkpoint's (all restored)
         self.state, epochs_trained, steps_trained_in_current_epoch = checkpoint.init_training_state(
             args, self.model, self.optimizer, self.lr_scheduler, self.scaler, max_steps,
             num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
         self.state.train_batch_size = self._train_batch_size  # what auto_find_batch_size settled on
 
-        # Train!  (the lines transformers logs, printed by rank 0)
+        # Train!  (rank 0 prints the lines transformers logs: "***** Running training *****")
         if distributed.is_main_process():
-            print("***** Running training *****")
-            print(f"  Num examples = {num_examples:,}")
-            print(f"  Num Epochs = {num_train_epochs:,}")
-            print(f"  Num update steps per epoch = {num_update_steps_per_epoch:,}")
-            print(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
-            print("  Total train batch size (w. parallel, distributed & accumulation) = "
-                  f"{total_train_batch_size:,}")
-            print(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
-            print(f"  Total optimization steps = {max_steps:,}")
-            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            print(f"  Number of trainable parameters = {trainable:,}")
-            if resume_from_checkpoint is not None:
-                print(f"  Resuming training from {resume_from_checkpoint} with epoch "
-                      f"{epochs_trained} and global step {self.state.global_step}")
+            trainer_callback.print_train_banner(
+                args, self.model, num_examples, num_train_epochs, num_update_steps_per_epoch,
+                total_train_batch_size, max_steps, resume_from_checkpoint, epochs_trained,
+                self.state.global_step)
             self._memory_ledger = memory.predict_for_trainer(self.model, args)
             if self._memory_ledger is not None:  # guide: memory (nanosft/memory.py)
                 print(memory.summary_line(self._memory_ledger))
@@ -240,9 +224,8 @@ class Trainer:
             epoch_iterator = iter(epoch_dataloader)
 
             # "We chunkify the epoch iterator into gradient accumulation steps `n` batches"
-            # Differs: the walkthrough takes num_examples % GA and counts total_updates with an
-            # update_step += 1; 5.23 takes the micro-batch count and loops over
-            # range(num_update_steps_trained, num_update_steps_per_epoch), as here.
+            # Differs: the walkthrough takes num_examples % GA and counts total_updates; 5.23
+            # (and this) the micro-batches, over range(num_update_steps_trained, ..._per_epoch)
             remainder = steps_in_epoch % args.gradient_accumulation_steps
             if remainder == 0:
                 remainder = args.gradient_accumulation_steps
@@ -345,10 +328,7 @@ class Trainer:
     def compute_loss_context_manager(self):
         """bf16 / fp16 autocast around the forward (CPU or CUDA), else nothing.
         Mirrors: Trainer.compute_loss_context_manager + accelerate's autocast of the forward"""
-        if not (self.args.bf16 or self.args.fp16):
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.args.bf16 else torch.float16
-        return torch.autocast(self.args.device.type, dtype=dtype)
+        return autocast_context(self.args)
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward, loss, backward of one micro-batch; returns the (GA-scaled) loss, detached.

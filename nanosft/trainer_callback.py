@@ -229,3 +229,24 @@ def save_checkpoint(trainer) -> None:
     if distributed.is_main_process():
         output_folder.rotate_checkpoints(args.output_dir, args.save_total_limit,
                                          state.best_model_checkpoint)
+
+
+def print_train_banner(args, model, num_examples, num_train_epochs, num_update_steps_per_epoch,
+                       total_train_batch_size, max_steps, resumed_from=None, epochs_trained=0,
+                       global_step=0) -> None:
+    """The "***** Running training *****" lines transformers logs at the start of training.
+    Walkthrough 2.3 (# Train!) | Mirrors: the logger.info lines of Trainer._inner_training_loop"""
+    print("***** Running training *****")
+    print(f"  Num examples = {num_examples:,}")
+    print(f"  Num Epochs = {num_train_epochs:,}")
+    print(f"  Num update steps per epoch = {num_update_steps_per_epoch:,}")
+    print(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+    print("  Total train batch size (w. parallel, distributed & accumulation) = "
+          f"{total_train_batch_size:,}")
+    print(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+    print(f"  Total optimization steps = {max_steps:,}")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"  Number of trainable parameters = {trainable:,}")
+    if resumed_from is not None:
+        print(f"  Resuming training from {resumed_from} with epoch {epochs_trained} and global "
+              f"step {global_step}")

@@ -325,3 +325,11 @@ def find_executable_batch_size(function, starting_batch_size: int):
                 raise
         _free_device_memory()
         batch_size = int(batch_size * 0.9)
+
+
+def autocast_context(args):
+    """bf16 / fp16 autocast (CPU or CUDA) as args say, else nothing.
+    Walkthrough 2.5 | Mirrors: accelerate Accelerator.autocast"""
+    if not (args.bf16 or args.fp16):
+        return contextlib.nullcontext()
+    return torch.autocast(args.device.type, dtype=torch.bfloat16 if args.bf16 else torch.float16)
