@@ -5,7 +5,8 @@ quant-state JSON, and the float embeddings, norms, biases and lm_head) of
 CausalLM.from_pretrained(dir, dtype, quantization_config) against
 transformers.AutoModelForCausalLM.from_pretrained(dir, dtype, quantization_config=
 transformers.BitsAndBytesConfig(...), device_map="cpu") on the same folder, key for key and
-bitwise; then the logits in train mode (fp32: 1e-5; bf16: one bf16 step; measured equal). Hermetic: tiny Llama / Qwen2 folders written to tmp_path, CPU.
+bitwise; then the logits in train mode (fp32: 1e-5; bf16: one bf16 step; measured equal).
+Hermetic: tiny Llama / Qwen2 folders written to tmp_path, CPU.
 Run: python -m pytest -q tests/parity/test_load_quantized_parity.py
 """
 
