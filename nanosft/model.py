@@ -1,110 +1,29 @@
-"""A hand-written Llama-family causal LM (llama, mistral, qwen2) that loads and saves HF model folders.
+"""A hand-written Llama-family causal LM (llama, mistral, qwen2) that loads and saves HF folders.
 
-The network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps; its loss is the `outputs["loss"]` of
-walkthrough 2.5 `compute_loss`. RMSNorm, RoPE (default, linear, llama3), grouped-query SDPA attention,
-SwiGLU, a (k, v) cache for `generate`. State-dict keys equal transformers' (files: hub.py).
-Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
+The network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps; its loss is the
+`outputs["loss"]` of walkthrough 2.5 `compute_loss`. RMSNorm, RoPE (default, linear, llama3),
+grouped-query SDPA attention, SwiGLU, then `CausalLM`. Beside it: configuration.py (ModelConfig),
+masking.py (attention masks, packed rows), generation.py (decoding with the (k, v) cache), hub.py
+(safetensors files; `from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
+State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
 import functools
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanosft import distributed, hub, nf4
-from nanosft.hub import load_state_dict_from_hf, save_state_dict_to_hf  # model API too
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
-def _require(ok, message):
-    if not ok:
-        raise ValueError(message)
-
-
-@dataclass
-class ModelConfig:
-    """Model hyper-parameters under transformers' LlamaConfig names and defaults.
-    Walkthrough 2.6 | Mirrors: transformers LlamaConfig, Qwen2Config, MistralConfig
-    Differs: rope_theta / rope_scaling stay flat fields; `to_dict` folds them into rope_parameters."""
-
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = 1
-    eos_token_id: int | list | None = 2
-    pad_token_id: int | None = None
-    model_type: str = "llama"
-    dtype: str | None = None  # the checkpoint dtype as config.json names it, e.g. "bfloat16"
-
-    def __post_init__(self):
-        _require(self.model_type in ARCHITECTURES,
-                 f"config: model_type={self.model_type!r} is not supported; use one of {list(ARCHITECTURES)}")
-        self.attention_bias = self.attention_bias or self.model_type == "qwen2"  # Qwen2: q/k/v biases
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        _require(self.num_attention_heads % self.num_key_value_heads == 0, f"config: num_attention_heads="
-                 f"{self.num_attention_heads} is not a multiple of num_key_value_heads={self.num_key_value_heads}")
-        _require(self.hidden_act in ("silu", "swish"),
-                 f"config: hidden_act={self.hidden_act!r} is not supported; Llama-family models use 'silu'")
-        scaling = dict(self.rope_scaling or {})
-        rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")  # legacy key "type"
-        _require(rope_type in ("default", "linear", "llama3") and scaling.get("partial_rotary_factor", 1.0) == 1.0,
-                 f"config: rope {self.rope_scaling} is not supported; use rope_type default, linear or llama3")
-        if rope_type == "llama3":
-            scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        self.rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-
-    @classmethod
-    def from_dict(cls, d):
-        """Build a config from a config.json dict in transformers-5 or older spelling.
-        Walkthrough 2.1 | Mirrors: transformers RotaryEmbeddingConfigMixin.standardize_rope_params"""
-        model_type = d.get("model_type", "llama")
-        _require(model_type != "mistral" or d.get("sliding_window") is None, f"config.json: sliding_window="
-                 f"{d.get('sliding_window')} is not supported; set it to null if your texts fit in the window")
-        _require(model_type != "qwen2" or not d.get("use_sliding_window"),
-                 "config.json: use_sliding_window=true is not supported; set it to false")
-        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        rope = dict(d.get("rope_parameters") or {})  # v5: {"rope_theta", "rope_type", factor, ...}
-        kwargs["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        kwargs["rope_scaling"] = rope or d.get("rope_scaling")
-        kwargs["dtype"] = d.get("dtype", d.get("torch_dtype"))
-        return cls(**kwargs)
-
-    def to_dict(self):
-        """The transformers-5 config.json dict: rope_parameters, dtype, architectures.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.to_dict"""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("rope_")}
-        rope = self.rope_scaling or {"rope_type": "default"}
-        d.update(rope_parameters={"rope_theta": self.rope_theta, **rope}, dtype=self.dtype or "float32",
-                 architectures=[ARCHITECTURES[self.model_type]], attention_dropout=0.0, use_cache=True)
-        if self.model_type != "llama":
-            d.update(sliding_window=None, use_sliding_window=False)  # Mistral's default window is 4096
-        return dict(sorted(d.items()))
-
-    @classmethod
-    def from_pretrained(cls, model_dir):
-        """Read model_dir/config.json.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.from_pretrained"""
-        return cls.from_dict(hub.read_json(os.path.join(model_dir, "config.json")))
+from nanosft import distributed, generation, hub, nf4
+from nanosft.configuration import ModelConfig
+from nanosft.generation import sample_next_token as sample_next_token  # model API too
+from nanosft.hub import load_state_dict_from_hf as load_state_dict_from_hf  # model API too
+from nanosft.hub import save_state_dict_to_hf
+from nanosft.masking import build_attention_mask, varlen_layout
 
 
 @dataclass
@@ -121,14 +40,18 @@ class CausalLMOutput:
 
 
 def causal_lm_loss(logits, labels, num_items_in_batch=None):
-    """Next-token cross entropy over fp32 logits, -100 ignored; sum / num_items_in_batch when given, else mean.
-    Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss, fixed_cross_entropy"""
+    """Next-token cross entropy over fp32 logits, -100 ignored; sum / num_items_in_batch when
+    given, else mean. Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss,
+    fixed_cross_entropy"""
     logits = logits.float()
-    # Shift the labels, not the logits: position t predicts labels[t+1] and the last position gets -100.
+    # Shift the labels, not the logits: position t predicts labels[t+1], the last one gets -100.
     shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten(), ignore_index=-100, reduction=reduction)
-    return loss if num_items_in_batch is None else loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+    loss = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten(), ignore_index=-100,
+                           reduction=reduction)
+    if num_items_in_batch is None:
+        return loss
+    return loss / torch.as_tensor(num_items_in_batch, device=loss.device)
 
 
 LOSS_CHUNK_SIZE = 1024  # tokens per lm_head + cross-entropy tile: (1024, V) fp32 logits at a time
@@ -156,7 +79,8 @@ def chunked_causal_lm_loss(hidden, lm_head, labels, num_items_in_batch=None,
 
 def rope_inv_freq(config):
     """Rotary inverse frequencies (fp32, head_dim/2 of them), with linear or llama3 scaling.
-    Walkthrough 2.6 | Mirrors: transformers compute_default_rope_parameters, _compute_llama3_parameters"""
+    Walkthrough 2.6 | Mirrors: transformers compute_default_rope_parameters,
+    _compute_llama3_parameters"""
     hd, s = config.head_dim, config.rope_scaling or {"rope_type": "default"}
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if s["rope_type"] == "linear":
@@ -164,7 +88,8 @@ def rope_inv_freq(config):
     if s["rope_type"] == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len, wavelen = s["original_max_position_embeddings"], 2 * math.pi / inv_freq
-        # Wavelengths above old_len/low are slowed by `factor`, below old_len/high kept, in between blended.
+        # Wavelengths above old_len/low are slowed by `factor`, below old_len/high kept, and
+        # in between blended.
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
@@ -173,58 +98,10 @@ def rope_inv_freq(config):
 
 
 def rotate_half(x):
-    """(x1, x2) -> (-x2, x1) over the two halves of the head dim (HF half-split layout, not interleaved).
+    """(x1, x2) -> (-x2, x1) over the halves of the head dim (HF half-split, not interleaved).
     Walkthrough 2.6 | Mirrors: transformers rotate_half"""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-def packed_segment_ids(position_ids):
-    """Document index per token (B, T): a new document wherever position_ids does not step by +1.
-    Walkthrough 2.6 | Mirrors: transformers masking_utils.find_packed_sequence_indices"""
-    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-    return (step != 1).cumsum(-1)
-
-
-def build_attention_mask(attention_mask, position_ids, q_len, past_len):
-    """Boolean SDPA mask (B|1, 1, T, past+T), True = attend; None where plain causal attention is exact.
-    Walkthrough 2.6 | Mirrors: transformers masking_utils.create_causal_mask (sdpa, packed sequences)"""
-    padded = attention_mask is not None and not bool(attention_mask.all())
-    seg = packed_segment_ids(position_ids) if attention_mask is None and past_len == 0 else None
-    packed = seg is not None and bool(seg[:, -1].any())  # some row holds several documents
-    if not padded and not packed and (past_len == 0 or q_len == 1):
-        return None  # fast path: SDPA's is_causal (a single new token may see the whole cache)
-    k_idx = torch.arange(past_len + q_len, device=position_ids.device)
-    mask = (k_idx[None, :] <= k_idx[past_len:, None])[None, None]  # (1, 1, T, S) causal
-    if padded:
-        mask = mask & attention_mask[:, None, None, : past_len + q_len].bool()
-    if packed:
-        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])  # block-diagonal per document
-    # A left-padding query sees no key at all and softmax over nothing is NaN: let it see every key
-    # (its output is never read, it is masked as a key and has label -100).
-    return mask | ~mask.any(dim=-1, keepdim=True)
-
-
-def varlen_layout(attention_mask, position_ids, B, T, past_len, unpad):
-    """(index of the kept tokens in the flattened (B*T) batch or None for all, document lengths) or None.
-    One packed row then runs one causal SDPA per document instead of a dense (T, T) block mask.
-    Walkthrough 2.6 | Mirrors: transformers flash-attention varlen path (_upad_input, cu_seq_lens)
-    Differs: transformers' SDPA path keeps the dense mask; `unpad` (training only) also unpads right-padded rows."""
-    if past_len or T == 1 or (attention_mask is not None and (not unpad or bool(attention_mask.all()))):
-        return None
-    seg = packed_segment_ids(position_ids.expand(B, T))  # (B, T) document index per token
-    if attention_mask is None:
-        if not bool(seg[:, -1].any()):
-            return None  # one document per row: plain is_causal is already exact and fastest
-        return None, [n for row in seg for n in torch.bincount(row).tolist() if n]
-    m = attention_mask.bool()
-    # Exact only for right padding: each row's real tokens one run from column 0 holding one document. A left
-    # pad would be the position that predicts the first real token, and its logits do enter the loss.
-    runs = (m[:, 1:] & ~m[:, :-1]).sum(1) + m[:, 0]
-    docs = seg.masked_fill(~m, -1).amax(1) - seg.masked_fill(~m, T).amin(1)
-    if not bool(((runs <= 1) & (m[:, 0] | ~m.any(1)) & (docs <= 0)).all()):
-        return None
-    return m.flatten().nonzero().squeeze(1), [n for n in m.sum(1).tolist() if n]
 
 
 class RMSNorm(nn.Module):
@@ -244,11 +121,13 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE over SDPA, appending to an optional (k, v) cache.
-    Walkthrough 2.7 (the q/k/v/o_proj LoRA wraps) | Mirrors: transformers LlamaAttention, sdpa_attention_forward"""
+    Walkthrough 2.7 (the q/k/v/o_proj LoRA wraps) | Mirrors: transformers LlamaAttention,
+    sdpa_attention_forward"""
 
     def __init__(self, config):
         super().__init__()
-        C, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        C, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
+        KV = config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim, bias = H, KV, D, config.attention_bias
         self.q_proj = nn.Linear(C, H * D, bias=bias)
         self.k_proj, self.v_proj = nn.Linear(C, KV * D, bias=bias), nn.Linear(C, KV * D, bias=bias)
@@ -256,20 +135,23 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, past=None):
         """(B, T, C) -> (B, T, C) and the layer's (k, v) cache, each (B, KV, past + T, D).
-        mask: a boolean (B|1, 1, T, S) tensor, None (plain causal) or a list of document lengths (one packed row)."""
+        mask: a boolean (B|1, 1, T, S) tensor, None (plain causal) or a list of document lengths
+        (one packed row)."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds H / tp query and KV / tp kv heads
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos, sin: (B|1, 1, T, D)
+        # cos, sin: (B|1, 1, T, D)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
         # enable_gqa: query head j reads kv head j // (H // KV), as transformers' repeat_kv.
         sdpa = functools.partial(F.scaled_dot_product_attention, scale=self.head_dim**-0.5,
                                  enable_gqa=self.num_kv_heads != self.num_heads)
-        if isinstance(mask, list):  # document lengths of one packed row: causal attention inside each
-            y = torch.cat([sdpa(*qkv, is_causal=True) for qkv in zip(*(t.split(mask, dim=2) for t in (q, k, v)))], 2)
+        if isinstance(mask, list):  # document lengths of one packed row: causal inside each
+            docs = zip(*(t.split(mask, dim=2) for t in (q, k, v)))
+            y = torch.cat([sdpa(*qkv, is_causal=True) for qkv in docs], 2)
         else:
             y = sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and past is None and T > 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
@@ -315,7 +197,8 @@ class DecoderModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing, self.checkpoint_kwargs = False, {}
@@ -323,26 +206,32 @@ class DecoderModel(nn.Module):
     def rotary(self, position_ids, dtype):
         """cos, sin (B|1, 1, T, D) computed in fp32, then cast to the hidden-state dtype.
         Walkthrough 2.6 | Mirrors: transformers LlamaRotaryEmbedding.forward"""
-        # Recomputed (a few flops) rather than a buffer that `.to(bfloat16)` would round; HF keeps it fp32 too.
-        freqs = position_ids[..., None].float() * rope_inv_freq(self.config).to(position_ids.device)  # (B|1, T, D/2)
+        # Recomputed (a few flops) rather than a buffer that `.to(bfloat16)` would round; HF keeps
+        # it fp32 too.
+        inv_freq = rope_inv_freq(self.config).to(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq  # (B|1, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 past_key_values=None, use_cache=False):
         """Final-norm hidden states (B, T, C), plus the per-layer (k, v) cache when use_cache."""
-        _require((input_ids is None) != (inputs_embeds is None), "pass exactly one of input_ids or inputs_embeds")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         T, past_len = h.shape[1], past_key_values[0][0].shape[2] if past_key_values else 0
-        if position_ids is None:  # as transformers: arange, blind to padding (RoPE only sees differences)
+        if position_ids is None:  # as transformers: arange, blind to padding (RoPE: differences)
             position_ids = torch.arange(past_len, past_len + T, device=h.device)[None]
         B, C = h.shape[0], h.shape[2]
-        # Unpadding pays in fp32 (1.3-1.4x); under CPU bf16 autocast it measured slower than the padded batch.
-        unpad = self.training and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type)
-        layout = None if use_cache else varlen_layout(attention_mask, position_ids, B, T, past_len, unpad=unpad)
+        # Unpadding pays in fp32 (1.3-1.4x); under CPU bf16 autocast it measured slower than the
+        # padded batch.
+        autocast = torch.is_autocast_enabled(h.device.type)
+        unpad = self.training and torch.is_grad_enabled() and not autocast
+        layout = None if use_cache else varlen_layout(attention_mask, position_ids, B, T, past_len,
+                                                      unpad=unpad)
         if layout is None:
             mask = build_attention_mask(attention_mask, position_ids, T, past_len)
-        else:  # one packed row (1, N, C) of the kept tokens; pad rows (training only) never reach a layer
+        else:  # one packed row (1, N, C) of the kept tokens; pad rows (training) skip the layers
             index, mask = layout
             h, position_ids = h.reshape(1, B * T, C), position_ids.expand(B, T).reshape(1, B * T)
             if index is not None:
@@ -353,37 +242,25 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             args = (h, cos, sin, mask, past_key_values[i] if past_key_values else None)
             # Checkpointing keeps only the layer input and recomputes the rest during backward.
-            h, kv = checkpoint(layer, *args, **self.checkpoint_kwargs) if use_checkpoint else layer(*args)
+            if use_checkpoint:
+                h, kv = checkpoint(layer, *args, **self.checkpoint_kwargs)
+            else:
+                h, kv = layer(*args)
             cache.append(kv)
         h = self.norm(h)
-        if layout is not None:  # back to (B, T, C); unpadded positions get zeros (labels -100 there)
+        if layout is not None:  # back to (B, T, C); unpadded positions get zeros (labels -100)
             h = h[0] if layout[0] is None else h.new_zeros(B * T, C).index_copy(0, layout[0], h[0])
             h = h.view(B, T, C)
         return h, (cache if use_cache else None)
 
 
-def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):
-    """One id per row of (B, V) logits: argmax at temperature 0, else sampling after temperature, top-k, top-p.
-    Walkthrough guide: generation | Mirrors: transformers TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper"""
-    if not temperature:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1)  # ascending: drop the low tail holding <= 1 - top_p
-        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1)[:, 0]
-
-
 class CausalLM(nn.Module):
-    """The decoder plus lm_head: logits, the causal-LM loss, generation, HF checkpoint load and save.
-    Walkthrough 2.5, 2.6 | Mirrors: transformers LlamaForCausalLM (what PeftModelForCausalLM.forward wraps)"""
+    """The decoder plus lm_head: logits, the causal-LM loss, generation, HF checkpoint load, save.
+    Walkthrough 2.5, 2.6 | Mirrors: transformers LlamaForCausalLM (what
+    PeftModelForCausalLM.forward wraps)"""
 
-    accepts_loss_kwargs = True  # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
+    # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
+    accepts_loss_kwargs = True
 
     def __init__(self, config):
         super().__init__()
@@ -391,7 +268,8 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.apply(self._init_weights)
-        self.tie_weights()  # after init, so lm_head's own draw is dropped and the zero padding row survives
+        # after init, so lm_head's own draw is dropped and the zero padding row survives
+        self.tie_weights()
         self._input_grad_hook = None
 
     def _init_weights(self, module):
@@ -409,20 +287,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def get_input_embeddings(self):
-        """The token embedding (peft's prompt tuning reads it). Mirrors: transformers get_input_embeddings"""
+        """The token embedding (peft's prompt tuning reads it).
+        Mirrors: transformers get_input_embeddings"""
         return self.model.embed_tokens
 
     def get_output_embeddings(self):
         """The lm_head. Mirrors: transformers get_output_embeddings"""
         return self.lm_head
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                num_items_in_batch=None, past_key_values=None, use_cache=False, fused_lm_head=False,
-                **kwargs):
-        """Logits (B, T, V) and, given labels, loss = causal_lm_loss(logits, labels, num_items_in_batch).
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                labels=None, num_items_in_batch=None, past_key_values=None, use_cache=False,
+                fused_lm_head=False, **kwargs):
+        """Logits (B, T, V) and, given labels, causal_lm_loss(logits, labels, num_items_in_batch).
         Walkthrough 2.5 (`outputs = model(**inputs)`) | Mirrors: LlamaForCausalLM.forward
         fused_lm_head=True (trl add_fused_lm_head's kwarg): chunked_causal_lm_loss, logits=None."""
-        h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds, past_key_values, use_cache)
+        h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
+                              past_key_values, use_cache)
         if fused_lm_head and labels is not None:  # the (B, T, V) logits never exist
             loss = chunked_causal_lm_loss(h, self.lm_head, labels, num_items_in_batch)
             return CausalLMOutput(loss=loss, logits=None, past_key_values=cache)
@@ -430,58 +310,40 @@ class CausalLM(nn.Module):
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits, past_key_values=cache)
 
-    @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0, top_k=None, top_p=None,
-                 eos_token_id=None, pad_token_id=None, streamer=None):
-        """Prompt + new ids (B, T + n) decoded with a (k, v) cache; rows that hit eos are padded afterwards.
-        Walkthrough guide: generation | Mirrors: transformers GenerationMixin._sample
-        streamer(ids), when given, is called with each step's (B,) new ids."""
-        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        eos = torch.tensor([] if eos is None else eos, dtype=torch.long, device=input_ids.device).reshape(-1)
-        pad = next(p for p in (pad_token_id, self.config.pad_token_id, *eos.tolist(), 0) if p is not None)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        # Positions count real tokens only, so a left-padded row gets the positions it has alone.
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        ids, step_ids, cache = input_ids, input_ids, None
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            out = self(step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-            cache, new = out.past_key_values, sample_next_token(out.logits[:, -1], temperature, top_k, top_p)
-            new = new.masked_fill(done, pad)  # finished rows only pad
-            done = done | torch.isin(new, eos)
-            ids = torch.cat((ids, new[:, None]), dim=1)
-            if streamer is not None:
-                streamer(new)
-            if bool(done.all()):
-                break
-            step_ids, positions = new[:, None], positions[:, -1:] + 1
-            mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
-        return ids
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
+                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
+        """Prompt + new ids (B, T + n), decoded with a (k, v) cache (nanosft.generation).
+        Walkthrough guide: generation | Mirrors: transformers GenerationMixin.generate"""
+        return generation.generate(self, input_ids, attention_mask, max_new_tokens, temperature,
+                                   top_k, top_p, eos_token_id, pad_token_id, streamer)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        """Recompute each decoder layer in backward (torch.utils.checkpoint, use_reentrant=False by default).
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.gradient_checkpointing_enable"""
-        self.model.checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        """Recompute each decoder layer in backward (torch.utils.checkpoint, use_reentrant=False
+        by default). Walkthrough 2.1 | Mirrors: PreTrainedModel.gradient_checkpointing_enable"""
+        kwargs = gradient_checkpointing_kwargs or {}
+        self.model.checkpoint_kwargs = {"use_reentrant": False, **kwargs}
         self.model.gradient_checkpointing = True
 
     def gradient_checkpointing_disable(self):
-        """Store activations again. Mirrors: transformers PreTrainedModel.gradient_checkpointing_disable"""
+        """Store activations again. Mirrors: PreTrainedModel.gradient_checkpointing_disable"""
         self.model.gradient_checkpointing = False
 
     @property
     def is_gradient_checkpointing(self):
-        """Whether decoder layers are checkpointed. Mirrors: transformers PreTrainedModel.is_gradient_checkpointing"""
+        """Whether decoder layers are checkpointed.
+        Mirrors: transformers PreTrainedModel.is_gradient_checkpointing"""
         return self.model.gradient_checkpointing
 
     def enable_input_require_grads(self):
-        """Make the embedding output require grad, so checkpointed layers over a frozen base backprop to LoRA.
+        """Make the embedding output require grad, so checkpointed layers over a frozen base
+        backprop to LoRA.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.enable_input_require_grads"""
         if self._input_grad_hook is None:
             hook = lambda module, args, output: output.requires_grad_(True)
             self._input_grad_hook = self.model.embed_tokens.register_forward_hook(hook)
 
     def num_parameters(self, only_trainable=False):
-        """Parameter count, tied weights once. Mirrors: transformers ModuleUtilsMixin.num_parameters"""
+        """Parameter count, tied weights once. Mirrors: ModuleUtilsMixin.num_parameters"""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
     @classmethod
@@ -528,9 +390,9 @@ class CausalLM(nn.Module):
             setattr(module, leaf, nn.Parameter(tensor, requires_grad=tensor.is_floating_point()))
 
     def save_pretrained(self, save_directory, max_shard_size="5GB", state_dict=None):
-        """Write config.json (transformers-5 spelling), generation_config.json and safetensors weights.
+        """Write config.json (transformers-5 spelling), generation_config.json and the weights.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained
-        `state_dict`: the tensors to write instead of the model's (whole ones gathered under FSDP)."""
+        `state_dict`: tensors to write instead of the model's (whole ones gathered under FSDP)."""
         state_dict = self.state_dict() if state_dict is None else dict(state_dict)
         if self.config.tie_word_embeddings:
             state_dict.pop("lm_head.weight")  # loaders re-tie it to model.embed_tokens.weight
@@ -538,5 +400,6 @@ class CausalLM(nn.Module):
         self.config.dtype = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
         hub.write_json(self.config.to_dict(), os.path.join(save_directory, "config.json"))
         ids = {k: getattr(self.config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        hub.write_json({"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}},
-                   os.path.join(save_directory, "generation_config.json"))
+        ids = {k: v for k, v in ids.items() if v is not None}
+        hub.write_json({"_from_model_config": True, **ids},
+                       os.path.join(save_directory, "generation_config.json"))

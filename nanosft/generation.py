@@ -1,0 +1,60 @@
+"""Decoding with a (k, v) cache: greedy or sampled next tokens until eos or max_new_tokens.
+
+What `CausalLM.generate` runs (the demo's before/after answers, `nanosft generate` and `chat`):
+the prompt goes through the model once, then one token a step with the cache; left-padded rows
+get the positions they would have alone, finished rows only pad.
+"""
+
+import torch
+
+
+def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):
+    """One id per row of (B, V) logits: argmax at temperature 0, else sampling after temperature,
+    top-k, top-p. Walkthrough guide: generation | Mirrors: transformers TemperatureLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper"""
+    if not temperature:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # ascending: drop the low tail holding <= 1 - top_p
+        sorted_logits, order = logits.sort(dim=-1)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1)[:, 0]
+
+
+@torch.no_grad()
+def generate(model, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
+             top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
+    """Prompt + new ids (B, T + n) decoded with a (k, v) cache; rows that hit eos are padded.
+    Walkthrough guide: generation | Mirrors: transformers GenerationMixin._sample
+    streamer(ids), when given, is called with each step's (B,) new ids."""
+    eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+    eos = torch.tensor([] if eos is None else eos, dtype=torch.long,
+                       device=input_ids.device).reshape(-1)
+    pads = (pad_token_id, model.config.pad_token_id, *eos.tolist(), 0)
+    pad = next(p for p in pads if p is not None)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    # Positions count real tokens only, so a left-padded row gets the positions it has alone.
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    ids, step_ids, cache = input_ids, input_ids, None
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for _ in range(max_new_tokens):
+        out = model(step_ids, attention_mask=mask, position_ids=positions,
+                   past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        new = sample_next_token(out.logits[:, -1], temperature, top_k, top_p)
+        new = new.masked_fill(done, pad)  # finished rows only pad
+        done = done | torch.isin(new, eos)
+        ids = torch.cat((ids, new[:, None]), dim=1)
+        if streamer is not None:
+            streamer(new)
+        if bool(done.all()):
+            break
+        step_ids, positions = new[:, None], positions[:, -1:] + 1
+        mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
+    return ids
