@@ -1,35 +1,30 @@
-"""The `nanosft` command line (also `python -m nanosft`): demo, train, generate, chat, merge.
+"""The `nanosft` command line (`python -m nanosft`): demo, train, generate, chat, merge, memory.
 
 A thin door over the library: `train` builds an SFTConfig / LoraConfig from flags (one typed flag
-per dataclass field) and a JSON config file, then runs SFTTrainer (walkthrough 1:
-SFTTrainer.__init__ -> trainer.train()); `demo` does the same on the embedded default model
-(nanosft.demo). `--model` / `--adapter` take a folder or a Hub id from the local Hugging Face
-cache. Mistakes a user can make (bad path, bad JSONL line, bad value) end in a one-paragraph message
-on stderr and exit status 2; NANOSFT_DEBUG=1 shows the traceback instead. `--trace` /
-NANOSFT_TRACE=1 prints the walkthrough trace. Torch is imported only once a command runs, so
-`nanosft --help` and a mistyped flag answer at once.
+per dataclass field, nanosft.cli_flags) and a JSON config file, then runs SFTTrainer (walkthrough
+1: SFTTrainer.__init__ -> trainer.train()); `demo` does the same on the embedded default model
+(nanosft.demo); `generate` and `chat` stream replies (nanosft.streamer). `--model` / `--adapter`
+take a folder or a Hub id from the local Hugging Face cache. Mistakes a user can make (bad path,
+bad JSONL line, bad value) end in a one-paragraph message on stderr and exit status 2;
+NANOSFT_DEBUG=1 shows the traceback instead. `--trace` / NANOSFT_TRACE=1 prints the walkthrough
+trace. Torch is imported only once a command runs, so `nanosft --help` and a mistyped flag answer
+at once.
 """
 
 import argparse
-import dataclasses
 import difflib
 import functools
-import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
-import types
-import typing
 
-# Fields that are fixed by the command itself, so no flag is generated for them.
-FIXED_FIELDS = {"peft_type", "task_type", "inference_mode", "base_model_name_or_path"}
-TRUE, FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
-# Extra spellings of dataclass flags. `--r` alone is an ambiguous prefix of torchrun's own options
-# (--rdzv-*, --role, --run-path, ...), so `torchrun ... -m nanosft train --r 16` fails inside
-# torchrun's parser; `--lora_r` (axolotl's name) passes through.
-FLAG_ALIASES = {"r": ["--lora_r"]}
+# the flag machinery and the streamer, re-exported so their names import from here too
+from nanosft.cli_flags import (  # noqa: F401
+    FALSE, FIXED_FIELDS, FLAG_ALIASES, TRUE, add_dataclass_flags, collect, read_config_file,
+    value_parser)
+from nanosft.streamer import make_streamer, stream_reply  # noqa: F401
 
 
 def _trace():
@@ -37,104 +32,6 @@ def _trace():
     from nanosft import trace
 
     return trace
-
-
-# ----------------------------------------------------------------------------- typed flags
-
-def _kinds(annotation) -> tuple:
-    """The plain types an annotation allows: `bool | None` -> (bool, NoneType)."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return tuple(k for arg in typing.get_args(annotation) for k in _kinds(arg))
-    return (typing.get_origin(annotation) or annotation,)
-
-
-def value_parser(name, annotation):
-    """A function turning the text of `--name` into a value of the field's type (errors name both).
-    Mirrors: transformers HfArgumentParser (one flag per dataclass field)
-    Differs: unions parsed left to right."""
-    kinds = _kinds(annotation)
-
-    def parse(text):
-        low = text.strip().lower()
-        if type(None) in kinds and low in ("none", "null"):
-            return None
-        if bool in kinds and low in TRUE | FALSE:
-            return low in TRUE
-        for kind in (int, float):
-            if kind in kinds:
-                try:
-                    return kind(text)
-                except ValueError:
-                    pass
-        if (dict in kinds or list in kinds) and low[:1] in "{[":
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError as error:
-                raise argparse.ArgumentTypeError(
-                    f"--{name}: {text!r} is not valid JSON ({error.msg})") from None
-        if list in kinds and "," in text:
-            return [part.strip() for part in text.split(",") if part.strip()]
-        if str in kinds:
-            return text
-        names = " or ".join(k.__name__ for k in kinds)
-        raise argparse.ArgumentTypeError(f"--{name} expects {names}, got {text!r}")
-
-    parse.__name__ = "/".join(k.__name__ for k in kinds)  # argparse: "invalid <type> value"
-    return parse
-
-
-def add_dataclass_flags(parser, cls, prefix):
-    """One `--field VALUE` flag per dataclass field (dest `<prefix>field`, unset unless given, plus
-    FLAG_ALIASES); returns the names. Walkthrough 2.1 (args, peft_config)
-    Mirrors: transformers HfArgumentParser._add_dataclass_arguments"""
-    hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(f"{cls.__name__} fields (Hugging Face names and defaults)")
-    names = []
-    for field in dataclasses.fields(cls):
-        if field.name in FIXED_FIELDS or not field.init or field.name == "tokenizer":
-            continue
-        default = field.default if field.default is not dataclasses.MISSING else "(computed)"
-        kinds = _kinds(hints[field.name])
-        # a bool flag alone means True; --resume_from_checkpoint alone means the latest checkpoint
-        flag_only_bool = (set(kinds) <= {bool, type(None)}
-                          or field.name == "resume_from_checkpoint")
-        group.add_argument(f"--{field.name}", *FLAG_ALIASES.get(field.name, []),
-                           dest=prefix + field.name, default=argparse.SUPPRESS,
-                           type=value_parser(field.name, hints[field.name]), metavar="VALUE",
-                           nargs="?" if flag_only_bool else None,
-                           const=True if flag_only_bool else None, help=f"default: {default!r}")
-        names.append(field.name)
-    return names
-
-
-def read_config_file(path, allowed: dict) -> dict:
-    """A JSON object of field values; an unknown key is an error naming it, the file and the closest
-    field. Walkthrough 2.1
-    Mirrors: transformers HfArgumentParser.parse_json_file(allow_extra_keys=False)"""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--config {path}: no such file; give a JSON file such as "
-                                '{"learning_rate": 2e-4, "r": 16}')
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--config {path}: invalid JSON at line {error.lineno} column "
-                         f"{error.colno} ({error.msg}); fix the file") from None
-    if not isinstance(values, dict):
-        raise TypeError(f"--config {path}: expected a JSON object of field names to values, "
-                         f"got a {type(values).__name__}")
-    for key in values:
-        if key not in allowed:
-            close = difflib.get_close_matches(key, list(allowed), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"--config {path}: unknown key {key!r}{hint}. Keys must be SFTConfig "
-                             "or LoraConfig field names; `nanosft train --help` lists them all")
-    return values
-
-
-def collect(args, prefix):
-    """The flags the user actually gave for one dataclass, as {field: value}. Walkthrough 2.1"""
-    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
 
 
 # ----------------------------------------------------------------------------- loading models
@@ -157,9 +54,12 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
 
     model_dir = resolve_folder("--model", model_dir)
     adapter_dir = None if adapter_dir is None else resolve_folder("--adapter", adapter_dir)
-    model = CausalLM.from_pretrained(model_dir).to(device)
-    if load_in_4bit:
-        model = nf4.quantize_model(model)
+    # QLoRA's 4-bit options; each linear weight is quantized as it is read (no fp32 copy)
+    quantization_config = nf4.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+    ) if load_in_4bit else None
+    model = CausalLM.from_pretrained(model_dir, quantization_config=quantization_config,
+                                     device_map=device)
     if adapter_dir is not None:
         model = PeftModelForCausalLM.from_pretrained(model, adapter_dir)
     return model.eval()
@@ -242,7 +142,7 @@ def build_train_configs(args, sft_names, lora_names):
 def run_train(args):
     """SFT of --model on --data: SFTTrainer.__init__, trainer.train(); under torchrun rank 0 saves.
     Walkthrough 2.1, 2.2 | Mirrors: `trl sft` (trl.scripts.sft.main)"""
-    from nanosft import distributed, nf4
+    from nanosft import distributed
     from nanosft.sft import SFTTrainer
 
     sft_config, peft_config = build_train_configs(args, args.sft_names, args.lora_names)
@@ -253,10 +153,8 @@ def run_train(args):
                 f"{flag} {path}: no such file; give a JSONL file with one example per line "
                 '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}), '
                 "or a .json array, .parquet or .csv file")
-    model = load_model(args.model, device=sft_config.device)
+    model = load_model(args.model, load_in_4bit=args.qlora, device=sft_config.device)
     model.train()
-    if args.qlora:
-        model = nf4.quantize_model(model)
     tokenizer = load_tokenizer(args.model)
     trainer = SFTTrainer(model, args=sft_config, train_dataset=args.data,
                          eval_dataset=args.eval_data, processing_class=tokenizer,
@@ -297,48 +195,6 @@ def _tensorboard(output_dir):
 
 
 # ----------------------------------------------------------------------------- generate, chat
-
-def make_streamer(tokenizer, out=None):
-    """A `streamer(new_ids)` for CausalLM.generate printing text as it arrives (one row), silent
-    after EOS. Mirrors: transformers TextStreamer
-    Differs: decodes the whole reply each step, prints the new suffix."""
-    out = out if out is not None else sys.stdout  # looked up now: callers may swap sys.stdout
-    ids, printed, done = [], [""], [False]
-
-    def streamer(new_ids):
-        token = int(new_ids[0])
-        if done[0] or token == tokenizer.eos_token_id:
-            done[0] = True
-            return
-        ids.append(token)
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            out.write(text[len(printed[0]):])
-            out.flush()
-            printed[0] = text
-
-    streamer.text = lambda: printed[0]
-    return streamer
-
-
-def stream_reply(model, tokenizer, messages, args):
-    """Render the chat, generate with the sampling flags and stream the reply; returns its text.
-    Mirrors: transformers apply_chat_template + generate(streamer=TextStreamer)"""
-    import torch
-
-    torch.manual_seed(args.seed)
-    if args.no_chat_template:
-        prompt = tokenizer.encode(messages[-1]["content"])
-    else:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    streamer = make_streamer(tokenizer)
-    device = next(model.parameters()).device
-    model.generate(torch.tensor([prompt], device=device), max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=tokenizer.eos_token_id, streamer=streamer)
-    print(flush=True)
-    return streamer.text()
-
 
 def run_generate(args):
     """One chat-templated prompt -> streamed reply.
