@@ -65,24 +65,10 @@ def chat_answers(model, tokenizer, chats, max_new_tokens=6, device="cpu"):
     return replies
 
 
-def _linear4bit_modules(model):
-    from nanosft.nf4 import Linear4bit
-
-    return [m for m in model.modules() if isinstance(m, Linear4bit)]
-
-
 def exact_match(model, tokenizer, pairs, device="cpu"):
-    """(answers, accuracy): a reply counts only if it equals the expected answer exactly (after strip).
-
-    Differs: on CPU the Linear4bit layers stay in train mode, so they dequantize and matmul instead of taking
-    bitsandbytes' CPU inference kernel, which is ~10x slower without its optional `kernels` package. Nothing in
-    them depends on the mode (no dropout), and the rest of the model is in eval mode.
-    """
+    """(answers, accuracy): a reply counts only if it equals the expected answer exactly (after strip)."""
     was_training = model.training
-    model.eval()
-    if device == "cpu":
-        for layer in _linear4bit_modules(model):
-            layer.train()
+    model.eval()  # Linear4bit keeps dequantize + matmul in eval on CPU (not bnb's slower kernel)
     answers = chat_answers(model, tokenizer, [messages for messages, _ in pairs], device=device)
     model.train(was_training)
     correct = sum(a == expected for a, (_, expected) in zip(answers, pairs))
@@ -159,10 +145,12 @@ def load_demo_model(model_dir, mode, device):
     from nanosft import nf4
     from nanosft.model import CausalLM
 
-    model = CausalLM.from_pretrained(model_dir)
-    if mode in ("qlora", "qdora"):
-        model = nf4.quantize_model(model.to(device))  # bitsandbytes quantizes on the device it runs on
-    return model.to(device)
+    quantization_config = None
+    if mode in ("qlora", "qdora"):  # each linear weight quantized as it is read, on the device
+        quantization_config = nf4.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    return CausalLM.from_pretrained(model_dir, quantization_config=quantization_config,
+                                    device_map=device)
 
 
 def demo_peft_config(mode):
