@@ -50,5 +50,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("parity tests that did not run (this fails the run)", red=True)
         for nodeid, reason in _parity_not_run:
             terminalreporter.line(f"{nodeid}: {reason}")
-        terminalreporter.line("install the reference libraries (pip install -e '.[test]') or fix "
-                              "the skip: a parity comparison must run")
+        terminalreporter.line(
+            "install the reference libraries (pip install -e '.[test]') or fix "
+            "the skip: a parity comparison must run"
+        )

@@ -1,8 +1,10 @@
-"""Runs a tutorial the way a reader does, `python tutorials/NN_topic.py`, for the tests/test_tutorial_NN.py files.
+"""Runs a tutorial the way a reader does, `python tutorials/NN_topic.py`, for the
+tests/test_tutorial_NN.py files.
 
-Not a test module (pytest collects test_*.py only); imported as `from run_tutorial import run_tutorial`, which works
-because tests/conftest.py puts tests/ on sys.path. A tutorial ends its claims with `assert`, so exit code 0 is part
-of every check; the callers then assert on the printed numbers.
+Not a test module (pytest collects test_*.py only); imported as `from run_tutorial import
+run_tutorial`, which works because tests/conftest.py puts tests/ on sys.path. A tutorial ends its
+claims with `assert`, so exit code 0 is part of every check; the callers then assert on the printed
+numbers.
 """
 
 import subprocess
@@ -13,9 +15,14 @@ TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 
 
 def run_tutorial(filename, timeout=300) -> str:
-    """Run tutorials/<filename> in a fresh interpreter; assert it exits 0 and return what it printed."""
-    result = subprocess.run([sys.executable, str(TUTORIALS / filename)], capture_output=True, text=True,
-                            timeout=timeout, check=False)
+    """Run tutorials/<filename> in a fresh interpreter; assert exit 0; return what it printed."""
+    result = subprocess.run(
+        [sys.executable, str(TUTORIALS / filename)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -24,6 +31,6 @@ def assert_reference_ran(out, *checks):
     """Each `reference check ran: <check>` line is in a tutorial's output and none says it skipped.
 
     The test extras install the reference libraries, so in CI every comparison must have run."""
-    assert "reference check skipped" not in out, out[out.index("reference check skipped"):][:200]
+    assert "reference check skipped" not in out, out[out.index("reference check skipped") :][:200]
     for check in checks:
         assert f"reference check ran: {check}" in out, f"the comparison with {check} did not run"

@@ -1,10 +1,10 @@
 """nanosft.collator: padding, labels, padding-free rows, MLM masking, the transformers collators.
 
 Compared: batches against tensors written out in the test (TRL's own docstring examples for the
-causal collator) and against rules stated in the test (-100 on padding and on each document's
-first token, 80/10/10 over many draws). Negative control: transformers'
-DataCollatorForLanguageModeling, whose naive `labels[labels == pad] = -100` rule drops every real EOS
-when pad id == EOS id, run on the same examples; ours keeps them. Hermetic: plain integer ids, CPU.
+causal collator) and against rules stated in the test (-100 on padding and on each document's first
+token, 80/10/10 over many draws). Negative control: transformers' DataCollatorForLanguageModeling,
+whose naive `labels[labels == pad] = -100` rule drops every real EOS when pad id == EOS id, run on
+the same examples; ours keeps them. Hermetic: plain integer ids, CPU.
 Run: python -m pytest -q tests/test_collator.py
 """
 
@@ -28,13 +28,22 @@ def eq(a, b):
 
 # ---------------------------------------------------------------- causal LM, padded
 
+
 def test_right_padding_and_labels_trl_docstring():
-    out = DataCollatorForLanguageModeling(pad_token_id=0)([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    out = DataCollatorForLanguageModeling(pad_token_id=0)(
+        [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
+    )
     eq(out["input_ids"], T([[1, 2, 3], [4, 5, 0]]))
     eq(out["attention_mask"], T([[1, 1, 1], [1, 1, 0]]))
     eq(out["labels"], T([[1, 2, 3], [4, 5, -100]]))
-    examples = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]}]
-    eq(DataCollatorForLanguageModeling(pad_token_id=0)(examples)["labels"], T([[-100, 2, 3], [-100, 5, -100]]))
+    examples = [
+        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+        {"input_ids": [4, 5], "labels": [-100, 5]},
+    ]
+    eq(
+        DataCollatorForLanguageModeling(pad_token_id=0)(examples)["labels"],
+        T([[-100, 2, 3], [-100, 5, -100]]),
+    )
 
 
 def test_left_padding_and_multiple_of():
@@ -66,8 +75,11 @@ def test_naive_pad_rule_in_transformers_collator_drops_real_eos():
 
     eos = 2
     vocab = {"<unk>": 0, "<x>": 1, "</s>": eos, **{f"t{i}": i for i in range(3, 10)}}
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer(WordLevel(vocab, "<unk>")),
-                                     eos_token="</s>", pad_token="</s>")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=BackendTokenizer(WordLevel(vocab, "<unk>")),
+        eos_token="</s>",
+        pad_token="</s>",
+    )
     examples = [{"input_ids": [5, 6, eos]}, {"input_ids": [7, eos, 8, 9, eos]}]
     theirs = HFCollator(hf_tok, mlm=False)([dict(e) for e in examples])
     ours = DataCollatorForLanguageModeling(pad_token_id=eos)(examples)
@@ -80,20 +92,34 @@ def test_naive_pad_rule_in_transformers_collator_drops_real_eos():
 def test_completion_mask_applies_only_with_completion_only_loss():
     ex = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]}]
     eq(DataCollatorForLanguageModeling(0)(ex)["labels"], T([[-100, -100, 3, 4]]))
-    eq(DataCollatorForLanguageModeling(0, completion_only_loss=False)(ex)["labels"], T([[1, 2, 3, 4]]))
+    eq(
+        DataCollatorForLanguageModeling(0, completion_only_loss=False)(ex)["labels"],
+        T([[1, 2, 3, 4]]),
+    )
 
 
 def test_assistant_masks_always_apply_and_combine_with_labels():
     ex = [{"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3, 4], "assistant_masks": [1, 1, 0, 1]}]
-    eq(DataCollatorForLanguageModeling(0, completion_only_loss=False)(ex)["labels"], T([[-100, 2, -100, 4]]))
+    eq(
+        DataCollatorForLanguageModeling(0, completion_only_loss=False)(ex)["labels"],
+        T([[-100, 2, -100, 4]]),
+    )
 
 
 # ---------------------------------------------------------------- causal LM, padding-free
 
+
 def test_padding_free_trl_docstring():
-    examples = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]}]
+    examples = [
+        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+        {"input_ids": [4, 5], "labels": [-100, 5]},
+    ]
     out = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples)
-    assert set(out) == {"input_ids", "position_ids", "labels"}  # no attention_mask: it would hide the restarts
+    assert set(out) == {
+        "input_ids",
+        "position_ids",
+        "labels",
+    }  # no attention_mask: it would hide the restarts
     eq(out["input_ids"], T([[1, 2, 3, 4, 5]]))
     eq(out["position_ids"], T([[0, 1, 2, 0, 1]]))
     eq(out["labels"], T([[-100, 2, 3, -100, 5]]))
@@ -106,8 +132,13 @@ def test_padding_free_first_token_of_each_document_is_no_target():
 
 
 def test_padding_free_packed_rows_restart_at_seq_lengths():
-    packed = [{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6, 7], "seq_lengths": [2]}]
-    out = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=4)(packed)
+    packed = [
+        {"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]},
+        {"input_ids": [6, 7], "seq_lengths": [2]},
+    ]
+    out = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=4)(
+        packed
+    )
     eq(out["position_ids"], T([[0, 1, 0, 1, 2, 0, 1, 0]]))
     eq(out["input_ids"], T([[1, 2, 3, 4, 5, 6, 7, 0]]))
     eq(out["labels"], T([[-100, 2, -100, 4, 5, -100, 7, -100]]))
@@ -119,7 +150,9 @@ MASK, VOCAB = 1, 1000
 
 
 def mlm(**kw):
-    return DataCollatorForLanguageModeling(pad_token_id=0, mlm=True, mask_token_id=MASK, vocab_size=VOCAB, **kw)
+    return DataCollatorForLanguageModeling(
+        pad_token_id=0, mlm=True, mask_token_id=MASK, vocab_size=VOCAB, **kw
+    )
 
 
 def test_mlm_80_10_10_over_many_draws():
@@ -167,13 +200,18 @@ def test_bad_collator_settings():
         DataCollatorForLanguageModeling(pad_token_id=0, padding_side="middle")([{"input_ids": [1]}])
     with pytest.raises(ValueError, match="empty batch"):
         DataCollatorForLanguageModeling(pad_token_id=0)([])
-    with pytest.raises(ValueError, match="example 0 of the batch: labels has 2 entries but input_ids has 3"):
-        DataCollatorForLanguageModeling(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [1, 2]}])
+    with pytest.raises(
+        ValueError, match="example 0 of the batch: labels has 2 entries but input_ids has 3"
+    ):
+        DataCollatorForLanguageModeling(pad_token_id=0)(
+            [{"input_ids": [1, 2, 3], "labels": [1, 2]}]
+        )
     with pytest.raises(KeyError, match="example 1 of the batch has no 'input_ids'"):
         DataCollatorForLanguageModeling(pad_token_id=0)([{"input_ids": [1]}, {"ids": [2]}])
 
 
 # ---------------------------------------------------------------- the other collators
+
 
 def test_pad_helper():
     eq(pad([[1, 2, 3], [4]], 0), T([[1, 2, 3], [4, 0, 0]]))
@@ -202,5 +240,8 @@ def test_default_data_collator_label_types():
     out = default_data_collator([{"x": [1, 2], "label": 1}, {"x": [3, 4], "label": 0}])
     assert out["labels"].dtype == torch.long and out["x"].shape == (2, 2)
     assert default_data_collator([{"label": 0.5}, {"label": 1.5}])["labels"].dtype == torch.float
-    eq(default_data_collator([{"label_ids": [1, 2]}, {"label_ids": [3, 4]}])["labels"], T([[1, 2], [3, 4]]))
+    eq(
+        default_data_collator([{"label_ids": [1, 2]}, {"label_ids": [3, 4]}])["labels"],
+        T([[1, 2], [3, 4]]),
+    )
     assert "name" not in default_data_collator([{"name": "a", "x": 1}])

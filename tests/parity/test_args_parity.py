@@ -1,9 +1,10 @@
 """Parity of nanosft.args defaults with transformers.TrainingArguments and trl.SFTConfig.
 
-Compared: for every field nanosft shares with the reference class, the value after __post_init__ of a
-default-constructed instance (both built with use_cpu=True, report_to="none", so the reference does not
-refuse bf16 on a CPU), and get_warmup_steps for step counts and ratios. Enums are compared by value;
-report_to is the one documented difference ("none" here, [] there). Hermetic: nothing is downloaded.
+Compared: for every field nanosft shares with the reference class, the value after __post_init__ of
+a default-constructed instance (both built with use_cpu=True, report_to="none", so the reference
+does not refuse bf16 on a CPU), and get_warmup_steps for step counts and ratios. Enums are compared
+by value; report_to is the one documented difference ("none" here, [] there). Hermetic: nothing is
+downloaded.
 Run: python -m pytest -q tests/parity/test_args_parity.py
 """
 
@@ -28,14 +29,19 @@ def _compare_shared(ours, theirs):
     ours_names = {f.name for f in dataclasses.fields(ours)}
     theirs_names = {f.name for f in dataclasses.fields(theirs)}
     shared = sorted((ours_names & theirs_names) - DOCUMENTED_DIFFERENCES)
-    mismatched = {n: (getattr(ours, n), _value(getattr(theirs, n))) for n in shared
-                  if getattr(ours, n) != _value(getattr(theirs, n))}
+    mismatched = {
+        n: (getattr(ours, n), _value(getattr(theirs, n)))
+        for n in shared
+        if getattr(ours, n) != _value(getattr(theirs, n))
+    }
     assert mismatched == {}
     return shared, ours_names - theirs_names
 
 
 def test_training_arguments_defaults_equal_transformers(tmp_path):
-    theirs = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    theirs = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none"
+    )
     shared, only_ours = _compare_shared(TrainingArguments(output_dir=str(tmp_path)), theirs)
     assert len(shared) >= 50  # the comparison really covers the fields nanosft has
     assert only_ours == {"overwrite_output_dir"}  # the one field transformers 5 dropped
@@ -45,9 +51,23 @@ def test_training_arguments_defaults_equal_transformers(tmp_path):
 def test_sft_config_defaults_equal_trl(tmp_path):
     theirs = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     shared, only_ours = _compare_shared(SFTConfig(output_dir=str(tmp_path)), theirs)
-    for name in ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16", "max_length",
-                 "packing", "packing_strategy", "padding_free", "completion_only_loss", "assistant_only_loss",
-                 "dataset_text_field", "eos_token", "pad_token", "shuffle_dataset", "pad_to_multiple_of"):
+    for name in (
+        "learning_rate",
+        "logging_steps",
+        "gradient_checkpointing",
+        "bf16",
+        "max_length",
+        "packing",
+        "packing_strategy",
+        "padding_free",
+        "completion_only_loss",
+        "assistant_only_loss",
+        "dataset_text_field",
+        "eos_token",
+        "pad_token",
+        "shuffle_dataset",
+        "pad_to_multiple_of",
+    ):
         assert name in shared, name
     assert only_ours == {"overwrite_output_dir"}
 
@@ -61,14 +81,24 @@ def test_sft_config_bf16_follows_fp16_like_trl(tmp_path):
 @pytest.mark.parametrize("warmup", [0, 3, 7.0, 0.1, 0.25, 0.5, 0.999])
 @pytest.mark.parametrize("total", [1, 10, 37])
 def test_get_warmup_steps_equals_transformers(warmup, total, tmp_path):
-    theirs = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, warmup_steps=warmup)
+    theirs = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, warmup_steps=warmup
+    )
     ours = TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup)
     assert ours.get_warmup_steps(total) == theirs.get_warmup_steps(total)
 
 
 def test_eval_steps_and_best_metric_derivation_equal_transformers(tmp_path):
-    kw = {"eval_strategy": "steps", "logging_steps": 7, "save_steps": 14, "load_best_model_at_end": True}
+    kw = {
+        "eval_strategy": "steps",
+        "logging_steps": 7,
+        "save_steps": 14,
+        "load_best_model_at_end": True,
+    }
     theirs = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kw)
     ours = TrainingArguments(output_dir=str(tmp_path), **kw)
     assert (ours.eval_steps, ours.metric_for_best_model, ours.greater_is_better) == (
-        theirs.eval_steps, theirs.metric_for_best_model, theirs.greater_is_better)
+        theirs.eval_steps,
+        theirs.metric_for_best_model,
+        theirs.greater_is_better,
+    )

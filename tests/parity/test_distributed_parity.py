@@ -1,9 +1,11 @@
-"""Data order and DDP sharding against accelerate: nanosft's shard_batches / SeedableBatchSampler vs accelerate's
-BatchSamplerShard (even_batches=True, split_batches=False) and SeedableRandomSampler, the pieces transformers'
-Trainer gets from accelerator.prepare(dataloader).
+"""Data order and DDP sharding against accelerate: nanosft's shard_batches / SeedableBatchSampler vs
+accelerate's BatchSamplerShard (even_batches=True, split_batches=False) and
+SeedableRandomSampler, the pieces transformers' Trainer gets from
+accelerator.prepare(dataloader).
 
-Compared: for every dataset size 1..29, batch size 1..4, 2 or 3 ranks, drop_last on and off, the exact index
-lists each rank receives; and the seeded epoch order for epochs 0..2. Hermetic: index arithmetic only, no network.
+Compared: for every dataset size 1..29, batch size 1..4, 2 or 3 ranks, drop_last on and off, the
+exact index lists each rank receives; and the seeded epoch order for epochs 0..2. Hermetic: index
+arithmetic only, no network.
 Run: python -m pytest -q tests/parity/test_distributed_parity.py
 """
 
@@ -34,4 +36,6 @@ def test_seeded_order_matches_seedable_random_sampler():
         ref.set_epoch(epoch)
         ours.set_epoch(epoch)
         assert next(iter(ours)) == list(ref)
-    assert len(SeedableBatchSampler(11, 4, seed=0, num_replicas=2, rank=1)) == 2  # ceil(ceil(11/4) / 2)
+    assert (
+        len(SeedableBatchSampler(11, 4, seed=0, num_replicas=2, rank=1)) == 2
+    )  # ceil(ceil(11/4) / 2)

@@ -58,8 +58,9 @@ def nanosft_probs(logits, temperature, top_k, top_p, monkeypatch):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", CASES)
-def test_filtered_distribution_equals_transformers_processors(temperature, top_k, top_p,
-                                                              monkeypatch):
+def test_filtered_distribution_equals_transformers_processors(
+    temperature, top_k, top_p, monkeypatch
+):
     logits = make_logits()
     ours = nanosft_probs(logits, temperature, top_k, top_p, monkeypatch)
     theirs = transformers_probs(logits, temperature, top_k, top_p)

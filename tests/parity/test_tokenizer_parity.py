@@ -32,9 +32,13 @@ TEXTS = [
 
 CHATS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi 🙂"},
-     {"role": "assistant", "content": " spaced answer \n"}, {"role": "user", "content": "More?"},
-     {"role": "assistant", "content": "No."}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi 🙂"},
+        {"role": "assistant", "content": " spaced answer \n"},
+        {"role": "user", "content": "More?"},
+        {"role": "assistant", "content": "No."},
+    ],
 ]
 
 
@@ -47,11 +51,18 @@ def assert_same_encoding(ours, theirs):
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == theirs(text)["input_ids"], repr(text)
-        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(
+            text, add_special_tokens=False
+        )
         assert ours.decode(ids) == theirs.decode(ids)
-        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(
+            ids, skip_special_tokens=True
+        )
     assert (ours.pad_token_id, ours.eos_token_id, ours.bos_token_id) == (
-        theirs.pad_token_id, theirs.eos_token_id, theirs.bos_token_id)
+        theirs.pad_token_id,
+        theirs.eos_token_id,
+        theirs.bos_token_id,
+    )
     assert (len(ours), ours.vocab_size) == (len(theirs), theirs.vocab_size)
 
 
@@ -62,10 +73,12 @@ def test_nanosft_folder_read_by_autotokenizer(ours, tmp_path, add_generation_pro
     assert_same_encoding(ours, theirs)
     for chat in CHATS:
         text = ours.apply_chat_template(chat, add_generation_prompt, tokenize=False)
-        assert text == theirs.apply_chat_template(chat, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+        assert text == theirs.apply_chat_template(
+            chat, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         assert ours.apply_chat_template(chat, add_generation_prompt) == theirs.apply_chat_template(
-            chat, add_generation_prompt=add_generation_prompt, return_dict=False)
+            chat, add_generation_prompt=add_generation_prompt, return_dict=False
+        )
 
 
 def test_assistant_masks_match_transformers(ours, tmp_path):
@@ -73,7 +86,9 @@ def test_assistant_masks_match_transformers(ours, tmp_path):
     ours.save_pretrained(tmp_path)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
     for chat in CHATS:
-        expected = theirs.apply_chat_template(chat, return_dict=True, return_assistant_tokens_mask=True)
+        expected = theirs.apply_chat_template(
+            chat, return_dict=True, return_assistant_tokens_mask=True
+        )
         got = ours.apply_chat_template(chat, return_assistant_tokens_mask=True)
         assert got["input_ids"] == expected["input_ids"]
         assert got["assistant_masks"] == expected["assistant_masks"]
@@ -86,12 +101,15 @@ def test_bos_tokenizer_read_by_autotokenizer(tmp_path):
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert ours.encode("fox")[0] == ours.bos_token_id  # the case under test really adds a BOS
     assert_same_encoding(ours, theirs)
-    assert ours.apply_chat_template(CHATS[0]) == theirs.apply_chat_template(CHATS[0], return_dict=False)
+    assert ours.apply_chat_template(CHATS[0]) == theirs.apply_chat_template(
+        CHATS[0], return_dict=False
+    )
 
 
 def test_transformers_folder_read_by_nanosft(ours, tmp_path):
     theirs = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=ours.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        tokenizer_object=ours.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     theirs.chat_template = CHATML_TEMPLATE
     theirs.save_pretrained(tmp_path)
     loaded = Tokenizer.from_pretrained(tmp_path)
@@ -100,16 +118,23 @@ def test_transformers_folder_read_by_nanosft(ours, tmp_path):
     for chat in CHATS:
         for gen in (False, True):
             assert loaded.render_chat(chat, gen) == theirs.apply_chat_template(
-                chat, add_generation_prompt=gen, tokenize=False)
+                chat, add_generation_prompt=gen, tokenize=False
+            )
 
 
 def test_transformers_folder_with_its_own_template(ours, tmp_path):
     # A non-ChatML template goes through our Jinja path; bos/eos variables come from the config.
-    template = ("{% for m in messages %}{{ bos_token }}{{ m['role'] | upper }}: {{ m['content'] | trim }}"
-                "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}{{ bos_token }}ASSISTANT:{% endif %}")
+    template = (
+        "{% for m in messages %}{{ bos_token }}{{ m['role'] | upper }}: {{ m['content'] | trim }}"
+        "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}{{ bos_token }}"
+        "ASSISTANT:{% endif %}"
+    )
     theirs = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=ours.backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>")
+        tokenizer_object=ours.backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     theirs.chat_template = template
     theirs.save_pretrained(tmp_path)
     loaded = Tokenizer.from_pretrained(tmp_path)
@@ -117,9 +142,11 @@ def test_transformers_folder_with_its_own_template(ours, tmp_path):
     for chat in CHATS:
         for gen in (False, True):
             assert loaded.render_chat(chat, gen) == theirs.apply_chat_template(
-                chat, add_generation_prompt=gen, tokenize=False)
+                chat, add_generation_prompt=gen, tokenize=False
+            )
             assert loaded.apply_chat_template(chat, gen) == theirs.apply_chat_template(
-                chat, add_generation_prompt=gen, return_dict=False)
+                chat, add_generation_prompt=gen, return_dict=False
+            )
 
 
 @pytest.mark.parametrize("add_bos, add_eos", [(False, False), (True, True)])
