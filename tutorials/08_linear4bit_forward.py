@@ -1,17 +1,20 @@
 """Tutorial 08: Linear4bit.forward with LoRA and DoRA, line by line (walkthrough 2.7).
 
 Every q_proj / v_proj of a QLoRA model is a frozen NF4 `base_layer` plus a low-rank adapter. We
-quantize a small weight by hand (codes, absmax, error, bytes per weight), then replay the forward of
+quantize a weight by hand in plain PyTorch (levels, absmax per block, midpoints, nibbles, double
+quantization), check the bytes against bitsandbytes, see backward dequantize again with no weight
+gradient, look at codes, error and bytes per weight of a Linear4bit, then replay the forward of
 walkthrough 2.7 one line at a time on a (2, 3, 64) input and check each step against
 nanosft.lora.LoraLinear; peft's and bitsandbytes' numbers are printed beside ours when installed.
 Run:      python tutorials/08_linear4bit_forward.py
 Runtime:  a few seconds on CPU (about 10 s when peft is imported).
 You should see:
+  - NF4 by hand: 8 positive, 7 negative levels and one zero; bytes identical to bitsandbytes;
   - the 16 NF4 code values, the 4-bit codes and absmax of a 2x64 weight, and its quantization error;
   - bytes per weight of a 1024x1024 layer: 0.5626 without, 0.5169 with double quantization;
   - which branch of 2.7 runs, scaling 2.0 (LoRA) / 4.0 (rsLoRA), the shapes, and the DoRA norms;
   - the DoRA dropout branch run for real: x dropped, W x recomputed, equal to peft on one mask;
-  - merge: float exact to 1e-6, 4-bit off by the requantization error; eval vs train on CPU;
+  - merge: float exact to 1e-6, 4-bit off by the requantization error; eval equals train on CPU;
   - "OK: walkthrough 2.7 replayed step by step" at the end.
 """
 
@@ -130,8 +133,8 @@ codes, absmax2, offset = double_quantize(absmax)  # subtract the mean, 8-bit dyn
 rebuilt = dequantize_absmax(codes, absmax2, offset)  # dynamic_map[code] * absmax2 + offset
 _, nested = bnbF.quantize_4bit(big, blocksize=64, quant_type="nf4", compress_statistics=True)
 agree = codes == nested.absmax
-print(f"offset (mean absmax) {offset:.5f} == bnb {nested.offset:.5f}; absmax2 {tuple(absmax2.shape)}"
-      f" equal to bnb's: {torch.equal(absmax2, nested.state2.absmax)}")
+print(f"offset (mean absmax) {offset:.5f} == bnb {nested.offset:.5f}; absmax2 "
+      f"{tuple(absmax2.shape)} equal to bnb's: {torch.equal(absmax2, nested.state2.absmax)}")
 print(f"8-bit codes equal to bnb's for {int(agree.sum())} of {codes.numel()} blocks (bnb's CPU "
       "kernel takes the neighbouring code at near-ties)")
 print(f"rebuilt absmax: max relative error {((rebuilt - absmax) / absmax).abs().max():.2e}; "
@@ -140,8 +143,8 @@ ref_rebuilt = bnbF.dequantize_blockwise(nested.absmax, nested.state2) + nested.o
 assert torch.equal(rebuilt[agree], ref_rebuilt[agree]) and agree.float().mean() > 0.99
 
 banner("NF4 by hand: backward dequantizes again, and the weight gets no gradient")
-layer4 = Linear4bit.from_linear(nn.Linear(96, 2))
-xb = torch.randn(4, 96, requires_grad=True)
+layer4 = Linear4bit.from_linear(nn.Linear(128, 2))
+xb = torch.randn(4, 128, requires_grad=True)
 yb = layer4(xb)
 calls, dequantize_4bit = [], bnbF.dequantize_4bit
 bnbF.dequantize_4bit = lambda *a, **k: calls.append(1) or dequantize_4bit(*a, **k)
@@ -198,8 +201,8 @@ bpp = {
     for dq in (False, True)
 }
 print(
-    f"bytes per weight, 1024x1024: {bpp[False]:.4f} without, {bpp[True]:.4f} with double quantization "
-    f"(fp16 would be 2.0)"
+    f"bytes per weight, 1024x1024: {bpp[False]:.4f} without, {bpp[True]:.4f} with double "
+    "quantization (fp16 would be 2.0)"
 )
 assert abs(bpp[False] - (0.5 + 4 / 64 + 64 / 1024**2)) < 1e-9
 assert bpp[True] < bpp[False]
@@ -406,50 +409,37 @@ assert torch.allclose(mixed[1], layer.base_layer(x)[1]) and torch.allclose(mixed
 print("adapter_names=['default', '__base__'] -> row 0 adapted, row 1 plain base")
 
 # %% [markdown]
-# ## Eval vs train on CPU: bnb switches to a bf16 inference kernel (its AVX512-BF16 CPU path)
+# ## Eval vs train on CPU: ours keeps dequantize + matmul; bnb may switch to a bf16 kernel
 
 # %%
 banner("eval() vs train() on CPU")
 xe = x.detach()
-lin32 = nn.Linear(64, 32)  # the bf16 kernel packs 32 output rows at a time
-if bnbF.has_avx512bf16():
-    base32 = Linear4bit.from_linear(lin32)
-    train_out = base32(xe)
+lin32 = nn.Linear(64, 32)  # bnb's bf16 kernel packs 32 output rows at a time
+base32 = Linear4bit.from_linear(lin32)
+train_out = base32(xe)
+with torch.no_grad():
+    eval_out = base32.eval()(xe)
+print(f"ours Linear4bit: max |eval - train| = {(eval_out - train_out).abs().max():.1e} "
+      "(dequantize + matmul in both modes)")
+assert torch.equal(eval_out, train_out)
+bnb32 = bnb_twin(lin32)
+bnb_train = bnb32(xe)
+with torch.no_grad():
+    bnb_eval = bnb32.eval()(xe)
+kernel = "its bf16 kernel" if bnbF.has_avx512bf16() else "this CPU has no AVX512-BF16 kernel"
+print(f"bnb Linear4bit:  max |eval - train| = {(bnb_eval - bnb_train).abs().max():.4f} ({kernel});"
+      f" ours in eval == bnb in train: {torch.equal(eval_out, bnb_train)}")
+assert torch.equal(eval_out, bnb_train)
+if HAVE_PEFT and bnbF.has_avx512bf16():
+    ref32 = peft_twin(lin32, 7, r=4, lora_alpha=8, use_dora=True)
+    torch.manual_seed(7)
+    ours32 = LoraLinear(Linear4bit.from_linear(lin32), r=4, lora_alpha=8, use_dora=True)
+    t_ref, t_ours = ref32(xe), ours32(xe)  # train mode first, while bnb's weight is canonical
     with torch.no_grad():
-        eval_out = base32.eval()(xe)
-    print(
-        f"ours Linear4bit: max |eval - train| = {(eval_out - train_out).abs().max():.4f} (bf16 kernel)"
-    )
-    assert not torch.equal(eval_out, train_out)
-    bnb32 = bnb_twin(lin32)
-    bnb_train = bnb32(xe)
-    with torch.no_grad():
-        bnb_eval = bnb32.eval()(xe)
-    print(
-        f"bnb Linear4bit:  max |eval - train| = {(bnb_eval - bnb_train).abs().max():.4f}, "
-        f"eval ours vs bnb {(eval_out - bnb_eval).abs().max():.1e}"
-    )
-    assert torch.equal(eval_out, bnb_eval)
-    if HAVE_PEFT:
-        ref32 = peft_twin(lin32, 7, r=4, lora_alpha=8, use_dora=True)
-        torch.manual_seed(7)
-        ours32 = LoraLinear(Linear4bit.from_linear(lin32), r=4, lora_alpha=8, use_dora=True)
-        t_ref, t_ours = ref32(xe), ours32(xe)  # train mode first, while bnb's weight is canonical
-        with torch.no_grad():
-            e_ref, e_ours = ref32.eval()(xe), ours32.eval()(xe)
-        after = ref32.train()(xe)  # bnb's weight stays repacked, so train mode now differs as well
-        print(
-            f"peft DoRA on bnb: max |eval - train| = {(e_ref - t_ref).abs().max():.4f}, and back "
-            f"in train mode {(after - t_ref).abs().max():.4f} (bnb repacked its weight in place; "
-            "DoRA dequantizes that layout)"
-        )
-        print(
-            f"ours DoRA:        max |eval - train| = {(e_ours - t_ours).abs().max():.4f} "
-            "(the repack is a copy: DoRA still sees the real weight, train mode is unchanged)"
-        )
-        assert torch.equal(ours32.train()(xe), t_ours)
-        assert (e_ours - t_ours).abs().max() < (e_ref - t_ref).abs().max()
-else:
-    print("this CPU has no AVX512-BF16: bnb's inference kernel is not used, eval equals train")
+        e_ref, e_ours = ref32.eval()(xe), ours32.eval()(xe)
+    print(f"peft DoRA on bnb: max |eval - train| = {(e_ref - t_ref).abs().max():.4f} (bnb repacked "
+          f"its weight in place; DoRA dequantizes that layout); ours: "
+          f"{(e_ours - t_ours).abs().max():.1e}")
+    assert torch.equal(e_ours, t_ours)
 
 print("\nOK: walkthrough 2.7 replayed step by step")
