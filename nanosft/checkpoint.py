@@ -331,10 +331,6 @@ _SETUP_FIELDS = ("peft_type", "r", "lora_alpha", "target_modules", "use_dora", "
                  "modules_to_save", "num_virtual_tokens")
 
 
-def _as_comparable(value):
-    return sorted(value) if isinstance(value, (list, tuple, set)) else value
-
-
 def check_same_setup(checkpoint_dir, model) -> None:
     """Refuse, naming what differs, a checkpoint of another set-up: a full fine-tune resumed as LoRA
     (or back), other LoRA target modules, rank, alpha, DoRA or prompt length.
@@ -356,11 +352,15 @@ def check_same_setup(checkpoint_dir, model) -> None:
     config = model.peft_config[getattr(model, "active_adapter", "default")].to_dict()
     differs = [f"{k}: checkpoint {saved.get(k)!r}, this run {config.get(k)!r}"
                for k in _SETUP_FIELDS
-               if _as_comparable(saved.get(k)) != _as_comparable(config.get(k))]
+               if _sortable(saved.get(k)) != _sortable(config.get(k))]
     if differs:
         raise ValueError(f"{checkpoint_dir} was trained with another adapter set-up ("
                          f"{'; '.join(differs)}); resume with the checkpoint's settings, or start "
                          "this set-up in a new output_dir.")
+
+
+def _sortable(value):  # target_modules in any order
+    return sorted(value) if isinstance(value, (list, tuple, set)) else value
 
 
 def _read_json(path):
@@ -411,7 +411,7 @@ def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
     if resume_from_checkpoint is None:
         return state, 0, 0
     saved = load_checkpoint(resume_from_checkpoint, model=model, optimizer=optimizer,
-                            lr_scheduler=lr_scheduler, scaler=scaler, rank=_rank(),
+                            lr_scheduler=lr_scheduler, scaler=scaler, rank=distributed.get_rank(),
                             world_size=args.world_size)
     state = TrainerState.from_dict(saved)
     # this run's schedule length, as TrainerState.init_training_references sets it after loading
@@ -425,17 +425,12 @@ def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
     return state, epochs_trained, steps_trained_in_current_epoch
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def save_model(model, processing_class, output_dir) -> None:
     """The final model (a PEFT model: its adapter only) and the tokenizer in output_dir; every
     rank calls it (FSDP: the shards are gathered), rank 0 writes the one-process files.
     Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
     state_dict = _gather_sharded(model, None)[0]
-    if _rank() != 0:
+    if distributed.get_rank() != 0:
         return
     os.makedirs(output_dir, exist_ok=True)
     _unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
