@@ -1,5 +1,5 @@
-"""Behaviour of nanosft.model (and the nanosft.hub files it writes): masks, positions, KV cache, loss,
-RoPE scaling, checkpoints and errors.
+"""Behaviour of nanosft.model (and the nanosft.hub files it writes): masks, positions, KV cache,
+loss, RoPE scaling, checkpoints and errors.
 
 Every expected value is computed in the test itself (a second forward pass, a formula written out
 here, a greedy loop without cache), never copied from earlier output. Hermetic: tiny random models
@@ -49,7 +49,8 @@ def test_changing_a_future_token_never_changes_earlier_logits(model):
     y[:, 6] = (y[:, 6] + 1) % 96
     a, b = model(x).logits, model(y).logits
     torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=0)
-    assert not torch.allclose(a[:, 6:], b[:, 6:])  # the changed token itself is seen from position 6 on
+    # the changed token itself is seen from position 6 on
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
 
 
 def test_left_padded_row_with_its_position_ids_gives_the_unpadded_logits(model):
@@ -80,24 +81,32 @@ def test_packed_row_with_restarting_position_ids_equals_each_example_alone(model
 
 def test_varlen_layout_packs_only_what_it_can_run_exactly():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    assert varlen_layout(None, pos, 1, 6, 0, unpad=False) == (None, [3, 2, 1])  # packed: one SDPA per document
-    assert varlen_layout(None, torch.arange(6)[None], 2, 6, 0, unpad=True) is None  # one document a row
+    # packed: one SDPA per document
+    assert varlen_layout(None, pos, 1, 6, 0, unpad=False) == (None, [3, 2, 1])
+    # one document a row
+    assert varlen_layout(None, torch.arange(6)[None], 2, 6, 0, unpad=True) is None
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    assert varlen_layout(right, torch.arange(4)[None], 2, 4, 0, unpad=False) is None  # eval keeps the padded path
+    # eval keeps the padded path
+    assert varlen_layout(right, torch.arange(4)[None], 2, 4, 0, unpad=False) is None
     index, lengths = varlen_layout(right, torch.arange(4)[None], 2, 4, 0, unpad=True)
     assert index.tolist() == [0, 1, 2, 4, 5] and lengths == [3, 2]
     holes = torch.tensor([[1, 0, 1, 1]])  # real tokens not in one run: only the dense mask is exact
     assert varlen_layout(holes, torch.arange(4)[None], 1, 4, 0, unpad=True) is None
-    # left padding: the last pad predicts the first real token, so its logits matter; keep the dense mask
-    assert varlen_layout(torch.tensor([[0, 1, 1, 1]]), torch.arange(4)[None], 1, 4, 0, unpad=True) is None
-    assert varlen_layout(right, torch.arange(2, 6)[None], 2, 4, 2, unpad=True) is None  # with a cache
+    # left padding: the last pad predicts the first real token, so its logits matter; keep the
+    # dense mask
+    left = torch.tensor([[0, 1, 1, 1]])
+    assert varlen_layout(left, torch.arange(4)[None], 1, 4, 0, unpad=True) is None
+    # with a cache
+    assert varlen_layout(right, torch.arange(2, 6)[None], 2, 4, 2, unpad=True) is None
 
 
 def test_training_forward_unpads_and_equals_the_masked_path(model):
-    """In training a padded batch runs as one packed row; its loss, real-token logits and gradients equal the
-    dense-mask path (eval mode, same weights: the model has no dropout), and pad positions never reach a layer."""
+    """In training a padded batch runs as one packed row; its loss, real-token logits and
+    gradients equal the dense-mask path (eval mode, same weights: the model has no dropout), and
+    pad positions never reach a layer."""
     x = torch.randint(3, 96, (3, 7))
-    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])  # right padding, as the SFT collator pads
+    # right padding, as the SFT collator pads
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
     labels = x.masked_fill(mask == 0, -100)
     runs = {}
     for training in (True, False):
@@ -112,20 +121,23 @@ def test_training_forward_unpads_and_equals_the_masked_path(model):
     torch.testing.assert_close(packed.loss, dense.loss, rtol=1e-6, atol=1e-6)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    assert (packed.logits[~real] == 0).all() and not (dense.logits[~real] == 0).all()  # the packed path ran
+    # the packed path ran
+    assert (packed.logits[~real] == 0).all() and not (dense.logits[~real] == 0).all()
 
 
 def test_sdpa_fast_path_only_when_nothing_is_masked():
     pos = torch.arange(6)[None]
     assert build_attention_mask(None, pos, 6, 0) is None  # is_causal=True
     assert build_attention_mask(torch.ones(2, 6), pos, 6, 0) is None
-    assert build_attention_mask(None, pos[:, -1:], 1, 5) is None  # one new token sees the whole cache
+    # one new token sees the whole cache
+    assert build_attention_mask(None, pos[:, -1:], 1, 5) is None
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     # With a cache and several new tokens, is_causal would align the wrong corner: an explicit mask.
     torch.testing.assert_close(build_attention_mask(None, pos[:, 3:], 3, 3)[0, 0], causal[3:])
     padded = build_attention_mask(torch.tensor([[0, 0, 1, 1, 1, 1]]), pos, 6, 0)[0, 0]
     torch.testing.assert_close(padded[2:], causal[2:] & torch.tensor([0, 0, 1, 1, 1, 1]).bool())
-    assert padded[:2].all()  # pad queries with nothing to see attend everywhere instead of giving NaN
+    # pad queries with nothing to see attend everywhere instead of giving NaN
+    assert padded[:2].all()
 
 
 def test_loss_is_token_sum_over_num_items_in_batch_and_mean_without_it(model):
@@ -134,7 +146,7 @@ def test_loss_is_token_sum_over_num_items_in_batch_and_mean_without_it(model):
     labels[0, :3] = -100
     out = model(x, labels=labels, num_items_in_batch=torch.tensor(20.0))
     logp = out.logits.float().log_softmax(-1)
-    # Formula: position t predicts labels[t+1]; -100 targets (and the last position) contribute nothing.
+    # Formula: position t predicts labels[t+1]; -100 targets (and the last position) add nothing.
     total, count = 0.0, 0
     for b in range(2):
         for t in range(5):
@@ -142,7 +154,8 @@ def test_loss_is_token_sum_over_num_items_in_batch_and_mean_without_it(model):
                 total, count = total - logp[b, t, labels[b, t + 1]], count + 1
     torch.testing.assert_close(out["loss"], total / 20.0, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(model(x, labels=labels).loss, total / count, rtol=1e-6, atol=1e-6)
-    assert not torch.allclose(out.loss, total / count)  # negative control: the two reductions differ here
+    # negative control: the two reductions differ here
+    assert not torch.allclose(out.loss, total / count)
 
 
 def test_loss_ignores_the_last_position_and_upcasts():
@@ -171,8 +184,9 @@ def test_batched_left_padded_generation_equals_each_prompt_alone(model):
     batch = ids(p1, [PAD, PAD, PAD] + p2)
     mask = ids([1] * 5, [0, 0, 0, 1, 1])
     out = model.generate(batch, attention_mask=mask, max_new_tokens=10, eos_token_id=-1)
-    torch.testing.assert_close(out[0], model.generate(ids(p1), max_new_tokens=10, eos_token_id=-1)[0])
-    torch.testing.assert_close(out[1, 3:], model.generate(ids(p2), max_new_tokens=10, eos_token_id=-1)[0])
+    alone = [model.generate(ids(p), max_new_tokens=10, eos_token_id=-1)[0] for p in (p1, p2)]
+    torch.testing.assert_close(out[0], alone[0])
+    torch.testing.assert_close(out[1, 3:], alone[1])
 
 
 def test_generation_stops_at_eos_and_pads_finished_rows(model):
@@ -180,7 +194,8 @@ def test_generation_stops_at_eos_and_pads_finished_rows(model):
     free = model.generate(x, max_new_tokens=8, eos_token_id=-1)
     eos = int(free[0, 6])  # the row-0 token of step 3 plays eos
     streamed = []
-    out = model.generate(x, max_new_tokens=8, eos_token_id=eos, pad_token_id=PAD, streamer=streamed.append)
+    out = model.generate(x, max_new_tokens=8, eos_token_id=eos, pad_token_id=PAD,
+                         streamer=streamed.append)
     for row in range(2):
         new = free[row, 4:].tolist()
         stop = new.index(eos) + 1 if eos in new else len(new)
@@ -193,8 +208,10 @@ def test_sampling_with_top_k_1_or_tiny_top_p_is_greedy(model):
     x = ids([5, 17, 33, 8])
     greedy = model.generate(x, max_new_tokens=6, eos_token_id=-1)
     for kw in ({"top_k": 1}, {"top_p": 1e-6}):
-        torch.testing.assert_close(model.generate(x, max_new_tokens=6, temperature=0.7, eos_token_id=-1, **kw), greedy)
-    sampled = [model.generate(x, max_new_tokens=6, temperature=5.0, eos_token_id=-1) for _ in range(3)]
+        got = model.generate(x, max_new_tokens=6, temperature=0.7, eos_token_id=-1, **kw)
+        torch.testing.assert_close(got, greedy)
+    sampled = [model.generate(x, max_new_tokens=6, temperature=5.0, eos_token_id=-1)
+               for _ in range(3)]
     assert any(not torch.equal(s, greedy) for s in sampled)  # control: sampling really samples
 
 
@@ -225,17 +242,20 @@ def test_init_follows_initializer_range_and_zeroes_the_padding_row():
     emb = m.model.embed_tokens.weight
     assert torch.all(emb[PAD] == 0) and emb[1:].std().item() == pytest.approx(0.05, rel=0.05)
     attn = m.model.layers[0].self_attn
-    assert torch.all(attn.q_proj.bias == 0) and attn.o_proj.bias is None  # qwen2: q/k/v bias, none on o_proj
+    # qwen2: q/k/v bias, none on o_proj
+    assert torch.all(attn.q_proj.bias == 0) and attn.o_proj.bias is None
     assert torch.all(m.model.layers[1].post_attention_layernorm.weight == 1)
 
 
 def test_save_load_round_trip_is_exact(tmp_path, model):
     model.save_pretrained(tmp_path)
     loaded = CausalLM.from_pretrained(tmp_path).eval()
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json",
+                                            "model.safetensors"]
     for k, v in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0)
-    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in loaded.parameters())  # trainable
+    # trainable
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in loaded.parameters())
     x = torch.randint(3, 96, (1, 8))
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
 
@@ -250,7 +270,8 @@ def test_sharded_save_writes_an_index_and_loads_back(tmp_path, model):
     for k, v in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0)
     model.save_pretrained(tmp_path)  # back to one file: stale shards must not remain beside it
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json",
+                                            "model.safetensors"]
 
 
 def test_tied_embeddings_save_without_lm_head_and_stay_tied(tmp_path):
@@ -270,12 +291,14 @@ def test_dtype_choice_and_config_spellings(tmp_path, model):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]
     assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
-    assert CausalLM.from_pretrained(tmp_path).lm_head.weight.dtype == torch.float32  # None -> float32
+    # None -> float32
+    assert CausalLM.from_pretrained(tmp_path).lm_head.weight.dtype == torch.float32
     assert CausalLM.from_pretrained(tmp_path, dtype="auto").lm_head.weight.dtype == torch.bfloat16
     del config["dtype"], config["rope_parameters"]
     old = ModelConfig.from_dict({**config, "rope_theta": 5e5, "torch_dtype": "float16",
                                  "rope_scaling": {"type": "linear", "factor": 2.0}})
-    assert (old.rope_theta, old.dtype, old.rope_scaling) == (5e5, "float16", {"rope_type": "linear", "factor": 2.0})
+    linear = {"rope_type": "linear", "factor": 2.0}
+    assert (old.rope_theta, old.dtype, old.rope_scaling) == (5e5, "float16", linear)
     assert ModelConfig.from_dict(old.to_dict()) == old
 
 
@@ -333,7 +356,8 @@ def test_key_and_shape_mismatches_are_listed(tmp_path, model):
     sd = model.state_dict()
     sd["model.layers.0.mlp.extra.weight"] = sd.pop("model.layers.1.mlp.up_proj.weight")
     save_file(sd, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.layers\.0\.mlp\.extra"):
+    missing_then_unexpected = r"layers\.1\.mlp\.up_proj\.weight.*model\.layers\.0\.mlp\.extra"
+    with pytest.raises(ValueError, match=missing_then_unexpected):
         CausalLM.from_pretrained(tmp_path)
     sd = model.state_dict()
     sd["model.norm.weight"] = torch.ones(32)
@@ -352,8 +376,9 @@ def test_corrupt_safetensors_header_and_bad_shard_size(tmp_path, model):
 
 
 def test_training_under_cpu_autocast_keeps_the_padded_path(model):
-    """Unpadding measured slower under CPU bf16 autocast (benchmarks/README.md), so there the padded batch runs
-    with its mask: pad positions get real (nonzero) logits, unlike the unpadded fp32 training forward."""
+    """Unpadding measured slower under CPU bf16 autocast (benchmarks/README.md), so there the
+    padded batch runs with its mask: pad positions get real (nonzero) logits, unlike the unpadded
+    fp32 training forward."""
     x = torch.randint(3, 96, (2, 6))
     mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
     model.train()
