@@ -14,8 +14,12 @@ from run_tutorial import assert_reference_ran, run_tutorial
 
 def test_tutorial_00_runs_and_prints_each_stage():
     out = run_tutorial("00_model_and_tokenizer.py")
-    for heading in ("processing_class (the tokenizer)", "apply_chat_template", "model (a tiny CausalLM)",
-                    'loss = outputs["loss"]'):
+    for heading in (
+        "processing_class (the tokenizer)",
+        "apply_chat_template",
+        "model (a tiny CausalLM)",
+        'loss = outputs["loss"]',
+    ):
         assert heading in out
     assert "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n" in out
     assert "tokens under the mask decode to: 'Two plus two is four.<|im_end|>\\n'" in out

@@ -1,9 +1,9 @@
 """Runs tutorials/07_peft_forward.py as a script and checks what it prints (walkthrough 2.6).
 
-Compared: the printed shapes of the prompt-tuning forward (inputs_embeds, prompts, the concatenation,
-the logits) against num_virtual_tokens + T worked out here, the prefix mask and -100 label rows, the
-extra target per row, and the script's own asserts (they fail the exit code). Hermetic: the tiny
-models are built in-process; no network, temp folders only.
+Compared: the printed shapes of the prompt-tuning forward (inputs_embeds, prompts, the
+concatenation, the logits) against num_virtual_tokens + T worked out here, the prefix mask and -100
+label rows, the extra target per row, and the script's own asserts (they fail the exit code).
+Hermetic: the tiny models are built in-process; no network, temp folders only.
 Run: python -m pytest -q tests/test_tutorial_07.py
 """
 
@@ -13,14 +13,17 @@ import torch
 from run_tutorial import run_tutorial
 
 N_VIRTUAL, T, C, V = 4, 6, 64, 96
-# the tutorial's batch (its `labels` and `attention_mask` lines): the expected prints are built from it
+# the tutorial's batch (its `labels` and `attention_mask` lines): the expected prints are built from
+# it
 LABELS = torch.tensor([[5, 17, 42, 8, 9, 2], [-100, 33, 12, 2, -100, -100]])
 ATTENTION_MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
 
 
 def test_tutorial_07_runs_and_prints_each_line_of_2_6():
     out = run_tutorial("07_peft_forward.py")
-    assert re.search(r"trainable params: [\d,]+ \|\| all params: [\d,]+ \|\| trainable%: \d+\.\d{4}", out)
+    assert re.search(
+        r"trainable params: [\d,]+ \|\| all params: [\d,]+ \|\| trainable%: \d+\.\d{4}", out
+    )
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in out
     assert f"inputs_embeds shape: (2, {T}, {C})" in out
     assert f"prompts shape: (2, {N_VIRTUAL}, {C})" in out

@@ -8,8 +8,6 @@ Hermetic: tiny layers built in-process on CPU, nothing written to disk.
 Run: python -m pytest -q tests/test_tutorial_08.py
 """
 
-
-
 from run_tutorial import run_tutorial
 
 

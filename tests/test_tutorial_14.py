@@ -10,7 +10,6 @@ Hermetic: a tiny CausalLM and hand-made rows in-process, two gloo ranks on local
 Run: python -m pytest -q tests/test_tutorial_14.py
 """
 
-
 import re
 
 from run_tutorial import assert_reference_ran, run_tutorial
@@ -18,9 +17,13 @@ from run_tutorial import assert_reference_ran, run_tutorial
 
 def test_tutorial_14_nan_filter_and_clipping():
     out = run_tutorial("14_troubleshooting.py")
-    filtered = out.split("logging_nan_inf_filter=True:")[1].split("logging_nan_inf_filter=False:")[0]
+    filtered = out.split("logging_nan_inf_filter=True:")[1].split("logging_nan_inf_filter=False:")[
+        0
+    ]
     unfiltered = out.split("logging_nan_inf_filter=False:")[1].split("weights after training")[0]
-    assert "0 -> nan" in filtered and "0 -> nan" in unfiltered  # the empty micro-batch's per-batch mean
+    assert (
+        "0 -> nan" in filtered and "0 -> nan" in unfiltered
+    )  # the empty micro-batch's per-batch mean
     logged_on = filtered.split("logged (step, loss, grad_norm):")[1]
     logged_off = unfiltered.split("logged (step, loss, grad_norm):")[1]
     assert "nan" not in logged_on and "(2, nan," in logged_off
@@ -36,11 +39,16 @@ def test_tutorial_14_nan_filter_and_clipping():
     losses = [float(x) for x in re.findall(r"loss\s+([0-9.na]+)", no_clip)]
     assert all(not x < 100 for x in losses[3:])  # unclipped: ruined after the bad batch (or nan)
     # C: vanishing gradients in the plain stack, carried by the residual one
-    ratios = re.search(r"first / last layer grad norm: plain ([0-9.e+-]+), residual ([0-9.e+-]+)", out)
+    ratios = re.search(
+        r"first / last layer grad norm: plain ([0-9.e+-]+), residual ([0-9.e+-]+)", out
+    )
     assert float(ratios.group(1)) < 1e-6 and float(ratios.group(2)) > 0.1
     # D: no zero_grad doubles the gradient
-    assert "max |grad - 2 g| = 0.0e+00" in out or re.search(r"max \|grad - 2 g\| = \d\.\de-0[7-9]", out)
-    # E, F: the checksum names the first step a rank skipped; the hung collective ended by the timeout
+    assert "max |grad - 2 g| = 0.0e+00" in out or re.search(
+        r"max \|grad - 2 g\| = \d\.\de-0[7-9]", out
+    )
+    # E, F: the checksum names the first step a rank skipped; the hung collective ended by the
+    # timeout
     assert "first step out of sync: 2" in out
     waited = float(re.search(r"hung peer returned after ([0-9.]+) s", out).group(1))
     assert 2.5 < waited < 30

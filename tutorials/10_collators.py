@@ -53,8 +53,10 @@ def show(batch, title):
     print(f"-- {title}")
     side = "attention_mask" if "attention_mask" in batch else "position_ids"
     for b in range(batch["input_ids"].shape[0]):
-        rows = {"token": [VOCAB[i] for i in batch["input_ids"][b].tolist()],
-                "input_id": batch["input_ids"][b].tolist()}
+        rows = {
+            "token": [VOCAB[i] for i in batch["input_ids"][b].tolist()],
+            "input_id": batch["input_ids"][b].tolist(),
+        }
         if "labels" in batch:
             rows["label"] = batch["labels"][b].tolist()
         rows["attn" if side == "attention_mask" else "position"] = batch[side][b].tolist()
@@ -90,7 +92,9 @@ banner("数据整理器设计模式: draft 2, labels")
 naive = draft1(EXAMPLES)["input_ids"].clone()
 naive[naive == PAD] = -100
 real_eos = sum(ex["input_ids"].count(EOS) for ex in EXAMPLES)
-kept_naive = sum(int((naive[b, : len(ex["input_ids"])] == EOS).sum()) for b, ex in enumerate(EXAMPLES))
+kept_naive = sum(
+    int((naive[b, : len(ex["input_ids"])] == EOS).sum()) for b, ex in enumerate(EXAMPLES)
+)
 print(f"naive rule drops {real_eos - kept_naive} real EOS")
 assert kept_naive == 0 and real_eos == 3
 
@@ -141,14 +145,18 @@ assert starts == [0, 6, 9] and (flat["labels"][0, starts] == -100).all()
 banner("MLM: 15% picked, then 80% [MASK] / 10% random / 10% unchanged")
 MASK_ID, V = 1, 1000
 rows = torch.randint(2, V, (32, 256), generator=torch.Generator().manual_seed(0))
-mlm = DataCollatorForLanguageModeling(pad_token_id=PAD, mlm=True, mask_token_id=MASK_ID, vocab_size=V, seed=0)
+mlm = DataCollatorForLanguageModeling(
+    pad_token_id=PAD, mlm=True, mask_token_id=MASK_ID, vocab_size=V, seed=0
+)
 batch = mlm([{"input_ids": r.tolist()} for r in rows])
 picked = batch["labels"] != -100
 new, old = batch["input_ids"][picked], rows[picked]
 shares = [(new == MASK_ID).float().mean().item(), (new == old).float().mean().item()]
 shares.append(1 - sum(shares))
-print(f"picked {picked.float().mean().item():.3f} of tokens; [MASK] {shares[0]:.3f}, "
-      f"unchanged {shares[1]:.3f}, random {shares[2]:.3f}")
+print(
+    f"picked {picked.float().mean().item():.3f} of tokens; [MASK] {shares[0]:.3f}, "
+    f"unchanged {shares[1]:.3f}, random {shares[2]:.3f}"
+)
 assert abs(picked.float().mean().item() - 0.15) < 0.01 and abs(shares[0] - 0.8) < 0.03
 
 # %% [markdown]
@@ -156,24 +164,37 @@ assert abs(picked.float().mean().item() - 0.15) < 0.01 and abs(shares[0] - 0.8) 
 # The guide's table pairs each task with a collator. Sentence classification has one label per
 # row: `default_data_collator` (transformers' DefaultDataCollator) only stacks rows that are already
 # one length, and DataCollatorWithPadding pads variable rows and leaves the (B,) labels alone. Token
-# classification (NER, the guide's 序列标注) has one label per token: DataCollatorForTokenClassification
+# classification (NER, the guide's 序列标注) has one label per token:
+# DataCollatorForTokenClassification
 # pads them with -100, as the LM collators do, but there is no shift: label t belongs to token t.
 
 # %%
 banner("不同任务类型的数据处理: classification and token classification collators")
-CLS_ROWS = [{"input_ids": ids("2 + 2 = 4"), "label": 1}, {"input_ids": ids("hi hello"), "label": 0},
-            {"input_ids": ids("1 + 2 ="), "label": 1}]
+CLS_ROWS = [
+    {"input_ids": ids("2 + 2 = 4"), "label": 1},
+    {"input_ids": ids("hi hello"), "label": 0},
+    {"input_ids": ids("1 + 2 ="), "label": 1},
+]
 TAGS = {"2": 1, "1": 1, "3": 1, "4": 1}  # a toy NER: numbers are tag 1, everything else tag 0
-NER_ROWS = [{"input_ids": r["input_ids"], "labels": [TAGS.get(VOCAB[i], 0) for i in r["input_ids"]]}
-            for r in CLS_ROWS]
+NER_ROWS = [
+    {"input_ids": r["input_ids"], "labels": [TAGS.get(VOCAB[i], 0) for i in r["input_ids"]]}
+    for r in CLS_ROWS
+]
 fixed = [{"input_ids": r["input_ids"][:2], "label": r["label"]} for r in CLS_ROWS]  # one length
 batches = {
     "文本分类 default_data_collator (rows of one length)": (default_data_collator(fixed), fixed),
-    "文本分类 DataCollatorWithPadding": (DataCollatorWithPadding(pad_token_id=PAD)(CLS_ROWS), CLS_ROWS),
+    "文本分类 DataCollatorWithPadding": (
+        DataCollatorWithPadding(pad_token_id=PAD)(CLS_ROWS),
+        CLS_ROWS,
+    ),
     "序列标注 DataCollatorForTokenClassification": (
-        DataCollatorForTokenClassification(pad_token_id=PAD)(NER_ROWS), NER_ROWS),
+        DataCollatorForTokenClassification(pad_token_id=PAD)(NER_ROWS),
+        NER_ROWS,
+    ),
     "语言建模 DataCollatorForLanguageModeling": (
-        DataCollatorForLanguageModeling(pad_token_id=PAD)(EXAMPLES), EXAMPLES),
+        DataCollatorForLanguageModeling(pad_token_id=PAD)(EXAMPLES),
+        EXAMPLES,
+    ),
 }
 for name, (batch, _) in batches.items():
     shapes = {k: tuple(v.shape) for k, v in batch.items()}
@@ -192,12 +213,15 @@ else:
     from tokenizers.models import WordLevel
 
     hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=BackendTokenizer(WordLevel(WORDS, unk_token=VOCAB[0])), pad_token=VOCAB[PAD])
+        tokenizer_object=BackendTokenizer(WordLevel(WORDS, unk_token=VOCAB[0])),
+        pad_token=VOCAB[PAD],
+    )
     theirs = {
         "文本分类 default_data_collator (rows of one length)": transformers.default_data_collator,
         "文本分类 DataCollatorWithPadding": transformers.DataCollatorWithPadding(hf_tok),
-        "序列标注 DataCollatorForTokenClassification":
-            transformers.DataCollatorForTokenClassification(hf_tok),
+        "序列标注 DataCollatorForTokenClassification": (
+            transformers.DataCollatorForTokenClassification(hf_tok)
+        ),
     }
     for name, collate in theirs.items():
         ours_batch, rows_in = batches[name]
@@ -205,8 +229,10 @@ else:
         same = set(ref) == set(ours_batch) and all(torch.equal(ref[k], ours_batch[k]) for k in ref)
         print(f"transformers {name.split()[1]} == nanosft: {same}")
         assert same
-    print("reference check ran: transformers default_data_collator, DataCollatorWithPadding, "
-          "DataCollatorForTokenClassification")
+    print(
+        "reference check ran: transformers default_data_collator, DataCollatorWithPadding, "
+        "DataCollatorForTokenClassification"
+    )
 
 # %%
 banner("TRL beside nanosft (SFTTrainer's own collator)")
@@ -216,11 +242,18 @@ else:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling as TrlCollator
 
     # TRL 1.16 builds labels during dataset preparation; its collator only pads them.
-    prepared = [{"input_ids": ex["input_ids"], "labels": build_labels(ex["input_ids"], [ex["completion_mask"]])}
-                for ex in EXAMPLES]
+    prepared = [
+        {
+            "input_ids": ex["input_ids"],
+            "labels": build_labels(ex["input_ids"], [ex["completion_mask"]]),
+        }
+        for ex in EXAMPLES
+    ]
     for padding_free in (False, True):
         theirs = TrlCollator(pad_token_id=PAD, padding_free=padding_free)(prepared)
-        ours = DataCollatorForLanguageModeling(pad_token_id=PAD, padding_free=padding_free)(EXAMPLES)
+        ours = DataCollatorForLanguageModeling(pad_token_id=PAD, padding_free=padding_free)(
+            EXAMPLES
+        )
         print(f"padding_free={padding_free}")
         print("  TRL labels    ", theirs["labels"].tolist())
         print("  nanosft labels", ours["labels"].tolist())

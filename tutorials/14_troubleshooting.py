@@ -1,25 +1,28 @@
-"""Tutorial 14: troubleshooting and monitoring (guide: 故障排除指南, its gradient and distributed items).
+"""Tutorial 14: troubleshooting and monitoring (guide: 故障排除指南, gradients and distributed).
 
-The guide's 梯度爆炸 entry: "症状: 损失值突然变为NaN或无穷大; 解决方案: 启用梯度裁剪, 检查学习率设置".
-Walkthrough 2.3's loop has two monitors for this: `args.logging_nan_inf_filter` (a nan/inf micro-batch
-loss is replaced by the average accumulated so far, so the logged curve stays finite) and grad_norm (the
-pre-clip norm logged at every step, the first number to watch). We make each failure happen on purpose:
+The guide's 梯度爆炸 entry: "症状: 损失值突然变为NaN或无穷大; 解决方案: 启用梯度裁剪,
+检查学习率设置". Walkthrough 2.3's loop has two monitors for this: `args.logging_nan_inf_filter` (a
+nan/inf micro-batch loss is replaced by the average accumulated so far, so the logged curve stays
+finite) and grad_norm (the pre-clip norm logged at every step, the first number to watch). We make
+each failure happen on purpose:
 A) a micro-batch with no trained token under a per-batch mean loss gives loss nan (0/0);
-B) 梯度爆炸: one bad batch whose loss is 10^4 times too large, clipped at a threshold above every
-   ordinary grad_norm, so clipping binds at the bad step only;
-C) 梯度消失: per-layer gradient norms of a badly initialised 20-layer stack, with and without residuals;
+B) 梯度爆炸: one bad batch whose loss is 10^4 times too large, clipped at a threshold above
+   every ordinary grad_norm, so clipping binds at the bad step only;
+C) 梯度消失: per-layer gradient norms of a badly initialised 20-layer stack, with and without
+   residual connections;
 D) 梯度累积错误: a missing zero_grad() doubles the next gradient;
-E) 同步失败: a peer that never joins a collective, ended by the process group timeout (ddp_timeout);
-F) 内存同步问题: a parameter checksum all-gathered across two ranks catches a rank that skipped an update.
-(负载不均衡 / group_by_length is not covered here: nanosft's Trainer has no group_by_length yet.)
+E) 同步失败: a peer that never joins a collective, ended by the process-group timeout (ddp_timeout);
+F) 内存同步问题: a parameter checksum all-gathered across two ranks catches a rank that skipped
+   an update.
+(负载不均衡 / group_by_length is not covered: nanosft's Trainer has no group_by_length yet.)
 Run:      python tutorials/14_troubleshooting.py
 Runtime:  about 25 s on a 2-core CPU (3 s of it is E's timeout).
 You should see:
   - A: tr_loss_step nan on the empty micro-batch; logged loss finite with the filter, nan without;
-  - B: grad_norm ~1e4 at the bad step; without clipping the losses after it stay in the thousands; with
-    max_grad_norm 1.5 x the largest ordinary norm, "binds at steps [3] only" and the run recovers;
+  - B: grad_norm ~1e4 at the bad step; without clipping the later losses stay in the thousands;
+    with max_grad_norm 1.5 x the largest ordinary norm, "binds at steps [3] only", a recovered run;
   - C: first/last layer gradient ratio ~0 plain, ~0.8 residual; D: max |grad - 2 g| = 0;
-  - E, F: "first step out of sync: 2" and the all_reduce returning after ~3 s; "OK: troubleshooting checked".
+  - E, F: "first step out of sync: 2", the all_reduce returning after ~3 s; "OK: ..." at the end.
 """
 
 # %%
@@ -36,8 +39,15 @@ from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
 
 torch.set_num_threads(1)
-TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 COLLATOR = DataCollatorForLanguageModeling(pad_token_id=0)
 
 
@@ -51,17 +61,33 @@ def tiny_model():
 
 
 def train(rows, **overrides):
-    """A Trainer over a fresh tiny model (plain SGD, constant lr, logging every step); run() trains it."""
-    settings = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "learning_rate": 1e-2,
-                "logging_steps": 1, "save_strategy": "no", "use_cpu": True, "optim": "sgd", "report_to": "none",
-                "lr_scheduler_type": "constant", "disable_tqdm": True, "seed": 0, **overrides}
-    trainer = Trainer(tiny_model(), TrainingArguments(output_dir=tempfile.mkdtemp(), **settings),
-                      train_dataset=rows, data_collator=COLLATOR)
+    """A Trainer over a fresh tiny model (plain SGD, constant lr, a log each step); run() trains."""
+    settings = {
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "optim": "sgd",
+        "report_to": "none",
+        "lr_scheduler_type": "constant",
+        "disable_tqdm": True,
+        "seed": 0,
+        **overrides,
+    }
+    trainer = Trainer(
+        tiny_model(),
+        TrainingArguments(output_dir=tempfile.mkdtemp(), **settings),
+        train_dataset=rows,
+        data_collator=COLLATOR,
+    )
     return trainer
 
 
 def run(trainer, per_batch_mean=False, bad_micro_batch=None):
-    """trainer.train(), quietly; returns what it printed and (supervised tokens, tr_loss_step) per micro-batch."""
+    """trainer.train(), quietly; returns what it printed and, per micro-batch, (supervised tokens,
+    tr_loss_step)."""
     if per_batch_mean:  # a model that ignores num_items_in_batch and returns its own per-batch mean
         trainer.model_accepts_loss_kwargs = False
     steps, original_step, original_loss = [], trainer.training_step, trainer.compute_loss
@@ -84,44 +110,72 @@ def run(trainer, per_batch_mean=False, bad_micro_batch=None):
 
 # %% [markdown]
 # ## A) A NaN loss and logging_nan_inf_filter
-# The third row's labels are all -100 (say a prompt truncated before its answer; nanosft.data and TRL drop
-# such rows while preparing, but a hand-made dataset may not). A per-batch mean over zero targets is 0/0.
+# The third row's labels are all -100 (say a prompt truncated before its answer; nanosft.data and
+# TRL drop such rows while preparing, but a hand-made dataset may not). A per-batch mean over zero
+# targets is 0/0.
 
 # %%
 banner("故障排除 A: 损失值变为NaN / a NaN loss, caught by logging_nan_inf_filter")
-ROWS_A = [{"input_ids": [5, 17, 42, 8, 9, 2], "labels": [-100, -100, 42, 8, 9, 2]},
-          {"input_ids": [7, 33, 12, 2], "labels": [-100, 33, 12, 2]},
-          {"input_ids": [3, 9, 14, 21], "labels": [-100, -100, -100, -100]},  # nothing to train on
-          {"input_ids": [11, 6, 2], "labels": [-100, 6, 2]}]
+ROWS_A = [
+    {"input_ids": [5, 17, 42, 8, 9, 2], "labels": [-100, -100, 42, 8, 9, 2]},
+    {"input_ids": [7, 33, 12, 2], "labels": [-100, 33, 12, 2]},
+    {"input_ids": [3, 9, 14, 21], "labels": [-100, -100, -100, -100]},  # nothing to train on
+    {"input_ids": [11, 6, 2], "labels": [-100, 6, 2]},
+]
 results = {}
 for nan_filter in (True, False):
     trainer = train(ROWS_A, logging_nan_inf_filter=nan_filter, max_steps=2)
     _, steps = run(trainer, per_batch_mean=True)
     results[nan_filter] = trainer
-    logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    logged = [
+        (h["step"], h["loss"], h["grad_norm"])
+        for h in trainer.state.log_history
+        if "grad_norm" in h
+    ]
     print(f"logging_nan_inf_filter={nan_filter}:")
-    print("   micro-batch tokens / tr_loss_step: " + ", ".join(f"{n} -> {loss:.4f}" for n, loss in steps))
-    print("   logged (step, loss, grad_norm):    " + ", ".join(f"({s}, {loss:.4f}, {g:.4f})" for s, loss, g in logged))
+    print(
+        "   micro-batch tokens / tr_loss_step: "
+        + ", ".join(f"{n} -> {loss:.4f}" for n, loss in steps)
+    )
+    print(
+        "   logged (step, loss, grad_norm):    "
+        + ", ".join(f"({s}, {loss:.4f}, {g:.4f})" for s, loss, g in logged)
+    )
     bad = next(i for i, (n, _) in enumerate(steps) if n == 0)
     assert math.isnan(steps[bad][1])
-    assert all(math.isfinite(g) for _, _, g in logged)  # 0/0 has zero gradient: only the reported loss is nan
+    assert all(
+        math.isfinite(g) for _, _, g in logged
+    )  # 0/0 has zero gradient: only the reported loss is nan
     bad_step = logged[bad // 2]
     if nan_filter:
-        # "if loss is nan or inf simply add the average of previous logged losses": tr_loss += tr_loss / (1 + 0)
+        # "if loss is nan or inf simply add the average of previous logged losses": tr_loss +=
+        # tr_loss / (1 + 0)
         partner = steps[bad - 1][1] if bad % 2 else 0.0  # what tr_loss held when the nan arrived
         assert math.isclose(bad_step[1], 2 * partner, rel_tol=1e-6)
         assert all(math.isfinite(loss) for _, loss, _ in logged)
     else:
         assert math.isnan(bad_step[1])
-same = all(torch.equal(a, b) for a, b in zip(results[True].model.parameters(), results[False].model.parameters()))
-print(f"weights after training equal with and without the filter: {same}  (the filter only changes the log)")
+same = all(
+    torch.equal(a, b)
+    for a, b in zip(results[True].model.parameters(), results[False].model.parameters())
+)
+print(
+    f"weights after training equal with and without the filter: {same}  "
+    "(the filter only changes the log)"
+)
 assert same
 
 trainer = train(ROWS_A, max_steps=2)
-_, steps = run(trainer)  # the default: the model divides by num_items_in_batch, the window's token count
-print("fix, num_items_in_batch: micro-batch tokens / tr_loss_step: "
-      + ", ".join(f"{n} -> {loss:.4f}" for n, loss in steps))
-assert all(math.isfinite(loss) for _, loss in steps) and 0.0 in [loss for n, loss in steps if n == 0]
+_, steps = run(
+    trainer
+)  # the default: the model divides by num_items_in_batch, the window's token count
+print(
+    "fix, num_items_in_batch: micro-batch tokens / tr_loss_step: "
+    + ", ".join(f"{n} -> {loss:.4f}" for n, loss in steps)
+)
+assert all(math.isfinite(loss) for _, loss in steps) and 0.0 in [
+    loss for n, loss in steps if n == 0
+]
 
 try:
     import datasets
@@ -132,25 +186,42 @@ else:
     transformers.utils.logging.set_verbosity_error()
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     hf_model.load_state_dict(tiny_model().state_dict())
-    hf = transformers.Trainer(model=hf_model, train_dataset=datasets.Dataset.from_list(ROWS_A), data_collator=COLLATOR,
-                              args=transformers.TrainingArguments(
-                                  output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1,
-                                  gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=2, logging_steps=1,
-                                  save_strategy="no", use_cpu=True, optim="sgd", lr_scheduler_type="constant",
-                                  report_to="none", disable_tqdm=True, seed=0))
+    hf = transformers.Trainer(
+        model=hf_model,
+        train_dataset=datasets.Dataset.from_list(ROWS_A),
+        data_collator=COLLATOR,
+        args=transformers.TrainingArguments(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            max_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            use_cpu=True,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            report_to="none",
+            disable_tqdm=True,
+            seed=0,
+        ),
+    )
     hf.model_accepts_loss_kwargs = False  # the same per-batch-mean set-up
     with contextlib.redirect_stdout(io.StringIO()):
         hf.train()
     hf_losses = [h["loss"] for h in hf.state.log_history if "grad_norm" in h]
     our_losses = [h["loss"] for h in results[True].state.log_history if "grad_norm" in h]
-    print(f"logged losses with the filter: nanosft {[round(x, 5) for x in our_losses]}   "
-          f"transformers {[round(x, 5) for x in hf_losses]}")
+    print(
+        f"logged losses with the filter: nanosft {[round(x, 5) for x in our_losses]}   "
+        f"transformers {[round(x, 5) for x in hf_losses]}"
+    )
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(our_losses, hf_losses))
     print("reference check ran: transformers Trainer (zero-token micro-batch)")
 
 # %% [markdown]
 # ## B) 梯度爆炸 / an exploding gradient, seen in grad_norm, stopped by clipping
-# Plain SGD at lr 1.0; the third micro-batch's loss is multiplied by 10^4 (a bad batch). Watch grad_norm.
+# Plain SGD at lr 1.0; the third micro-batch's loss is multiplied by 10^4 (a bad batch). Watch
+# grad_norm.
 
 # %%
 banner("故障排除 B: 梯度爆炸 / exploding gradients: grad_norm and clip_grad_norm_")
@@ -162,12 +233,26 @@ for _ in range(8):
 runs = {}
 for max_grad_norm in (0.0, None):  # None: a threshold read off the unclipped run's ordinary steps
     if max_grad_norm is None:
-        ordinary = [norm for step, _, norm in runs[0.0][1] if step < 3]  # the steps before the bad one
-        max_grad_norm = round(1.5 * max(ordinary), 2)  # above every ordinary norm: binds in the blow-up
-    trainer = train(ROWS_B * 3, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=10,
-                    learning_rate=0.1, max_grad_norm=max_grad_norm)
+        ordinary = [
+            norm for step, _, norm in runs[0.0][1] if step < 3
+        ]  # the steps before the bad one
+        max_grad_norm = round(
+            1.5 * max(ordinary), 2
+        )  # above every ordinary norm: binds in the blow-up
+    trainer = train(
+        ROWS_B * 3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=10,
+        learning_rate=0.1,
+        max_grad_norm=max_grad_norm,
+    )
     printed, _ = run(trainer, bad_micro_batch=2)
-    logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    logged = [
+        (h["step"], h["loss"], h["grad_norm"])
+        for h in trainer.state.log_history
+        if "grad_norm" in h
+    ]
     runs[max_grad_norm] = (printed, logged)
     print(f"max_grad_norm={max_grad_norm} ({'no clipping' if max_grad_norm == 0 else 'clipping'}):")
     for step, loss, norm in logged:
@@ -179,16 +264,26 @@ for max_grad_norm in (0.0, None):  # None: a threshold read off the unclipped ru
 CLIP = max_grad_norm
 no_clip, clip = runs[0.0][1], runs[CLIP][1]
 clipped_steps = [step for step, _, norm in clip if norm > CLIP]
-print(f"max_grad_norm={CLIP} binds at steps {clipped_steps} only (ordinary grad_norm <= {max(ordinary):.2f})")
+print(
+    f"max_grad_norm={CLIP} binds at steps {clipped_steps} only "
+    f"(ordinary grad_norm <= {max(ordinary):.2f})"
+)
 assert clipped_steps == [3]  # the bad micro-batch is step 3; every other step runs unclipped
 assert clip[:2] == no_clip[:2]  # before the blow-up the two runs are the same run
-assert no_clip[2][2] > 1e4 and clip[2][2] > 1e4  # the bad step shows in grad_norm either way (pre-clip)
+assert (
+    no_clip[2][2] > 1e4 and clip[2][2] > 1e4
+)  # the bad step shows in grad_norm either way (pre-clip)
 after = [loss for _, loss, _ in no_clip[3:]]
-assert len(no_clip) < 10 or any(not math.isfinite(x) or x > 100 for x in after)  # no clipping: ruined
+assert len(no_clip) < 10 or any(
+    not math.isfinite(x) or x > 100 for x in after
+)  # no clipping: ruined
 assert len(clip) == 10 and all(math.isfinite(loss) and math.isfinite(n) for _, loss, n in clip)
 assert clip[-1][1] < 10  # back to an ordinary loss after the bad batch
 print("the bad step's own loss is huge in both runs; what differs is every step after it: with the")
-print(f"threshold at {CLIP} the bad batch moves the weights by at most lr * {CLIP} and training goes on")
+print(
+    f"threshold at {CLIP} the bad batch moves the weights by at most lr * {CLIP} "
+    "and training goes on"
+)
 
 # %% [markdown]
 # ## C) 梯度消失 / vanishing gradients: per-layer gradient norms of a badly initialised deep stack
@@ -218,16 +313,19 @@ plain, residual = layer_grad_norms(False), layer_grad_norms(True)
 print("layer        " + " ".join(f"{i:>8d}" for i in (0, 5, 10, 15, DEPTH - 1)))
 for name, norms in (("plain", plain), ("residual", residual)):
     print(f"{name:12s} " + " ".join(f"{norms[i]:8.1e}" for i in (0, 5, 10, 15, DEPTH - 1)))
-print(f"first / last layer grad norm: plain {plain[0] / plain[-1]:.1e}, "
-      f"residual {residual[0] / residual[-1]:.1e}")
+print(
+    f"first / last layer grad norm: plain {plain[0] / plain[-1]:.1e}, "
+    f"residual {residual[0] / residual[-1]:.1e}"
+)
 assert plain[0] / plain[-1] < 1e-6  # vanished: the first layer barely learns
 assert residual[0] / residual[-1] > 1e-1  # the identity path carries the gradient down
 
 # %% [markdown]
 # ## D) 梯度累积错误 / accumulation mistakes
-# "症状: 内存不足或参数更新异常; 解决方案: 正确设置累积步数, 确保梯度清零". Two classic ones: a loop
-# that forgets zero_grad() after the optimizer step (each step's gradient adds the previous one), and
-# the mean of per-micro-batch means (tutorial 11 measures that one against one big batch).
+# "症状: 内存不足或参数更新异常; 解决方案: 正确设置累积步数, 确保梯度清零".
+# Two classic ones: a loop that forgets zero_grad() after the optimizer step (each step's gradient
+# adds the previous one), and the mean of per-micro-batch means (tutorial 11 measures that one
+# against one big batch).
 
 # %%
 banner("故障排除 D: 梯度累积错误 / no zero_grad(): the next step's gradient carries the last one")
@@ -237,12 +335,17 @@ model(**batch).loss.backward()
 first = model.lm_head.weight.grad.clone()
 model(**batch).loss.backward()  # the same batch again, with no model.zero_grad() in between
 doubled = (model.lm_head.weight.grad - 2 * first).abs().max().item()
-print(f"without zero_grad the second backward leaves 2 x the gradient: max |grad - 2 g| = {doubled:.1e}")
+print(
+    "without zero_grad the second backward leaves 2 x the gradient: "
+    f"max |grad - 2 g| = {doubled:.1e}"
+)
 model.zero_grad()
 model(**batch).loss.backward()
 fresh = (model.lm_head.weight.grad - first).abs().max().item()
-print(f"with model.zero_grad() (the Trainer calls it after every optimizer step): max |grad - g| = "
-      f"{fresh:.1e}")
+print(
+    f"with model.zero_grad() (the Trainer calls it after every optimizer step): max |grad - g| = "
+    f"{fresh:.1e}"
+)
 assert doubled < 1e-6 and fresh < 1e-6
 
 # %% [markdown]
@@ -264,15 +367,16 @@ def sync_worker(rank, world, port, results):
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=TrainingArguments(ddp_timeout=3).ddp_timeout)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
+    )
     # F: the same model and batches on both ranks; rank 1 skips the optimizer step at step 2
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     checksums = []
     for step in range(1, 4):
         model.zero_grad()
-        model(**COLLATOR(ROWS_B[2 * step:2 * step + 2])).loss.backward()
+        model(**COLLATOR(ROWS_B[2 * step : 2 * step + 2])).loss.backward()
         if not (rank == 1 and step == 2):
             optimizer.step()
         local = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
@@ -308,7 +412,9 @@ def run_ranks():
         port = sock.getsockname()[1]
     results = mp.Manager().dict()
     # fork: the workers inherit this script's state instead of re-running it from the top
-    mp.start_processes(sync_worker, args=(2, port, results), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(
+        sync_worker, args=(2, port, results), nprocs=2, join=True, start_method="fork"
+    )
     return dict(results)
 
 
@@ -316,12 +422,15 @@ results = run_ranks()
 checksums, waited, error = results[0]
 for step, sums in enumerate(checksums, start=1):
     same = sums[0] == sums[1]
-    print(f"step {step}: parameter checksum rank 0 {sums[0]:.10f}  rank 1 {sums[1]:.10f}  "
-          f"{'in sync' if same else 'OUT OF SYNC'}")
+    print(
+        f"step {step}: parameter checksum rank 0 {sums[0]:.10f}  rank 1 {sums[1]:.10f}  "
+        f"{'in sync' if same else 'OUT OF SYNC'}"
+    )
 diverged = [step for step, sums in enumerate(checksums, start=1) if sums[0] != sums[1]]
 print(f"first step out of sync: {diverged[0]} (rank 1 skipped its update there)")
-print(f"rank 0's all_reduce with a hung peer returned after {waited:.1f} s "
-      f"(ddp_timeout=3): {error}")
+print(
+    f"rank 0's all_reduce with a hung peer returned after {waited:.1f} s (ddp_timeout=3): {error}"
+)
 assert diverged == [2, 3]  # once a rank skips an update it stays out of sync
 assert checksums == results[1][0]  # both ranks gathered the same numbers
 assert error is not None and 2.5 < waited < 30  # ended by the timeout, not by waiting forever
