@@ -32,8 +32,13 @@ class CausalLMOutput:
     Walkthrough 2.5 | Mirrors: transformers CausalLMOutputWithPast"""
 
     loss: torch.Tensor | None
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None under fused_lm_head: the per-token fields below instead
     past_key_values: list | None = None
+    # fused_lm_head=True (trl FusedCausalLMOutput): (B, T-1) each, zero where the label is -100
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
 
     def __getitem__(self, key):
         return getattr(self, key)
@@ -54,27 +59,49 @@ def causal_lm_loss(logits, labels, num_items_in_batch=None):
     return loss / torch.as_tensor(num_items_in_batch, device=loss.device)
 
 
-LOSS_CHUNK_SIZE = 1024  # tokens per lm_head + cross-entropy tile: (1024, V) fp32 logits at a time
+LOSS_CHUNK_SIZE = 1024  # supervised tokens per lm_head tile: (1024, V) fp32 logits at a time
 
 
-def _chunk_loss_sum(lm_head, h, shift_labels):
-    # (n, C) -> (n, V) fp32 logits -> summed cross entropy; recomputed in backward, never stored
+def _tile_token_stats(lm_head, h, targets):
+    # (n, C) -> (n, V) fp32 logits, dropped after this call and recomputed in backward
     logits = lm_head(h).float()
-    return F.cross_entropy(logits, shift_labels, ignore_index=-100, reduction="sum")
+    log_z = logits.logsumexp(-1)  # (n,)
+    log_probs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
+    with torch.no_grad():  # the metrics: H = log Z - E_p[z]; top-1 is argmax's first index
+        entropy = log_z - (logits.softmax(-1) * logits).sum(-1)
+        is_top1 = logits.argmax(-1) == targets
+    return log_probs, entropy, is_top1
+
+
+def fused_lm_head_outputs(hidden, lm_head, labels, chunk_size=LOSS_CHUNK_SIZE):
+    """Per-token log p(next token), entropy and top-1 hit, each (B, T-1) and zero where the shifted
+    label is -100, plus that label mask; the (B, T, V) logits never exist: only supervised
+    positions go through lm_head, `chunk_size` at a time, each tile recomputed in backward.
+    Walkthrough 2.5 | Mirrors: trl add_fused_lm_head (its compact, supervised-only scoring)
+    Differs: tiles tokens, not the vocabulary, and torch.utils.checkpoint recomputes each tile
+    where trl's ChunkedLogProbFunction has a hand-written backward over vocabulary tiles."""
+    targets = labels[:, 1:].to(hidden.device)  # position t predicts token t+1
+    mask = targets != -100
+    h, y = hidden[:, :-1][mask], targets[mask]  # (N, C), (N,)
+    # no supervised token still gives one empty tile, so the loss stays in the graph (0, not 0/0)
+    tiles = [checkpoint(_tile_token_stats, lm_head, hc, yc, use_reentrant=False)
+             for hc, yc in zip(h.split(chunk_size), y.split(chunk_size))]
+    per_token = []
+    for parts in zip(*tiles):
+        flat = torch.cat(parts)
+        per_token.append(flat.new_zeros(mask.shape).masked_scatter(mask, flat))
+    log_probs, entropy, is_top1 = per_token
+    return log_probs, entropy, is_top1, mask
 
 
 def chunked_causal_lm_loss(hidden, lm_head, labels, num_items_in_batch=None,
                            chunk_size=LOSS_CHUNK_SIZE):
-    """causal_lm_loss(lm_head(hidden), labels, ...) with no (B, T, V) logits: head and loss run on
-    `chunk_size` tokens at a time, each tile recomputed in backward (torch.utils.checkpoint).
-    Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction (SFTTrainer's fused LM head)
-    Differs: tiles tokens only, recomputed by checkpoint; no online logsumexp over vocab tiles."""
-    shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].to(hidden.device).flatten()  # (B*T,)
-    h = hidden.flatten(0, -2)  # (B*T, C), a view
-    total = sum(checkpoint(_chunk_loss_sum, lm_head, hc, yc, use_reentrant=False)
-                for hc, yc in zip(h.split(chunk_size), shift_labels.split(chunk_size)))
-    count = (shift_labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
-    return total / torch.as_tensor(count, device=total.device)
+    """causal_lm_loss(lm_head(hidden), labels, ...) without the (B, T, V) logits, through
+    fused_lm_head_outputs: -Σ log p over supervised tokens / num_items_in_batch (else their count).
+    Walkthrough 2.5 | Mirrors: trl add_fused_lm_head's loss"""
+    log_probs, _, _, mask = fused_lm_head_outputs(hidden, lm_head, labels, chunk_size)
+    count = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    return -log_probs.sum() / torch.as_tensor(count, device=log_probs.device)
 
 
 def rope_inv_freq(config):
@@ -300,12 +327,15 @@ class CausalLM(nn.Module):
                 fused_lm_head=False, **kwargs):
         """Logits (B, T, V) and, given labels, causal_lm_loss(logits, labels, num_items_in_batch).
         Walkthrough 2.5 (`outputs = model(**inputs)`) | Mirrors: LlamaForCausalLM.forward
-        fused_lm_head=True (trl add_fused_lm_head's kwarg): chunked_causal_lm_loss, logits=None."""
+        fused_lm_head=True (trl add_fused_lm_head's kwarg): per-token log_probs, entropy, is_top1
+        and label_mask from fused_lm_head_outputs, logits=None."""
         h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
                               past_key_values, use_cache)
         if fused_lm_head and labels is not None:  # the (B, T, V) logits never exist
-            loss = chunked_causal_lm_loss(h, self.lm_head, labels, num_items_in_batch)
-            return CausalLMOutput(loss=loss, logits=None, past_key_values=cache)
+            log_probs, entropy, is_top1, mask = fused_lm_head_outputs(h, self.lm_head, labels)
+            count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+            loss = -log_probs.sum() / torch.as_tensor(count, device=h.device)
+            return CausalLMOutput(loss, None, cache, log_probs, entropy, is_top1, mask)
         logits = self.lm_head(h)
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits, past_key_values=cache)

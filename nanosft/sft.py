@@ -53,16 +53,25 @@ def _pad_token_id(args, tokenizer) -> int:
     return token_id
 
 
-def token_metrics(logits, labels, log_probs=None):
+def token_metrics(logits, labels):
     """(supervised tokens, summed entropy, correct top-1 guesses) of logits (B, T, V) vs (B, T).
     Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction entropy / is_top1 (first-index argmax)
-    `log_probs`: log_softmax(logits[:, :-1].float()) if the loss has it (saves a (B,T-1,V) pass)"""
+    The label-smoothing path's metrics; the fused path gets the same three per token."""
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
     mask = targets != IGNORE_INDEX
-    log_probs = torch.log_softmax(logits, dim=-1) if log_probs is None else log_probs
+    log_probs = torch.log_softmax(logits, dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # H = logZ - E_p[z]
     correct = logits.argmax(-1).eq(targets) & mask
     return torch.stack([mask.sum().float(), (entropy * mask).sum(), correct.sum().float()])
+
+
+def with_virtual_prefix(labels, logits):
+    """Labels with -100 for prompt tuning's virtual tokens, which lead each row of the logits
+    (peft prepends them so in its forward)."""
+    n_virtual = logits.size(1) - labels.size(1)
+    if n_virtual <= 0:
+        return labels
+    return torch.cat([labels.new_full((labels.size(0), n_virtual), IGNORE_INDEX), labels], dim=1)
 
 
 def _check_token_ids_fit(model, tokenizer, rows) -> None:
@@ -148,44 +157,40 @@ class SFTTrainer(Trainer):
         return rows
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Σ -log p(target) over supervised shifted tokens / num_items_in_batch, plus token metrics.
-        Walkthrough 2.5 | Mirrors: trl SFTTrainer.compute_loss (loss_type="nll")
-        Differs: TRL gets log p from a fused, chunked log-softmax over the LM head; here the model's
-        logits go through log_softmax. Equal in fp32; under bf16 TRL rounds logit tiles to bf16."""
+        """Σ -log p(target) over supervised shifted tokens / num_items_in_batch, plus token metrics,
+        from the fused LM head (no (B, T, V) logits). Walkthrough 2.5 | Mirrors: trl
+        SFTTrainer.compute_loss (loss_type="nll") | Differs: with label smoothing the metrics come
+        from the full logits the loss needs, where TRL runs a second, fused forward for them."""
         mode = "train" if model.training else "eval"
-        labels = inputs["labels"]
+        inputs = {**inputs, "use_cache": False}
         # "The forwards that build the full logits leave the loss to the caller"
-        inputs = {**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": False}
-        with self.compute_loss_context_manager():  # bf16 / fp16 autocast, or nothing
-            outputs = model(**inputs)
-        outputs = convert_outputs_to_fp32(outputs)
-        n_virtual = outputs.logits.size(1) - labels.size(1)
-        if n_virtual > 0:  # prompt tuning: virtual tokens lead the row with -100 labels (as peft)
-            prefix = labels.new_full((labels.size(0), n_virtual), IGNORE_INDEX)
-            labels = torch.cat([prefix, labels], dim=1)
-        log_probs = None
+        logits_inputs = {k: v for k, v in inputs.items() if k != "labels"}
         if self.args.label_smoothing_factor != 0:
+            with self.compute_loss_context_manager():  # bf16 / fp16 autocast, or nothing
+                outputs = convert_outputs_to_fp32(model(**logits_inputs))
+            labels = with_virtual_prefix(inputs["labels"], outputs.logits)
             loss = label_smoothed_loss(outputs.logits, labels, self.args.label_smoothing_factor,
                                        num_items_in_batch)
+            stats = token_metrics(outputs.logits.detach(), labels)
         else:
-            logits = outputs.logits[:, :-1].float()  # position t predicts token t+1
-            targets = labels[:, 1:]
-            mask = targets != IGNORE_INDEX
-            log_probs = torch.log_softmax(logits, -1)  # (B, T-1, V), reused by the token metrics
-            target_log_probs = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
-            loss = -(target_log_probs * mask).sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            with self.compute_loss_context_manager():
+                outputs = model(**inputs, fused_lm_head=True)
+            per_token_loss = -outputs.log_probs  # zero on ignored positions
+            num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
+                          else num_items_in_batch)
+            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            stats = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.sum(),
+                                 outputs.is_top1.sum().float()])
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages the ranks
-        self._record_metrics(mode, outputs.logits.detach(), labels, inputs,
-                             None if log_probs is None else log_probs.detach())
+        self._record_metrics(mode, stats.detach(), inputs)
         return (loss, outputs) if return_outputs else loss
 
-    def _record_metrics(self, mode, logits, labels, inputs, log_probs=None) -> None:
+    def _record_metrics(self, mode, stats, inputs) -> None:
         """Per micro-batch entropy and mean_token_accuracy (summed over ranks: correct / valid of
-        the batch); the running num_tokens (train). Mirrors: trl SFTTrainer.compute_loss metrics"""
+        the batch) from `stats` = [valid, entropy sum, correct]; the running num_tokens (train).
+        Mirrors: trl SFTTrainer.compute_loss metrics"""
         with torch.no_grad():
-            stats = token_metrics(logits, labels, log_probs)  # float32 [valid, entropy, correct]
             if mode == "train":  # this batch's tokens ride along: one all-reduce, one sync
                 mask = inputs.get("attention_mask")
                 local = mask.sum() if mask is not None else inputs["position_ids"].size(1)

@@ -165,8 +165,9 @@ class _TrainerTrace:
               model=type(model).__name__,
               num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
         if self.is_sft():
-            trace("2.5", "  SFTTrainer.compute_loss overrides Trainer.compute_loss: the model runs "
-                  "without labels (use_cache=False) and TRL's loss is computed from its logits")
+            trace("2.5", "  SFTTrainer.compute_loss overrides Trainer.compute_loss: "
+                  "outputs = model(**inputs, fused_lm_head=True), per-token log p without the "
+                  "(B, T, V) logits")
 
     def on_loss(self, loss, *args, **kwargs):
         value = loss[0] if isinstance(loss, tuple) else loss
@@ -174,8 +175,7 @@ class _TrainerTrace:
             trace("2.5", 'loss = outputs["loss"]  (sum of token losses / num_items_in_batch)',
                   loss=value)
             return
-        trace("2.5", "  per_token_loss = -log_softmax(logits[:, :-1])[labels[:, 1:]]  "
-              "(0 where labels == -100)")
+        trace("2.5", "  per_token_loss = -outputs.log_probs  (zero on ignored positions)")
         trace("2.5", "  loss = per_token_loss.sum() / num_items_in_batch", loss=value,
               num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
         metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
