@@ -136,7 +136,7 @@ class Linear4bit(nn.Module):
     """A frozen linear layer whose weight lives as NF4 codes; forward dequantizes and matmuls.
     Walkthrough 2.7 base_layer | Mirrors: bitsandbytes.nn.Linear4bit, Params4bit
     Differs: quantizes at construction (not on `.to(device)`); on CPU, eval mode keeps dequantize +
-    matmul where bnb repacks for a bf16 kernel (slower here, numerics unlike train mode)."""
+    matmul where bnb repacks for its AVX512-BF16 kernel (other numerics than train mode)."""
 
     def __init__(self, in_features, out_features, bias=True, compute_dtype=None,
                  compress_statistics=True, blocksize=64, quant_type="nf4", *, weight=None):
@@ -203,7 +203,8 @@ class Linear4bit(nn.Module):
     def forward(self, x):
         """y = x W^T + b, W dequantized inside `bnb.matmul_4bit`, in train and eval mode alike.
         Walkthrough 2.7 base_layer | Mirrors: bitsandbytes.nn.Linear4bit.forward
-        Differs: no CPU inference repack (bnb's bf16 gemv is ~10x slower here without `kernels`)."""
+        Differs: no CPU inference repack: bnb's bf16 gemv changes the numerics against train
+        mode, and without its optional `kernels` package it is slower than dequantize + matmul."""
         if not self.compute_type_is_set:  # first call fixes the compute dtype from the input
             if x.dtype in (torch.float32, torch.bfloat16):
                 self.compute_dtype = x.dtype
