@@ -130,7 +130,7 @@ def test_demo_sft_beats_the_base_on_held_out_prompts(tmp_path, capsys):
     )
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(
-        "loss" in r and "grad_norm" in r and "learning_rate" in r and "tokens_per_second" in r
+        "loss" in r and "grad_norm" in r and "learning_rate" in r and "train_tokens_per_second" in r
         for r in logged
     )
 
@@ -289,7 +289,9 @@ WALKTHROUGH_ORDER = [
     "output = lora_B(lora_A(dropout(x))) * scaling",
     "result = result + output",
     "PeftModelForCausalLM.forward returns",
-    'loss = outputs["loss"]',
+    # nanosft train runs an SFTTrainer: its compute_loss replaces `loss = outputs["loss"]`
+    "per_token_loss = -outputs.log_probs",
+    "loss = per_token_loss.sum() / num_items_in_batch",
     "loss.backward()",
     "do_sync_step = ",
     "do_sync_step: clip gradients",
