@@ -67,20 +67,17 @@ class AutoModelForCausalLM:
         """The model in eval() mode, as transformers returns it. dtype None means "auto" (the dtype
         in config.json, as transformers 5); torch_dtype is its old name.
         Mirrors: transformers PreTrainedModel.from_pretrained"""
-        from nanosft import nf4
         from nanosft.model import CausalLM
 
         _check_kwargs(kwargs, "AutoModelForCausalLM.from_pretrained")
         dtype = dtype if dtype is not None else (torch_dtype if torch_dtype is not None else "auto")
         folder = hub.resolve_pretrained_path(pretrained_model_name_or_path, revision, "model")
         device = _device_from_map(device_map)
-        model = CausalLM.from_pretrained(folder, dtype=dtype).to(device)
-        if quantization_config is not None:  # quantized after loading, on the target device
-            config = _check_quantization_config(quantization_config)
-            skip = config.llm_int8_skip_modules or ["lm_head"]  # transformers' default skip
-            model = nf4.quantize_model(model, skip_modules=skip,
-                                       compute_dtype=config.bnb_4bit_compute_dtype,
-                                       compress_statistics=config.bnb_4bit_use_double_quant)
+        if quantization_config is not None:
+            quantization_config = _check_quantization_config(quantization_config)
+        # streamed: each linear weight is quantized as it is read, on the target device
+        model = CausalLM.from_pretrained(folder, dtype=dtype, device_map=device,
+                                         quantization_config=quantization_config)
         return model.eval()
 
 
