@@ -75,6 +75,10 @@ class TrainingArguments:
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0
     remove_unused_columns: bool = True
+    # random | sequential | group_by_length (batches of similar lengths: less padding, even ranks;
+    # transformers 4's group_by_length=True). Differs: no "batch_rebalance".
+    train_sampling_strategy: str = "random"
+    length_column_name: str = "length"  # a datasets.Dataset column of precomputed lengths
     # Optimiser and schedule (guide: optimizers and schedulers).
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
@@ -204,6 +208,8 @@ class TrainingArguments:
     def _validate_choices(self):
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_NAMES)
         _check_choice("optim", self.optim, OPTIMIZER_NAMES)
+        _check_choice("train_sampling_strategy", self.train_sampling_strategy,
+                      ("random", "sequential", "group_by_length"))
         _check_choice("logging_strategy", self.logging_strategy, INTERVAL_STRATEGIES)
         _check_choice("eval_strategy", self.eval_strategy, INTERVAL_STRATEGIES)
         _check_choice("save_strategy", self.save_strategy, INTERVAL_STRATEGIES + ("best",))

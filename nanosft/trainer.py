@@ -71,8 +71,8 @@ class Trainer:
         return select_columns(features, self.data_collator, keep)
 
     def get_train_dataloader(self) -> DataLoader:
-        """Micro-batches of per_device_train_batch_size in the seeded random order.
-        Walkthrough 2.3 | Mirrors: Trainer.get_train_dataloader"""
+        """Micro-batches of per_device_train_batch_size in the seeded train_sampling_strategy order.
+        Walkthrough 2.3 | Mirrors: Trainer.get_train_dataloader (random or group_by_length)"""
         return build_dataloader(self.train_dataset, self._train_batch_size, self.args,
                                 self._collate, shuffle=True,
                                 drop_last=self.args.dataloader_drop_last)

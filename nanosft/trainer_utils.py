@@ -1,11 +1,11 @@
 """Pieces the Trainer is built from: seeding, TrainOutput, TrainerState/TrainerControl, the logging
-window, the seeded batch sampler, resume skipping, label smoothing, the fp32 upcast of the logits
-and the loss-kwargs check.
+window, the seeded batch sampler (random, or grouped by length), resume skipping, label
+smoothing, the fp32 upcast of the logits and the loss-kwargs check.
 
 Walkthrough 2.3 - 2.5. The split mirrors transformers, where these live beside trainer.py in
 trainer_utils.py (set_seed, TrainOutput), trainer_callback.py (TrainerState, TrainerControl),
-trainer_pt_utils.py (LabelSmoother) and accelerate (SeedableRandomSampler, skip_first_batches,
-convert_outputs_to_fp32).
+trainer_pt_utils.py (LabelSmoother, LengthGroupedSampler) and accelerate (SeedableRandomSampler,
+skip_first_batches, convert_outputs_to_fp32).
 """
 
 import contextlib
@@ -14,6 +14,7 @@ import inspect
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
@@ -127,12 +128,36 @@ def convert_outputs_to_fp32(outputs):
     return outputs
 
 
+def get_length_grouped_indices(lengths, batch_size, mega_batch_mult=None, generator=None) -> list:
+    """A random order whose runs of `batch_size` indices hold similar lengths: randperm, cut into
+    megabatches of mega_batch_mult x batch_size (default min(N // (4 x batch_size), 50), at least
+    1), each sorted longest first; the longest example of all goes first (an OOM shows at once).
+    Walkthrough 2.3 | Mirrors: transformers get_length_grouped_indices"""
+    if mega_batch_mult is None:  # 50, or fewer so that a small dataset still has 4 megabatches
+        mega_batch_mult = max(min(len(lengths) // (4 * batch_size), 50), 1)
+    if len(lengths) == 0:
+        return []
+    size = mega_batch_mult * batch_size
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    megabatches = [sorted(order[start : start + size], key=lengths.__getitem__, reverse=True)
+                   for start in range(0, len(order), size)]
+    # each head is its megabatch's longest; the first of the longest heads swaps with the front
+    heads = [lengths[megabatch[0]] for megabatch in megabatches]
+    longest = heads.index(max(heads))
+    megabatches[0][0], megabatches[longest][0] = megabatches[longest][0], megabatches[0][0]
+    return [index for megabatch in megabatches for index in megabatch]
+
+
 class SeedableBatchSampler:
-    """Batches of the epoch order randperm(N, seed + epoch), this rank's share of them.
-    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler, BatchSampler, BatchSamplerShard"""
+    """Batches of the epoch order, this rank's share of them. The order: randperm(N, seed + epoch),
+    or with `lengths`, get_length_grouped_indices(lengths, group_size) drawn from that generator.
+    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler, BatchSampler, BatchSamplerShard;
+    transformers LengthGroupedSampler, get_length_grouped_indices
+    Differs: LengthGroupedSampler draws from the global torch RNG (accelerate: a generator seeded
+    from it, broadcast from rank 0); here seed + epoch, so a resumed run sees the same order."""
 
     def __init__(self, num_samples, batch_size, seed, shuffle=True, drop_last=False, num_replicas=1,
-                 rank=0):
+                 rank=0, lengths=None, group_size=None):
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.seed = seed
@@ -140,6 +165,8 @@ class SeedableBatchSampler:
         self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
+        self.lengths = None if lengths is None else list(lengths)
+        self.group_size = group_size if group_size is not None else batch_size
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -148,10 +175,11 @@ class SeedableBatchSampler:
         self.epoch = epoch
 
     def __iter__(self):
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator)
-            order = order.tolist()
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.lengths is not None:  # train_sampling_strategy="group_by_length"
+            order = get_length_grouped_indices(self.lengths, self.group_size, generator=generator)
+        elif self.shuffle:
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
         size = self.batch_size
@@ -212,13 +240,40 @@ def model_accepts_loss_kwargs(model) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in params)
 
 
+def dataset_lengths(dataset, length_column_name: str | None = "length") -> list:
+    """Each example's length: a datasets.Dataset's `length_column_name` column, else len(input_ids).
+    Walkthrough 2.3 | Mirrors: Trainer._get_train_sampler + LengthGroupedSampler (lengths)"""
+    if length_column_name and length_column_name in (getattr(dataset, "column_names", None) or ()):
+        return list(dataset[length_column_name])
+    if len(dataset) and not (isinstance(dataset[0], Mapping) and "input_ids" in dataset[0]):
+        raise ValueError(
+            "train_sampling_strategy='group_by_length' needs each example's length: give every "
+            "example an 'input_ids' list, or pass a datasets.Dataset with a column of lengths "
+            "(named by length_column_name, read when remove_unused_columns=False).")
+    return [len(example["input_ids"]) for example in dataset]
+
+
 def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) -> DataLoader:
-    """A DataLoader over this rank's share of the seeded order (randperm(seed + epoch) if shuffle).
-    Walkthrough 2.3 | Mirrors: Trainer._get_dataloader + accelerate prepare_data_loader"""
+    """A DataLoader over this rank's share of the seeded order. shuffle=True (training): the order
+    args.train_sampling_strategy names - random (randperm(seed + epoch)), sequential, or
+    group_by_length over windows of train_batch_size x gradient_accumulation_steps; shuffle=False
+    (eval): dataset order, or group_by_length over eval batches, as transformers' eval sampler.
+    Walkthrough 2.3 | Mirrors: Trainer._get_dataloader, _get_train_sampler, _get_eval_sampler +
+    accelerate prepare_data_loader"""
     seed = args.data_seed if args.data_seed is not None else args.seed
-    sampler = SeedableBatchSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle,
+    lengths = group_size = None
+    if args.train_sampling_strategy == "group_by_length":
+        # transformers drops unused columns (the length column too) before its sampler reads them
+        column = None if args.remove_unused_columns else args.length_column_name
+        lengths = dataset_lengths(dataset, column)
+        # transformers groups by args' batch size (not auto_find_batch_size's) x accumulation
+        group_size = (args.train_batch_size * args.gradient_accumulation_steps if shuffle
+                      else batch_size)
+    sampler = SeedableBatchSampler(len(dataset), batch_size, seed=seed,
+                                   shuffle=shuffle and args.train_sampling_strategy == "random",
                                    drop_last=drop_last, rank=distributed.get_rank(),
-                                   num_replicas=distributed.get_world_size())
+                                   num_replicas=distributed.get_world_size(), lengths=lengths,
+                                   group_size=group_size)
     # its own generator: iter() must not draw from the global RNG (a resumed run's dropout)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
                       num_workers=args.dataloader_num_workers, generator=torch.Generator())
