@@ -5,7 +5,9 @@ only with logging_nan_inf_filter off and the default num_items_in_batch path has
 the printed threshold binds at the bad step only while the unclipped run's later losses stay huge;
 the plain deep stack's first/last gradient ratio vanishes and the residual one's does not; a missing
 zero_grad doubles the gradient; the cross-rank checksum finds step 2; the hung all_reduce ends after
-the 3 s timeout; the transformers comparison ran.
+the 3 s timeout; the mean max/min ratio of padded tokens per step across two simulated ranks
+falls from above 1.5 (random order) to below 1.2 with group_by_length, whose worst step stays
+under 1.5; both transformers comparisons ran (the zero-token loss, the grouped order).
 Hermetic: a tiny CausalLM and hand-made rows in-process, two gloo ranks on localhost; no network.
 Run: python -m pytest -q tests/test_tutorial_14.py
 """
@@ -52,5 +54,14 @@ def test_tutorial_14_nan_filter_and_clipping():
     assert "first step out of sync: 2" in out
     waited = float(re.search(r"hung peer returned after ([0-9.]+) s", out).group(1))
     assert 2.5 < waited < 30
-    assert_reference_ran(out, "transformers Trainer (zero-token micro-batch)")
+    # G: grouping by length evens out the padded tokens the two ranks compute in each step
+    imbalance = re.search(r"load imbalance \(mean max/min ratio\) ([0-9.]+) -> ([0-9.]+) with "
+                          r"group_by_length", out)
+    before, after = float(imbalance.group(1)), float(imbalance.group(2))
+    assert after < 1.2 < 1.5 < before
+    grouped = out.split("group_by_length:\n")[1]
+    worst = float(re.search(r"mean [0-9.]+, worst ([0-9.]+)", grouped).group(1))
+    assert worst < 1.5  # no step in which one rank computes half as much as the other
+    assert_reference_ran(out, "transformers Trainer (zero-token micro-batch)",
+                         "transformers get_length_grouped_indices (group_by_length order)")
     assert "OK: troubleshooting checked" in out

@@ -13,8 +13,9 @@ C) 梯度消失: per-layer gradient norms of a badly initialised 20-layer stack,
 D) 梯度累积错误: a missing zero_grad() doubles the next gradient;
 E) 同步失败: a peer that never joins a collective, ended by the process-group timeout (ddp_timeout);
 F) 内存同步问题: a parameter checksum all-gathered across two ranks catches a rank that skipped
-   an update.
-(负载不均衡 / group_by_length is not covered: nanosft's Trainer has no group_by_length yet.)
+   an update;
+G) 负载不均衡: padded tokens per rank per step over two simulated ranks, with the default random
+   order and with train_sampling_strategy="group_by_length".
 Run:      python tutorials/14_troubleshooting.py
 Runtime:  about 25 s on a 2-core CPU (3 s of it is E's timeout).
 You should see:
@@ -22,11 +23,14 @@ You should see:
   - B: grad_norm ~1e4 at the bad step; without clipping the later losses stay in the thousands;
     with max_grad_norm 1.5 x the largest ordinary norm, "binds at steps [3] only", a recovered run;
   - C: first/last layer gradient ratio ~0 plain, ~0.8 residual; D: max |grad - 2 g| = 0;
-  - E, F: "first step out of sync: 2", the all_reduce returning after ~3 s; "OK: ..." at the end.
+  - E, F: "first step out of sync: 2", the all_reduce returning after ~3 s;
+  - G: a mean max/min tokens ratio across ranks of ~1.6 in random order, ~1.1 grouped by length;
+    "OK: ..." at the end.
 """
 
 # %%
 import contextlib
+import copy
 import io
 import math
 import tempfile
@@ -434,5 +438,70 @@ print(
 assert diverged == [2, 3]  # once a rank skips an update it stays out of sync
 assert checksums == results[1][0]  # both ranks gathered the same numbers
 assert error is not None and 2.5 < waited < 30  # ended by the timeout, not by waiting forever
+
+# %% [markdown]
+# ## G) 负载不均衡 / load imbalance: tokens per rank, with and without group_by_length
+# "症状: 部分GPU利用率低; 解决方案: 调整批次分配, 优化数据分布". Under DDP every optimizer step
+# waits for the slowest rank, and a padded batch costs rows x its longest row. In the default random
+# order one rank may draw long rows while the other draws short ones and idles.
+# train_sampling_strategy="group_by_length" (transformers 4's group_by_length=True) orders the epoch
+# with get_length_grouped_indices: a seeded permutation cut into megabatches of 50 x (batch x
+# accumulation) examples (fewer for a small dataset, so it keeps 4), each sorted longest first.
+# Neighbouring batches then have similar lengths, and DDP hands neighbours to the ranks of one
+# step: batch i goes to rank i % 2 (accelerate's BatchSamplerShard). Two ranks are simulated here:
+# each is the Trainer's own train sampler with that rank's num_replicas and rank, what it builds
+# under torchrun.
+
+# %%
+banner("故障排除 G: 负载不均衡 / load imbalance: padded tokens per rank per step, group_by_length")
+g = torch.Generator().manual_seed(1)
+LENGTHS_G = [int(8 + 120 * u**2) for u in torch.rand(512, generator=g).tolist()]  # long-tailed
+ROWS_G = [{"input_ids": [1] * n} for n in LENGTHS_G]  # only the lengths matter here
+
+
+def rank_batches(strategy, world=2):
+    """Each simulated rank's micro-batches for epoch 0, and the one-process order they split."""
+    sampler = train(ROWS_G, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                    train_sampling_strategy=strategy).get_train_dataloader().batch_sampler
+    shares = []
+    for rank in range(world):
+        share = copy.copy(sampler)  # what build_dataloader makes on rank `rank` of `world`
+        share.num_replicas, share.rank = world, rank
+        shares.append(list(share))
+    return shares, list(sampler)
+
+
+def padded(batch):  # the tokens a rank computes for one micro-batch: rows x the longest row
+    return len(batch) * max(LENGTHS_G[i] for i in batch)
+
+
+imbalance = {}
+for strategy in ("random", "group_by_length"):
+    shares, whole = rank_batches(strategy)
+    # the split is DDP's: rank 0 takes batches 0, 2, 4, ..., rank 1 batches 1, 3, 5, ...
+    assert [b for pair in zip(*shares) for b in pair] == whole
+    assert sorted(i for share in shares for b in share for i in b) == list(range(len(ROWS_G)))
+    steps = [(padded(b0), padded(b1)) for b0, b1 in zip(*shares)]
+    ratios = [max(step) / min(step) for step in steps]
+    idle = sum(max(step) - min(step) for step in steps) / sum(2 * max(step) for step in steps)
+    imbalance[strategy] = sum(ratios) / len(ratios)
+    print(f"{strategy}:")
+    print("   padded tokens per step (rank 0, rank 1), first 6 steps: "
+          + ", ".join(f"({a}, {b})" for a, b in steps[:6]))
+    print(f"   max/min tokens across ranks per step: mean {imbalance[strategy]:.2f}, worst "
+          f"{max(ratios):.2f}; rank-time spent waiting for the other rank: {idle:.0%}")
+print(f"load imbalance (mean max/min ratio) {imbalance['random']:.2f} -> "
+      f"{imbalance['group_by_length']:.2f} with group_by_length")
+assert imbalance["group_by_length"] < 1.2 < 1.5 < imbalance["random"]
+
+try:
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+except ImportError:
+    print("reference check skipped: transformers not installed")
+else:
+    # the same permutation (the Trainer's generator: seed + epoch 0) through transformers
+    reference = get_length_grouped_indices(LENGTHS_G, 4, generator=torch.Generator().manual_seed(0))
+    assert [i for b in rank_batches("group_by_length")[1] for i in b] == reference
+    print("reference check ran: transformers get_length_grouped_indices (group_by_length order)")
 
 print("\nOK: troubleshooting checked")
