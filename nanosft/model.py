@@ -59,7 +59,9 @@ def causal_lm_loss(logits, labels, num_items_in_batch=None):
     return loss / torch.as_tensor(num_items_in_batch, device=loss.device)
 
 
-LOSS_CHUNK_SIZE = 1024  # supervised tokens per lm_head tile: (1024, V) fp32 logits at a time
+# supervised tokens per lm_head tile: (256, V) fp32 logits at a time, 48 MiB at V = 49,152
+# (a LoRA step on that vocabulary peaked at 449 MiB RSS with 256, 1,020 with 1,024, same speed)
+LOSS_CHUNK_SIZE = 256
 
 
 def _tile_token_stats(lm_head, h, targets):
