@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanosft.distributed import check_fsdp_options, normalize_fsdp_config
+from nanosft.fsdp import check_fsdp_options, normalize_fsdp_config
 
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -101,6 +101,11 @@ class TrainingArguments:
     disable_tqdm: bool | None = None
     report_to: str | list | None = "none"
     run_name: str | None = None
+    # Differs: nanosft's own; transformers has no such field. The device's peak FLOP/s, the
+    # denominator of the `mfu` log (achieved model FLOP/s / peak), as nanoGPT's estimate_mfu
+    # divides by an A100's 312e12; e.g. 989e12 for an H100's dense bf16. None: the rate of a short
+    # matmul calibration at the model's hidden size, taken at train start.
+    peak_flops: float | None = None
     # Evaluation.
     eval_strategy: str = "no"
     eval_steps: float | None = None  # None -> logging_steps when eval_strategy="steps"
@@ -201,6 +206,9 @@ class TrainingArguments:
                   "a value above 1 is a step count and must be whole")
         if not 0.0 <= self.label_smoothing_factor < 1.0:
             _fail("label_smoothing_factor", self.label_smoothing_factor, "use a value in [0, 1)")
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            _fail("peak_flops", self.peak_flops, "give the device's peak FLOP/s (> 0, e.g. 989e12 "
+                  "for an H100's dense bf16), or leave it unset for a matmul calibration")
         if self.ddp_timeout <= 0:
             _fail("ddp_timeout", self.ddp_timeout,
                   "give the process-group timeout in seconds (> 0)")

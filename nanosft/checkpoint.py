@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-from nanosft import distributed
+from nanosft import distributed, fsdp
 from nanosft.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
     _CHECKPOINT_RE,
     ADAPTER_CONFIG_NAME,
@@ -288,15 +288,15 @@ def _gather_sharded(model, optimizer):
     # (whole model state, whole optimizer state) of an FSDP model, else (None, None); an adapter
     # checkpoint gathers the trainable tensors only, not the frozen (maybe 4-bit) base
     model = _unwrap(model)
-    if not distributed.is_fsdp(model):
+    if not fsdp.is_fsdp(model):
         return None, None
     only = None
     if _has_adapter(model):
         only = {n for n, p in model.named_parameters() if p.requires_grad}
     optimizer_state = None
     if optimizer is not None:
-        optimizer_state = distributed.full_optimizer_state_dict(optimizer)
-    return distributed.full_state_dict(model, only), optimizer_state
+        optimizer_state = fsdp.full_optimizer_state_dict(optimizer)
+    return fsdp.full_state_dict(model, only), optimizer_state
 
 
 def _missing_files(checkpoint_dir, model, optimizer, lr_scheduler):
@@ -375,8 +375,8 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
     _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True."""
     check_same_setup(checkpoint_dir, model)
     check_is_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler)
-    sharded = distributed.is_fsdp(_unwrap(model))
-    with distributed.whole_tensors_into_shards() if sharded else contextlib.nullcontext():
+    sharded = fsdp.is_fsdp(_unwrap(model))
+    with fsdp.whole_tensors_into_shards() if sharded else contextlib.nullcontext():
         load_model_weights(model, checkpoint_dir)  # FSDP: each rank keeps its part of the file
 
     def read_pt(path):
@@ -389,7 +389,7 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
             continue
         state = _load_or_explain(path, read_pt)
         if obj is optimizer and sharded:  # one-process layout -> this rank's shards
-            state = distributed.shard_optimizer_state_dict(state, optimizer)
+            state = fsdp.shard_optimizer_state_dict(state, optimizer)
         try:
             obj.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as e:

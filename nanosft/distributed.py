@@ -4,11 +4,10 @@ The guide's "distributed training" part. `torchrun --nproc_per_node N` sets RANK
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `init_distributed` turns them into a process group (gloo on
 CPU, nccl on CUDA). `shard_batches` gives each rank its share of the seeded epoch order
 (accelerate's BatchSamplerShard). FSDP2 lives in fsdp.py and tensor parallelism in
-tensor_parallel.py, both built on this module; their names are reachable from here too, loaded on
-first use. Imports nothing of nanosft, so model.py can use it for tp_plan.
+tensor_parallel.py, both built on this module. Imports nothing of nanosft, so every layer above
+can use it.
 """
 
-import importlib
 import os
 import sys
 from datetime import timedelta
@@ -138,35 +137,3 @@ def to_full(tensor):
     """The whole tensor behind a DTensor (a collective: every rank calls it), any other value
     unchanged. Guide: FSDP, tensor parallel | Mirrors: torch DTensor.full_tensor"""
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
-
-
-# ----------------------------------------------------------------------------- the other modules'
-# names, kept importable from here (`from nanosft.distributed import apply_fsdp`); imported on
-# first use, since fsdp.py and tensor_parallel.py themselves import this module
-_MOVED = {
-    "nanosft.fsdp": (
-        "FSDP_CONFIG_DEFAULTS", "DECODER_LAYER_NAMES", "normalize_fsdp_config",
-        "check_fsdp_options", "expose_quant_statistics", "apply_fsdp", "is_fsdp", "fsdp_no_sync",
-        "full_state_dict", "whole_tensors_into_shards", "full_optimizer_state_dict",
-        "shard_optimizer_state_dict", "held_bytes",
-    ),
-    "nanosft.tensor_parallel": (
-        "LLAMA_TP_PLAN", "check_tp_sizes", "apply_tensor_parallel", "clip_grad_norm_",
-        "refuse_tensor_parallel",
-    ),
-}
-_MOVED_NAMES = {name: module for module, names in _MOVED.items() for name in names}
-
-
-def __getattr__(name):
-    """FSDP and tensor-parallel names from their modules, on first access (PEP 562).
-    Mirrors: nothing (keeps `distributed.apply_fsdp` working beside `fsdp.apply_fsdp`)"""
-    if name not in _MOVED_NAMES:
-        raise AttributeError(f"module 'nanosft.distributed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MOVED_NAMES[name]), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_MOVED_NAMES))

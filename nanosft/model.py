@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanosft import distributed, generation, hub, nf4
+from nanosft import generation, hub, nf4, tensor_parallel
 from nanosft.configuration import ModelConfig
 from nanosft.generation import sample_next_token as sample_next_token  # model API too
 from nanosft.hub import load_state_dict_from_hf as load_state_dict_from_hf  # model API too
@@ -406,7 +406,7 @@ class CausalLM(nn.Module):
         model.config.dtype = str(dtype).removeprefix("torch.")
         model.tie_weights()
         if tp_plan is not None:  # "auto": transformers' Llama base_model_tp_plan over all ranks
-            distributed.apply_tensor_parallel(model, tp_plan)
+            tensor_parallel.apply_tensor_parallel(model, tp_plan)
         return model
 
     def _load_tensor(self, key, tensor, quantization_config):

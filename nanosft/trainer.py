@@ -14,7 +14,7 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from nanosft import checkpoint, distributed, memory, trainer_callback
+from nanosft import checkpoint, distributed, fsdp, memory, trainer_callback
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.optim import create_optimizer, create_scheduler
@@ -156,7 +156,7 @@ class Trainer:
         """Optimizer, FSDP / DDP / compile wrapping, then the scheduler (the optimizer is final).
         Walkthrough 2.3 | Mirrors: Trainer._prepare_for_training"""
         if self.args.fsdp:  # fully_shard swaps in sharded parameters: before the optimizer
-            distributed.apply_fsdp(self.model, self.args.fsdp_config, self.args.device)
+            fsdp.apply_fsdp(self.model, self.args.fsdp_config, self.args.device)
         if self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
         model = prepare_model(self.model, self.args)  # DDP / torch.compile, or self.model
@@ -191,6 +191,7 @@ class Trainer:
             self._memory_ledger = memory.predict_for_trainer(self.model, args)
             if self._memory_ledger is not None:  # guide: memory (nanosft/memory.py)
                 print(memory.summary_line(self._memory_ledger))
+        self.reporter.on_train_begin(max_steps, self.state.global_step, self.model)  # mfu's peak
         self._peak_memory = memory.PeakMemory(args.device.type).start()
         start_time = time.time()
         self._initial_global_step = self.state.global_step
@@ -204,7 +205,6 @@ class Trainer:
         model.zero_grad()
         grad_norm = None
         learning_rate = None
-        self.reporter.on_train_begin(max_steps, self.state.global_step)
 
         if args.eval_on_start:
             self._evaluate()
@@ -311,7 +311,7 @@ class Trainer:
         # num_train_samples covers the whole schedule: count the share of the steps run here
         samples = num_train_samples * steps / max(self.state.max_steps, 1)
         metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
-        metrics["train_loss"] = train_loss
+        metrics.update(trainer_callback.flos_metrics(self, metrics), train_loss=train_loss)
         self._memory_tracker.stop_and_update_metrics("train", metrics)
         if distributed.is_main_process():
             print(memory.peak_line(self._peak_memory.stop(), getattr(self, "_memory_ledger", None)))

@@ -1,6 +1,7 @@
 """Pieces the Trainer is built from: seeding, TrainOutput, TrainerState/TrainerControl, the logging
-window, the seeded batch sampler (random, or grouped by length), resume skipping, label
-smoothing, the fp32 upcast of the logits and the loss-kwargs check.
+window and the model FLOPs it counts (model_flops), the seeded batch sampler (random, or grouped
+by length), resume skipping, label smoothing, the fp32 upcast of the logits and the loss-kwargs
+check.
 
 Walkthrough 2.3 - 2.5. The split mirrors transformers, where these live beside trainer.py in
 trainer_utils.py (set_seed, TrainOutput), trainer_callback.py (TrainerState, TrainerControl),
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from nanosft import distributed
+from nanosft import distributed, fsdp, tensor_parallel
+from nanosft.masking import packed_segment_ids
 
 IGNORE_INDEX = -100
 
@@ -52,6 +54,7 @@ class TrainerState:
     max_steps: int = 0
     num_train_epochs: int = 0
     train_batch_size: int | None = None
+    total_flos: float = 0.0  # 6 x input_ids elements x parameters, summed over steps and ranks
     logging_steps: int = 500
     eval_steps: int = 500
     save_steps: int = 500
@@ -94,13 +97,15 @@ class TrainerControl:
 
 @dataclass
 class LogWindow:
-    """Tokens, samples, wall time and a nan/inf flag since the last log: the throughput of the
-    window and the stop-on-nan check. Guide: troubleshooting, monitoring
-    Mirrors: transformers speed_metrics (its names), Trainer.num_input_tokens_seen"""
+    """Tokens, samples, sequence lengths, wall time and a nan/inf flag since the last log: the
+    throughput and model FLOP/s of the window and the stop-on-nan check. Guide: monitoring
+    Mirrors: transformers speed_metrics (its names), Trainer.num_input_tokens_seen, current_flos"""
 
     start: float = field(default_factory=time.time)
     tokens: int = 0
     samples: int = 0
+    input_ids: int = 0  # every input_ids element, padding too: what transformers' total_flos counts
+    seq_lengths: list = field(default_factory=list)  # tokens of each sequence: the attention FLOPs
     nonfinite: torch.Tensor | bool = False  # a 0-d bool tensor: flagging a loss needs no host sync
 
     def add(self, inputs: dict) -> None:
@@ -108,15 +113,50 @@ class LogWindow:
         mask = inputs.get("attention_mask")
         self.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
         self.samples += len(inputs["input_ids"])
+        self.input_ids += inputs["input_ids"].numel()
+        self.seq_lengths += sequence_lengths(inputs["input_ids"], mask, inputs.get("position_ids"))
 
-    def speed(self, world_size: int, steps: int) -> dict:
+    def speed(self, world_size: int, steps: int, model_flos=None, peak_flops=None) -> dict:
         """Tokens/s and samples/s of all ranks (each sees about as many as this one), steps/s and
-        seconds per optimizer step, over the window of `steps` optimizer steps."""
+        seconds per optimizer step, over the window of `steps` optimizer steps; given the window's
+        model FLOPs of all ranks, their rate, and its share of world_size x peak_flops (mfu)."""
         seconds = max(time.time() - self.start, 1e-9)
-        return {"train_tokens_per_second": round(self.tokens * world_size / seconds, 1),
-                "train_samples_per_second": round(self.samples * world_size / seconds, 3),
-                "train_steps_per_second": round(steps / seconds, 3),
-                "train_step_time": round(seconds / max(steps, 1), 4)}
+        speed = {"train_tokens_per_second": round(self.tokens * world_size / seconds, 1),
+                 "train_samples_per_second": round(self.samples * world_size / seconds, 3),
+                 "train_steps_per_second": round(steps / seconds, 3),
+                 "train_step_time": round(seconds / max(steps, 1), 4)}
+        if model_flos is not None:
+            speed["train_model_flops_per_second"] = round(model_flos / seconds, 1)
+        if model_flos is not None and peak_flops:
+            speed["mfu"] = model_flos / seconds / (peak_flops * world_size)
+        return speed
+
+
+def sequence_lengths(input_ids, attention_mask=None, position_ids=None) -> list:
+    """Tokens of each sequence in a batch: the attention_mask row sums; without a mask, each row's
+    documents, split where position_ids do not step by +1 (padding-free), else whole rows.
+    Guide: performance | Mirrors: the documents nanosft.masking.varlen_layout attends within"""
+    if attention_mask is not None:
+        return attention_mask.sum(-1).tolist()
+    if position_ids is None:
+        return [input_ids.shape[-1]] * len(input_ids)
+    segments = packed_segment_ids(position_ids.reshape(-1, position_ids.shape[-1]))
+    return [n for row in segments for n in torch.bincount(row).tolist() if n]
+
+
+def model_flops(matmul_params, trainable_matmul_params, attention_width, num_layers,
+                seq_lengths) -> int:
+    """FLOPs of one forward + backward over sequences of `seq_lengths` tokens: per token 4 a matmul
+    weight (forward, input gradient) and 2 more a trainable one (weight gradient), so 6N for full
+    fine-tuning and 4N + 6 an adapter weight on a frozen base; plus causal attention, 6 x width x
+    layers x T(T+1) a sequence of T. Guide: performance | Mirrors: nanoGPT estimate_mfu"""
+    # Differs: nanoGPT (PaLM's appendix B) counts the whole T x T square, 12 x layers x width x T
+    # a token; the causal products need the lower triangle only: T(T+1)/2 of its entries, which
+    # fused kernels skip (QK^T and AV: 2 x 2 x width a pair forward, twice that backward)
+    tokens = sum(seq_lengths)
+    pairs = sum(t * (t + 1) for t in seq_lengths)
+    return ((4 * matmul_params + 2 * trainable_matmul_params) * tokens
+            + 6 * attention_width * num_layers * pairs)
 
 
 def convert_outputs_to_fp32(outputs):
@@ -309,7 +349,7 @@ def prepare_model(model, args):
     to call (Trainer.model stays the unwrapped one, what checkpoints save).
     Walkthrough 2.3 | Mirrors: accelerate Accelerator.prepare_model"""
     if args.world_size > 1 and not args.fsdp:
-        distributed.refuse_tensor_parallel(model)  # DDP would all-reduce its shards' grads
+        tensor_parallel.refuse_tensor_parallel(model)  # DDP would all-reduce its shards' grads
         device_ids = [args.local_process_index] if args.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if args.torch_compile:
@@ -321,8 +361,8 @@ def no_sync(model):
     """DDP's no_sync (skip the gradient all-reduce), FSDP2's, or nothing for one process.
     Guide: distributed | Mirrors: accelerate Accelerator.no_sync"""
     inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
-    if distributed.is_fsdp(inner):  # FSDP2: no reduce-scatter until the window's last batch
-        return distributed.fsdp_no_sync(inner)
+    if fsdp.is_fsdp(inner):  # FSDP2: no reduce-scatter until the window's last batch
+        return fsdp.fsdp_no_sync(inner)
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         return inner.no_sync()
     return contextlib.nullcontext()
