@@ -52,8 +52,8 @@ def _example_labels(i, example, completion_only_loss):
     n = len(example["input_ids"])
     for name in names:
         if name in example and len(example[name]) != n:
-            raise ValueError(f"example {i} of the batch: {name} has {len(example[name])} entries but "
-                             f"input_ids has {n}; fix: build both from the same tokenization")
+            raise ValueError(f"example {i} of the batch: {name} has {len(example[name])} entries "
+                             f"but input_ids has {n}; fix: build both from the same tokenization")
     labels = torch.tensor(example.get("labels", example["input_ids"]), dtype=torch.long)
     for name in names[1:]:
         if name in example:
@@ -63,7 +63,8 @@ def _example_labels(i, example, completion_only_loss):
 
 def _pad_features(features, pad_token_id, padding_side, pad_to_multiple_of):
     """Pad the tokenizer fields as transformers' `tokenizer.pad` does; tensorize the rest."""
-    fill = {"input_ids": pad_token_id, "attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1}
+    fill = {"input_ids": pad_token_id, "attention_mask": 0, "token_type_ids": 0,
+            "special_tokens_mask": 1}
     rows = [dict(f) for f in features]
     if "attention_mask" not in rows[0]:
         for r in rows:
@@ -103,9 +104,11 @@ class DataCollatorForLanguageModeling:
         if self.return_tensors != "pt":
             raise ValueError(f"only return_tensors='pt' is supported, got {self.return_tensors!r}")
         if self.pad_token_id is None:
-            raise ValueError("pad_token_id is None: set tokenizer.pad_token (e.g. to the EOS token) first")
+            raise ValueError("pad_token_id is None: set tokenizer.pad_token "
+                             "(e.g. to the EOS token) first")
         if self.mlm and (self.mask_token_id is None or self.vocab_size is None):
-            raise ValueError("mlm=True needs mask_token_id and vocab_size (random replacements draw from it)")
+            raise ValueError("mlm=True needs mask_token_id and vocab_size "
+                             "(random replacements draw from it)")
         if self.mlm and self.padding_free:
             raise ValueError("padding_free is for causal LM; use mlm=False or padding_free=False")
         for name in ("mlm_probability", "mask_replace_prob", "random_replace_prob"):
@@ -116,15 +119,18 @@ class DataCollatorForLanguageModeling:
         self.generator = None
 
     def __call__(self, examples):
-        """One batch of tensors: input_ids, attention_mask (padded) or position_ids (padding-free), labels.
+        """One batch of tensors: input_ids, attention_mask (padded) or position_ids
+        (padding-free), labels.
         Guide: data collators | Mirrors: trl DataCollatorForLanguageModeling.torch_call"""
         _check_examples(examples)
         if self.mlm:
             return self._mlm_batch(examples)
         input_ids = [torch.tensor(ex["input_ids"], dtype=torch.long) for ex in examples]
-        labels = [_example_labels(i, ex, self.completion_only_loss) for i, ex in enumerate(examples)]
+        labels = [_example_labels(i, ex, self.completion_only_loss)
+                  for i, ex in enumerate(examples)]
         if not self.padding_free:
-            batch = {"input_ids": pad(input_ids, self.pad_token_id, self.padding_side, self.pad_to_multiple_of)}
+            padded = pad(input_ids, self.pad_token_id, self.padding_side, self.pad_to_multiple_of)
+            batch = {"input_ids": padded}
             ones = [torch.ones_like(ids) for ids in input_ids]
             batch["attention_mask"] = pad(ones, 0, self.padding_side, self.pad_to_multiple_of)
             batch["labels"] = pad(labels, -100, self.padding_side, self.pad_to_multiple_of)
@@ -164,8 +170,10 @@ class DataCollatorForLanguageModeling:
 
     def mask_tokens(self, inputs, special_tokens_mask):
         """BERT masking: pick mlm_probability of the non-special tokens; of those, mask_replace_prob
-        become the mask token, random_replace_prob a random id, the rest stay. Same RNG draws, same order.
-        Guide: data collators | Mirrors: transformers DataCollatorForLanguageModeling.torch_mask_tokens"""
+        become the mask token, random_replace_prob a random id, the rest stay. Same RNG draws,
+        same order.
+        Guide: data collators
+        Mirrors: transformers DataCollatorForLanguageModeling.torch_mask_tokens"""
         g = self._get_generator()
         labels = inputs.clone()
         prob = torch.full(labels.shape, self.mlm_probability).masked_fill_(special_tokens_mask, 0.0)
@@ -195,9 +203,11 @@ class DataCollatorWithPadding:
     return_tensors: str = "pt"
 
     def __call__(self, features):
-        """Padded tensors; `label` / `label_ids` renamed to `labels`. Mirrors: DataCollatorWithPadding.__call__"""
+        """Padded tensors; `label` / `label_ids` renamed to `labels`.
+        Mirrors: DataCollatorWithPadding.__call__"""
         _check_examples(features)
-        batch = _pad_features(features, self.pad_token_id, self.padding_side, self.pad_to_multiple_of)
+        batch = _pad_features(features, self.pad_token_id, self.padding_side,
+                              self.pad_to_multiple_of)
         for old in ("label", "label_ids"):
             if old in batch:
                 batch["labels"] = batch.pop(old)
@@ -216,7 +226,8 @@ class DataCollatorForTokenClassification:
     return_tensors: str = "pt"
 
     def __call__(self, features):
-        """Padded tensors with labels padded by label_pad_token_id. Mirrors: torch_call of the same class"""
+        """Padded tensors with labels padded by label_pad_token_id.
+        Mirrors: torch_call of the same class"""
         _check_examples(features)
         name = "label" if "label" in features[0] else "labels"
         rest = [{k: v for k, v in f.items() if k != name} for f in features]
@@ -239,7 +250,9 @@ def default_data_collator(features, return_tensors="pt"):
     first = features[0]
     batch = {}
     if first.get("label") is not None:
-        value = first["label"].item() if isinstance(first["label"], torch.Tensor) else first["label"]
+        value = first["label"]
+        if isinstance(value, torch.Tensor):
+            value = value.item()
         dtype = torch.long if isinstance(value, (int, np.integer)) else torch.float
         batch["labels"] = torch.tensor([f["label"] for f in features], dtype=dtype)
     elif first.get("label_ids") is not None:

@@ -245,7 +245,7 @@ def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
             os.remove(os.path.join(model_dir, old))
 
 
-# ----------------------------------------------------------------------------- Hub ids from the cache
+# ----------------------------------------------------------------------- Hub ids from the cache
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # no .bin, .gguf
 TRUE_VALUES = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's ENV_VARS_TRUE_VALUES

@@ -1,9 +1,11 @@
-"""Optimizer and learning-rate schedule: weight-decay groups, AdamW / 8-bit AdamW / SGD, every HF schedule.
+"""Optimizer and learning-rate schedule: weight-decay groups, AdamW / 8-bit AdamW / SGD, every
+HF schedule.
 
-Guide (custom training loop): 优化器配置与管理 -> AdamW优化器实现 (two parameter groups, decoupled weight
-decay, Loshchilov & Hutter 1711.05101) and 学习率调度器类型 (linear, cosine, constant, warmup, plateau).
-Each schedule is a named multiplier function `lr_lambda(step) -> factor` wrapped in torch's LambdaLR, so
-optimizer step s (1-based) runs at base_lr * lr_lambda(s - 1), exactly as transformers.get_scheduler.
+Guide (custom training loop): 优化器配置与管理 -> AdamW优化器实现 (two parameter groups,
+decoupled weight decay, Loshchilov & Hutter 1711.05101) and 学习率调度器类型 (linear, cosine,
+constant, warmup, plateau). Each schedule is a named multiplier function
+`lr_lambda(step) -> factor` wrapped in torch's LambdaLR, so optimizer step s (1-based) runs at
+base_lr * lr_lambda(s - 1), exactly as transformers.get_scheduler.
 """
 
 import math
@@ -14,23 +16,27 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
-# Lower-cased dotted names that never get weight decay (transformers Trainer.get_decay_parameter_names).
+# Lower-cased dotted names that never get weight decay
+# (transformers Trainer.get_decay_parameter_names).
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
 # ----------------------------------------------------------------------------- decay groups
 def _is_norm_module(module: nn.Module) -> bool:
-    # nn.LayerNorm by type (as transformers); any *LayerNorm / *RMSNorm class (nanosft's, torch's) by name.
+    # nn.LayerNorm by type (as transformers); any *LayerNorm / *RMSNorm class
+    # (nanosft's, torch's) by name.
     name = type(module).__name__
     return isinstance(module, nn.LayerNorm) or name.endswith(("LayerNorm", "RMSNorm"))
 
 
 def get_decay_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the parameters that get weight decay: all but biases and norm weights, in model order.
+    """Names of the parameters that get weight decay: all but biases and norm weights, in
+    model order.
     Guide: AdamW优化器实现 | Mirrors: transformers Trainer.get_decay_parameter_names
     Differs: RMSNorm modules are excluded by class too, not only by their attribute name."""
     patterns = [re.compile(p) for p in NO_DECAY_PATTERNS]
-    norm_prefixes = [prefix + "." for prefix, m in model.named_modules() if prefix and _is_norm_module(m)]
+    norm_prefixes = [prefix + "." for prefix, m in model.named_modules()
+                     if prefix and _is_norm_module(m)]
     names = []
     for name, _ in model.named_parameters():
         if any(p.search(name.lower()) for p in patterns):
@@ -42,13 +48,16 @@ def get_decay_parameter_names(model: nn.Module) -> list[str]:
 
 
 def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two optimizer groups of trainable parameters: [decayed, weight_decay=0.0]; empty groups are kept.
-    Guide: 分组参数权重衰减 | Mirrors: transformers Trainer.create_optimizer (optimizer_grouped_parameters)"""
+    """Two optimizer groups of trainable parameters: [decayed, weight_decay=0.0]; empty groups
+    are kept.
+    Guide: 分组参数权重衰减
+    Mirrors: transformers Trainer.create_optimizer (optimizer_grouped_parameters)"""
     decay = set(get_decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
-        raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True, so there is nothing "
-                         "to optimise. Unfreeze some parameters (for LoRA: wrap it with get_peft_model first).")
+        raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True, so "
+                         "there is nothing to optimise. Unfreeze some parameters "
+                         "(for LoRA: wrap it with get_peft_model first).")
     return [
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
@@ -75,8 +84,10 @@ def _bitsandbytes_adamw(groups, args, is_paged: bool, model: nn.Module):
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        raise ImportError(f"optim={args.optim!r} needs bitsandbytes: pip install bitsandbytes") from e
-    # 8-bit blockwise state for tensors with >= 4096 elements; smaller ones stay 32-bit (bnb min_8bit_size).
+        raise ImportError(
+            f"optim={args.optim!r} needs bitsandbytes: pip install bitsandbytes") from e
+    # 8-bit blockwise state for tensors with >= 4096 elements; smaller ones stay 32-bit
+    # (bnb min_8bit_size).
     # On CPU bitsandbytes 0.50 warns that paging is unsupported and runs the plain 8-bit optimizer.
     betas = (args.adam_beta1, args.adam_beta2)
     optimizer = bnb.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon,
@@ -104,19 +115,21 @@ def _sgd(groups, args):
 def create_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     """Build args.optim over the two weight-decay groups of `model`'s trainable parameters.
     Guide: 创建优化器 | Mirrors: transformers Trainer.create_optimizer, get_optimizer_cls_and_kwargs
-    adamw_torch_fused -> torch AdamW(fused=True) (runs on CPU too in torch >= 2.4); adamw_torch -> foreach."""
+    adamw_torch_fused -> torch AdamW(fused=True) (runs on CPU too in torch >= 2.4);
+    adamw_torch -> foreach."""
     groups = get_parameter_groups(model, args.weight_decay)
     if args.optim in ("adamw_torch", "adamw_torch_fused"):
         fused = {"fused": True} if args.optim == "adamw_torch_fused" else {}
-        return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+        return torch.optim.AdamW(groups, lr=args.learning_rate,
+                                 betas=(args.adam_beta1, args.adam_beta2),
                                  eps=args.adam_epsilon, **fused)
     if args.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         is_paged = args.optim.startswith("paged")
         return _bitsandbytes_adamw(groups, args, is_paged=is_paged, model=model)
     if args.optim == "sgd":
         return _sgd(groups, args)
-    raise ValueError(f"optim={args.optim!r} is not one nanosft builds; choose adamw_torch_fused, adamw_torch, "
-                     "adamw_bnb_8bit, paged_adamw_8bit or sgd")
+    raise ValueError(f"optim={args.optim!r} is not one nanosft builds; choose adamw_torch_fused, "
+                     "adamw_torch, adamw_bnb_8bit, paged_adamw_8bit or sgd")
 
 
 # ----------------------------------------------------------------------------- schedule multipliers
@@ -155,7 +168,8 @@ def _progress(step, num_warmup_steps, num_training_steps):
 
 def cosine_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=0.5, min_lr_rate=0.0):
     """Linear warmup, then num_cycles cosine waves (half a wave: 1 -> 0), floored at min_lr_rate.
-    Mirrors: transformers optimization._get_cosine_schedule_with_warmup_lr_lambda (both of that name)"""
+    Mirrors: transformers optimization._get_cosine_schedule_with_warmup_lr_lambda
+    (both of that name)"""
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     progress = _progress(step, num_warmup_steps, num_training_steps)
@@ -167,7 +181,7 @@ def cosine_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=0.5,
 
 def cosine_with_restarts_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles=1):
     """Linear warmup, then num_cycles cosine decays 1 -> 0, each restarting at 1.
-    Mirrors: transformers optimization._get_cosine_with_hard_restarts_schedule_with_warmup_lr_lambda"""
+    Mirrors: optimization._get_cosine_with_hard_restarts_schedule_with_warmup_lr_lambda"""
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     progress = _progress(step, num_warmup_steps, num_training_steps)
@@ -198,8 +212,10 @@ def inverse_sqrt_lambda(step, *, num_warmup_steps, timescale):
 def cosine_warmup_with_min_lr_lambda(step, *, num_warmup_steps, num_training_steps, num_cycles,
                                      min_lr_rate, warmup_lr_rate=None):
     """Warmup that starts above 0, then cosine down to min_lr_rate.
-    Mirrors: transformers optimization._get_cosine_with_min_lr_schedule_with_warmup_lr_rate_lambda"""
-    step, num_warmup_steps, num_training_steps = float(step), float(num_warmup_steps), float(num_training_steps)
+    Mirrors: optimization._get_cosine_with_min_lr_schedule_with_warmup_lr_rate_lambda"""
+    step = float(step)
+    num_warmup_steps = float(num_warmup_steps)
+    num_training_steps = float(num_training_steps)
     if step < num_warmup_steps:
         # This variant starts warmup one step ahead, so the first step is not at lr 0.
         if warmup_lr_rate is None:
@@ -231,7 +247,8 @@ def _wsd_decay(kind, progress, num_cycles):
 
 def warmup_stable_decay_lambda(step, *, num_warmup_steps, num_stable_steps, num_decay_steps,
                                warmup_type, decay_type, min_lr_ratio, num_cycles):
-    """Three phases: warmup (linear/cosine/1-sqrt), flat at 1, decay to min_lr_ratio; then min_lr_ratio.
+    """Three phases: warmup (linear/cosine/1-sqrt), flat at 1, decay to min_lr_ratio;
+    then min_lr_ratio.
     Mirrors: transformers optimization._get_wsd_scheduler_lambda"""
     if step < num_warmup_steps:
         factor = _wsd_warmup(warmup_type, float(step) / float(max(1, num_warmup_steps)))
@@ -239,7 +256,8 @@ def warmup_stable_decay_lambda(step, *, num_warmup_steps, num_stable_steps, num_
     if step < num_warmup_steps + num_stable_steps:
         return 1.0
     if step < num_warmup_steps + num_stable_steps + num_decay_steps:
-        progress = float(step - num_warmup_steps - num_stable_steps) / float(max(1, num_decay_steps))
+        progress = (float(step - num_warmup_steps - num_stable_steps)
+                    / float(max(1, num_decay_steps)))
         factor = _wsd_decay(decay_type, progress, num_cycles)
         return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
     return min_lr_ratio
@@ -265,7 +283,8 @@ def _min_lr_rate(optimizer, min_lr, min_lr_rate):
     if min_lr is not None:
         return min_lr / optimizer.defaults["lr"]
     if min_lr_rate is None:
-        raise ValueError('cosine_with_min_lr needs lr_scheduler_kwargs={"min_lr": ...} or {"min_lr_rate": ...}')
+        raise ValueError('cosine_with_min_lr needs lr_scheduler_kwargs={"min_lr": ...} '
+                         'or {"min_lr_rate": ...}')
     return min_lr_rate
 
 
@@ -283,14 +302,16 @@ def _schedule_lambda(name, optimizer, W, T, kw):
     if name == "linear":
         return partial(linear_lambda, num_warmup_steps=W, num_training_steps=T)
     if name == "cosine":
-        return partial(cosine_lambda, num_warmup_steps=W, num_training_steps=T, num_cycles=kw.get("num_cycles", 0.5))
+        return partial(cosine_lambda, num_warmup_steps=W, num_training_steps=T,
+                       num_cycles=kw.get("num_cycles", 0.5))
     if name == "cosine_with_restarts":
         return partial(cosine_with_restarts_lambda, num_warmup_steps=W, num_training_steps=T,
                        num_cycles=kw.get("num_cycles", 1))
     if name == "polynomial":
         lr_init, lr_end = optimizer.defaults["lr"], kw.get("lr_end", 1e-7)
         if not lr_init > lr_end:
-            raise ValueError(f"polynomial: lr_end ({lr_end}) must be smaller than the learning rate ({lr_init})")
+            raise ValueError(f"polynomial: lr_end ({lr_end}) must be smaller than the learning "
+                             f"rate ({lr_init})")
         return partial(polynomial_lambda, num_warmup_steps=W, num_training_steps=T, lr_end=lr_end,
                        power=kw.get("power", 1.0), lr_init=lr_init)
     rate = _min_lr_rate(optimizer, kw.get("min_lr"), kw.get("min_lr_rate"))
@@ -298,49 +319,58 @@ def _schedule_lambda(name, optimizer, W, T, kw):
         return partial(cosine_lambda, num_warmup_steps=W, num_training_steps=T,
                        num_cycles=kw.get("num_cycles", 0.5), min_lr_rate=rate)
     return partial(cosine_warmup_with_min_lr_lambda, num_warmup_steps=W, num_training_steps=T,
-                   num_cycles=kw.get("num_cycles", 0.5), min_lr_rate=rate, warmup_lr_rate=kw.get("warmup_lr_rate"))
+                   num_cycles=kw.get("num_cycles", 0.5), min_lr_rate=rate,
+                   warmup_lr_rate=kw.get("warmup_lr_rate"))
 
 
-def _wsd_lambda(W, T, num_decay_steps=None, num_stable_steps=None, warmup_type="linear", decay_type="cosine",
-                min_lr_ratio=0, num_cycles=0.5):
+def _wsd_lambda(W, T, num_decay_steps=None, num_stable_steps=None, warmup_type="linear",
+                decay_type="cosine", min_lr_ratio=0, num_cycles=0.5):
     if num_decay_steps is None:
         raise ValueError('warmup_stable_decay needs lr_scheduler_kwargs={"num_decay_steps": N}')
     if T is None and num_stable_steps is None:
-        raise ValueError("warmup_stable_decay needs num_training_steps or lr_scheduler_kwargs['num_stable_steps']")
+        raise ValueError("warmup_stable_decay needs num_training_steps or "
+                         "lr_scheduler_kwargs['num_stable_steps']")
     for label, kind in (("warmup_type", warmup_type), ("decay_type", decay_type)):
         if kind not in ("linear", "cosine", "1-sqrt"):
-            raise ValueError(f"warmup_stable_decay: {label}={kind!r}; choose 'linear', 'cosine' or '1-sqrt'")
+            raise ValueError(f"warmup_stable_decay: {label}={kind!r}; "
+                             "choose 'linear', 'cosine' or '1-sqrt'")
     if num_stable_steps is None:
         num_stable_steps = T - W - num_decay_steps
-    return partial(warmup_stable_decay_lambda, num_warmup_steps=W, num_stable_steps=num_stable_steps,
-                   num_decay_steps=num_decay_steps, warmup_type=warmup_type, decay_type=decay_type,
+    return partial(warmup_stable_decay_lambda, num_warmup_steps=W,
+                   num_stable_steps=num_stable_steps, num_decay_steps=num_decay_steps,
+                   warmup_type=warmup_type, decay_type=decay_type,
                    min_lr_ratio=min_lr_ratio, num_cycles=num_cycles)
 
 
 def get_scheduler(name, optimizer, num_warmup_steps=None, num_training_steps=None,
                   scheduler_specific_kwargs=None, **kwargs):
-    """Learning-rate scheduler `name` over `optimizer`; extra settings come in scheduler_specific_kwargs.
+    """Learning-rate scheduler `name` over `optimizer`; extra settings come in
+    scheduler_specific_kwargs.
     Guide: 学习率调度器类型 | Mirrors: transformers.optimization.get_scheduler
-    "constant" ignores warmup; "reduce_lr_on_plateau" is torch's ReduceLROnPlateau, stepped with an eval metric."""
+    "constant" ignores warmup; "reduce_lr_on_plateau" is torch's ReduceLROnPlateau, stepped with
+    an eval metric."""
     kw = {**(scheduler_specific_kwargs or {}), **kwargs}
     if name not in SCHEDULER_KWARGS:
-        raise ValueError(f"lr_scheduler_type={name!r} is unknown; choose one of {', '.join(SCHEDULER_KWARGS)}")
+        raise ValueError(f"lr_scheduler_type={name!r} is unknown; "
+                         f"choose one of {', '.join(SCHEDULER_KWARGS)}")
     allowed = SCHEDULER_KWARGS[name]
     unknown = [] if allowed is None else [k for k in kw if k not in allowed]
     if unknown and name != "constant":
-        raise ValueError(f"lr_scheduler_kwargs keys {unknown} do not apply to lr_scheduler_type={name!r}; "
-                         f"it takes {list(allowed) or 'none'}")
+        raise ValueError(f"lr_scheduler_kwargs keys {unknown} do not apply to "
+                         f"lr_scheduler_type={name!r}; it takes {list(allowed) or 'none'}")
     if name == "constant":
         return LambdaLR(optimizer, constant_lambda)
     if name == "reduce_lr_on_plateau":
         return ReduceLROnPlateau(optimizer, **kw)
     if num_warmup_steps is None:
         raise ValueError(f"{name} needs num_warmup_steps (0 for no warmup)")
-    return LambdaLR(optimizer, _schedule_lambda(name, optimizer, num_warmup_steps, num_training_steps, kw))
+    lr_lambda = _schedule_lambda(name, optimizer, num_warmup_steps, num_training_steps, kw)
+    return LambdaLR(optimizer, lr_lambda)
 
 
 def create_scheduler(args, optimizer, num_training_steps: int):
-    """The scheduler args.lr_scheduler_type with args.get_warmup_steps(num_training_steps) warmup steps.
+    """The scheduler args.lr_scheduler_type with args.get_warmup_steps(num_training_steps)
+    warmup steps.
     Walkthrough 2.3 | Mirrors: transformers Trainer.create_scheduler"""
     return get_scheduler(args.lr_scheduler_type, optimizer,
                          num_warmup_steps=args.get_warmup_steps(num_training_steps),

@@ -42,23 +42,28 @@ CHATML_TEMPLATE = (
 
 
 def validate_messages(messages):
-    """Check a chat is a non-empty list of {"role", "content": str} dicts; errors name index and field.
+    """Check a chat is a non-empty list of {"role", "content": str} dicts; errors name index
+    and field.
     Walkthrough 2.1 | Mirrors: transformers apply_chat_template input checks | Differs: stricter."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r:.80}")
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', "
+                            f"got {message!r:.80}")
         if message.get("role") not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}]['role'] is {message.get('role')!r}; expected one of {CHAT_ROLES}")
+            raise ValueError(f"messages[{i}]['role'] is {message.get('role')!r}; "
+                             f"expected one of {CHAT_ROLES}")
         if not isinstance(message.get("content"), str):
-            raise TypeError(f"messages[{i}]['content'] must be a str, got {type(message.get('content')).__name__}"
+            raise TypeError(f"messages[{i}]['content'] must be a str, "
+                            f"got {type(message.get('content')).__name__}"
                             " (fix: join multi-part content into one string)")
 
 
 def render_chatml(messages, add_generation_prompt=False):
     """Render ChatML in plain Python; returns (text, assistant_spans) with char spans [start, end).
-    Walkthrough 2.1 | Mirrors: the Jinja CHATML_TEMPLATE rendered by transformers render_jinja_template."""
+    Walkthrough 2.1
+    Mirrors: the Jinja CHATML_TEMPLATE rendered by transformers render_jinja_template."""
     validate_messages(messages)
     text, spans = "", []
     for message in messages:
@@ -83,16 +88,19 @@ def _compile_jinja_template(template):
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as error:
-        raise ImportError("rendering a Jinja chat template needs jinja2: `pip install jinja2` (or set "
-                          "tokenizer.chat_template = nanosft.tokenizer.CHATML_TEMPLATE for the built-in)") from error
+        raise ImportError("rendering a Jinja chat template needs jinja2: `pip install jinja2` "
+                          "(or set tokenizer.chat_template = nanosft.tokenizer.CHATML_TEMPLATE "
+                          "for the built-in)") from error
 
-    class GenerationTag(Extension):  # {% generation %}...{% endgeneration %}, as transformers' AssistantTracker
+    # {% generation %}...{% endgeneration %}, as transformers' AssistantTracker
+    class GenerationTag(Extension):
         tags = frozenset({"generation"})
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_frame"), [], [], body).set_lineno(lineno)
+            block = jinja2.nodes.CallBlock(self.call_method("_frame"), [], [], body)
+            return block.set_lineno(lineno)
 
         def _frame(self, caller):
             return _GEN_START + caller() + _GEN_END
@@ -101,7 +109,8 @@ def _compile_jinja_template(template):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     # trim_blocks / lstrip_blocks and the helpers below are what transformers gives templates.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -114,11 +123,13 @@ def _compile_jinja_template(template):
 
 def render_jinja_template(template, messages, add_generation_prompt=False, **special_tokens):
     """Render a Jinja chat template; returns (text, spans of its {% generation %} blocks).
-    Walkthrough 2.1 | Mirrors: transformers render_jinja_template, _render_with_assistant_indices."""
+    Walkthrough 2.1
+    Mirrors: transformers render_jinja_template, _render_with_assistant_indices."""
     validate_messages(messages)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers
     if any(_GEN_START in m["content"] or _GEN_END in m["content"] for m in messages):
-        raise ValueError("message content contains U+E000/U+E001, reserved for {% generation %} tracking")
+        raise ValueError("message content contains U+E000/U+E001, "
+                         "reserved for {% generation %} tracking")
     framed = _compile_jinja_template(template).render(
         messages=messages, tools=None, documents=None,
         add_generation_prompt=add_generation_prompt, **special_tokens)
@@ -140,8 +151,9 @@ def _read_json(path):
     try:
         return json.loads(text), text
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
-                         "fix or re-save the file, e.g. with Tokenizer.save_pretrained") from None
+        raise ValueError(f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: "
+                         f"{error.msg}); fix or re-save the file, e.g. with "
+                         "Tokenizer.save_pretrained") from None
 
 
 def _token_content(value):
@@ -163,15 +175,17 @@ def _write_files_atomically(folder, files):
 
 
 def _add_missing_added_tokens(backend, added_tokens_decoder, config_file):
-    """Add tokenizer_config.json's added_tokens_decoder entries absent from tokenizer.json, checking ids."""
+    """Add tokenizer_config.json's added_tokens_decoder entries absent from tokenizer.json,
+    checking ids."""
     for index, entry in sorted(added_tokens_decoder.items(), key=lambda item: int(item[0])):
         content = _token_content(entry)
         if backend.token_to_id(content) is None and int(index) == backend.get_vocab_size():
             special = entry.get("special", True) if isinstance(entry, dict) else True
             backend.add_tokens([AddedToken(content, special=special, normalized=not special)])
         if backend.token_to_id(content) != int(index):
-            raise ValueError(f"{config_file}: added_tokens_decoder[{index!r}] is {content!r}, but tokenizer.json "
-                             f"gives it id {backend.token_to_id(content)}; fix: make the two files agree")
+            raise ValueError(f"{config_file}: added_tokens_decoder[{index!r}] is {content!r}, "
+                             f"but tokenizer.json gives it id {backend.token_to_id(content)}; "
+                             "fix: make the two files agree")
 
 
 def _read_chat_template(folder, config):
@@ -192,12 +206,14 @@ def _special_token_property(key, as_id=False):
         token = self._special[key]
         return self.backend.token_to_id(token) if as_id and token is not None else token
     name = key + "_id" if as_id else key
-    return property(get, doc=f"The {name} (None when unset). Walkthrough 2.1 | Mirrors: transformers {name}")
+    return property(get, doc=f"The {name} (None when unset). "
+                             f"Walkthrough 2.1 | Mirrors: transformers {name}")
 
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus named special tokens and a chat template, HF-folder compatible.
-    Walkthrough 2.1 (processing_class) | Mirrors: transformers TokenizersBackend (PreTrainedTokenizerFast)
+    Walkthrough 2.1 (processing_class)
+    Mirrors: transformers TokenizersBackend (PreTrainedTokenizerFast)
     Differs: a special token missing from the vocabulary is an error, never silently appended."""
 
     def __init__(self, backend, *, bos_token=None, eos_token=None, pad_token=None, unk_token=None,
@@ -209,25 +225,31 @@ class Tokenizer:
                          "unk_token": unk_token, "pad_token": pad_token}
         for key, token in self._special.items():
             if token is not None and backend.token_to_id(token) is None:
-                raise ValueError(f"{source}: {key} {token!r} is not in the vocabulary; fix: add it to "
-                                 f"tokenizer.json's added_tokens or set {key} to an existing token")
+                raise ValueError(f"{source}: {key} {token!r} is not in the vocabulary; fix: add it "
+                                 f"to tokenizer.json's added_tokens or set {key} to an existing "
+                                 "token")
 
     @classmethod
     def train(cls, texts, vocab_size, special_tokens=None, *, pad_token="<|endoftext|>",
               eos_token="<|im_end|>", bos_token=None):
-        """Train a byte-level BPE (GPT-2 style, no BOS unless bos_token is given) on a list of strings.
-        Walkthrough 2.1 | Mirrors: tokenizers BpeTrainer with pre_tokenizers.ByteLevel (GPT-2 / Qwen family)
-        Ids: special tokens first (in order), then the 256 byte symbols, then merges. Deterministic."""
+        """Train a byte-level BPE (GPT-2 style, no BOS unless bos_token is given) on strings.
+        Walkthrough 2.1 | Mirrors: tokenizers BpeTrainer with pre_tokenizers.ByteLevel
+        (GPT-2 / Qwen family)
+        Ids: special tokens first (in order), then the 256 byte symbols, then merges.
+        Deterministic."""
         specials = list(special_tokens if special_tokens is not None else DEFAULT_SPECIAL_TOKENS)
-        specials += [t for t in (pad_token, eos_token, bos_token) if t is not None and t not in specials]
+        specials += [t for t in (pad_token, eos_token, bos_token)
+                     if t is not None and t not in specials]
         texts = list(texts)
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
-        alphabet = pre_tokenizers.ByteLevel.alphabet()  # all 256 bytes: any unicode text round-trips
+        # all 256 bytes: any unicode text round-trips
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + len(specials):
             raise ValueError(f"vocab_size={vocab_size} is below {len(alphabet)} byte symbols + "
-                             f"{len(specials)} special tokens; fix: vocab_size >= {len(alphabet) + len(specials)}")
+                             f"{len(specials)} special tokens; "
+                             f"fix: vocab_size >= {len(alphabet) + len(specials)}")
         backend = BackendTokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
@@ -244,14 +266,15 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, folder):
-        """Load a Hugging Face tokenizer folder: tokenizer.json, tokenizer_config.json, chat_template.jinja.
+        """Load a Hugging Face tokenizer folder: tokenizer.json, tokenizer_config.json and
+        chat_template.jinja.
         Walkthrough 2.1 | Mirrors: transformers AutoTokenizer.from_pretrained -> TokenizersBackend
         Differs: local folders only; no slow-tokenizer conversion, no special_tokens_map.json."""
         tokenizer_file = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(
-                f"{tokenizer_file} not found; nanosft reads only the fast-tokenizer file. Fix: point at a "
-                "Hugging Face tokenizer folder, or convert one with transformers: "
+                f"{tokenizer_file} not found; nanosft reads only the fast-tokenizer file. "
+                "Fix: point at a Hugging Face tokenizer folder, or convert one with transformers: "
                 "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
         _, text = _read_json(tokenizer_file)
         try:
@@ -266,10 +289,12 @@ class Tokenizer:
         # config's add_bos_token / add_eos_token whenever tokenizer.json exists.
         special = {key: _token_content(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
         return cls(backend, **special, chat_template=_read_chat_template(folder, config),
-                   model_max_length=config.get("model_max_length", VERY_LARGE_INTEGER), source=config_file)
+                   model_max_length=config.get("model_max_length", VERY_LARGE_INTEGER),
+                   source=config_file)
 
     def save_pretrained(self, folder):
-        """Write tokenizer.json, tokenizer_config.json (v5 layout) and chat_template.jinja atomically.
+        """Atomically write tokenizer.json, tokenizer_config.json (v5 layout) and
+        chat_template.jinja.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.save_pretrained"""
         config = {"backend": "tokenizers"}
         config.update({key: token for key, token in self._special.items() if token is not None})
@@ -287,16 +312,19 @@ class Tokenizer:
 
     @property
     def vocab_size(self):
-        """Base vocabulary size without added tokens, as transformers' `vocab_size` (len() counts them).
+        """Base vocabulary size without added tokens, as transformers' `vocab_size`
+        (len() counts them).
         Mirrors: transformers PreTrainedTokenizerFast.vocab_size"""
         return self.backend.get_vocab_size(with_added_tokens=False)
 
     def token_to_id(self, token):
-        """Token string -> id, or None. Walkthrough 2.1 | Mirrors: transformers convert_tokens_to_ids"""
+        """Token string -> id, or None.
+        Walkthrough 2.1 | Mirrors: transformers convert_tokens_to_ids"""
         return self.backend.token_to_id(token)
 
     def id_to_token(self, index):
-        """Id -> token string, or None. Walkthrough 2.1 | Mirrors: transformers convert_ids_to_tokens"""
+        """Id -> token string, or None.
+        Walkthrough 2.1 | Mirrors: transformers convert_ids_to_tokens"""
         return self.backend.id_to_token(index)
 
     bos_token = _special_token_property("bos_token")
@@ -316,7 +344,8 @@ class Tokenizer:
 
     def encode_with_offsets(self, text, add_special_tokens=False):
         """Text -> (ids, offsets): offsets[i] = (start, end) char span of token i in `text`.
-        Walkthrough 2.1 | Mirrors: transformers return_offsets_mapping=True (what char_to_token reads)"""
+        Walkthrough 2.1
+        Mirrors: transformers return_offsets_mapping=True (what char_to_token reads)"""
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         return encoding.ids, encoding.offsets
 
@@ -326,30 +355,38 @@ class Tokenizer:
 
     # ---- chat templates ---------------------------------------------------------------------
     def render_chat_with_spans(self, messages, add_generation_prompt=False):
-        """Render a chat; returns (text, assistant_spans): char spans [start, end) the model is trained on.
-        Walkthrough 2.1 | Mirrors: transformers render_jinja_template with return_assistant_tokens_mask
-        The built-in CHATML_TEMPLATE renders in plain Python (no jinja2 needed); others go through Jinja."""
+        """Render a chat; returns (text, assistant_spans): the char spans [start, end) the model
+        is trained on.
+        Walkthrough 2.1
+        Mirrors: transformers render_jinja_template with return_assistant_tokens_mask
+        The built-in CHATML_TEMPLATE renders in plain Python (no jinja2 needed); others go
+        through Jinja."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template; fix: set tokenizer.chat_template "
-                             "(e.g. nanosft.tokenizer.CHATML_TEMPLATE) or add chat_template.jinja to the folder")
+            raise ValueError("this tokenizer has no chat template; fix: set "
+                             "tokenizer.chat_template (e.g. nanosft.tokenizer.CHATML_TEMPLATE) "
+                             "or add chat_template.jinja to the folder")
         if self.chat_template == CHATML_TEMPLATE:
             for token in ("<|im_start|>", "<|im_end|>"):
                 if self.token_to_id(token) is None:
-                    raise ValueError(f"the ChatML template needs {token!r} in the vocabulary; fix: train with "
-                                     "the default special_tokens or set another chat_template")
+                    raise ValueError(f"the ChatML template needs {token!r} in the vocabulary; "
+                                     "fix: train with the default special_tokens or set another "
+                                     "chat_template")
             return render_chatml(messages, add_generation_prompt)
         special = {key: token for key, token in self._special.items() if token is not None}
         return render_jinja_template(self.chat_template, messages, add_generation_prompt, **special)
 
     def render_chat(self, messages, add_generation_prompt=False):
-        """Render a chat to text. Walkthrough 2.1 | Mirrors: apply_chat_template(..., tokenize=False)"""
+        """Render a chat to text.
+        Walkthrough 2.1 | Mirrors: apply_chat_template(..., tokenize=False)"""
         return self.render_chat_with_spans(messages, add_generation_prompt)[0]
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True,
                             return_assistant_tokens_mask=False):
-        """Render a chat and (by default) tokenize it with add_special_tokens=False, as transformers does.
+        """Render a chat and (by default) tokenize it with add_special_tokens=False, as
+        transformers does.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.apply_chat_template
-        Returns str (tokenize=False), list[int], or {"input_ids", "assistant_masks"} when asked for masks."""
+        Returns str (tokenize=False), list[int], or {"input_ids", "assistant_masks"} when asked
+        for masks."""
         text, spans = self.render_chat_with_spans(messages, add_generation_prompt)
         if not tokenize:
             return text
@@ -357,7 +394,8 @@ class Tokenizer:
         if not return_assistant_tokens_mask:
             return encoding.ids
         # Char span -> tokens through char_to_token, exactly as transformers builds assistant_masks:
-        # every token touching [start, end) gets 1, so a token straddling the edge counts as assistant.
+        # every token touching [start, end) gets 1, so a token straddling the edge counts as an
+        # assistant token.
         mask = [0] * len(encoding.ids)
         for start, end in spans:
             first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
