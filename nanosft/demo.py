@@ -200,6 +200,7 @@ def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", tra
     print(before_after_table(pairs, before, after))
     print(f"\nheld-out exact match: before {accuracy_before:.1%} -> after {accuracy_after:.1%} "
           f"({result.global_step} steps, {train_seconds:.0f}s of training)")
+    print(trainer.reporter.speed_summary(result.metrics))  # model GFLOP/s and MFU
     saved = os.path.join(output_dir, "model" if mode == "full" else "adapter")
     trainer.model.save_pretrained(saved)  # PEFT adapter_config.json + adapter_model.safetensors, or a full model
     if mode == "full":
@@ -213,5 +214,7 @@ def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", tra
     write_summary(os.path.join(output_dir, "demo_summary.json"), {
         "mode": mode, "steps": result.global_step, "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after, "train_seconds": round(train_seconds, 2),
-        "total_seconds": round(time.time() - start, 2), "train_loss": result.training_loss})
+        "total_seconds": round(time.time() - start, 2), "train_loss": result.training_loss,
+        "train_model_flops_per_second": result.metrics["train_model_flops_per_second"],
+        "mfu": result.metrics.get("mfu")})
     return 0

@@ -1,12 +1,14 @@
 """What the Trainer does between optimizer steps: when to log, evaluate and save, which checkpoint
 is best, where the logs go (progress bar, printed line, metrics.jsonl, live TensorBoard events),
-and the bodies of its log / evaluate / save steps.
+the bodies of its log / evaluate / save steps, and the FLOPs it reports (total_flos, model FLOP/s,
+mfu against a peak passed or calibrated at train start).
 
 Walkthrough 2.3 (`_maybe_log_save_evaluate`); guide: monitoring (样本/秒, tokens/s, step time,
-TensorBoard). transformers keeps these in trainer_callback.py (DefaultFlowCallback,
-ProgressCallback, PrinterCallback), integrations (TensorBoardCallback) and Trainer methods. They
-live here so that trainer.py holds the walkthrough's loop (Trainer -> training_step ->
-compute_loss) and stays one screen per level; the Trainer methods of the same names call these.
+TensorBoard), performance (MFU). transformers keeps these in trainer_callback.py
+(DefaultFlowCallback, ProgressCallback, PrinterCallback), integrations (TensorBoardCallback) and
+Trainer methods. They live here so that trainer.py holds the walkthrough's loop (Trainer ->
+training_step -> compute_loss) and stays one screen per level; the Trainer methods of the same
+names call these.
 """
 
 import json
@@ -18,7 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nanosft import checkpoint, distributed, output_folder
-from nanosft.trainer_utils import LogWindow, evaluation_loop, speed_metrics
+from nanosft.nf4 import Linear4bit
+from nanosft.trainer_utils import LogWindow, evaluation_loop, model_flops, speed_metrics
 
 
 def on_step_end(args, state, control) -> None:
@@ -78,10 +81,17 @@ class Reporter:
         self.bar = None
         self.tb_writer = None
         self.nonfinite_logs = 0  # logging windows in a row with a nan/inf loss or grad_norm
+        self.peak_flops = args.peak_flops  # the denominator of mfu, per device
+        self.model_flos = 0.0  # model FLOPs of this train() call, all ranks (model_flops)
 
-    def on_train_begin(self, max_steps: int, initial_step: int) -> None:
-        """Open the progress bar and, if asked for and installed, the TensorBoard writer."""
+    def on_train_begin(self, max_steps: int, initial_step: int, model=None) -> None:
+        """Open the progress bar and, if asked for and installed, the TensorBoard writer; without
+        args.peak_flops, calibrate this device's matmul rate at the model's width (every rank)."""
         self.nonfinite_logs = 0
+        self.model_flos = 0.0
+        if self.args.peak_flops is None and model is not None:
+            dtype = compute_dtype(model, self.args)
+            self.peak_flops = calibrate_matmul_flops(model_width(model), dtype, self.args.device)
         if not self.main_process:
             return
         self.bar = tqdm(total=max_steps, initial=initial_step, dynamic_ncols=True,
@@ -101,7 +111,7 @@ class Reporter:
         if self.bar is not None and "loss" in logs:
             self.bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                  grad_norm=f"{logs.get('grad_norm', float('nan')):.3f}",
-                                 tok_s=logs.get("train_tokens_per_second"))
+                                 tok_s=logs.get("train_tokens_per_second"), mfu=logs.get("mfu"))
         shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}
         tqdm.write(str(shown))
         os.makedirs(self.args.output_dir, exist_ok=True)
@@ -126,6 +136,18 @@ class Reporter:
                   f"(now {self.args.learning_rate}), bf16 instead of fp16, or max_grad_norm=1.0 "
                   "to clip gradients.")
 
+    def speed_summary(self, metrics: dict) -> str:
+        """The final summary's speed line: the model GFLOP/s train() achieved and its MFU against
+        the peak it used. Guide: performance | Mirrors: the mfu nanoGPT's train.py prints"""
+        line = f"speed: {metrics['train_model_flops_per_second'] / 1e9:.2f} GFLOP/s of model FLOPs"
+        if metrics.get("mfu") is not None:
+            source = ("peak_flops" if self.args.peak_flops is not None
+                      else "a matmul calibration at train start")
+            ranks = f" x {self.args.world_size} ranks" if self.args.world_size > 1 else ""
+            line += (f", MFU {100 * metrics['mfu']:.1f}% of {self.peak_flops / 1e9:.1f} GFLOP/s"
+                     f"{ranks} ({source})")
+        return line
+
     def on_train_end(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -145,6 +167,102 @@ def open_tensorboard(log_dir):
               'pip install "nanosft[tensorboard]"')
         return None
     return SummaryWriter(log_dir=log_dir)
+
+
+# ----------------------------------------------------------------------------- FLOPs: transformers'
+# total_flos, the model FLOPs of trainer_utils.model_flops, and the peak that mfu divides by
+def matmul_parameters(model) -> tuple:
+    """(weights, trainable weights) that multiply activations, the N of 6N: every nn.Linear (the
+    base layers, lm_head once even when tied, LoRA's A and B) and 4-bit linear at in x out.
+    Guide: performance | Differs: DoRA's weight norm and prompt tuning's encoder are left out."""
+    total = trainable = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, Linear4bit)):
+            total += module.in_features * module.out_features
+            trainable += module.in_features * module.out_features * module.weight.requires_grad
+    return total, trainable
+
+
+def non_embedding_parameters(model) -> int:
+    """Parameters of the base model (LoRA included, a PEFT wrapper's prompt encoder not) less its
+    nn.Embedding weights, a packed 4-bit byte as 2: the N of transformers' total_flos.
+    Mirrors: transformers ModuleUtilsMixin.num_parameters(exclude_embeddings=True)"""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings = {id(m.weight) for m in base.modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(p.numel() * (2 * p.element_size() if p.dtype == torch.uint8 else 1)
+               for p in base.parameters() if id(p) not in embeddings)
+
+
+def attention_shape(model) -> tuple:
+    """(heads x head_dim, layers) of the model's config; (0, 0) for a model without one."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return 0, 0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim, config.num_hidden_layers
+
+
+def store_flos(trainer) -> float:
+    """Add the window's 6 x input_ids elements x non_embedding_parameters to state.total_flos and
+    return the window's model FLOPs (trainer_utils.model_flops), both summed over ranks.
+    Mirrors: transformers Trainer.store_flos, Trainer.floating_point_ops (per micro-batch)"""
+    model, window = trainer.model, trainer._window
+    flos = [6 * window.input_ids * non_embedding_parameters(model),
+            model_flops(*matmul_parameters(model), *attention_shape(model), window.seq_lengths)]
+    if trainer.args.world_size > 1:  # float64: exact far past fp32's 2^24
+        summed = torch.tensor(flos, dtype=torch.float64, device=trainer.args.device)
+        flos = distributed.all_reduce_sum(summed).tolist()
+    trainer.state.total_flos += float(flos[0])
+    trainer.reporter.model_flos += float(flos[1])
+    return float(flos[1])
+
+
+def flos_metrics(trainer, metrics: dict) -> dict:
+    """total_flos once the last window is stored, then nanosft's own: this train() call's model
+    FLOP/s over metrics["train_runtime"] (all ranks) and its mfu (per device).
+    Mirrors: transformers Trainer._finalize_training (store_flos, metrics["total_flos"])"""
+    store_flos(trainer)
+    trainer._window = LogWindow()  # stored: never counted twice
+    achieved = trainer.reporter.model_flos / max(metrics["train_runtime"], 1e-9)
+    out = {"total_flos": trainer.state.total_flos,
+           "train_model_flops_per_second": round(achieved, 1)}
+    if trainer.reporter.peak_flops:
+        out["mfu"] = achieved / (trainer.reporter.peak_flops * trainer.args.world_size)
+    return out
+
+
+def compute_dtype(model, args) -> torch.dtype:
+    """The dtype the matmuls run in: autocast's (bf16 / fp16), else the first float parameter's."""
+    if args.bf16 or args.fp16:
+        return torch.bfloat16 if args.bf16 else torch.float16
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def model_width(model) -> int:
+    """config.hidden_size, else the in_features of the model's first linear layer."""
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    if width is None:
+        width = next(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return width
+
+
+def calibrate_matmul_flops(width, dtype=torch.float32, device="cpu", budget_s=0.25) -> float:
+    """FLOP/s of torch.mm at (M, width) x (width, width), M in [256, 4096] so a product is about
+    2 GFLOP: the best of up to 3 timed after a warm-up, within about `budget_s` seconds.
+    Guide: performance | Mirrors: nothing in transformers (it reports no MFU)"""
+    device = torch.device(device)
+    rows = max(256, min(4096, int(1e9 // width**2)))
+    generator = torch.Generator(device).manual_seed(0)  # the global RNG is the run's: untouched
+    a = torch.randn(rows, width, generator=generator, device=device, dtype=dtype)
+    b = torch.randn(width, width, generator=generator, device=device, dtype=dtype)
+    seconds = []
+    while len(seconds) < 4 and (len(seconds) < 2 or sum(seconds) < budget_s):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return 2 * rows * width * width / max(min(seconds[1:]), 1e-9)  # seconds[0]: the warm-up
 
 
 # ----------------------------------------------------------------------------- the trainer's
@@ -169,7 +287,10 @@ def log_save_evaluate(trainer, tr_loss, grad_norm, learning_rate=None) -> None:
         if learning_rate is None:
             learning_rate = trainer._get_learning_rate()
         logs["learning_rate"] = learning_rate
-        logs.update(trainer._window.speed(args.world_size, steps))  # tokens/s, samples/s, ...
+        model_flos = store_flos(trainer)  # state.total_flos as transformers; + the model FLOPs
+        # tokens/s, samples/s, ..., model FLOP/s and mfu
+        logs.update(trainer._window.speed(args.world_size, steps, model_flos,
+                                          trainer.reporter.peak_flops))
         trainer._total_loss_scalar += tr_loss_scalar
         trainer._globalstep_last_logged = state.global_step
         trainer.reporter.check_finite(logs, summed[1].item() > 0, state, control,

@@ -157,6 +157,8 @@ def test_logs_carry_trl_metrics(tmp_path, tokenizer):
         "train_samples_per_second",
         "train_steps_per_second",
         "train_step_time",
+        "train_model_flops_per_second",
+        "mfu",
         "entropy",
         "mean_token_accuracy",
         "num_tokens",
