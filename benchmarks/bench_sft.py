@@ -413,7 +413,10 @@ class Fixture:
         """Model FLOPs of each planned optimizer step: 6N per token for full fine-tuning, 4N for a
         frozen base (forward + input gradients; the adapters add 6 per LoRA weight), plus causal
         attention, 6 * hidden * layers * T * (T + 1) per sequence of T tokens (QK^T and AV, forward
-        and both backward products, only the lower triangle)."""
+        and both backward products, only the lower triangle): nanosft.trainer_utils.model_flops,
+        the count the Trainer logs."""
+        from nanosft.trainer_utils import model_flops
+
         c = self.hf_config
         d, layers = c.hidden_size, c.num_hidden_layers
         kv = d // c.num_attention_heads * c.num_key_value_heads
@@ -422,12 +425,10 @@ class Fixture:
                      "down_proj": (c.intermediate_size, d)}
         n_base = layers * sum(i * o for i, o in per_layer.values()) + d * c.vocab_size
         n_lora = layers * sum(self.opts.lora_r * (i + o) for i, o in per_layer.values())
-        per_token = 6 * n_base if mode == "full" else 4 * n_base + 6 * n_lora
-        out = []
-        for step in self.plan:
-            lengths = [len(self.rows[i]["input_ids"]) for mb in step for i in mb]
-            out.append(sum(per_token * t + 6 * d * layers * t * (t + 1) for t in lengths))
-        return out
+        weights, trainable = (n_base, n_base) if mode == "full" else (n_base + n_lora, n_lora)
+        return [model_flops(weights, trainable, d, layers,
+                            [len(self.rows[i]["input_ids"]) for mb in step for i in mb])
+                for step in self.plan]
 
     def gemm_shapes(self):
         """(M, K, N, count) of the model's matrix products for one micro-batch of mean length:
