@@ -5,7 +5,8 @@ same arguments go through full fine-tuning, LoRA, DoRA and QLoRA (walkthrough 2.
 reference and nanosft repetitions interleaved so machine noise hits both. Reported per pair: non-pad
 tokens/s, achieved model GFLOP/s and its share of a matmul calibration taken in the same run at the
 model's own GEMM shapes, seconds per optimizer step (median after warmup), peak memory during
-train() and the largest per-step loss difference. A plain PyTorch loop gives the framework-free floor.
+train() and the largest per-step loss difference. A plain PyTorch loop gives the framework-free
+floor.
 Papers: LoRA 2106.09685, QLoRA 2305.14314, DoRA 2402.09353.
 Run: python benchmarks/bench_sft.py --sizes small,medium --steps 12 --reps 2   (--quick: ~1 minute)
 Real size (SmolLM2-135M's shapes, fp32 and bf16, LoRA / QLoRA / full):
@@ -92,7 +93,8 @@ class Case:
     torch_compile: bool = False
     bf16: bool = False  # bf16=True in the arguments (autocast)
     padding_free: bool = False  # SFT only: one row per micro-batch, positions restart per example
-    # the user's bf16 recipe: weights loaded in bf16 (QLoRA: bnb_4bit_compute_dtype bf16) + bf16=True
+    # the user's bf16 recipe: weights loaded in bf16 (QLoRA: bnb_4bit_compute_dtype bf16)
+    # + bf16=True
     weights_bf16: bool = False
 
     @property
@@ -110,12 +112,14 @@ class Case:
         return torch.bfloat16 if self.weights_bf16 else torch.float32
 
 
-# ----------------------------------------------------------------------------- data and the bare loop (pure torch)
+# ---------------------------------------------------------- data and the bare loop (pure torch)
 def make_examples(num_examples, vocab_size=VOCAB_SIZE, min_len=75, max_len=250, seed=0):
-    """Deterministic token sequences of min_len..max_len tokens ending in EOS, with labels = input_ids.
+    """Deterministic token sequences of min_len..max_len tokens ending in EOS; labels = input_ids.
 
-    Each token has four likely successors (a fixed random grammar), so the loss can fall; ids 0-2 are pad/bos/eos.
-    Walkthrough 2.1 | Mirrors: a pre-tokenized TRL dataset (input_ids present: _prepare_dataset is skipped)
+    Each token has four likely successors (a fixed random grammar), so the loss can fall; ids 0-2
+    are pad/bos/eos.
+    Walkthrough 2.1 | Mirrors: a pre-tokenized TRL dataset
+    (input_ids present: _prepare_dataset is skipped)
     """
     rng = random.Random(seed)
     successors = [[rng.randrange(3, vocab_size) for _ in range(4)] for _ in range(vocab_size)]
@@ -137,9 +141,10 @@ def make_examples(num_examples, vocab_size=VOCAB_SIZE, min_len=75, max_len=250, 
 
 
 def step_plan(num_examples, batch_size, grad_accum, steps, seed=42, epoch=0):
-    """Example indices per optimizer step, each a list of micro-batches: randperm(N, seed + epoch) sliced in order.
+    """Example indices per optimizer step, each a list of micro-batches: randperm(N, seed + epoch)
+    sliced in order.
 
-    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler (the order both Trainers use, hf-reference 1.3)
+    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler (the order both Trainers use)
     """
     order = torch.randperm(
         num_examples, generator=torch.Generator().manual_seed(seed + epoch)
@@ -148,8 +153,8 @@ def step_plan(num_examples, batch_size, grad_accum, steps, seed=42, epoch=0):
     plan = [micro[i : i + grad_accum] for i in range(0, len(micro), grad_accum)]
     if len(plan) < steps:
         raise ValueError(
-            f"step_plan: {num_examples} examples give {len(plan)} steps of {batch_size}x{grad_accum}, "
-            f"fewer than steps={steps}; pass more examples"
+            f"step_plan: {num_examples} examples give {len(plan)} steps of "
+            f"{batch_size}x{grad_accum}, fewer than steps={steps}; pass more examples"
         )
     return plan[:steps]
 
@@ -175,9 +180,10 @@ def tokens_per_step(rows, plan):
 
 
 def next_token_loss(logits, labels, num_items_in_batch):
-    """Σ -log p(label[t+1] | ..t) over supervised positions (fp32), / the accumulation window's token count.
-    Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss with num_items_in_batch (hf-reference 1.8)"""
-    # shift the labels, not the logits: a (B, T, V) view instead of a sliced copy; the last position gets -100
+    """Σ -log p(label[t+1] | ..t) over supervised positions (fp32), / the window's token count.
+    Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss with num_items_in_batch"""
+    # shift the labels, not the logits: a (B, T, V) view instead of a sliced copy;
+    # the last position gets -100
     targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)
     loss = F.cross_entropy(
         logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
@@ -186,7 +192,8 @@ def next_token_loss(logits, labels, num_items_in_batch):
 
 
 def bare_loop(model, rows, plan, opts, bf16=False):
-    """The framework-free floor: collate, forward, loss / window tokens, backward, clip, fused AdamW, linear decay.
+    """The framework-free floor: collate, forward, loss / window tokens, backward, clip, fused
+    AdamW, linear decay.
 
     Returns the per-step losses (the sum of the micro-batch losses, as the trainers log them).
     Walkthrough 2.3 - 2.5 | Mirrors: custom-training-loop.md (the loop with no Trainer)
@@ -228,7 +235,8 @@ def bare_loop(model, rows, plan, opts, bf16=False):
 
 # ----------------------------------------------------------------------------- measurement
 class StepClock:
-    """Timestamps every optimizer.step() of any optimizer (a global post-step hook), whatever stack drives it."""
+    """Timestamps every optimizer.step() of any optimizer (a global post-step hook), whatever
+    stack drives it."""
 
     def __enter__(self):
         self.times, self.cpu_times = [], []
@@ -254,9 +262,11 @@ def _proc_status_kib(field):
 
 
 class PeakMemory:
-    """Peak memory above the level at entry, in MiB: CUDA max_memory_allocated, else peak RSS (VmHWM reset).
+    """Peak memory above the level at entry, in MiB: CUDA max_memory_allocated, else peak RSS
+    (VmHWM reset).
 
-    On Linux the RSS high-water mark is reset by writing 5 to /proc/self/clear_refs, so the peak is exact and free.
+    On Linux the RSS high-water mark is reset by writing 5 to /proc/self/clear_refs, so the peak is
+    exact and free.
     """
 
     def __init__(self, device):
@@ -326,13 +336,15 @@ def measure(train, fx, case, warmup):
 
 # ----------------------------------------------------------------------------- the shared fixture
 class Fixture:
-    """One size: the base weights, the examples, a tokenizer folder and the per-step token counts."""
+    """One size: the base weights, the examples, a tokenizer folder, the per-step token counts."""
 
     def __init__(self, size, opts, workdir):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         data = SIZE_DATA.get(size, {})
-        opts = dataclasses.replace(opts, **{k: data[k] for k in ("batch_size", "grad_accum") if k in data})
+        opts = dataclasses.replace(
+            opts, **{k: data[k] for k in ("batch_size", "grad_accum") if k in data}
+        )
         self.size, self.opts, self.workdir = size, opts, workdir
         shape = {"vocab_size": VOCAB_SIZE, "tie_word_embeddings": False, **SIZES[size]}
         self.hf_config = LlamaConfig(
@@ -353,13 +365,15 @@ class Fixture:
         num_examples = self.max_steps * opts.batch_size * opts.grad_accum
         lengths = {k: data[k] for k in ("min_len", "max_len") if k in data}
         self.rows = make_examples(num_examples, shape["vocab_size"], seed=1, **lengths)
-        self.plan = step_plan(len(self.rows), opts.batch_size, opts.grad_accum, self.max_steps, opts.seed)
+        self.plan = step_plan(
+            len(self.rows), opts.batch_size, opts.grad_accum, self.max_steps, opts.seed
+        )
         self.tokens = tokens_per_step(self.rows, self.plan)
         self.tokenizer_dir = _tokenizer_folder(workdir)
 
     def hf_model(self, quantized=False, dtype=torch.float32, attn_implementation="sdpa"):
-        """transformers LlamaForCausalLM with the shared weights in `dtype`; quantized: loaded through
-        BitsAndBytesConfig NF4 with that compute dtype (the user's from_pretrained recipe)."""
+        """transformers LlamaForCausalLM with the shared weights in `dtype`; quantized: loaded
+        through BitsAndBytesConfig NF4 with that compute dtype (the user's recipe)."""
         from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
         if quantized:
@@ -382,8 +396,8 @@ class Fixture:
         return model.to(self.opts.device, dtype)
 
     def nano_model(self, quantized=False, dtype=torch.float32):
-        """nanosft CausalLM with the shared weights in `dtype`; quantized: nanosft.nf4.quantize_model
-        with that compute dtype (lm_head kept)."""
+        """nanosft CausalLM with the shared weights in `dtype`; quantized:
+        nanosft.nf4.quantize_model with that compute dtype (lm_head kept)."""
         from nanosft import nf4
         from nanosft.model import CausalLM, ModelConfig
 
@@ -438,7 +452,9 @@ class Fixture:
         mean_len = statistics.mean(len(r["input_ids"]) for r in self.rows)
         m = int(self.opts.batch_size * mean_len)
         layers, inter = c.num_hidden_layers, c.intermediate_size
-        shapes = [(d, d, 2), (d, kv, 2), (d, inter, 2), (inter, d, 1), (d, c.vocab_size, 1 / layers)]
+        shapes = [
+            (d, d, 2), (d, kv, 2), (d, inter, 2), (inter, d, 1), (d, c.vocab_size, 1 / layers)
+        ]
         out = []
         for k, n, count in shapes:
             out += [(m, k, n, count * layers), (m, n, k, count * layers)]
@@ -468,7 +484,8 @@ def calibrate_matmul(fx, dtype, device, repeats=3):
 
 
 def _tokenizer_folder(workdir):
-    """A tiny BPE (pad = <|endoftext|> = id 0) saved as an HF folder: both SFT trainers need a processing_class."""
+    """A tiny BPE (pad = <|endoftext|> = id 0) saved as an HF folder: both SFT trainers need
+    a processing_class."""
     from nanosft.tokenizer import Tokenizer
 
     folder = os.path.join(workdir, "tokenizer")
@@ -512,7 +529,8 @@ def _logged_losses(log_history):
 
 
 def _cast_adapters_bf16(model):
-    """TRL's QLoRA step: trainable params except DoRA magnitudes become bf16 (hf-reference 4.1 step 6)."""
+    """TRL's QLoRA step: trainable params except DoRA magnitudes become bf16, as trl
+    SFTTrainer.__init__ casts them when the base is quantized."""
     for name, p in model.named_parameters():
         if p.requires_grad and "lora_magnitude_vector" not in name:
             p.data = p.data.to(torch.bfloat16)
@@ -567,7 +585,8 @@ def run_reference(fx, case, workdir, attn_implementation="sdpa"):
 
 
 def run_nanosft(fx, case, workdir):
-    """nanosft Trainer (full) or nanosft SFTTrainer + LoRA / DoRA / QLoRA (nanosft.nf4 over bitsandbytes)."""
+    """nanosft Trainer (full) or nanosft SFTTrainer + LoRA / DoRA / QLoRA
+    (nanosft.nf4 over bitsandbytes)."""
     from nanosft.args import SFTConfig, TrainingArguments
     from nanosft.collator import DataCollatorForLanguageModeling
     from nanosft.peft import LoraConfig
@@ -702,10 +721,12 @@ def build_cases(modes, extras):
 def run_all(
     sizes, cases, opts, reps, bare, workdir, only=None, extras_sizes=None, on_rep=None, log=print
 ):
-    """Every (size, case, stack) `reps` times, interleaved: each repetition alternates which stack goes first.
+    """Every (size, case, stack) `reps` times, interleaved: each repetition alternates which
+    stack goes first.
 
-    `only`: stack names to run (e.g. {"nano"} under a sampling profiler); `extras_sizes`: sizes that also run the
-    switch cases (default: all); `on_rep(results)` is called after each size of each repetition (partial results on disk).
+    `only`: stack names to run (e.g. {"nano"} under a sampling profiler); `extras_sizes`: sizes that
+    also run the switch cases (default: all); `on_rep(results)` is called after each size of each
+    repetition (partial results on disk).
     """
     results, fixtures = {}, {}  # (size, case name, stack) -> [Run]; size -> Fixture
     for rep in range(
@@ -723,10 +744,12 @@ def run_all(
                     run = STACKS[stack](fx, case, workdir)
                     results.setdefault((size, case.name, stack), []).append(run)
                     log(
-                        f"[{size} rep {rep} {case.name:14s} {stack:9s}] {run.tokens_per_s:8.0f} tok/s  "
+                        f"[{size} rep {rep} {case.name:14s} {stack:9s}] "
+                        f"{run.tokens_per_s:8.0f} tok/s  "
                         f"{run.tokens_per_cpu_s:8.0f} tok/cpu-s  "
-                        f"{statistics.median(run.step_times):.3f} s/step  peak {run.peak_mib:7.1f} MiB  "
-                        f"wall {run.wall_s:5.1f} s  loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}"
+                        f"{statistics.median(run.step_times):.3f} s/step  "
+                        f"peak {run.peak_mib:7.1f} MiB  wall {run.wall_s:5.1f} s  "
+                        f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}"
                     )
                     gc.collect()
             if on_rep is not None:
@@ -755,8 +778,9 @@ def _max_dloss(a, b):
 
 
 def summarize(results, sizes, cases, bare):
-    """One row per (size, case): medians over repetitions, ratios nanosft / reference and / bare loops, and for
-    the switches (gc, compile, bf16, padfree) nanosft against its own plain fp32 LoRA run."""
+    """One row per (size, case): medians over repetitions, ratios nanosft / reference and / bare
+    loops, and for the switches (gc, compile, bf16, padfree) nanosft against its own plain fp32
+    LoRA run."""
     rows = []
     for size in sizes:
         plain_lora = results.get((size, "lora", "nano"))
@@ -791,7 +815,8 @@ def summarize(results, sizes, cases, bare):
             if ref and plain_ref and case.name != "lora" and case.mode == "lora":
                 base = _median_run(plain_ref)
                 row["ref_vs_plain"] = (
-                    f"{ref['tok_s'] / base['tok_s']:.2f} ({ref['tok_cpu_s'] / base['tok_cpu_s']:.2f})"
+                    f"{ref['tok_s'] / base['tok_s']:.2f} "
+                    f"({ref['tok_cpu_s'] / base['tok_cpu_s']:.2f})"
                 )
                 row["ref_peak_vs_plain"] = f"{ref['peak'] - base['peak']:+.0f}"
             rows.append(row)
@@ -812,7 +837,8 @@ def _ratio_cell(row, key):
 
 
 def table(rows, bare):
-    """Markdown table: speeds (wall clock), the ratios by wall clock and by CPU time, s/step, peak memory, dloss."""
+    """Markdown table: speeds (wall clock), the ratios by wall clock and by CPU time, s/step,
+    peak memory, dloss."""
     head = [
         "size",
         "case",
@@ -853,8 +879,9 @@ def switch_table(rows):
         return "(no switch was run beside a plain LoRA run)"
     lines = [
         (
-            "| size | switch | nanosft tok/s vs plain LoRA (cpu) | nanosft peak MiB change | max abs dloss vs plain "
-            "| reference tok/s vs its plain LoRA (cpu) | reference peak MiB change |"
+            "| size | switch | nanosft tok/s vs plain LoRA (cpu) | nanosft peak MiB change "
+            "| max abs dloss vs plain | reference tok/s vs its plain LoRA (cpu) "
+            "| reference peak MiB change |"
         ),
         "|---|---|---|---|---|---|---|",
     ]
@@ -862,8 +889,8 @@ def switch_table(rows):
         if "vs_plain" in r:
             lines.append(
                 f"| {r['size']} | {r['case']} | {r['vs_plain']:.2f} ({r['vs_plain_cpu']:.2f}) | "
-                f"{r['peak_vs_plain']:+.0f} | {r['dloss_plain']:.1e} | {r.get('ref_vs_plain', '-')} | "
-                f"{r.get('ref_peak_vs_plain', '-')} |"
+                f"{r['peak_vs_plain']:+.0f} | {r['dloss_plain']:.1e} | "
+                f"{r.get('ref_vs_plain', '-')} | {r.get('ref_peak_vs_plain', '-')} |"
             )
     return "\n".join(lines)
 
@@ -984,8 +1011,8 @@ def render_real(results, calibration, fx, info, command, started, finished, note
         "GFLOP/s: model FLOPs, 6N per token for full fine-tuning and 4N for a frozen base (plus 6 "
         "per LoRA weight), plus causal attention, over the timed steps; % matmul: that rate over "
         "the calibration of the case's dtype. vs own fp32: nanosft bf16 over nanosft fp32 tok/s. "
-        "peak MiB: peak RSS (CPU) or max_memory_allocated (CUDA) above the level at train()'s start. "
-        "max dloss ref-ref(eager): the reference against itself with eager instead of SDPA "
+        "peak MiB: peak RSS (CPU) or max_memory_allocated (CUDA) above the level at train()'s "
+        "start. max dloss ref-ref(eager): the reference against itself with eager instead of SDPA "
         "attention, the yardstick for nanosft's bf16 difference.",
     ]
     if notes:
@@ -1003,7 +1030,8 @@ def render_results(rows, bare, info_before, info_after, command, opts, started, 
         "",
         (
             f"Run {started} to {finished} UTC. Machine: {info['cpu']}, {info['cores']} cores "
-            f"(torch threads {info['torch_threads']}), AVX512-BF16 {'yes' if info['avx512_bf16'] else 'no'}, "
+            f"(torch threads {info['torch_threads']}), "
+            f"AVX512-BF16 {'yes' if info['avx512_bf16'] else 'no'}, "
             f"AMX-BF16 {'yes' if info['amx_bf16'] else 'no'}. Load average at start "
             f"{', '.join(f'{x:.1f}' for x in info_before['loadavg'])}, at end "
             f"{', '.join(f'{x:.1f}' for x in info_after['loadavg'])}."
@@ -1016,24 +1044,27 @@ def render_results(rows, bare, info_before, info_after, command, opts, started, 
         + f", nanosft at commit {info['nanosft_commit']}.",
         "",
         (
-            f"Set-up: fp32 unless the case says bf16; batch {opts.batch_size} x accumulation {opts.grad_accum}; "
-            f"{opts.warmup} warmup + {opts.steps} timed optimizer steps; lr {opts.learning_rate}, linear decay, "
-            f"max_grad_norm {opts.max_grad_norm}; LoRA r={opts.lora_r} alpha={opts.lora_alpha} on {', '.join(LORA_TARGETS)}; "
-            f"vocab {VOCAB_SIZE}, sequences 75-250 tokens, right-padded per micro-batch on every stack except the "
-            "padfree rows (padding_free=True on both SFT trainers); logging every step on every stack; trainer "
-            "output sent to /dev/null."
+            f"Set-up: fp32 unless the case says bf16; batch {opts.batch_size} x accumulation "
+            f"{opts.grad_accum}; {opts.warmup} warmup + {opts.steps} timed optimizer steps; lr "
+            f"{opts.learning_rate}, linear decay, max_grad_norm {opts.max_grad_norm}; LoRA "
+            f"r={opts.lora_r} alpha={opts.lora_alpha} on {', '.join(LORA_TARGETS)}; vocab "
+            f"{VOCAB_SIZE}, sequences 75-250 tokens, right-padded per micro-batch on every stack "
+            "except the padfree rows (padding_free=True on both SFT trainers); logging every "
+            "step on every stack; trainer output sent to /dev/null."
         ),
         "",
         table(rows, bare),
         "",
         (
-            "tok/s: non-pad tokens per second of wall clock over the timed steps (median over repetitions). "
-            "Ratios are by wall clock, and in parentheses by tokens per CPU-second of the benchmark process, which "
-            "other processes on a shared machine disturb less. s/step: median seconds per optimizer step after "
-            "warmup. peak MiB: peak RSS above the level at the start of train() (CPU; in-process, so allocator reuse "
-            "between runs blurs it by tens of MiB) or max_memory_allocated (CUDA). max abs dloss: largest per-step "
-            "difference of the logged loss, nanosft against the reference. bare-hf: a plain PyTorch loop over the "
-            "reference model (+ peft adapters); bare-nano: the same loop over nanosft's model (+ nanosft adapters)."
+            "tok/s: non-pad tokens per second of wall clock over the timed steps (median over "
+            "repetitions). Ratios are by wall clock, and in parentheses by tokens per CPU-second "
+            "of the benchmark process, which other processes on a shared machine disturb less. "
+            "s/step: median seconds per optimizer step after warmup. peak MiB: peak RSS above "
+            "the level at the start of train() (CPU; in-process, so allocator reuse between runs "
+            "blurs it by tens of MiB) or max_memory_allocated (CUDA). max abs dloss: largest "
+            "per-step difference of the logged loss, nanosft against the reference. bare-hf: a "
+            "plain PyTorch loop over the reference model (+ peft adapters); bare-nano: the same "
+            "loop over nanosft's model (+ nanosft adapters)."
         ),
         "",
         "Switches, nanosft against its own plain fp32 LoRA run of the same size:",
@@ -1065,7 +1096,8 @@ def run_real(opts, reps, workdir, modes=REAL_MODES, only=None, on_rep=None, log=
     calibration = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         calibration[name] = calibrate_matmul(fx, dtype, opts.device)
-        log(f"matmul calibration {name}: {calibration[name]:.1f} GFLOP/s at the model's GEMM shapes")
+        log(f"matmul calibration {name}: {calibration[name]:.1f} GFLOP/s "
+            "at the model's GEMM shapes")
     results = {}
     for rep in range(reps):
         for case in real_cases(modes):
@@ -1074,9 +1106,11 @@ def run_real(opts, reps, workdir, modes=REAL_MODES, only=None, on_rep=None, log=
             for stack in stacks if rep % 2 == 0 else stacks[::-1]:
                 run = STACKS[stack](fx, case, workdir)
                 results.setdefault((REAL_SIZE, case.name, stack), []).append(run)
-                log(f"[{REAL_SIZE} rep {rep} {case.name:12s} {stack:9s}] {run.tokens_per_s:7.0f} tok/s "
+                log(f"[{REAL_SIZE} rep {rep} {case.name:12s} {stack:9s}] "
+                    f"{run.tokens_per_s:7.0f} tok/s "
                     f"{run.gflops:7.1f} GFLOP/s  {statistics.median(run.step_times):.2f} s/step  "
-                    f"peak {run.peak_mib:7.1f} MiB  loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}")
+                    f"peak {run.peak_mib:7.1f} MiB  "
+                    f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}")
                 gc.collect()
         if on_rep is not None:
             on_rep(results, calibration, fx)
@@ -1104,8 +1138,10 @@ def real_table(results, calibration, modes=REAL_MODES):
                  f"{nano.tokens_per_s / ref.tokens_per_s:.2f}",
                  f"{nano.gflops:.1f} ({100 * nano.gflops / cal:.0f}%)",
                  f"{ref.gflops:.1f} ({100 * ref.gflops / cal:.0f}%)",
-                 f"{nano.tokens_per_s / fp32.tokens_per_s:.2f}" if fp32 and case.weights_bf16 else "-",
-                 f"{nano.peak_mib:.0f}", f"{ref.peak_mib:.0f}", f"{nano.peak_mib / ref.peak_mib:.2f}",
+                 (f"{nano.tokens_per_s / fp32.tokens_per_s:.2f}"
+                  if fp32 and case.weights_bf16 else "-"),
+                 f"{nano.peak_mib:.0f}", f"{ref.peak_mib:.0f}",
+                 f"{nano.peak_mib / ref.peak_mib:.2f}",
                  f"{_max_dloss(nano.losses, ref.losses):.1e}",
                  f"{_max_dloss(eager.losses, ref.losses):.1e}" if eager else "-"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -1121,7 +1157,8 @@ def profile(fx, case, stack, workdir, top=25):
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         run = STACKS[stack](fx, case, workdir)
     print(
-        f"{stack} {case.name}: {run.tokens_per_s:.0f} tok/s, {statistics.median(run.step_times):.3f} s/step"
+        f"{stack} {case.name}: {run.tokens_per_s:.0f} tok/s, "
+        f"{statistics.median(run.step_times):.3f} s/step"
     )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
     return run
@@ -1167,13 +1204,14 @@ def parse_args(argv=None):
         "--out", default=None, help="results file (default benchmarks/RESULTS.md; not with --quick)"
     )
     p.add_argument("--real", action="store_true",
-                   help=f"the real-size case ({REAL_SIZE} shapes): LoRA, QLoRA, full in fp32 and bf16")
+                   help=f"the real-size case ({REAL_SIZE} shapes): "
+                        "LoRA, QLoRA, full in fp32 and bf16")
     p.add_argument("--real-modes", default=",".join(REAL_MODES), help="modes of the real-size case")
     return p.parse_args(argv)
 
 
 def main(argv=None):
-    """Run the interleaved benchmark (or one profile) and write RESULTS.md after every repetition."""
+    """Run the interleaved benchmark (or one profile); write RESULTS.md after every repetition."""
     args = parse_args(argv)
     if args.quick:
         args.sizes, args.steps, args.warmup, args.reps = "small", 3, 1, 1

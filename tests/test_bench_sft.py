@@ -1,9 +1,11 @@
-"""The benchmark's pure functions are right: its bare PyTorch loop and nanosft's Trainer log the same per-step losses.
+"""The benchmark's pure functions are right: its bare PyTorch loop and nanosft's Trainer log
+the same per-step losses.
 
-benchmarks/bench_sft.py compares speeds, which only means something if every stack trains on the same batches with
-the same numerics. Here the bare loop (its own collator, loss and AdamW) and nanosft.trainer.Trainer run 3 steps on
-a tiny model built in-process (hidden 32, 2 layers, vocab 128) and must agree step by step; a different data seed is
-the negative control. No timing is asserted. Hermetic: no network, no files outside tmp_path, fixed seeds.
+benchmarks/bench_sft.py compares speeds, which only means something if every stack trains on the
+same batches with the same numerics. Here the bare loop (its own collator, loss and AdamW) and
+nanosft.trainer.Trainer run 3 steps on a tiny model built in-process (hidden 32, 2 layers, vocab
+128) and must agree step by step; a different data seed is the negative control. No timing is
+asserted. Hermetic: no network, no files outside tmp_path, fixed seeds.
 Run: python -m pytest -q tests/test_bench_sft.py
 """
 
@@ -15,7 +17,8 @@ import torch
 
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.model import CausalLM, ModelConfig
-from nanosft.trainer import SeedableBatchSampler, Trainer
+from nanosft.trainer import Trainer
+from nanosft.trainer_utils import SeedableBatchSampler
 
 BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_sft.py")
 
@@ -33,8 +36,9 @@ VOCAB, BATCH, GA, STEPS = 128, 4, 2, 3
 
 def _tiny_model():
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, pad_token_id=bench.PAD_ID)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                         pad_token_id=bench.PAD_ID)
     return CausalLM(config)
 
 
@@ -43,7 +47,8 @@ def _rows():
 
 
 def _trainer_losses(model, rows, tmp_path, seed):
-    opts = bench.Options(steps=STEPS, warmup=0, batch_size=BATCH, grad_accum=GA, learning_rate=1e-2, seed=seed)
+    opts = bench.Options(steps=STEPS, warmup=0, batch_size=BATCH, grad_accum=GA,
+                         learning_rate=1e-2, seed=seed)
     kwargs = bench._trainer_kwargs(bench.Case("full"), opts, STEPS, str(tmp_path))
     from nanosft.args import TrainingArguments
 
@@ -79,9 +84,11 @@ def test_collate_padded_matches_nanosft_collator():
 def test_bare_loop_and_nanosft_trainer_log_the_same_losses(tmp_path):
     rows = _rows()
     opts = bench.Options(steps=STEPS, warmup=0, batch_size=BATCH, grad_accum=GA, learning_rate=1e-2)
-    bare = bench.bare_loop(_tiny_model(), rows, bench.step_plan(len(rows), BATCH, GA, STEPS, seed=42), opts)
+    plan = bench.step_plan(len(rows), BATCH, GA, STEPS, seed=42)
+    bare = bench.bare_loop(_tiny_model(), rows, plan, opts)
     trained = _trainer_losses(_tiny_model(), rows, tmp_path, seed=42)
-    # fp32, same ops in a different summation order (sliced vs padded shift); 3 steps of lr 1e-2 keep it < 1e-5
+    # fp32, same ops in a different summation order (sliced vs padded shift);
+    # 3 steps of lr 1e-2 keep it < 1e-5
     torch.testing.assert_close(torch.tensor(bare), torch.tensor(trained), rtol=0, atol=1e-5)
     assert bare[-1] < bare[0]  # the steps did train (the lr is not a no-op)
 
@@ -89,7 +96,8 @@ def test_bare_loop_and_nanosft_trainer_log_the_same_losses(tmp_path):
 def test_negative_control_another_data_order_differs(tmp_path):
     rows = _rows()
     opts = bench.Options(steps=STEPS, warmup=0, batch_size=BATCH, grad_accum=GA, learning_rate=1e-2)
-    bare = bench.bare_loop(_tiny_model(), rows, bench.step_plan(len(rows), BATCH, GA, STEPS, seed=42), opts)
+    plan = bench.step_plan(len(rows), BATCH, GA, STEPS, seed=42)
+    bare = bench.bare_loop(_tiny_model(), rows, plan, opts)
     other = _trainer_losses(_tiny_model(), rows, tmp_path, seed=43)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(torch.tensor(bare), torch.tensor(other), rtol=0, atol=1e-5)

@@ -61,15 +61,18 @@ def test_bos_token_is_prepended_only_with_special_tokens():
     bos = tok.token_to_id("<s>")
     assert tok.bos_token_id == bos
     assert tok.encode("fox") == [bos] + tok.encode("fox", add_special_tokens=False)
-    assert bos not in tok.apply_chat_template(CHAT)  # chat templates tokenize without special tokens
+    # chat templates tokenize without special tokens
+    assert bos not in tok.apply_chat_template(CHAT)
 
 
 def test_round_trip_of_arbitrary_unicode(tok):
     rng = random.Random(0)
-    planes = [(0x20, 0x7F), (0xA0, 0x2FF), (0x400, 0x4FF), (0x4E00, 0x4FFF), (0x1F600, 0x1F64F), (0, 0x20)]
+    planes = [(0x20, 0x7F), (0xA0, 0x2FF), (0x400, 0x4FF), (0x4E00, 0x4FFF), (0x1F600, 0x1F64F),
+              (0, 0x20)]
     texts = ["", " ", "  leading and trailing  ", "tab\tnewline\n\r\nnul\x00", "e\u0301 combining"]
     for _ in range(40):
-        texts.append("".join(chr(rng.randint(*rng.choice(planes))) for _ in range(rng.randint(1, 30))))
+        length = rng.randint(1, 30)
+        texts.append("".join(chr(rng.randint(*rng.choice(planes))) for _ in range(length)))
     for text in texts:
         assert tok.decode(tok.encode(text)) == text, repr(text)
 
@@ -146,14 +149,16 @@ def test_jinja_chatml_template_renders_like_the_builtin(add_generation_prompt):
     pytest.importorskip("jinja2")
     for chat in (CHAT, CHAT[:2], [{"role": "tool", "content": "{\"x\": 1}\n  indented"}]):
         ours = render_chatml(chat, add_generation_prompt)
-        jinja = render_jinja_template(CHATML_TEMPLATE, chat, add_generation_prompt, eos_token="<|im_end|>")
+        jinja = render_jinja_template(CHATML_TEMPLATE, chat, add_generation_prompt,
+                                      eos_token="<|im_end|>")
         assert jinja == ours
 
 
 def test_folder_with_its_own_jinja_template(tok, tmp_path):
     jinja2 = pytest.importorskip("jinja2")
     template = ("{{ bos_token }}{% for m in messages %}\n"
-                "    {% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}\n"
+                "    {% if m.role == 'system' %}"
+                "{{ raise_exception('no system role') }}{% endif %}\n"
                 "[{{ m.role }}] {{ m.content }}{{ eos_token }}\n"
                 "{% endfor %}\n"
                 "{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -174,7 +179,8 @@ def test_legacy_chat_template_key_in_tokenizer_config(tok, tmp_path):
     tok.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink()
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = [{"name": "default", "template": CHATML_TEMPLATE}, {"name": "rag", "template": "x"}]
+    config["chat_template"] = [{"name": "default", "template": CHATML_TEMPLATE},
+                               {"name": "rag", "template": "x"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert Tokenizer.from_pretrained(tmp_path).chat_template == CHATML_TEMPLATE
     config["chat_template"] = "{{ messages[0].content }}"
@@ -192,7 +198,8 @@ def test_added_tokens_decoder_adds_missing_tokens_and_config_add_bos_is_ignored(
     config.update(bos_token="<tool>", add_bos_token=True)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     loaded = Tokenizer.from_pretrained(tmp_path)
-    assert loaded.token_to_id("<tool>") == new_id == loaded.bos_token_id and len(loaded) == len(tok) + 1
+    assert loaded.token_to_id("<tool>") == new_id == loaded.bos_token_id
+    assert len(loaded) == len(tok) + 1
     assert loaded.encode("a<tool>b") == tok.encode("a") + [new_id] + tok.encode("b")
 
 
@@ -221,7 +228,8 @@ def test_special_token_not_in_vocabulary(tok, tmp_path):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["eos_token"] = {"content": "</s>"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token '</s>' is not in the vocabulary"):
+    with pytest.raises(ValueError,
+                       match=r"tokenizer_config\.json: eos_token '</s>' is not in the vocabulary"):
         Tokenizer.from_pretrained(tmp_path)
 
 
@@ -239,7 +247,8 @@ def test_added_tokens_decoder_id_mismatch(tok, tmp_path):
     (["hi"], TypeError, r"messages\[0\] must be a dict"),
     ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], ValueError,
      r"messages\[1\]\['role'\] is 'bot'"),
-    ([{"role": "user", "content": ["a", "b"]}], TypeError, r"messages\[0\]\['content'\] must be a str"),
+    ([{"role": "user", "content": ["a", "b"]}], TypeError,
+     r"messages\[0\]\['content'\] must be a str"),
     ([{"role": "user"}], TypeError, r"messages\[0\]\['content'\] must be a str, got NoneType"),
 ])
 def test_bad_messages_name_index_and_field(tok, messages, error, pattern):
@@ -258,7 +267,8 @@ def test_no_chat_template_and_chatml_without_its_tokens(tok):
     bare = Tokenizer(tok.backend, eos_token="<|im_end|>")
     with pytest.raises(ValueError, match="no chat template; fix: set tokenizer.chat_template"):
         bare.render_chat(CHAT)
-    other = Tokenizer.train(CORPUS, 300, special_tokens=["<s>", "</s>"], pad_token=None, eos_token="</s>")
+    other = Tokenizer.train(CORPUS, 300, special_tokens=["<s>", "</s>"], pad_token=None,
+                            eos_token="</s>")
     with pytest.raises(ValueError, match=r"ChatML template needs '<\|im_start\|>'"):
         other.render_chat(CHAT)
 
@@ -269,6 +279,7 @@ def test_missing_jinja2_is_a_clear_import_error(tok, monkeypatch):
     try:
         with pytest.raises(ImportError, match="pip install jinja2"):
             render_jinja_template("{{ messages }}", CHAT)
-        assert tok.render_chat(CHAT).startswith("<|im_start|>system\n")  # the built-in needs no jinja2
+        # the built-in needs no jinja2
+        assert tok.render_chat(CHAT).startswith("<|im_start|>system\n")
     finally:
         tokmod._compile_jinja_template.cache_clear()

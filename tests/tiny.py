@@ -1,8 +1,10 @@
-"""Tiny in-process pieces shared by the trainer-level tests: a seeded 2-layer Llama CausalLM and a one-thread fixture.
+"""Tiny in-process pieces shared by the trainer-level tests: a seeded 2-layer Llama CausalLM and
+a one-thread fixture.
 
-Not a test module (pytest collects test_*.py only). Test files import it as `from tiny import ...`: pytest puts
-tests/ on sys.path because tests/conftest.py lives there. Sizes stay within the hermetic-test budget
-(hidden <= 64, vocab <= 512, 2 layers); seeds are explicit, so a model is the same in every file that builds it.
+Not a test module (pytest collects test_*.py only). Test files import it as `from tiny import ...`:
+pytest puts tests/ on sys.path because tests/conftest.py lives there. Sizes stay within the
+hermetic-test budget (hidden <= 64, vocab <= 512, 2 layers); seeds are explicit, so a model is the
+same in every file that builds it.
 """
 
 import pytest
@@ -15,7 +17,7 @@ TINY_LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num
 
 
 def tiny_model(seed=0, **overrides) -> CausalLM:
-    """A CausalLM of TINY_LLAMA (fields overridable), initialised right after torch.manual_seed(seed)."""
+    """A CausalLM of TINY_LLAMA (fields overridable), initialised right after manual_seed(seed)."""
     torch.manual_seed(seed)
     return CausalLM(ModelConfig(**{**TINY_LLAMA, **overrides}))
 
