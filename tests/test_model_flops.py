@@ -1,5 +1,5 @@
-"""Model FLOPs, FLOP/s and MFU in the Trainer's logs and in the summaries of `nanosft train` and
-`nanosft demo`.
+"""Model FLOPs, FLOP/s and MFU in the Trainer's logs and in the summary of `nanosft train` (the
+demo's line: tests/test_cli.py).
 
 Compared: trainer_utils.model_flops on a live nanosft model (full fine-tuning, and LoRA on a frozen
 base) against the matmul FLOPs torch.utils.flop_counter.FlopCounterMode counts in one forward and
@@ -7,18 +7,22 @@ backward (SDPA forced onto its math path, so attention shows as bmm products; to
 whole T x T square, the formula its causal half); the documents of a padding-free row against the
 products the model's per-document attention runs; each logged train_model_flops_per_second against
 6N per token plus attention written out in the test from the config; mfu against
-train_model_flops_per_second over a passed peak_flops; the CLI's summary line. Negative controls:
-6N on a frozen base, and the padded length as one sequence, are other numbers. transformers'
-total_flos is compared in tests/parity/test_trainer_flops_parity.py. Hermetic: CPU, fp32, tiny
-models (hidden 32), the package's own tiny default model for the CLI.
+train_model_flops_per_second over a passed peak_flops; total_flos and model FLOPs of two DDP ranks
+(gloo, spawned on localhost) against one process seeing the same micro-batches; the CLI's summary
+line. Negative controls: 6N on a frozen base, and padded rows or a packed row as one sequence, are
+other numbers. transformers' total_flos is compared in tests/parity/test_trainer_flops_parity.py.
+Hermetic: CPU, fp32, tiny models (hidden 32), the package's own tiny default model for the CLI.
 Run: python -m pytest -q tests/test_model_flops.py
 """
 
 import json
+import os
 import re
+import socket
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from tiny import TINY_LLAMA, one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -27,6 +31,7 @@ from nanosft import demo
 from nanosft.args import TrainingArguments
 from nanosft.cli import main
 from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft.distributed import cleanup
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.trainer import Trainer
 from nanosft.trainer_callback import attention_shape, calibrate_matmul_flops, matmul_parameters
@@ -140,6 +145,42 @@ def test_logs_carry_model_flops_per_second_and_mfu_over_the_passed_peak(tmp_path
     achieved = trainer.reporter.model_flos / final["train_runtime"]
     assert final["train_model_flops_per_second"] == pytest.approx(achieved, rel=1e-6)
     assert final["mfu"] == pytest.approx(achieved / peak, rel=1e-6)
+
+
+def flops_of_run(output_dir, gradient_accumulation_steps):
+    """(state.total_flos, this call's model FLOPs) of one epoch at per-device batch 2."""
+    args = TrainingArguments(output_dir, per_device_train_batch_size=2, num_train_epochs=1,
+                             gradient_accumulation_steps=gradient_accumulation_steps,
+                             logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True,
+                             peak_flops=1e12)
+    trainer = Trainer(tiny_model(), args, train_dataset=rows(12),
+                      data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+    trainer.train()
+    return trainer.state.total_flos, trainer.reporter.model_flos
+
+
+def _ddp_worker(rank, port, output_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    flops = flops_of_run(output_dir, gradient_accumulation_steps=2)
+    torch.save(flops, os.path.join(output_dir, f"flops_{rank}.pt"))
+    cleanup()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(),
+                    reason="torch.distributed is not built in")
+def test_two_ranks_count_the_flops_of_one_process(tmp_path):
+    """Rank r trains global micro-batches r, r+2, ...: together the 6 micro-batches of batch 2 one
+    process sees (GA 2 x 2 ranks = GA 4), padded alike, so both sums are the one process's."""
+    single = flops_of_run(str(tmp_path / "single"), gradient_accumulation_steps=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"flops_{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0] == ranks[1] == single  # every rank holds the sum over ranks
+    assert single[0] > 0 and single[1] > 0
 
 
 def test_peak_is_calibrated_without_peak_flops_and_leaves_the_rng_alone(tmp_path):
