@@ -44,7 +44,8 @@ corpus = [
 tokenizer = Tokenizer.train(corpus, vocab_size=300)
 print(f"vocab size: {len(tokenizer)} (3 special + 256 bytes + {len(tokenizer) - 259} merges)")
 print(f"pad_token={tokenizer.pad_token!r} id {tokenizer.pad_token_id}, "
-      f"eos_token={tokenizer.eos_token!r} id {tokenizer.eos_token_id}, bos_token={tokenizer.bos_token}")
+      f"eos_token={tokenizer.eos_token!r} id {tokenizer.eos_token_id}, "
+      f"bos_token={tokenizer.bos_token}")
 text = "The cat sat on the log.<|im_end|>"
 ids = tokenizer.encode(text)
 print(f"encode({text!r}) -> {ids}")
@@ -79,19 +80,22 @@ assert trained_text == "Two plus two is four.<|im_end|>\n"
 
 # %%
 banner("Walkthrough 2.1 SFTTrainer.__init__: model (a tiny CausalLM)")
-config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                     bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=128, bos_token_id=None,
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 model = CausalLM(config)
 for name, tensor in model.state_dict().items():
     if ".layers.1." not in name:  # layer 1 repeats layer 0
         print(f"  {name:45s} {tuple(tensor.shape)}")
 n_params = model.num_parameters()
 print(f"parameters: {n_params:,}")
-V, C, L, I = config.vocab_size, config.hidden_size, config.num_hidden_layers, config.intermediate_size
+V, C = config.vocab_size, config.hidden_size
+L, I = config.num_hidden_layers, config.intermediate_size
 kv = config.num_key_value_heads * config.head_dim
 per_layer = C * C * 2 + C * kv * 2 + 3 * C * I + 2 * C  # q,o + k,v + gate,up,down + 2 norms
-assert n_params == 2 * V * C + L * per_layer + C  # embeddings + lm_head (untied) + layers + final norm
+# embeddings + lm_head (untied) + layers + final norm
+assert n_params == 2 * V * C + L * per_layer + C
 
 # %% [markdown]
 # ## outputs = model(**inputs), loss = outputs["loss"]
@@ -111,7 +115,8 @@ with torch.no_grad():
     outputs = model(**inputs)
 print(f"logits shape: {tuple(outputs.logits.shape)}  (B, T, V)")
 loss = outputs["loss"]
-print(f"loss: {loss.item():.4f}   ln(vocab_size) = {math.log(V):.4f} (an untrained model guesses uniformly)")
+print(f"loss: {loss.item():.4f}   ln(vocab_size) = {math.log(V):.4f} "
+      "(an untrained model guesses uniformly)")
 assert outputs.logits.shape == (1, len(input_ids), V)
 # The same number by hand: predict token t+1 from position t, average over the labelled targets.
 by_hand = F.cross_entropy(outputs.logits[0, :-1], inputs["labels"][0, 1:], ignore_index=-100)
