@@ -1,17 +1,22 @@
 """Tutorial 02: SFTTrainer.__init__, everything that happens before train() (walkthrough 2.1).
 
-The walkthrough shows only the last line, `super().__init__(model=model, args=args, data_collator=...,
-train_dataset=..., processing_class=...)`. Before it TRL 1.16 (and nanosft.sft) makes the SFTConfig, seeds,
-wraps the model with LoRA (casting the adapters to bf16 over a 4-bit base), chooses the collator (padded or
-padding-free), and prepares the dataset: tokenize, append EOS, build labels with -100 on what is not trained,
-truncate or pack. We build three tiny datasets (text, prompt/completion, messages), print the prepared rows
-and the collator's batches, and compare the rows with TRL's own SFTTrainer when it is installed.
+The walkthrough shows only the last line:
+    super().__init__(model=model, args=args, data_collator=..., train_dataset=...,
+                     processing_class=...)
+Before it TRL 1.16 (and nanosft.sft) makes the SFTConfig, seeds, wraps the model with LoRA (casting
+the adapters to bf16 over a 4-bit base), chooses the collator (padded or padding-free), and prepares
+the dataset: tokenize, append EOS, build labels with -100 on what is not trained, truncate or pack.
+We build three tiny datasets (text, prompt/completion, messages), print the prepared rows and the
+collator's batches, and compare the rows with TRL's own SFTTrainer when it is installed.
 Run:      python tutorials/02_sfttrainer_init.py
 Runtime:  about 8 s on one CPU core with trl installed (importing it is a third), 5 s without.
 You should see:
-  - SFTConfig's defaults that differ from TrainingArguments (learning_rate 2e-05, logging_steps 10, ...);
-  - LoRA names under base_model.model..., lora_A in bfloat16 over Linear4bit, the DoRA magnitude in float32;
-  - for each format, the rows with the trained tokens marked, and the collator chosen (padding_free or not);
+  - SFTConfig's defaults that differ from TrainingArguments (learning_rate 2e-05,
+    logging_steps 10, ...);
+  - LoRA names under base_model.model..., lora_A in bfloat16 over Linear4bit, the DoRA magnitude
+    in float32;
+  - for each format, the rows with the trained tokens marked, and the collator chosen
+    (padding_free or not);
   - "TRL rows == nanosft rows: True" when trl is installed, and "OK: walkthrough 2.1 checked".
 """
 
@@ -60,8 +65,8 @@ def tiny_model(quantized=False):
 
 
 def config(**overrides):
-    return SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", disable_tqdm=True,
-                     save_strategy="no", **overrides)
+    return SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none",
+                     disable_tqdm=True, save_strategy="no", **overrides)
 
 
 def show_row(row):
@@ -72,39 +77,49 @@ def show_row(row):
 
 # %% [markdown]
 # ## args: SFTConfig
-# TRL's config is TrainingArguments plus dataset options, with a few defaults changed for fine-tuning.
+# TRL's config is TrainingArguments plus dataset options, with a few defaults changed
+# for fine-tuning.
 
 # %%
 banner("2.1 SFTTrainer.__init__: args=SFTConfig(...)")
-sft_args, plain_args = SFTConfig(output_dir=tempfile.mkdtemp()), TrainingArguments(output_dir=tempfile.mkdtemp())
+sft_args = SFTConfig(output_dir=tempfile.mkdtemp())
+plain_args = TrainingArguments(output_dir=tempfile.mkdtemp())
 for name in ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16"):
-    print(f"  {name:24s} SFTConfig {getattr(sft_args, name)!s:6s} TrainingArguments {getattr(plain_args, name)}")
+    print(f"  {name:24s} SFTConfig {getattr(sft_args, name)!s:6s} "
+          f"TrainingArguments {getattr(plain_args, name)}")
 print(f"  SFT-only fields: max_length={sft_args.max_length}, packing={sft_args.packing}, "
-      f"completion_only_loss={sft_args.completion_only_loss}, assistant_only_loss={sft_args.assistant_only_loss}")
-assert (sft_args.learning_rate, sft_args.logging_steps, sft_args.gradient_checkpointing) == (2e-5, 10, True)
+      f"completion_only_loss={sft_args.completion_only_loss}, "
+      f"assistant_only_loss={sft_args.assistant_only_loss}")
+assert sft_args.learning_rate == 2e-5 and sft_args.logging_steps == 10
+assert sft_args.gradient_checkpointing is True
 assert sft_args.bf16 is True and plain_args.bf16 is False and sft_args.max_length == 1024
 
 # %% [markdown]
 # ## model: set_seed, get_peft_model, the QLoRA cast
-# With a peft_config the model is wrapped in a PeftModelForCausalLM. Over a 4-bit base, every trainable
-# parameter except DoRA's magnitude vector is cast to bfloat16. With gradient checkpointing on, the input
-# embeddings get a hook making their output require grad (the frozen base would otherwise cut the graph).
+# With a peft_config the model is wrapped in a PeftModelForCausalLM. Over a 4-bit base, every
+# trainable parameter except DoRA's magnitude vector is cast to bfloat16. With gradient
+# checkpointing on, the input embeddings get a hook making their output require grad (the frozen
+# base would otherwise cut the graph).
 
 # %%
 banner("2.1 SFTTrainer.__init__: peft_config -> get_peft_model(model, peft_config)")
-qlora = SFTTrainer(tiny_model(quantized=True), config(), train_dataset=DATASETS["prompt_completion"],
-                   processing_class=tokenizer,
-                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True))
+dora_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True)
+qlora = SFTTrainer(tiny_model(quantized=True), config(),
+                   train_dataset=DATASETS["prompt_completion"], processing_class=tokenizer,
+                   peft_config=dora_config)
 peft_model = qlora.model
 layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
 trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
 for name, param in trainable[:3]:
     print(f"  {name:70s} {param.dtype!s:15s} {tuple(param.shape)}")
-print(f"  ... {len(trainable)} trainable tensors; base layer of q_proj: {type(layer.base_layer).__name__}")
+print(f"  ... {len(trainable)} trainable tensors; "
+      f"base layer of q_proj: {type(layer.base_layer).__name__}")
 with torch.no_grad():
     embedded = peft_model.get_base_model().get_input_embeddings()(torch.tensor([[1, 2]]))
-print(f"gradient_checkpointing=True -> input embeddings output requires_grad: {embedded.requires_grad}")
-assert isinstance(peft_model, PeftModelForCausalLM) and type(layer.base_layer).__name__ == "Linear4bit"
+print("gradient_checkpointing=True -> input embeddings output requires_grad: "
+      f"{embedded.requires_grad}")
+assert isinstance(peft_model, PeftModelForCausalLM)
+assert type(layer.base_layer).__name__ == "Linear4bit"
 assert layer.lora_A["default"].weight.dtype == torch.bfloat16
 assert layer.lora_magnitude_vector["default"].weight.dtype == torch.float32
 assert trainable[0][0].startswith("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default")
@@ -112,9 +127,10 @@ assert embedded.requires_grad
 
 # %% [markdown]
 # ## train_dataset: _prepare_dataset, and the collator choice
-# Text gets an EOS appended and trains on every token; prompt/completion trains on the completion only
-# (completion_only_loss defaults to True for that format); messages go through the chat template (no
-# extra EOS: the template ends each turn with <|im_end|>). Labels are made here, not in the collator.
+# Text gets an EOS appended and trains on every token; prompt/completion trains on the completion
+# only (completion_only_loss defaults to True for that format); messages go through the chat
+# template (no extra EOS: the template ends each turn with <|im_end|>). Labels are made here,
+# not in the collator.
 
 # %%
 banner("2.1 SFTTrainer.__init__: train_dataset = self._prepare_dataset(...)")
@@ -126,7 +142,9 @@ for fmt, examples in DATASETS.items():
     print(f"{fmt}: completion_only_loss={trainer.completion_only_loss}")
     for row in trainer.train_dataset:
         print(f"   {show_row(row)!r}")
-lm, pc, conv = prepared["language_modeling"][0], prepared["prompt_completion"][0], prepared["conversational"][0]
+lm = prepared["language_modeling"][0]
+pc = prepared["prompt_completion"][0]
+conv = prepared["conversational"][0]
 assert lm["labels"] == lm["input_ids"] and lm["input_ids"][-1] == tokenizer.eos_token_id
 assert pc["labels"][0] == -100 and pc["labels"][-1] == tokenizer.eos_token_id
 assert tokenizer.decode([t for t in pc["labels"] if t != -100]) == " Four.<|im_end|>"
@@ -134,7 +152,8 @@ assert conv["input_ids"] == tokenizer.apply_chat_template(DATASETS["conversation
 
 banner("2.1 SFTTrainer.__init__: data_collator (padded, or padding-free when packing)")
 for packing in (False, True):
-    trainer = SFTTrainer(tiny_model(), config(gradient_checkpointing=False, packing=packing, max_length=32),
+    trainer = SFTTrainer(tiny_model(),
+                         config(gradient_checkpointing=False, packing=packing, max_length=32),
                          train_dataset=DATASETS["prompt_completion"],
                          processing_class=tokenizer)
     collator = trainer.data_collator
@@ -145,19 +164,23 @@ for packing in (False, True):
     if packing:
         print(f"   packed row seq_lengths {trainer.train_dataset[0]['seq_lengths']}, "
               f"position_ids {batch['position_ids'][0].tolist()}")
-        assert collator.padding_free and "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
+        assert collator.padding_free and "attention_mask" not in batch
+        assert batch["input_ids"].shape[0] == 1
     else:
         assert not collator.padding_free and "attention_mask" in batch
 assert collator.pad_token_id == tokenizer.pad_token_id
 
 # %% [markdown]
 # ## super().__init__(...)
-# What is left is the Trainer of walkthrough 2.2-2.5. The optimizer and scheduler are made later, in train().
+# What is left is the Trainer of walkthrough 2.2-2.5. The optimizer and scheduler are made
+# later, in train().
 
 # %%
 banner("2.1 SFTTrainer.__init__: super().__init__(model=model, args=args, data_collator=..., ...)")
-print(f"type(trainer).__mro__[1] = {type(trainer).__mro__[1].__name__}; args is {type(trainer.args).__name__}; "
-      f"model_accepts_loss_kwargs={trainer.model_accepts_loss_kwargs}; optimizer={trainer.optimizer}")
+print(f"type(trainer).__mro__[1] = {type(trainer).__mro__[1].__name__}; "
+      f"args is {type(trainer.args).__name__}; "
+      f"model_accepts_loss_kwargs={trainer.model_accepts_loss_kwargs}; "
+      f"optimizer={trainer.optimizer}")
 assert type(trainer).__mro__[1].__name__ == "Trainer" and trainer.optimizer is None
 
 # %%
@@ -180,12 +203,14 @@ else:
             vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=2))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            reference = trl.SFTTrainer(model=hf_model, processing_class=hf_tokenizer,
-                                       args=trl.SFTConfig(output_dir=folder, use_cpu=True, bf16=False,
-                                                          report_to="none", gradient_checkpointing=False),
+            hf_args = trl.SFTConfig(output_dir=folder, use_cpu=True, bf16=False, report_to="none",
+                                    gradient_checkpointing=False)
+            reference = trl.SFTTrainer(model=hf_model, processing_class=hf_tokenizer, args=hf_args,
                                        train_dataset=datasets.Dataset.from_list(examples))
-        theirs = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in reference.train_dataset]
-        same = theirs == [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in prepared[fmt]]
+        theirs = [{"input_ids": r["input_ids"], "labels": r["labels"]}
+                  for r in reference.train_dataset]
+        ours = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in prepared[fmt]]
+        same = theirs == ours
         print(f"{fmt:18s} TRL rows == nanosft rows: {same}   TRL collator padding_free="
               f"{reference.data_collator.padding_free}")
         all_equal &= same
