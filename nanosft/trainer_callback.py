@@ -246,23 +246,31 @@ def model_width(model) -> int:
     return width
 
 
-def calibrate_matmul_flops(width, dtype=torch.float32, device="cpu", budget_s=0.25) -> float:
-    """FLOP/s of torch.mm at (M, width) x (width, width), M in [256, 4096] so a product is about
-    2 GFLOP: the best of up to 3 timed after a warm-up, within about `budget_s` seconds.
-    Guide: performance | Mirrors: nothing in transformers (it reports no MFU)"""
+def calibrate_matmul_flops(width, dtype=torch.float32, device="cpu", budget_s=0.2) -> float:
+    """Best FLOP/s of torch.mm at (M, width) x (width, width): M doubles from a ~16 MFLOP product
+    while a product takes under budget_s / 4, up to ~2 GFLOP (at most 4096 rows), then repeats,
+    stopping after about budget_s or 3 products at the largest M. Guide: performance
+    Mirrors: nothing in transformers (it reports no MFU)"""
     device = torch.device(device)
-    rows = max(256, min(4096, int(1e9 // width**2)))
+    max_rows = max(1, min(4096, 2**30 // width**2))
+    rows = max(1, min(max_rows, 2**23 // width**2))
     generator = torch.Generator(device).manual_seed(0)  # the global RNG is the run's: untouched
-    a = torch.randn(rows, width, generator=generator, device=device, dtype=dtype)
+    a = torch.randn(max_rows, width, generator=generator, device=device, dtype=dtype)
     b = torch.randn(width, width, generator=generator, device=device, dtype=dtype)
-    seconds = []
-    while len(seconds) < 4 and (len(seconds) < 2 or sum(seconds) < budget_s):
+    best, spent, at_max = 0.0, 0.0, 0
+    # a slow kernel (bf16 on a CPU without bf16 units) stops the growth early: it costs < 1 s
+    while spent < budget_s and at_max < 3:
         start = time.perf_counter()
-        torch.mm(a, b)
+        torch.mm(a[:rows], b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return 2 * rows * width * width / max(min(seconds[1:]), 1e-9)  # seconds[0]: the warm-up
+        seconds = time.perf_counter() - start
+        spent += seconds
+        best = max(best, 2 * rows * width * width / max(seconds, 1e-9))
+        at_max += rows == max_rows
+        if seconds < budget_s / 4:
+            rows = min(max_rows, 2 * rows)
+    return best
 
 
 # ----------------------------------------------------------------------------- the trainer's
