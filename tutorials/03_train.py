@@ -1,17 +1,22 @@
-"""Tutorial 03: Trainer.train(), the entry point, and what it settles before the inner loop (walkthrough 2.2).
+"""Tutorial 03: Trainer.train(), the entry point, and what it settles before the inner loop
+(walkthrough 2.2).
 
-The walkthrough's train() is one line: `return inner_training_loop(args=args, resume_from_checkpoint=...,
-trial=trial, ignore_keys_for_eval=...)` ("Main training entry point"). Before that line transformers 5.23 (and
-nanosft) turn on activation (gradient) checkpointing when asked, and resolve resume_from_checkpoint (True means
-the newest output_dir/checkpoint-N). We record the call train() makes, measure that checkpointing
-cuts the bytes saved for backward but not the gradients, and resume a run from its checkpoint to the same weights as an uninterrupted run.
+The walkthrough's train() is one line ("Main training entry point"):
+    return inner_training_loop(args=args, resume_from_checkpoint=..., trial=trial,
+                               ignore_keys_for_eval=...)
+Before that line transformers 5.23 (and nanosft) turn on activation (gradient) checkpointing when
+asked, and resolve resume_from_checkpoint (True means the newest output_dir/checkpoint-N). We record
+the call train() makes, measure that checkpointing cuts the bytes saved for backward but not the
+gradients, and resume a run from its checkpoint to the same weights as an uninterrupted run.
 Run:      python tutorials/03_train.py
 Runtime:  about 8 s on one CPU core with transformers installed (importing it is half), 4 s without.
 You should see:
-  - "train() -> _inner_training_loop(args, resume_from_checkpoint=None)" and checkpointing False -> True;
+  - "train() -> _inner_training_loop(args, resume_from_checkpoint=None)" and checkpointing
+    False -> True;
   - the bytes saved for backward per layer, then 0 per layer with gradient checkpointing, and the
     same gradient (it recomputes, it does not approximate);
-  - resume_from_checkpoint=True resolving to checkpoint-2, and the resumed weights equal the uninterrupted ones;
+  - resume_from_checkpoint=True resolving to checkpoint-2, and the resumed weights equal the
+    uninterrupted ones;
   - transformers' TrainOutput beside ours, and "OK: walkthrough 2.2 checked".
 """
 
@@ -51,33 +56,43 @@ def tiny_model():
 def make_trainer(output_dir, **overrides):
     settings = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4,
                 "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no", "use_cpu": True,
-                "optim": "adamw_torch", "report_to": "none", "disable_tqdm": True, "seed": 0, **overrides}
-    return Trainer(tiny_model(), TrainingArguments(output_dir=output_dir, **settings), train_dataset=ROWS,
-                   data_collator=COLLATOR)
+                "optim": "adamw_torch", "report_to": "none", "disable_tqdm": True, "seed": 0,
+                **overrides}
+    return Trainer(tiny_model(), TrainingArguments(output_dir=output_dir, **settings),
+                   train_dataset=ROWS, data_collator=COLLATOR)
 
 
 def quiet(fn, *args, **kwargs):
-    with contextlib.redirect_stdout(io.StringIO()):  # the banner and log lines: tutorial 04 shows them
+    # the banner and log lines: tutorial 04 shows them
+    with contextlib.redirect_stdout(io.StringIO()):
         return fn(*args, **kwargs)
 
 
 # %% [markdown]
 # ## def train(): """Main training entry point."""
-# We replace this one trainer's _inner_training_loop by a recorder, so train() runs up to that call only.
+# We replace this one trainer's _inner_training_loop by a recorder, so train() runs up to that
+# call only.
 
 # %%
 banner("2.2 Trainer.train(): return inner_training_loop(args=args, resume_from_checkpoint=...)")
 trainer = make_trainer(tempfile.mkdtemp(), gradient_checkpointing=True)
 calls = []
-print(f"before train(): model.is_gradient_checkpointing = {trainer.model.is_gradient_checkpointing}")
-trainer._inner_training_loop = lambda args, resume_from_checkpoint=None: calls.append(
-    (args, resume_from_checkpoint, trainer.model.is_gradient_checkpointing)) or "the loop's TrainOutput"
+print("before train(): model.is_gradient_checkpointing = "
+      f"{trainer.model.is_gradient_checkpointing}")
+def record_inner_loop(args, resume_from_checkpoint=None):
+    calls.append((args, resume_from_checkpoint, trainer.model.is_gradient_checkpointing))
+    return "the loop's TrainOutput"
+
+
+trainer._inner_training_loop = record_inner_loop
 returned = trainer.train()
 args_seen, resume_seen, checkpointing_seen = calls[0]
-print(f"train() -> _inner_training_loop(args, resume_from_checkpoint={resume_seen})   returned {returned!r}")
+print(f"train() -> _inner_training_loop(args, resume_from_checkpoint={resume_seen})   "
+      f"returned {returned!r}")
 print(f"when the loop starts: model.is_gradient_checkpointing = {checkpointing_seen} "
       f"(gradient_checkpointing_kwargs={trainer.args.gradient_checkpointing_kwargs})")
-assert len(calls) == 1 and args_seen is trainer.args and resume_seen is None and checkpointing_seen is True
+assert len(calls) == 1 and args_seen is trainer.args
+assert resume_seen is None and checkpointing_seen is True
 assert returned == "the loop's TrainOutput"
 
 # %% [markdown]
@@ -104,7 +119,8 @@ for checkpointing in (False, True):
     print(f"checkpointing={checkpointing!s:5}: bytes saved for backward per decoder layer "
           f"{counted.per_layer}, outside the layers {counted.outside}, total {counted.total}")
 B, T = inputs["input_ids"].shape
-kept_inputs = TINY["num_hidden_layers"] * B * T * TINY["hidden_size"] * 4  # (B, T, C) fp32 per layer
+# (B, T, C) fp32 per layer
+kept_inputs = TINY["num_hidden_layers"] * B * T * TINY["hidden_size"] * 4
 print(f"with checkpointing the layers save nothing; outside grows by "
       f"{saved[True].outside - saved[False].outside} bytes, about the layer inputs the checkpoints "
       f"keep ({TINY['num_hidden_layers']} x (B={B}, T={T}, C={TINY['hidden_size']}) fp32 = "
@@ -119,8 +135,9 @@ assert difference < 1e-6
 
 # %% [markdown]
 # ## resume_from_checkpoint
-# `True` means the newest output_dir/checkpoint-N; a folder resumes from that folder. The inner loop then
-# restores model, optimizer, scheduler and RNG, and skips the micro-batches that step already consumed.
+# `True` means the newest output_dir/checkpoint-N; a folder resumes from that folder. The inner loop
+# then restores model, optimizer, scheduler and RNG, and skips the micro-batches that step already
+# consumed.
 
 # %%
 banner("2.2 Trainer.train(resume_from_checkpoint=...)")
@@ -174,10 +191,11 @@ else:
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     hf_model.load_state_dict(tiny_model().state_dict())
     hf_args = transformers.TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3,
-        logging_steps=1, save_strategy="no", use_cpu=True, optim="adamw_torch", report_to="none",
-        disable_tqdm=True, seed=0)
-    hf = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=datasets.Dataset.from_list(ROWS),
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=4,
+        learning_rate=1e-3, logging_steps=1, save_strategy="no", use_cpu=True, optim="adamw_torch",
+        report_to="none", disable_tqdm=True, seed=0)
+    hf = transformers.Trainer(model=hf_model, args=hf_args,
+                              train_dataset=datasets.Dataset.from_list(ROWS),
                               data_collator=COLLATOR)
     hf_result = quiet(hf.train)
     print(f"TrainOutput: nanosft (global_step={full_result.global_step}, training_loss="
