@@ -1,18 +1,21 @@
 """Tutorial 13: distributed data parallel on two CPU processes (guide: 分布式训练 / 数据并行 DDP).
 
-The guide's picture: every rank holds a model replica and the replicas 梯度同步 (all-reduce) their gradients.
-Walkthrough 2.3 adds when: gradients are synchronised only on the window's last micro-batch (DDP `no_sync` on
-the others), and `num_items_in_batch` counts the supervised tokens of *all* ranks (an all-reduce), while each
-rank's loss is multiplied by world_size to undo DDP's averaging. Together: 2 ranks x batch 2 x GA 2 give the
-gradient of one process with batch 4 x GA 2 on the same 8 rows, which we check at the optimizer step.
+The guide's picture: every rank holds a model replica and the replicas 梯度同步 (all-reduce) their
+gradients. Walkthrough 2.3 adds when: gradients are synchronised only on the window's last
+micro-batch (DDP `no_sync` on the others), and `num_items_in_batch` counts the supervised tokens of
+*all* ranks (an all-reduce), while each rank's loss is multiplied by world_size to undo DDP's
+averaging. Together: 2 ranks x batch 2 x GA 2 give the gradient of one process with batch 4 x GA 2
+on the same 8 rows, which we check at the optimizer step.
 Run:      torchrun --standalone --nproc_per_node=2 tutorials/13_ddp.py
           (or python tutorials/13_ddp.py, which starts the 2 gloo processes itself)
 Runtime:  about 9 s of CPU over the two processes (starting them is most of it).
 You should see:
-  - per micro-step: DDP sync False then True, each rank's own token count, and one num_items_in_batch for both;
-  - rank 0 and rank 1 gradients different after the no_sync micro-step and identical after the sync step;
-  - max |2-rank grad - one big batch by hand| and max |2-rank grad - 1-process Trainer grad| ~1e-8, while
-    ranks dividing by their own token counts (no all-reduce) would be off by ~1e-2;
+  - per micro-step: DDP sync False then True, each rank's own token count, and one
+    num_items_in_batch for both;
+  - rank 0 and rank 1 gradients different after the no_sync micro-step and identical after the
+    sync step;
+  - max |2-rank grad - one big batch by hand| and max |2-rank grad - 1-process Trainer grad| ~1e-8,
+    while ranks dividing by their own token counts (no all-reduce) would be off by ~1e-2;
   - "OK: DDP checked".
 """
 
@@ -47,7 +50,8 @@ def make_rows():
     for _ in range(8):
         length = int(torch.randint(4, 14, (1,), generator=g))
         ids = torch.randint(1, TINY["vocab_size"], (length,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)]})
+        labels = [t if j >= length // 2 else -100 for j, t in enumerate(ids)]
+        rows.append({"input_ids": ids, "labels": labels})
     return rows
 
 
@@ -61,17 +65,22 @@ def tiny_model():
 
 
 def one_step_trainer(per_device_train_batch_size):
-    """A Trainer for one optimizer step (GA 2) with lr 0: we look at the gradient the optimizer receives."""
+    """A Trainer for one optimizer step (GA 2) at lr 0, to read the gradient the optimizer gets."""
     model = tiny_model()
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=per_device_train_batch_size,
-                             gradient_accumulation_steps=2, max_steps=1, logging_steps=1, save_strategy="no",
-                             use_cpu=True, report_to="none", disable_tqdm=True, seed=0, ddp_timeout=120,
-                             max_grad_norm=0.0)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(),
+                             per_device_train_batch_size=per_device_train_batch_size,
+                             gradient_accumulation_steps=2, max_steps=1, logging_steps=1,
+                             save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True,
+                             seed=0, ddp_timeout=120, max_grad_norm=0.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    trainer = Trainer(model, args, train_dataset=make_rows(), data_collator=COLLATOR, optimizers=(optimizer, None))
+    trainer = Trainer(model, args, train_dataset=make_rows(), data_collator=COLLATOR,
+                      optimizers=(optimizer, None))
     seen = {}
-    optimizer.register_step_pre_hook(
-        lambda *_: seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+
+    def keep_grads(*_):
+        seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    optimizer.register_step_pre_hook(keep_grads)
     return trainer, seen
 
 
@@ -89,8 +98,8 @@ def max_diff(a, b):
 # %% [markdown]
 # ## Two ranks: no_sync, num_items_in_batch, the sync step
 # We wrap training_step to read, per micro-batch: whether DDP will all-reduce in this backward
-# (`require_backward_grad_sync`, False inside no_sync), this rank's tokens, the num_items_in_batch it got,
-# and a fingerprint of its lm_head gradient after backward, gathered from both ranks.
+# (`require_backward_grad_sync`, False inside no_sync), this rank's tokens, the num_items_in_batch
+# it got, and a fingerprint of its lm_head gradient after backward, gathered from both ranks.
 
 # %%
 def run_two_ranks(rank):
@@ -99,17 +108,20 @@ def run_two_ranks(rank):
     original = trainer.training_step
 
     def training_step(model, inputs, num_items_in_batch=None):
-        sync = getattr(model, "require_backward_grad_sync", True)  # DDP's flag; no_sync() sets it False
+        # DDP's flag; no_sync() sets it False
+        sync = getattr(model, "require_backward_grad_sync", True)
         own = int((inputs["labels"][:, 1:] != -100).sum())
         loss = original(model, inputs, num_items_in_batch)
         fingerprint = trainer.model.lm_head.weight.grad.double().norm().item()
-        records.append((type(model).__name__, sync, gather(own), num_items_in_batch.item(), gather(fingerprint)))
+        records.append((type(model).__name__, sync, gather(own), num_items_in_batch.item(),
+                        gather(fingerprint)))
         return loss
 
     trainer.training_step = training_step
     with contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext():
         trainer.train()  # rank 0 prints the banner: note "Total train batch size ... = 8"
-    sampler = trainer.get_train_dataloader().batch_sampler  # this rank's share of the seeded epoch order
+    # this rank's share of the seeded epoch order
+    sampler = trainer.get_train_dataloader().batch_sampler
     sampler.set_epoch(0)
     mine = [i for batch in sampler for i in batch]
     shares = [None] * dist.get_world_size()
@@ -118,16 +130,19 @@ def run_two_ranks(rank):
 
 
 def report_two_ranks(records):
-    banner("梯度同步 / gradient sync: no_sync on non-sync micro-steps, num_items_in_batch all-reduced")
+    banner("梯度同步 / gradient sync: no_sync on non-sync micro-steps, "
+           "num_items_in_batch all-reduced")
     print(f"training_step receives the wrapped model: {records[0][0]}")
-    print(" micro-step | DDP sync | tokens rank0, rank1 | num_items_in_batch | lm_head grad norm rank0, rank1")
+    print(" micro-step | DDP sync | tokens rank0, rank1 | num_items_in_batch | "
+          "lm_head grad norm rank0, rank1")
     for step, (_, sync, owns, num_items, prints) in enumerate(records):
         print(f"     {step}      |  {sync!s:5}   |       {owns[0]:g}, {owns[1]:g}        |"
               f"        {num_items:g}          | {prints[0]:.8f}, {prints[1]:.8f}")
     window_tokens = sum(sum(owns) for _, _, owns, _, _ in records)
     assert records[0][0] == "DistributedDataParallel"
     assert [sync for _, sync, _, _, _ in records] == [False, True]  # no_sync, then the sync step
-    assert all(num_items == window_tokens for _, _, _, num_items, _ in records)  # both ranks' whole window
+    # both ranks' whole window
+    assert all(num_items == window_tokens for _, _, _, num_items, _ in records)
     assert records[0][2][0] != records[0][2][1]  # the ranks really hold different numbers of tokens
     first, last = records[0][4], records[-1][4]
     print(f"after the no_sync micro-step the ranks' gradients differ: {first[0] != first[1]}; "
@@ -137,7 +152,8 @@ def report_two_ranks(records):
 
 # %% [markdown]
 # ## The same gradient as one big batch
-# One process sees the same 8 rows: the token-weighted mean of -log p over all their supervised tokens.
+# One process sees the same 8 rows: the token-weighted mean of -log p over all their supervised
+# tokens.
 
 # %%
 def big_batch_gradient(rows):
@@ -146,7 +162,8 @@ def big_batch_gradient(rows):
     batch = COLLATOR(rows)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     targets = batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100,
+                           reduction="sum")
     (loss / (targets != -100).sum()).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
@@ -161,28 +178,34 @@ def main():
     if rank != 0:
         return
     banner("2 ranks == 1 process: the gradient at the optimizer step")
-    by_hand = big_batch_gradient(make_rows())  # all 8 rows form the one accumulation window of max_steps=1
+    # all 8 rows form the one accumulation window of max_steps=1
+    by_hand = big_batch_gradient(make_rows())
     print(f"max |2-rank grad - one big batch by hand| = {max_diff(two_rank_grads, by_hand):.1e}")
-    # negative control: each rank normalising by its own tokens, then DDP's average of the two rank gradients
+    # negative control: each rank normalising by its own tokens, then DDP's average of the two
+    # rank gradients
     rows = make_rows()
     per_rank = [big_batch_gradient([rows[i] for i in share]) for share in shares]
     own_counts = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in by_hand}
-    print(f"rows per rank {shares}; if each rank divided by its own tokens (no all-reduce of the count): "
+    print(f"rows per rank {shares}; "
+          "if each rank divided by its own tokens (no all-reduce of the count): "
           f"max |grad - one big batch| = {max_diff(own_counts, by_hand):.1e}")
     assert max_diff(own_counts, by_hand) > 1e-4
-    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")  # the process group is gone: one process now
+    # the process group is gone: one process now
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     single, single_grads = one_step_trainer(per_device_train_batch_size=4)
     with contextlib.redirect_stdout(io.StringIO()):
         single.train()
-    print(f"max |2-rank grad - 1-process Trainer grad (batch 4 x GA 2)| = {max_diff(two_rank_grads, single_grads):.1e}")
-    assert max_diff(two_rank_grads, by_hand) < 1e-6 and max_diff(two_rank_grads, single_grads) < 1e-6
+    print("max |2-rank grad - 1-process Trainer grad (batch 4 x GA 2)| = "
+          f"{max_diff(two_rank_grads, single_grads):.1e}")
+    assert max_diff(two_rank_grads, by_hand) < 1e-6
+    assert max_diff(two_rank_grads, single_grads) < 1e-6
     print("\nOK: DDP checked")
 
 
 def _spawned(rank, port):
     """What torchrun would set up, for `python tutorials/13_ddp.py`."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     main()
 
 
@@ -196,5 +219,6 @@ if __name__ == "__main__":
     if "RANK" in os.environ:  # started by torchrun
         main()
     else:
-        print(f"not started by torchrun: spawning {WORLD} gloo processes on this machine", flush=True)
+        print(f"not started by torchrun: spawning {WORLD} gloo processes on this machine",
+              flush=True)
         mp.spawn(_spawned, args=(free_port(),), nprocs=WORLD, join=True)
