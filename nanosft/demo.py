@@ -1,10 +1,11 @@
-"""The pieces of `nanosft demo`: the embedded default model, held-out exact match, the before/after table, plots.
+"""The pieces of `nanosft demo`: the embedded default model, held-out exact match, the before/after
+table, plots.
 
-The default (nanosft/assets/default, made by scripts/make_default_model.py) is a tiny Llama-family base that
-read sums as plain sentences ("7 plus 5 equals 12.") but was never asked one in chat form. QLoRA SFT on 300
-chat examples teaches the form; the 100 held-out prompts ask sums the base read but SFT never showed, so a
-right answer after training means the adapter unlocked knowledge of the base. Walkthrough 1 (the whole
-prepare-train path run once); QLoRA 2305.14314.
+The default (nanosft/assets/default, made by scripts/make_default_model.py) is a tiny
+Llama-family base that read sums as plain sentences ("7 plus 5 equals 12.") but was never asked one
+in chat form. QLoRA SFT on 300 chat examples teaches the form; the 100 held-out prompts ask sums the
+base read but SFT never showed, so a right answer after training means the adapter unlocked
+knowledge of the base. Walkthrough 1 (the whole prepare-train path run once); QLoRA 2305.14314.
 """
 
 import importlib.util
@@ -21,23 +22,30 @@ TRAIN_FILE, EVAL_FILE = "sft_train.jsonl", "sft_eval.jsonl"
 
 
 def default_model_dir() -> str:
-    """The embedded default model folder; an error naming the fix if the package was installed without it.
-    Walkthrough 1 (the model SFTTrainer starts from) | Mirrors: a Hub model id, here shipped in the package"""
+    """The embedded default model folder; an error naming the fix if the package was installed
+    without it.
+    Walkthrough 1 (the model SFTTrainer starts from) | Mirrors: a Hub model id, here shipped in
+    the package"""
     if not os.path.isfile(os.path.join(DEFAULT_DIR, "config.json")):
-        raise FileNotFoundError(f"the embedded default model is missing from {DEFAULT_DIR}; reinstall nanosft, or "
-                                "rebuild it with `python scripts/make_default_model.py` from a source checkout")
+        raise FileNotFoundError(
+            f"the embedded default model is missing from {DEFAULT_DIR}; reinstall nanosft, or "
+            "rebuild it with `python scripts/make_default_model.py` from a source checkout"
+        )
     return DEFAULT_DIR
 
 
 def held_out_prompts(path):
-    """(prompt messages, expected answer) pairs from a conversational JSONL whose last turn is the assistant's.
+    """(prompt messages, expected answer) pairs from a conversational JSONL whose last turn is
+    the assistant's.
     Walkthrough 1 | Mirrors: an eval split in TRL's conversational format"""
     pairs = []
     for i, example in enumerate(load_examples(path)):
         messages = example.get("messages")
         if not messages or messages[-1]["role"] != "assistant":
-            raise ValueError(f"{path}, example {i}: held-out prompts need 'messages' ending in an assistant turn "
-                             "(the expected answer)")
+            raise ValueError(
+                f"{path}, example {i}: held-out prompts need 'messages' ending in an "
+                "assistant turn (the expected answer)"
+            )
         pairs.append((messages[:-1], messages[-1]["content"]))
     return pairs
 
@@ -50,23 +58,30 @@ def _reply_text(tokenizer, new_ids):
 
 @torch.no_grad()
 def chat_answers(model, tokenizer, chats, max_new_tokens=6, device="cpu"):
-    """Greedy replies to many chats, cut at EOS and stripped; prompts of equal length share one batch (no padding).
+    """Greedy replies to many chats, cut at EOS and stripped; prompts of equal length share one
+    batch (no padding).
 
     Walkthrough 1 (what SFT changes) | Mirrors: a batched transformers `generate` without padding
     """
-    prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True) for messages in chats]
+    prompts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True) for messages in chats
+    ]
     replies = [None] * len(prompts)
     for length in sorted({len(p) for p in prompts}):
         rows = [i for i, p in enumerate(prompts) if len(p) == length]
-        out = model.generate(torch.tensor([prompts[i] for i in rows], device=device), max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            torch.tensor([prompts[i] for i in rows], device=device),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         for i, new_ids in zip(rows, out[:, length:].tolist()):
             replies[i] = _reply_text(tokenizer, new_ids)
     return replies
 
 
 def exact_match(model, tokenizer, pairs, device="cpu"):
-    """(answers, accuracy): a reply counts only if it equals the expected answer exactly (after strip)."""
+    """(answers, accuracy): a reply counts only if it equals the expected answer exactly (after
+    strip)."""
     was_training = model.training
     model.eval()  # Linear4bit keeps dequantize + matmul in eval on CPU (not bnb's slower kernel)
     answers = chat_answers(model, tokenizer, [messages for messages, _ in pairs], device=device)
@@ -76,23 +91,32 @@ def exact_match(model, tokenizer, pairs, device="cpu"):
 
 
 def before_after_table(pairs, before, after, rows=8) -> str:
-    """A plain-text table: prompt | expected | before | after, for the first `rows` held-out prompts.
+    """A plain-text table: prompt | expected | before | after, for the first `rows` held-out
+    prompts.
     Walkthrough 1 | Mirrors: nothing (the demo's report)"""
+
     def cell(text, width):
         text = text.replace("\n", "\\n")
         return (text[: width - 1] + "…") if len(text) > width else text.ljust(width)
 
-    lines = [f"{'held-out prompt':<24} {'expected':<8} {'before SFT':<26} {'after SFT':<12}", "-" * 73]
+    lines = [
+        f"{'held-out prompt':<24} {'expected':<8} {'before SFT':<26} {'after SFT':<12}",
+        "-" * 73,
+    ]
     for (messages, expected), b, a in list(zip(pairs, before, after))[:rows]:
         mark_b, mark_a = ("✓" if b == expected else "✗"), ("✓" if a == expected else "✗")
-        lines.append(f"{cell(messages[-1]['content'], 24)} {cell(expected, 8)} {mark_b} {cell(b, 24)} "
-                     f"{mark_a} {cell(a, 10)}")
+        lines.append(
+            f"{cell(messages[-1]['content'], 24)} {cell(expected, 8)} {mark_b} {cell(b, 24)} "
+            f"{mark_a} {cell(a, 10)}"
+        )
     return "\n".join(lines)
 
 
 def save_loss_curve(log_history, path):
-    """Write a PNG of the logged training loss; returns the path, or None when matplotlib is missing.
-    Guide: monitoring | Mirrors: the loss plot of trainer.state.log_history people draw after training"""
+    """Write a PNG of the logged training loss; returns the path, or None when matplotlib is
+    missing.
+    Guide: monitoring | Mirrors: the loss plot of trainer.state.log_history people draw after
+    training"""
     try:
         import matplotlib
 
@@ -115,56 +139,88 @@ def save_loss_curve(log_history, path):
 
 
 def write_summary(path, summary: dict) -> None:
-    """demo_summary.json (accuracies, timings) written atomically. Walkthrough 1 | Mirrors: Trainer.save_metrics"""
+    """demo_summary.json (accuracies, timings) written atomically. Walkthrough 1 | Mirrors:
+    Trainer.save_metrics"""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     os.replace(tmp, path)
 
 
-def demo_config(output_dir, steps, mode, device, report_to="none", trace=False,
-                overwrite_output_dir=False):
-    """The SFTConfig of the demo: small batches, a high LoRA learning rate, assistant-only loss, no checkpoints.
+def demo_config(
+    output_dir, steps, mode, device, report_to="none", trace=False, overwrite_output_dir=False
+):
+    """The SFTConfig of the demo: small batches, a high LoRA learning rate, assistant-only loss,
+    no checkpoints.
 
-    Walkthrough 2.1 (args) | Mirrors: trl SFTConfig | Differs: gradient checkpointing off (the model is tiny).
+    Walkthrough 2.1 (args) | Mirrors: trl SFTConfig | Differs: gradient checkpointing off (the
+    model is tiny).
     """
     from nanosft.args import SFTConfig
 
     return SFTConfig(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=16, gradient_accumulation_steps=1,
-        learning_rate=5e-4 if mode == "full" else 2e-3, lr_scheduler_type="cosine", warmup_steps=0.1,
-        logging_steps=max(1, steps // 10), logging_first_step=True, save_strategy="no", report_to=report_to,
-        gradient_checkpointing=False, bf16=False, use_cpu=device == "cpu", assistant_only_loss=True,
-        max_length=64, seed=0, overwrite_output_dir=overwrite_output_dir,
-        disable_tqdm=trace)  # the trace prints its own lines: keep the bar out of them
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        learning_rate=5e-4 if mode == "full" else 2e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.1,
+        logging_steps=max(1, steps // 10),
+        logging_first_step=True,
+        save_strategy="no",
+        report_to=report_to,
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=device == "cpu",
+        assistant_only_loss=True,
+        max_length=64,
+        seed=0,
+        overwrite_output_dir=overwrite_output_dir,
+        disable_tqdm=trace,
+    )  # the trace prints its own lines: keep the bar out of them
 
 
 def load_demo_model(model_dir, mode, device):
-    """The base for the demo: NF4-quantized (qlora, qdora), or full precision (lora, dora with --no-quant; full).
-    Walkthrough 2.1 (model loading) | Mirrors: from_pretrained(quantization_config=BitsAndBytesConfig(nf4))"""
+    """The base for the demo: NF4-quantized (qlora, qdora), or full precision (lora, dora with
+    --no-quant; full).
+    Walkthrough 2.1 (model loading) | Mirrors:
+    from_pretrained(quantization_config=BitsAndBytesConfig(nf4))"""
     from nanosft import nf4
     from nanosft.model import CausalLM
 
     quantization_config = None
     if mode in ("qlora", "qdora"):  # each linear weight quantized as it is read, on the device
         quantization_config = nf4.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
-    return CausalLM.from_pretrained(model_dir, quantization_config=quantization_config,
-                                    device_map=device)
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+        )
+    return CausalLM.from_pretrained(
+        model_dir, quantization_config=quantization_config, device_map=device
+    )
 
 
 def demo_peft_config(mode):
-    """LoRA on every linear layer (r=16, alpha=32); DoRA adds the magnitude vector; None for full fine-tuning.
+    """LoRA on every linear layer (r=16, alpha=32); DoRA adds the magnitude vector; None for
+    full fine-tuning.
     Walkthrough 2.1 (peft_config) | Mirrors: peft LoraConfig as in TRL's QLoRA examples"""
     from nanosft.peft import LoraConfig
 
     if mode == "full":
         return None
-    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", use_dora=mode in ("qdora", "dora"))
+    return LoraConfig(
+        r=16, lora_alpha=32, target_modules="all-linear", use_dora=mode in ("qdora", "dora")
+    )
 
 
-def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", trace=False,
-        overwrite_output_dir=False):
+def run(
+    output_dir,
+    mode="qlora",
+    device="cpu",
+    steps=120,
+    report_to="none",
+    trace=False,
+    overwrite_output_dir=False,
+):
     """Held-out answers before, SFTTrainer.train(), answers after; saves adapter, metrics, plots.
     Walkthrough 1 (SFTTrainer.__init__ -> trainer.train()) | Mirrors: a TRL QLoRA recipe
     An output_dir holding another run is refused before anything runs, unless overwrite_output_dir.
@@ -182,14 +238,21 @@ def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", tra
     tokenizer = Tokenizer.from_pretrained(model_dir)
     pairs = held_out_prompts(os.path.join(model_dir, EVAL_FILE))
     model = load_demo_model(model_dir, mode, device)
-    print(f"nanosft demo: {mode} SFT of the embedded default ({model.num_parameters():,} parameters, "
-          f"{len(tokenizer)} tokens) on {device}; {len(pairs)} held-out prompts")
+    print(
+        f"nanosft demo: {mode} SFT of the embedded default ({model.num_parameters():,} parameters, "
+        f"{len(tokenizer)} tokens) on {device}; {len(pairs)} held-out prompts"
+    )
     before, accuracy_before = exact_match(model, tokenizer, pairs, device)
     print(f"before SFT: held-out exact match {accuracy_before:.1%}")
 
     config = demo_config(output_dir, steps, mode, device, report_to, trace, overwrite_output_dir)
-    trainer = SFTTrainer(model, args=config, train_dataset=os.path.join(model_dir, TRAIN_FILE),
-                         processing_class=tokenizer, peft_config=demo_peft_config(mode))
+    trainer = SFTTrainer(
+        model,
+        args=config,
+        train_dataset=os.path.join(model_dir, TRAIN_FILE),
+        processing_class=tokenizer,
+        peft_config=demo_peft_config(mode),
+    )
     walkthrough_trace.attach(trainer)
     train_start = time.time()
     result = trainer.train()
@@ -198,23 +261,41 @@ def run(output_dir, mode="qlora", device="cpu", steps=120, report_to="none", tra
 
     print()
     print(before_after_table(pairs, before, after))
-    print(f"\nheld-out exact match: before {accuracy_before:.1%} -> after {accuracy_after:.1%} "
-          f"({result.global_step} steps, {train_seconds:.0f}s of training)")
+    print(
+        f"\nheld-out exact match: before {accuracy_before:.1%} -> after {accuracy_after:.1%} "
+        f"({result.global_step} steps, {train_seconds:.0f}s of training)"
+    )
     print(trainer.reporter.speed_summary(result.metrics))  # model GFLOP/s and MFU
     saved = os.path.join(output_dir, "model" if mode == "full" else "adapter")
-    trainer.model.save_pretrained(saved)  # PEFT adapter_config.json + adapter_model.safetensors, or a full model
+    trainer.model.save_pretrained(
+        saved
+    )  # PEFT adapter_config.json + adapter_model.safetensors, or a full model
     if mode == "full":
         tokenizer.save_pretrained(saved)
-    print(f"saved the {'model' if mode == 'full' else 'adapter (PEFT format)'} to {saved}; "
-          f"log: {os.path.join(output_dir, 'metrics.jsonl')}")
+    print(
+        f"saved the {'model' if mode == 'full' else 'adapter (PEFT format)'} to {saved}; "
+        f"log: {os.path.join(output_dir, 'metrics.jsonl')}"
+    )
     plot = save_loss_curve(trainer.state.log_history, os.path.join(output_dir, "loss.png"))
-    print(f"loss curve: {plot}" if plot else 'loss curve: pip install "nanosft[plot]" to draw loss.png')
+    print(
+        f"loss curve: {plot}"
+        if plot
+        else 'loss curve: pip install "nanosft[plot]" to draw loss.png'
+    )
     if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is not None:
         print(f"TensorBoard events (written as it logged): {os.path.join(output_dir, 'runs')}")
-    write_summary(os.path.join(output_dir, "demo_summary.json"), {
-        "mode": mode, "steps": result.global_step, "accuracy_before": accuracy_before,
-        "accuracy_after": accuracy_after, "train_seconds": round(train_seconds, 2),
-        "total_seconds": round(time.time() - start, 2), "train_loss": result.training_loss,
-        "train_model_flops_per_second": result.metrics["train_model_flops_per_second"],
-        "mfu": result.metrics.get("mfu")})
+    write_summary(
+        os.path.join(output_dir, "demo_summary.json"),
+        {
+            "mode": mode,
+            "steps": result.global_step,
+            "accuracy_before": accuracy_before,
+            "accuracy_after": accuracy_after,
+            "train_seconds": round(train_seconds, 2),
+            "total_seconds": round(time.time() - start, 2),
+            "train_loss": result.training_loss,
+            "train_model_flops_per_second": result.metrics["train_model_flops_per_second"],
+            "mfu": result.metrics.get("mfu"),
+        },
+    )
     return 0
