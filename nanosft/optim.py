@@ -94,7 +94,11 @@ def _bitsandbytes_adamw(groups, args, is_paged: bool, model: nn.Module):
                                 optim_bits=8, is_paged=is_paged)
     # Embeddings keep 32-bit state, as transformers Trainer.create_optimizer registers them
     # (bnb's GlobalOptimManager is process-wide; the override is read at the first step).
+    # Differs: transformers registers on top of what earlier optimizers left there. The manager
+    # keys overrides by (group, position), so a dead model's embedding override would land on
+    # whatever parameter now sits at its position (a linear weight kept in 32 bits): start clean.
     manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             manager.register_module_override(module, "weight", {"optim_bits": 32})

@@ -285,3 +285,19 @@ def test_scheduler_errors(name, kwargs, match):
         get_scheduler(
             name, opt, num_warmup_steps=1, num_training_steps=5, scheduler_specific_kwargs=kwargs
         )
+
+
+def test_an_earlier_models_embedding_override_does_not_reach_the_next_optimizer():
+    """bitsandbytes keeps 32-bit overrides in one process-wide manager, keyed by parameter
+    position: the embedding of a model trained earlier must not make the next model's first
+    weight (same position) keep 32-bit state."""
+    first = nn.Sequential(nn.Embedding(64, 128), nn.Linear(128, 64))
+    opt = create_optimizer(first, TrainingArguments(optim="adamw_bnb_8bit"))
+    first(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    assert opt.state[first[0].weight]["state1"].dtype == torch.float32  # the override acted
+    second = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 4))  # a weight at position 0
+    opt = create_optimizer(second, TrainingArguments(optim="adamw_bnb_8bit"))
+    second(torch.randn(3, 64)).pow(2).mean().backward()
+    opt.step()
+    assert opt.state[second[0].weight]["state1"].dtype == torch.uint8
