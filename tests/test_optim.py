@@ -4,7 +4,7 @@ errors.
 Compared: which parameters get weight decay (biases and norm weights never, frozen ones are in no
 group), one AdamW step against the decoupled-decay formula computed by hand in the test, each
 optimizer name building and changing the weights, learning rates against the formulas of
-hf-reference 2.3 (including the verified 0, 5e-4, 1e-3, 6.67e-4, 3.33e-4 warmup/linear sequence).
+transformers' get_scheduler (including the 0, 5e-4, 1e-3, 6.67e-4, 3.33e-4 warmup/linear sequence).
 Hermetic: tiny nn.Modules on CPU.
 Run: python -m pytest -q tests/test_optim.py
 """
@@ -188,7 +188,8 @@ def _lrs(name, warmup, total, lr=1e-3, steps=None, **kwargs):
 
 
 def test_linear_warmup_first_step_runs_at_zero():
-    # hf-reference 2.3 [verified]: warmup 2, lr 1e-3, 5 steps -> 0, 5e-4, 1e-3, 6.67e-4, 3.33e-4.
+    # transformers get_linear_schedule_with_warmup: warmup 2, lr 1e-3, 5 steps -> 0, 5e-4, 1e-3,
+    # 6.67e-4, 3.33e-4.
     expected = [0.0, 5e-4, 1e-3, 1e-3 * 2 / 3, 1e-3 / 3]
     torch.testing.assert_close(
         torch.tensor(_lrs("linear", 2, 5)), torch.tensor(expected), rtol=1e-12, atol=0

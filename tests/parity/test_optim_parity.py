@@ -95,7 +95,7 @@ def test_schedule_curve_equals_transformers(name, kwargs):
     if not starts_above_zero:
         assert (
             ours[0] == 0.0
-        )  # warmup starts at lr 0 (hf-reference 2.3), negative control for an off-by-one
+        )  # warmup starts at lr 0 (transformers' warmup), negative control for an off-by-one
 
 
 def test_plateau_scheduler_reduces_like_transformers():
