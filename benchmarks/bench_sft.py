@@ -1005,8 +1005,8 @@ def render_real(results, calibration, fx, info, command, started, finished, note
         f"{fx.opts.steps} timed optimizer steps; best of the repetitions. LoRA r={fx.opts.lora_r} "
         f"on all seven projections. bf16w: the user's bf16 recipe, weights loaded in bf16 (QLoRA: "
         "bnb_4bit_compute_dtype=bf16, the rest bf16) and bf16=True, on both stacks.", "",
-        f"Matmul calibration at the model's own GEMM shapes (torch.mm, best of 3): fp32 "
-        f"{calibration['fp32']:.1f} GFLOP/s, bf16 {calibration['bf16']:.1f} GFLOP/s.", "",
+        "Matmul calibration at the model's own GEMM shapes (torch.mm, best of 3): "
+        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in calibration.items()) + ".", "",
         real_table(results, calibration), "",
         "GFLOP/s: model FLOPs, 6N per token for full fine-tuning and 4N for a frozen base (plus 6 "
         "per LoRA weight), plus causal attention, over the timed steps; % matmul: that rate over "
@@ -1080,27 +1080,30 @@ def render_results(rows, bare, info_before, info_after, command, opts, started, 
 
 # ----------------------------------------------------------------------------- the real-size case
 REAL_MODES = ("lora", "qlora", "full")
+REAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def real_cases(modes=REAL_MODES):
+def real_cases(modes=REAL_MODES, dtypes=tuple(REAL_DTYPES)):
     """fp32, then the user's bf16 recipe (weights or NF4 compute dtype in bf16, bf16=True)."""
-    plain = [Case(m) for m in modes]
-    return plain + [Case(m, bf16=True, weights_bf16=True) for m in modes]
+    plain = [Case(m) for m in modes] if "fp32" in dtypes else []
+    return plain + [Case(m, bf16=True, weights_bf16=True) for m in modes if "bf16" in dtypes]
 
 
-def run_real(opts, reps, workdir, modes=REAL_MODES, only=None, on_rep=None, log=print):
+def run_real(opts, reps, workdir, modes=REAL_MODES, only=None, on_rep=None, log=print,
+             dtypes=tuple(REAL_DTYPES)):
     """The real-size model through every case, reference and nanosft interleaved; in bf16 the
     reference runs a second time on eager attention, to show how far it moves from itself.
+    `on_rep(results, calibration, fx)` runs after every case (partial results on disk).
     Returns (results, calibration GFLOP/s by dtype, the fixture)."""
     fx = Fixture(REAL_SIZE, opts, workdir)
     calibration = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        calibration[name] = calibrate_matmul(fx, dtype, opts.device)
+    for name in dtypes:
+        calibration[name] = calibrate_matmul(fx, REAL_DTYPES[name], opts.device)
         log(f"matmul calibration {name}: {calibration[name]:.1f} GFLOP/s "
             "at the model's GEMM shapes")
     results = {}
     for rep in range(reps):
-        for case in real_cases(modes):
+        for case in real_cases(modes, dtypes):
             stacks = ["ref", "nano", *(["ref-eager"] if case.weights_bf16 else [])]
             stacks = [st for st in stacks if only is None or st in only]
             for stack in stacks if rep % 2 == 0 else stacks[::-1]:
@@ -1112,8 +1115,8 @@ def run_real(opts, reps, workdir, modes=REAL_MODES, only=None, on_rep=None, log=
                     f"peak {run.peak_mib:7.1f} MiB  "
                     f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}")
                 gc.collect()
-        if on_rep is not None:
-            on_rep(results, calibration, fx)
+            if on_rep is not None:
+                on_rep(results, calibration, fx)
     return results, calibration, fx
 
 
@@ -1126,7 +1129,7 @@ def real_table(results, calibration, modes=REAL_MODES):
             "peak nanosft/ref", "max dloss nanosft-ref", "max dloss ref-ref(eager)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     best = {k: max(v, key=lambda r: r.tokens_per_s) for k, v in results.items()}
-    for case in real_cases(modes):
+    for case in real_cases(modes, tuple(calibration)):
         nano = best.get((REAL_SIZE, case.name, "nano"))
         ref = best.get((REAL_SIZE, case.name, "ref"))
         if not (nano and ref):
@@ -1207,6 +1210,8 @@ def parse_args(argv=None):
                    help=f"the real-size case ({REAL_SIZE} shapes): "
                         "LoRA, QLoRA, full in fp32 and bf16")
     p.add_argument("--real-modes", default=",".join(REAL_MODES), help="modes of the real-size case")
+    p.add_argument("--real-dtypes", default=",".join(REAL_DTYPES),
+                   help="fp32,bf16 (drop bf16 on a CPU without bf16 units: it is emulated there)")
     return p.parse_args(argv)
 
 
@@ -1260,7 +1265,9 @@ def main(argv=None):
                                    "" if final else "PARTIAL: the run was still going.")
                 write_results(out, replace_section(out, text))
 
-            results, calibration, fx = run_real(opts, args.reps, workdir, modes, only, report_real)
+            dtypes = tuple(d for d in args.real_dtypes.split(",") if d)
+            results, calibration, fx = run_real(opts, args.reps, workdir, modes, only,
+                                                report_real, dtypes=dtypes)
             report_real(results, calibration, fx, final=True)
             print(real_table(results, calibration, modes))
             print(f"wrote {out}")
