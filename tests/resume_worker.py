@@ -30,6 +30,8 @@ job builds a fresh tiny model and trainer and trains it:
   record_error    store the exception of train() (type, errno, message) instead of failing the
   process
   trace           file that gets one JSON line per micro-batch: global step and a hash of the batch
+  fsdp            with torchrun-style variables: fsdp="full_shard" (FSDP2); the stored state is
+                  then gathered whole (a collective, so every rank stores it)
 The SIGKILL comes from wrappers the worker puts on the trainer instance and on a checkpoint
 function: the library is not edited. After every job that finishes, the final state dict, the
 logged (step, loss, grad_norm, lr) and the checkpoint the job resumed from are stored under the
@@ -118,6 +120,8 @@ def common_args(job):
         "disable_tqdm": True,
         "ignore_data_skip": job.get("ignore_data_skip", False),
         "ddp_timeout": job.get("ddp_timeout", 1800),
+        **({"fsdp": "full_shard", "fsdp_config": {"reshard_after_forward": True}}
+           if job.get("fsdp") else {}),
     }
 
 
@@ -250,7 +254,12 @@ def run_job(job):
         }
     logs = [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"])
             for h in trainer.state.log_history if "loss" in h]
-    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    if job.get("fsdp"):  # sharded DTensors -> whole tensors, gathered on every rank
+        from nanosft.fsdp import full_state_dict
+
+        state = full_state_dict(trainer.model)
+    else:
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return {"state": state, "logs": logs, "global_step": trainer.state.global_step,
             "resumed_from": os.path.basename(resumed_from) if resumed_from else None}
 

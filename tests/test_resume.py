@@ -12,11 +12,14 @@ checkpoint path) and then, for the reference, trains the same job from scratch. 
 fine- tuning (Trainer), LoRA with dropout and QLoRA (NF4 base) through SFTTrainer;
 gradient_accumulation_steps 1 and 2; killed mid-window, in the short last window of an epoch and
 right at an epoch boundary; with a GradScaler whose scale makes some steps overflow (scaler.pt);
-and 2-process DDP (gloo). Negative controls: resuming without the RNG state (LoRA dropout masks
-change), without skipping the seen batches (ignore_data_skip) or without scaler.pt gives other
-parameters. Hermetic: tiny models (hidden 32/64, 2 layers, vocab <= 300) and a dozen examples
-built in-process, a tokenizer trained in tmp_path, CPU, one thread per process, fixed seeds,
-localhost-only process group; no network, no files outside tmp_path.
+2-process DDP (gloo); 2-process FSDP2 (fsdp="full_shard", gloo) for full fine-tuning and QLoRA,
+where the gathered parameters, the last checkpoint's whole optimizer moments, scheduler and each
+rank's RNG files are compared too. Negative controls: resuming without the RNG state (LoRA dropout
+masks change; single process and FSDP), without skipping the seen batches (ignore_data_skip) or
+without scaler.pt gives other parameters. Hermetic: tiny models (hidden 32/64, 2 layers,
+vocab <= 300) and a dozen examples built in-process, a tokenizer trained in tmp_path, CPU, one
+thread per process, fixed seeds, localhost-only process group; no network, no files outside
+tmp_path.
 Run: python -m pytest -q tests/test_resume.py
 """
 
@@ -363,3 +366,84 @@ def test_ddp_two_ranks_killed_then_resumed_is_bitwise_equal(tmp_path):
         assert done + _trace(tmp_path / f"resumed.trace.rank{rank}") == _trace(
             tmp_path / f"ref.trace.rank{rank}"
         )
+
+
+# FSDP2 (fsdp="full_shard", gloo): 20 rows -> 5 micro-batches per rank, GA 2 -> windows [2, 2, 1],
+# 6 steps; full dies after the sync micro-batch of step 2 (reduce-scattered, not yet stepped).
+# QLoRA (dropout 0.1): 12 examples -> 3 per rank, windows [2, 1], 4 steps; dies in the short last
+# window of epoch 0, so resuming from checkpoint-1 skips 2 micro-batches per rank mid-epoch.
+FSDP_CASES = {"full": {"kind": "full", "ga": 2, "rows": 20, "kill_at_step": 1, "kill_micro": 1},
+              "qlora": {"kind": "qlora", "ga": 2, "kill_at_step": 1, "kill_micro": 0}}
+
+
+def _wait_pair(procs, spec_path, codes_ok):
+    codes = [p.wait(timeout=WAIT_S) for p in procs]
+    assert codes_ok(codes), f"exit codes {codes}\n" + "".join(
+        worker.log_tail(f"{spec_path}.rank{rank}") for rank in (0, 1))
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Both kills at once (two pairs), then one pair resumes each and trains the references."""
+    root = tmp_path_factory.mktemp("fsdp_resume")
+    tokenizer_dir = str(root / "tokenizer")
+    worker.make_tokenizer(tokenizer_dir)
+
+    def job(name, case, **extra):
+        return {"kind": case["kind"], "ga": case["ga"], "rows": case.get("rows", 14), "fsdp": True,
+                "name": name, "tokenizer_dir": tokenizer_dir, "output_dir": str(root / name),
+                "trace": str(root / f"{name}.trace"), **extra}
+
+    kills = {mode: _spawn_pair({"jobs": [job(mode, case, kill_at_step=case["kill_at_step"],
+                                              kill_micro=case["kill_micro"])]},
+                               str(root / f"{mode}.kill.json"))
+             for mode, case in FSDP_CASES.items()}
+    for mode, procs in kills.items():  # each rank kills itself (a whole job preempted)
+        _wait_pair(procs, str(root / f"{mode}.kill.json"), lambda c: -signal.SIGKILL in c)
+    # negative control: a copy of the killed QLoRA run resumed without its RNG state
+    shutil.copytree(root / "qlora", root / "qlora-no-rng")
+    jobs = []
+    for mode, case in FSDP_CASES.items():
+        jobs += [job(mode, case, resume=True, trace=str(root / f"{mode}.resumed.trace")),
+                 job(f"{mode}-reference", case)]
+    jobs.append(job("qlora-no-rng", FSDP_CASES["qlora"], resume=True, no_rng=True))
+    spec_path = str(root / "resume.json")
+    procs = _spawn_pair({"jobs": jobs, "result": str(root / "results.pt")}, spec_path)
+    _wait_pair(procs, spec_path, lambda c: c == [0, 0])
+    return root, torch.load(root / "results.pt", weights_only=False)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(),
+                    reason="torch.distributed is not built in")
+@pytest.mark.parametrize("mode", list(FSDP_CASES))
+def test_fsdp_two_ranks_killed_then_resumed_is_bitwise_equal(fsdp_runs, mode):
+    root, results = fsdp_runs
+    resumed, reference, k = results[mode], results[f"{mode}-reference"], 1
+    assert resumed["resumed_from"] == f"checkpoint-{k}"
+    assert resumed["global_step"] == reference["global_step"] == {"full": 6, "qlora": 4}[mode]
+    # the gathered (whole) parameters, 4-bit bytes and absmax included, and every logged number
+    _assert_same_state(resumed["state"], reference["state"])
+    assert _exact(resumed["logs"]) == _exact(reference["logs"])
+    for rank in (0, 1):  # each rank went on with its own share of the batches
+        done = [t for t in _trace(root / f"{mode}.trace.rank{rank}") if t["step"] < k]
+        assert done + _trace(root / f"{mode}.resumed.trace.rank{rank}") == _trace(
+            root / f"{mode}-reference.trace.rank{rank}")
+    # the last checkpoints: whole Adam moments and step counts, scheduler, each rank's generators
+    last = f"checkpoint-{reference['global_step']}"
+    for file_name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        _same_tree(torch.load(root / mode / last / file_name, weights_only=False),
+                   torch.load(root / f"{mode}-reference" / last / file_name, weights_only=False),
+                   file_name)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(),
+                    reason="torch.distributed is not built in")
+def test_fsdp_negative_control_resume_without_rng_state_differs(fsdp_runs):
+    root, results = fsdp_runs
+    reference, no_rng = results["qlora-reference"], results["qlora-no-rng"]
+    for rank in (0, 1):  # the same batches after resuming ...
+        assert _trace(root / f"qlora-no-rng.trace.rank{rank}") == _trace(
+            root / f"qlora.resumed.trace.rank{rank}")
+    # ... yet other LoRA weights: the dropout masks came from another RNG state
+    changed = _differs(no_rng["state"], reference["state"])
+    assert changed and all("lora_" in k for k in changed)
