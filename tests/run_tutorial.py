@@ -14,10 +14,14 @@ from pathlib import Path
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 
 
-def run_tutorial(filename, timeout=300) -> str:
-    """Run tutorials/<filename> in a fresh interpreter; assert exit 0; return what it printed."""
+def run_tutorial(filename, timeout=300, nproc=None) -> str:
+    """Run tutorials/<filename> in a fresh interpreter (under torchrun with `nproc` processes when
+    given); assert exit 0; return what it printed."""
+    launcher = [sys.executable]
+    if nproc is not None:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     result = subprocess.run(
-        [sys.executable, str(TUTORIALS / filename)],
+        [*launcher, str(TUTORIALS / filename)],
         capture_output=True,
         text=True,
         timeout=timeout,

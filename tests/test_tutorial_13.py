@@ -9,26 +9,13 @@ rows from a fixed seed; no network.
 Run: python -m pytest -q tests/test_tutorial_13.py
 """
 
-import pathlib
 import re
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "13_ddp.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_13_ddp_under_torchrun():
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("13_ddp.py", timeout=180, nproc=2)
     assert "Total train batch size (w. parallel, distributed & accumulation) = 8" in out
     assert "training_step receives the wrapped model: DistributedDataParallel" in out
     rows = re.findall(

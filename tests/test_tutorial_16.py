@@ -8,26 +8,13 @@ Hermetic: localhost gloo on CPU, tiny models and random rows from fixed seeds; n
 Run: python -m pytest -q tests/test_tutorial_16.py
 """
 
-import pathlib
 import re
-import subprocess
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tutorials" / "16_fsdp.py"
+from run_tutorial import run_tutorial
 
 
 def test_tutorial_16_fsdp_under_torchrun():
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    out = result.stdout
+    out = run_tutorial("16_fsdp.py", timeout=300, nproc=2)
     assert (
         "[rank 0] q_proj.weight is a DTensor of global shape (64, 64); this rank holds rows 0-31"
         in out
