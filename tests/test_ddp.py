@@ -27,6 +27,7 @@ from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.distributed import cleanup
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
+from tiny import join_as_rank
 
 VOCAB = 64
 
@@ -63,9 +64,7 @@ def train(output_dir, batch_size, average_tokens=True):
 
 
 def _worker(rank, port, output_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    join_as_rank(rank, port)
     results = {}
     # one spawn for both runs: starting processes is the slow part
     for average_tokens in (True, False):

@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from tiny import tiny_model
+from tiny import join_as_rank, tiny_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -165,14 +165,7 @@ def resume_runs(out):
 
 
 def _worker(rank, port, out):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    join_as_rank(rank, port)
     result = {}
     for mode in MODES:
         trainer = make_trainer(mode, os.path.join(out, mode), batch_size=2, fsdp=True)

@@ -23,7 +23,8 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tiny import TINY_LLAMA, one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
+from tiny import (  # noqa: F401 (one_thread: an autouse fixture)
+    TINY_LLAMA, join_as_rank, one_thread, tiny_model)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -161,9 +162,7 @@ def flops_of_run(output_dir, gradient_accumulation_steps):
 
 
 def _ddp_worker(rank, port, output_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    join_as_rank(rank, port)
     flops = flops_of_run(output_dir, gradient_accumulation_steps=2)
     torch.save(flops, os.path.join(output_dir, f"flops_{rank}.pt"))
     cleanup()

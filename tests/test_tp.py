@@ -21,7 +21,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tiny import tiny_model
+from tiny import join_as_rank, tiny_model
 
 from nanosft import distributed, tensor_parallel
 from nanosft.args import TrainingArguments
@@ -65,14 +65,7 @@ def run(model):
 
 
 def _worker(rank, port, folder):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    join_as_rank(rank, port)
     model = CausalLM.from_pretrained(folder, tp_plan="auto")
     attn = model.model.layers[0].self_attn
     result = {

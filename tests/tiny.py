@@ -7,6 +7,8 @@ hermetic-test budget (hidden <= 64, vocab <= 512, 2 layers); seeds are explicit,
 same in every file that builds it.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -29,3 +31,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def join_as_rank(rank, port, world_size=2):
+    """In a process started by torch.multiprocessing.spawn: the torchrun environment of `rank` on
+    localhost, and one torch thread (the ranks share the machine's cores)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
