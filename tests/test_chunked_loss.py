@@ -103,3 +103,35 @@ def test_chunked_loss_saves_no_vocab_sized_tensor():
     # what stays is the hidden states, the labels and the head weight: nothing (tokens x V) in size
     assert max(chunked.values()) < 16 * V * 4
     assert sum(chunked.values()) < sum(full.values()) / 4
+
+
+@pytest.mark.parametrize("chunk_size", [5, 10_000])
+def test_fused_outputs_equal_the_full_logits_metrics(chunk_size):
+    """Per-token log p, entropy and top-1 hit of fused_lm_head_outputs equal those computed from
+    the full logits (what sft.token_metrics sums), and are zero where the label is -100."""
+    from nanosft.model import fused_lm_head_outputs
+    from nanosft.sft import token_metrics
+
+    hidden, head, labels = _inputs()
+    log_probs, entropy, is_top1, mask = fused_lm_head_outputs(hidden, head, labels, chunk_size)
+    logits = head(hidden).detach()
+    full = torch.log_softmax(logits[:, :-1].float(), -1)
+    targets = labels[:, 1:]
+    expected = full.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1) * mask
+    torch.testing.assert_close(log_probs.detach(), expected, rtol=0, atol=1e-6)
+    assert torch.equal(mask, targets != -100)
+    assert not entropy[~mask].any() and not is_top1[~mask].any()
+    valid, entropy_sum, correct = token_metrics(logits, labels).tolist()
+    assert valid == mask.sum().item() and correct == is_top1.sum().item()
+    torch.testing.assert_close(entropy.sum().item(), entropy_sum, rtol=1e-6, atol=0)
+
+
+def test_fused_head_without_supervised_tokens_gives_a_zero_loss_in_the_graph():
+    """A micro-batch whose labels are all -100 contributes 0 (not 0/0) and still backpropagates,
+    as TRL's masked_scatter keeps it connected."""
+    model = tiny_model()
+    ids = torch.randint(0, 64, (2, 9))
+    out = model(input_ids=ids, labels=torch.full_like(ids, -100), fused_lm_head=True)
+    assert out.loss.item() == 0.0 and out.logits is None
+    out.loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.lm_head.parameters())
