@@ -3,8 +3,9 @@
 The network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps; its loss is the
 `outputs["loss"]` of walkthrough 2.5 `compute_loss`. RMSNorm, RoPE (default, linear, llama3),
 grouped-query SDPA attention, SwiGLU, then `CausalLM`. Beside it: configuration.py (ModelConfig),
-masking.py (attention masks, packed rows), generation.py (decoding with the (k, v) cache), hub.py
-(safetensors files; `from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
+loss.py (the causal-LM loss, whole or in lm_head tiles), masking.py (attention masks, packed
+rows), generation.py (decoding with the (k, v) cache), hub.py (safetensors files;
+`from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
@@ -23,6 +24,10 @@ from nanosft.configuration import ModelConfig
 from nanosft.generation import sample_next_token as sample_next_token  # model API too
 from nanosft.hub import load_state_dict_from_hf as load_state_dict_from_hf  # model API too
 from nanosft.hub import save_state_dict_to_hf
+from nanosft.loss import LOSS_CHUNK_SIZE as LOSS_CHUNK_SIZE  # model API too
+from nanosft.loss import causal_lm_loss as causal_lm_loss
+from nanosft.loss import chunked_causal_lm_loss as chunked_causal_lm_loss
+from nanosft.loss import fused_lm_head_outputs
 from nanosft.masking import build_attention_mask, varlen_layout
 
 
@@ -42,68 +47,6 @@ class CausalLMOutput:
 
     def __getitem__(self, key):
         return getattr(self, key)
-
-
-def causal_lm_loss(logits, labels, num_items_in_batch=None):
-    """Next-token cross entropy over fp32 logits, -100 ignored; sum / num_items_in_batch when
-    given, else mean. Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss,
-    fixed_cross_entropy"""
-    logits = logits.float()
-    # Shift the labels, not the logits: position t predicts labels[t+1], the last one gets -100.
-    shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten(), ignore_index=-100,
-                           reduction=reduction)
-    if num_items_in_batch is None:
-        return loss
-    return loss / torch.as_tensor(num_items_in_batch, device=loss.device)
-
-
-# supervised tokens per lm_head tile: (256, V) fp32 logits at a time, 48 MiB at V = 49,152
-# (a LoRA step on that vocabulary peaked at 449 MiB RSS with 256, 1,020 with 1,024, same speed)
-LOSS_CHUNK_SIZE = 256
-
-
-def _tile_token_stats(lm_head, h, targets):
-    # (n, C) -> (n, V) fp32 logits, dropped after this call and recomputed in backward
-    logits = lm_head(h).float()
-    log_z = logits.logsumexp(-1)  # (n,)
-    log_probs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
-    with torch.no_grad():  # the metrics: H = log Z - E_p[z]; top-1 is argmax's first index
-        entropy = log_z - (logits.softmax(-1) * logits).sum(-1)
-        is_top1 = logits.argmax(-1) == targets
-    return log_probs, entropy, is_top1
-
-
-def fused_lm_head_outputs(hidden, lm_head, labels, chunk_size=LOSS_CHUNK_SIZE):
-    """Per-token log p(next token), entropy and top-1 hit, each (B, T-1) and zero where the shifted
-    label is -100, plus that label mask; the (B, T, V) logits never exist: only supervised
-    positions go through lm_head, `chunk_size` at a time, each tile recomputed in backward.
-    Walkthrough 2.5 | Mirrors: trl add_fused_lm_head (its compact, supervised-only scoring)
-    Differs: tiles tokens, not the vocabulary, and torch.utils.checkpoint recomputes each tile
-    where trl's ChunkedLogProbFunction has a hand-written backward over vocabulary tiles."""
-    targets = labels[:, 1:].to(hidden.device)  # position t predicts token t+1
-    mask = targets != -100
-    h, y = hidden[:, :-1][mask], targets[mask]  # (N, C), (N,)
-    # no supervised token still gives one empty tile, so the loss stays in the graph (0, not 0/0)
-    tiles = [checkpoint(_tile_token_stats, lm_head, hc, yc, use_reentrant=False)
-             for hc, yc in zip(h.split(chunk_size), y.split(chunk_size))]
-    per_token = []
-    for parts in zip(*tiles):
-        flat = torch.cat(parts)
-        per_token.append(flat.new_zeros(mask.shape).masked_scatter(mask, flat))
-    log_probs, entropy, is_top1 = per_token
-    return log_probs, entropy, is_top1, mask
-
-
-def chunked_causal_lm_loss(hidden, lm_head, labels, num_items_in_batch=None,
-                           chunk_size=LOSS_CHUNK_SIZE):
-    """causal_lm_loss(lm_head(hidden), labels, ...) without the (B, T, V) logits, through
-    fused_lm_head_outputs: -Σ log p over supervised tokens / num_items_in_batch (else their count).
-    Walkthrough 2.5 | Mirrors: trl add_fused_lm_head's loss"""
-    log_probs, _, _, mask = fused_lm_head_outputs(hidden, lm_head, labels, chunk_size)
-    count = mask.sum() if num_items_in_batch is None else num_items_in_batch
-    return -log_probs.sum() / torch.as_tensor(count, device=log_probs.device)
 
 
 def rope_inv_freq(config):
