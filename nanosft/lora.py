@@ -72,6 +72,20 @@ class DoraMagnitude(nn.Module):
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
 
 
+def _fp32_throughout(x, result, lora_A, lora_B):
+    # fp32 activations, base output and adapters, no autocast, B without a bias
+    return (x.dtype == result.dtype == lora_A.weight.dtype == lora_B.weight.dtype == torch.float32
+            and lora_B.bias is None and not torch.is_autocast_enabled(x.device.type))
+
+
+def _add_low_rank(result, ax, weight_B, scaling):
+    """result + (ax @ B^T) * scaling as one addmm, (B, T, out) + (B, T, r) @ (r, out).
+    Saves the (B, T, out) scaling multiply and add passes, forward and backward; with a
+    power-of-two scaling (alpha = 2r, alpha = r) every rounding is the unfused sum's."""
+    out = torch.addmm(result.flatten(0, -2), ax.flatten(0, -2), weight_B.t(), alpha=scaling)
+    return out.view(result.shape)
+
+
 class LoraLinear(nn.Module):
     """A frozen base linear plus low-rank adapters by name: y = base(x) + B(A(dropout(x))) * s.
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
@@ -306,7 +320,8 @@ class LoraLinear(nn.Module):
         """Base output plus each active adapter's (DoRA-scaled) low-rank update (or per-row ones).
         Walkthrough 2.7 | Mirrors: peft lora.bnb.Linear4bit.forward, lora.Linear.forward
         Differs: DoRA's dropped input stays in a local `x_dora` (peft 0.21.2; the walkthrough
-        rebinds x); casts as peft 0.21.2: DoRA adds, then casts; a float base casts at the end."""
+        rebinds x); casts as peft 0.21.2: DoRA adds, then casts; a float base casts at the end;
+        in fp32, B's product is added into the base output by one addmm (_add_low_rank)."""
         self._check_forward_args(x, adapter_names)
         if self.disable_adapters:  # "if self.disable_adapters: if self.merged: self.unmerge()"
             if self.merged:
@@ -317,12 +332,12 @@ class LoraLinear(nn.Module):
         if self.merged:  # "elif self.merged": the deltas already live in the base weight
             return self.base_layer(x)
         result = self.base_layer(x)  # "result = self.base_layer(x, *args, **kwargs)"
-        # "As per Tim Dettmers, for 4bit, we need to defensively clone here" (backprop on a view)
-        result = result.clone()
-        torch_result_dtype = result.dtype
         # peft's 4-bit layer casts back after every adapter; its float layer (lora.Linear) adds in
         # the adapters' dtype and casts once, at the end
         cast_each = isinstance(self.base_layer, Linear4bit)
+        if cast_each:  # "As per Tim Dettmers, for 4bit, we need to defensively clone here"
+            result = result.clone()
+        torch_result_dtype = result.dtype
         for active_adapter in self.active_adapters:  # "for active_adapter in self.active_adapters:"
             if active_adapter not in self.lora_A:
                 continue
@@ -336,6 +351,10 @@ class LoraLinear(nn.Module):
                 expected_dtype = result.dtype
                 x = self._cast_input_dtype(x, lora_A.weight.dtype)
             if not self.use_dora[active_adapter]:
+                if _fp32_throughout(x, result, lora_A, lora_B):
+                    # the same sum as below, with B's product added into result by the GEMM
+                    result = _add_low_rank(result, lora_A(dropout(x)), lora_B.weight, scaling)
+                    continue
                 # (B, T, in) -> (B, T, r) -> (B, T, out)
                 output = lora_B(lora_A(dropout(x))) * scaling
                 if requires_conversion and cast_each:
