@@ -5,7 +5,9 @@ y = m/||W + sBA||_row (W + sBA) x + b with the norm detached (negative control: 
 differ); DoRA equals LoRA when m is initialised to ||W + sBA||; peft's RNG order for A/B init
 (init_lora_weights True, False, "gaussian"; negative control: skipping B's constructor changes A);
 merge/unmerge (exact up to fp32 rounding for a float base, within the NF4 requantization bound for a
-4-bit base); disable; mixed batches; gradients; clear errors. Hermetic: tiny random layers on CPU,
+4-bit base); disable; mixed batches; gradients; clear errors; bf16 adapter products through fp32
+GEMMs on a CPU without a bf16 kernel, against torch's bf16 linear (and when that path is taken).
+Hermetic: tiny random layers on CPU,
 seeds fixed.
 Run: python -m pytest -q tests/test_lora.py
 """
@@ -284,3 +286,61 @@ def test_errors_name_the_culprit():
     dora = LoraLinear(make_base("float"), r=R, use_dora=True)
     with pytest.raises(ValueError, match="DoRA"):
         dora(torch.randn(1, IN), adapter_names=["default"])
+
+
+def _bf16_ulp(t):
+    # the spacing of bf16 values at |t|: 2^(exponent - 7)
+    return torch.ldexp(torch.ones_like(t, dtype=torch.float32),
+                       torch.frexp(t.float().abs().clamp(min=1e-30)).exponent - 8)
+
+
+@pytest.mark.parametrize("shape", [(1100, 576, 16), (1100, 16, 1536), (300, 1536, 16)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bf16_linear_in_fp32_is_the_bf16_linear_up_to_summation_order(shape, autocast):
+    """Bf16LinearInFp32 against torch's own bf16 linear on QLoRA adapter shapes: outputs and both
+    gradients in the same dtypes, at least 99.5% of entries bit-equal, none more than 1 bf16 ulp
+    away (plus fp32 summation error where a sum cancels to near 0). autocast: fp32 input and
+    weight, rounded to bf16 by autocast (native) or by the Function. Negative control: an fp32
+    product left unrounded is caught by the bit-equality."""
+    from nanosft.lora import Bf16LinearInFp32
+
+    n, k, m = shape
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    x = torch.randn(n, k, generator=g).to(dtype)
+    w = (torch.randn(m, k, generator=g) / math.sqrt(k)).to(dtype)
+    grad = torch.randn(n, m, generator=g).to(torch.bfloat16)
+    results = []
+    for fn in (F.linear, Bf16LinearInFp32.apply):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = fn(xi, wi)
+        y.backward(grad)
+        results.append((y, xi.grad, wi.grad))
+    xb, wb, gb = (t.bfloat16().float().abs() for t in (x, w, grad))
+    # fp32 summation-order error is about 2^-24 x the sum of |terms|: it shows where a sum cancels
+    sums_of_terms = (xb @ wb.t(), gb @ wb, gb.t() @ xb)
+    for native, ours, terms in zip(*results, sums_of_terms):
+        assert native.dtype == ours.dtype
+        assert (native == ours).float().mean() >= 0.995
+        assert ((native.float() - ours.float()).abs() <= _bf16_ulp(native) + terms * 2**-20).all()
+    unrounded = F.linear(x.bfloat16().float(), w.bfloat16().float())
+    assert (unrounded == results[0][0].float()).float().mean() < 0.5
+
+
+def test_adapters_use_the_fp32_gemm_only_for_bf16_on_a_cpu_without_a_bf16_kernel(monkeypatch):
+    import nanosft.lora as lora
+
+    calls = []
+    real_apply = lora.Bf16LinearInFp32.apply
+    monkeypatch.setattr(lora.Bf16LinearInFp32, "apply",
+                        lambda *args: calls.append(1) or real_apply(*args))
+    layer = LoraLinear(make_base("4bit"), r=R)
+    x = torch.randn(2, 3, IN)
+    cases = ((False, torch.bfloat16, 2), (True, torch.bfloat16, 0), (False, torch.float32, 0))
+    for has_kernel, adapter_dtype, expected in cases:
+        monkeypatch.setattr(lora, "_has_bf16_gemm", lambda: has_kernel)
+        layer.lora_A.to(adapter_dtype), layer.lora_B.to(adapter_dtype)
+        calls.clear()
+        layer(x).sum().backward()
+        assert len(calls) == expected, (has_kernel, adapter_dtype)  # lora_A and lora_B

@@ -9,6 +9,8 @@ merge/unmerge (the requantized NF4 bytes too); mixed-adapter batches. A bf16 bas
 adapters (as get_peft_model leaves them): outputs and all gradients bit-identical to peft for
 LoRA and DoRA on both bases, which pins peft 0.21.2's cast order (DoRA and the float base add
 in fp32, then cast to bf16); a negative control shows the walkthrough's cast-then-add is caught.
+TRL's QLoRA recipe (fp32 compute, bf16 adapters): bit-identical to peft with torch's bf16 kernel
+and with the fp32-GEMM path nanosft takes on a CPU without one.
 4-bit cases run in train mode: in eval mode bitsandbytes switches to a bf16 CPU kernel and
 repacks its weight in place, so both sides would be compared on different kernels. in_features
 are multiples of the 64-value block (bitsandbytes' CPU dequantize assumes rows hold whole blocks).
@@ -226,3 +228,34 @@ def test_negative_control_walkthrough_cast_order_differs_from_peft_for_dora(base
         expected = ref(x)
     torch.testing.assert_close(add_then_cast, expected, rtol=0, atol=0)
     assert not torch.equal(cast_then_add, expected)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_qlora_recipe_bf16_adapters_on_fp32_input_match_peft(kind, bf16_gemm, monkeypatch):
+    """TRL's QLoRA: a 4-bit base computing in fp32, adapters cast to bf16 (not DoRA's magnitude).
+    With torch's bf16 kernel and with the fp32-GEMM path a CPU without one takes
+    (nanosft.lora.Bf16LinearInFp32): outputs and gradients bit-identical to peft at these sizes
+    (the sums are short; on real shapes see tests/test_lora.py: at most 1 bf16 ulp)."""
+    import nanosft.lora
+
+    monkeypatch.setattr(nanosft.lora, "_has_bf16_gemm", lambda: bf16_gemm)
+    ours, ref = build("4bit", kind)
+    for layer in (ours, ref):
+        for name, p in trainable(layer).items():
+            if "magnitude" not in name:
+                p.data = p.data.to(torch.bfloat16)
+    make_adapters_nonzero(ours, ref)
+    x = torch.randn(4, 7, IN)
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yo, yr = ours(xo), ref(xr)
+    assert yo.dtype == yr.dtype == torch.float32
+    torch.testing.assert_close(yo, yr, rtol=0, atol=0)
+    g = torch.randn_like(yo)
+    (yo * g).sum().backward()
+    (yr * g).sum().backward()
+    torch.testing.assert_close(xo.grad, xr.grad, rtol=0, atol=0)
+    ref_params = trainable(ref)
+    for name, p in trainable(ours).items():
+        assert p.grad.dtype == ref_params[name].grad.dtype
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=0, atol=0, msg=name)
