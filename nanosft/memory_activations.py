@@ -21,12 +21,9 @@ class _Saved:
 
 
 def _norm(saved, tag, N, C, rg, trainable, wd):
-    # RMSNorm: pow and x32 * rsqrt save the fp32 input and rsqrt (N, 1); weight * xn saves xn
-    if rg:
-        saved.add(f"{tag}.input_fp32", N * C, 4)
-        saved.add(f"{tag}.rsqrt", N, 4)
-    if trainable:
-        saved.add(f"{tag}.normed", N * C, wd)
+    # RMSNorm is recomputed in backward (model._recomputed): only its input stays saved
+    if rg or trainable:
+        saved.add(f"{tag}.input", N * C, wd)
     return rg or trainable
 
 
@@ -97,11 +94,9 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
     g_rg = _linear(saved, ctx, "gate_proj", "normed_2", wd, C, I, n2_rg)
     u_rg = _linear(saved, ctx, "up_proj", "normed_2", wd, C, I, n2_rg)
     g = (ad or wd) if (plan.full or not nf4["gate_proj"]) else wd  # 4-bit: returns its input dtype
-    if g_rg:
-        saved.add("mlp.gate_out", N * I, g)  # silu's input
-        saved.add("mlp.up_out", N * I, g)  # mul's other factor
-    if u_rg:
-        saved.add("mlp.silu_out", N * I, g)
+    if g_rg or u_rg:  # silu(gate) * up is recomputed in backward from its two inputs
+        saved.add("mlp.gate_out", N * I, g)
+        saved.add("mlp.up_out", N * I, g)
     _linear(saved, ctx, "down_proj", "mlp.act_product", g, I, C, g_rg or u_rg)
     return saved.bytes
 
