@@ -207,3 +207,21 @@ def test_bf16_head_matches_the_full_logits_path(case):
     g_ours, g_full = (torch.autograd.grad(loss, h)[0] for loss in (ours, full))
     assert g_ours.dtype == g_full.dtype == h.dtype
     torch.testing.assert_close(g_ours.float(), g_full.float(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_a_head_with_a_bias_takes_the_checkpointed_tiles_and_gives_the_same_loss(trained):
+    """Heads other than a bias-free nn.Linear (a bias, LoRA on lm_head, modules_to_save) go
+    through torch.utils.checkpoint tiles instead of TileLogProbs: same loss and gradients."""
+    hidden, head, labels = _inputs()
+    biased = torch.nn.Linear(C, V)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.normal_(0, 0.5)
+    biased.requires_grad_(trained)
+    params = [hidden, *biased.parameters()] if trained else [hidden]
+    ours = chunked_causal_lm_loss(hidden, biased, labels, chunk_size=7)
+    full = causal_lm_loss(biased(hidden), labels)
+    torch.testing.assert_close(ours, full, rtol=0, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(full, params)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
