@@ -70,6 +70,7 @@ class TileLogProbs(torch.autograd.Function):
             needs_h, needs_weight = ctx.needs_input_grad[:2]
             if needs_weight:  # the head trains: backward recomputes the tile (its p is needed)
                 ctx.save_for_backward(h, weight, targets, log_z)
+                ctx.workspace = workspace  # the tiles' backward runs one after another too
             elif needs_h:  # frozen head: the whole gradient is a per-token scale of this (n, C)
                 expected_w = torch.mm(p.to(dtype), weight.to(dtype)).float() / z[:, None]
                 ctx.save_for_backward(weight[targets].float() - expected_w)
@@ -88,7 +89,8 @@ class TileLogProbs(torch.autograd.Function):
         h, weight, targets, log_z = ctx.saved_tensors
         dtype, n = ctx.dtype, h.shape[0]
         with torch.autocast(h.device.type, enabled=False):
-            p = _tile_logits(h, weight, dtype).sub_(log_z[:, None]).exp_()  # softmax, (n, V)
+            logits = _tile_logits(h, weight, dtype, out=ctx.workspace[0][:n])
+            p = logits.sub_(log_z[:, None]).exp_()  # softmax, (n, V)
             # d(g log p_y)/d logits = g (onehot(y) - p), written over p
             grad_logits = p.mul_(-grad_log_probs[:, None])
             grad_logits[torch.arange(n, device=h.device), targets] += grad_log_probs

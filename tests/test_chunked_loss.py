@@ -150,8 +150,7 @@ class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-                    torch.ops.aten.bmm.default):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
