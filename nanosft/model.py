@@ -79,7 +79,7 @@ def rotate_half(x):
 def _recomputed(fn, *args):
     """fn(*args), keeping only `args` for backward and running fn again there: for cheap
     elementwise blocks whose intermediates would otherwise stay saved (an RMSNorm's normalised
-    copy, SwiGLU's (N, I) silu), 20% of a layer's saved bytes in full fine-tuning."""
+    copy, SwiGLU's (N, I) silu): 12% fewer saved bytes in full fine-tuning (SmolLM2-135M shapes)."""
     if torch.is_grad_enabled():
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
