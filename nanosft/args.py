@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanosft.fsdp import check_fsdp_options, normalize_fsdp_config
+from nanosft.parallel.fsdp import check_fsdp_options, normalize_fsdp_config
 
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",

@@ -9,7 +9,7 @@ what the hand-written model does not implement (sliding windows, other rope type
 import os
 from dataclasses import dataclass, fields
 
-from nanosft import hub
+from nanosft.io import hub
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}

@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanosft import generation, hub, nf4, tensor_parallel
+from nanosft import generation, nf4
+from nanosft.io import hub
+from nanosft.parallel import tensor_parallel
 from nanosft.configuration import ModelConfig
 from nanosft.generation import sample_next_token as sample_next_token  # model API too
-from nanosft.hub import load_state_dict_from_hf as load_state_dict_from_hf  # model API too
-from nanosft.hub import save_state_dict_to_hf
+from nanosft.io.hub import load_state_dict_from_hf as load_state_dict_from_hf  # model API too
+from nanosft.io.hub import save_state_dict_to_hf
 from nanosft.loss import LOSS_CHUNK_SIZE as LOSS_CHUNK_SIZE  # model API too
 from nanosft.loss import causal_lm_loss as causal_lm_loss
 from nanosft.loss import chunked_causal_lm_loss as chunked_causal_lm_loss

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanosft import hub
+from nanosft.io import hub
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,10 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from nanosft import checkpoint, distributed, fsdp, memory, trainer_callback
+from nanosft import distributed, trainer_callback
+from nanosft.io import checkpoint
+from nanosft.parallel import fsdp
+from nanosft import memory
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.optim import create_optimizer, create_scheduler
@@ -189,7 +192,7 @@ class Trainer:
                 total_train_batch_size, max_steps, resume_from_checkpoint, epochs_trained,
                 self.state.global_step)
             self._memory_ledger = memory.predict_for_trainer(self.model, args)
-            if self._memory_ledger is not None:  # guide: memory (nanosft/memory.py)
+            if self._memory_ledger is not None:  # guide: memory (nanosft/memory/__init__.py)
                 print(memory.summary_line(self._memory_ledger))
         self.reporter.on_train_begin(max_steps, self.state.global_step, self.model)  # mfu's peak
         self._peak_memory = memory.PeakMemory(args.device.type).start()

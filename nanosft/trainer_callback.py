@@ -19,7 +19,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from nanosft import checkpoint, distributed, output_folder
+from nanosft import distributed
+from nanosft.io import checkpoint
+from nanosft.io import output_folder
 from nanosft.nf4 import Linear4bit
 from nanosft.trainer_utils import LogWindow, evaluation_loop, model_flops, speed_metrics
 

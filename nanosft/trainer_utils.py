@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from nanosft import distributed, fsdp, tensor_parallel
+from nanosft import distributed
+from nanosft.parallel import fsdp
+from nanosft.parallel import tensor_parallel
 from nanosft.masking import packed_segment_ids
 
 IGNORE_INDEX = -100

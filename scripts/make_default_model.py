@@ -23,7 +23,7 @@ import torch
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.tokenizer import Tokenizer, render_chatml
 
-OUT_DIR = os.path.join(os.path.dirname(__file__), "..", "nanosft", "assets", "default")
+OUT_DIR = os.path.join(os.path.dirname(__file__), "..", "nanosft", "cli", "assets", "default")
 NUMBERS = range(20)
 NUM_SFT_TRAIN = 300  # of the 400 sums; the other 100 are held out (sft_eval.jsonl)
 SMALL_TALK = [
@@ -133,7 +133,7 @@ def write_jsonl(path, examples):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=OUT_DIR,
-                        help="folder to (re)write (default: nanosft/assets/default)")
+                        help="folder to (re)write (default: nanosft/cli/assets/default)")
     args = parser.parse_args()
     # one thread: the same float sums in the same order, so the same bytes each run
     torch.set_num_threads(1)

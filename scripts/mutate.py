@@ -37,13 +37,13 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("generate_ignores_adapter", "nanosft/cli.py", "run_generate",
+    Mutation("generate_ignores_adapter", "nanosft/cli/__init__.py", "run_generate",
              (("load_model(args.model, args.adapter", "load_model(args.model, None"),),
              ("tests/test_cli.py",)),
-    Mutation("chat_ignores_adapter", "nanosft/cli.py", "run_chat",
+    Mutation("chat_ignores_adapter", "nanosft/cli/__init__.py", "run_chat",
              (("load_model(args.model, args.adapter", "load_model(args.model, None"),),
              ("tests/test_cli.py",)),
-    Mutation("chat_drops_history", "nanosft/cli.py", "run_chat",
+    Mutation("chat_drops_history", "nanosft/cli/__init__.py", "run_chat",
              (("stream_reply(model, tokenizer, messages, args)",
                "stream_reply(model, tokenizer, messages[-1:], args)"),),
              ("tests/test_cli.py",)),

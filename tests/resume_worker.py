@@ -183,7 +183,7 @@ def die(job):
 
 def attach_hooks(trainer, job):
     """Per-micro-batch trace and SIGKILL points: wrappers on this trainer and checkpoint module."""
-    from nanosft import checkpoint
+    from nanosft.io import checkpoint
 
     step = trainer.training_step
     micro_in_kill_step = [0]
@@ -228,7 +228,7 @@ def attach_hooks(trainer, job):
 
 
 def run_job(job):
-    from nanosft import checkpoint
+    from nanosft.io import checkpoint
 
     # whatever ran before this job, it starts from the same global RNG state
     torch.manual_seed(1234)
@@ -255,7 +255,7 @@ def run_job(job):
     logs = [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"])
             for h in trainer.state.log_history if "loss" in h]
     if job.get("fsdp"):  # sharded DTensors -> whole tensors, gathered on every rank
-        from nanosft.fsdp import full_state_dict
+        from nanosft.parallel.fsdp import full_state_dict
 
         state = full_state_dict(trainer.model)
     else:

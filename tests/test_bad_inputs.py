@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from nanosft import AutoModelForCausalLM, AutoTokenizer, checkpoint, cli
+from nanosft import AutoModelForCausalLM, AutoTokenizer
+from nanosft.io import checkpoint
+from nanosft import cli
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.data import load_examples, prepare_dataset

@@ -8,7 +8,7 @@ the merged folder and the adapted model called directly (must be equal); `chat`'
 against the three messages of the first exchange rendered through the chat template; the `--trace`
 lines against the walkthrough's section-1 outline, in order; user mistakes against a one-paragraph
 message naming the culprit and exit status 2. Hermetic: everything runs on the tiny model shipped in
-nanosft/assets/default and small JSONL files written to tmp_path; CPU only, no network.
+nanosft/cli/assets/default and small JSONL files written to tmp_path; CPU only, no network.
 Run: python -m pytest -q tests/test_cli.py
 """
 
@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanosft import demo, trace
+from nanosft.cli import demo
+from nanosft.monitoring import trace
 from nanosft.cli import main
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from nanosft import distributed
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.fsdp import held_bytes
+from nanosft.parallel.fsdp import held_bytes
 from nanosft.nf4 import quantize_model
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.trainer import Trainer

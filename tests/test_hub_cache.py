@@ -22,7 +22,9 @@ import pytest
 import torch
 from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
-from nanosft import AutoModelForCausalLM, AutoTokenizer, PeftModel, cli, hub
+from nanosft import AutoModelForCausalLM, AutoTokenizer, PeftModel
+from nanosft import cli
+from nanosft.io import hub
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.tokenizer import Tokenizer

@@ -15,7 +15,8 @@ import torch
 from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
 from transformers.trainer_utils import TrainerMemoryTracker
 
-from nanosft import memory, nf4
+from nanosft import nf4
+from nanosft import memory
 from nanosft.args import TrainingArguments
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import _cast_trainable_to_bf16
@@ -227,7 +228,7 @@ def test_cli_memory_prints_the_ledger_and_refuses_bad_flags(capsys):
     from nanosft import cli
     from nanosft.model import ModelConfig
 
-    folder = "nanosft/assets/default"
+    folder = "nanosft/cli/assets/default"
     assert cli.main(["memory", "--model", folder, "--lora", "--max_length", "64",
                      "--gradient_checkpointing", "false"]) == 0
     out = capsys.readouterr().out

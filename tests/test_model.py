@@ -1,4 +1,4 @@
-"""Behaviour of nanosft.model (and the nanosft.hub files it writes): masks, positions, KV cache,
+"""Behaviour of nanosft.model (and the nanosft.io.hub files it writes): masks, positions, KV cache,
 loss, RoPE scaling, checkpoints and errors.
 
 Every expected value is computed in the test itself (a second forward pass, a formula written out

@@ -28,7 +28,7 @@ from tiny import (  # noqa: F401 (one_thread: an autouse fixture)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanosft import demo
+from nanosft.cli import demo
 from nanosft.args import TrainingArguments
 from nanosft.cli import main
 from nanosft.collator import DataCollatorForLanguageModeling

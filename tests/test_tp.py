@@ -23,9 +23,10 @@ import torch
 import torch.multiprocessing as mp
 from tiny import join_as_rank, tiny_model
 
-from nanosft import distributed, tensor_parallel
+from nanosft import distributed
+from nanosft.parallel import tensor_parallel
 from nanosft.args import TrainingArguments
-from nanosft.fsdp import held_bytes
+from nanosft.parallel.fsdp import held_bytes
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
 

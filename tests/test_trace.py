@@ -1,16 +1,18 @@
-"""nanosft.trace: silent unless enabled; attach() traces one optimizer step, then leaves no wrapper
+"""nanosft.monitoring.trace: silent unless enabled; attach() traces one optimizer step, then
+leaves no wrapper
 or hook behind.
 
 Compared: printed lines (none when off), the trainer's / model's / optimizer's instance state
 before and after a traced run (instance attributes shadowing methods, forward hooks, optimizer
-step hooks). Hermetic: the tiny default model in nanosft/assets/default and four in-memory chat
+step hooks). Hermetic: the tiny default model in nanosft/cli/assets/default and four in-memory chat
 examples; CPU only.
 Run: python -m pytest -q tests/test_trace.py
 """
 
 import pytest
 
-from nanosft import demo, trace
+from nanosft.cli import demo
+from nanosft.monitoring import trace
 from nanosft.args import SFTConfig
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig

@@ -4,7 +4,8 @@ Walkthrough 1 总体逻辑 / 核心训练逻辑: 初始化 SFTTrainer -> 执行 
 -> 执行 inner_training_loop() -> get_batch_samples -> training_step -> compute_loss
 -> PeftModelForCausalLM.forward -> Linear4bit.forward -> backward
 -> (do_sync_step) optimizer.step / lr_scheduler.step / zero_grad / global_step += 1.
-We build a tiny NF4-quantized Llama, wrap it with LoRA through SFTTrainer, switch on nanosft.trace
+We build a tiny NF4-quantized Llama, wrap it with LoRA through SFTTrainer, switch on
+nanosft.monitoring.trace
 and run two optimizer steps: the trace prints the first one line by line, live, with the real
 shapes and numbers.
 Run:      python tutorials/01_overview.py
@@ -31,7 +32,7 @@ import tempfile
 import torch
 
 from nanosft import nf4
-from nanosft import trace as walkthrough_trace
+from nanosft.monitoring import trace as walkthrough_trace
 from nanosft.args import SFTConfig
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.peft import LoraConfig, PeftModelForCausalLM
@@ -100,7 +101,8 @@ assert trainer.train_dataset[0]["labels"][0] == -100
 
 # %% [markdown]
 # ## 执行 trainer.train(), traced
-# `nanosft.trace.attach` wraps this one trainer's methods and hooks this one model (nothing global
+# `nanosft.monitoring.trace.attach` wraps this one trainer's methods and hooks this one model
+# (nothing global
 # changes) and prints one line per walkthrough step until the first optimizer step is done.
 
 # %%

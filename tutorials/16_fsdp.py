@@ -29,7 +29,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from nanosft import distributed, fsdp
+from nanosft import distributed
+from nanosft.parallel import fsdp
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.nf4 import quantize_model
 from nanosft.peft import LoraConfig, get_peft_model

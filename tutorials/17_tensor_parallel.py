@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
-from nanosft import distributed, tensor_parallel
+from nanosft import distributed
+from nanosft.parallel import tensor_parallel
 from nanosft.model import MLP, CausalLM, ModelConfig
 
 TINY = {

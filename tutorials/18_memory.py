@@ -17,7 +17,8 @@ import tempfile
 
 import torch
 
-from nanosft import memory, nf4
+from nanosft import nf4
+from nanosft import memory
 from nanosft.args import TrainingArguments
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.optim import create_optimizer
@@ -135,7 +136,8 @@ assert full["optimizer states"] > 20 * lora["optimizer states"]
 LOAD = """
 import sys, torch
 import bitsandbytes  # imported before the measurement: its import is not the loader's memory
-from nanosft import memory, nf4
+from nanosft import nf4
+from nanosft import memory
 from nanosft.model import CausalLM
 torch.set_num_threads(1)
 peak = memory.PeakMemory().start()

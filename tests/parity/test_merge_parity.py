@@ -4,15 +4,15 @@ Compared: transformers AutoModelForCausalLM.from_pretrained(merged folder) logit
 + LoRA adapter (unmerged, PeftModelForCausalLM) on the same chat prompt, fp32, atol/rtol 1e-5
 (merging only re-associates W x + B A x * scaling, so the difference is float rounding, ~1e-7);
 AutoTokenizer ids vs nanosft's. Negative control: the base alone is far from both, so the adapter is
-not a no-op. Hermetic: the tiny default model in nanosft/assets/default and an adapter with random
-lora_B (init_lora_weights=False) built in-process.
+not a no-op. Hermetic: the tiny default model in nanosft/cli/assets/default and an adapter with
+random lora_B (init_lora_weights=False) built in-process.
 Run: python -m pytest -q tests/parity/test_merge_parity.py
 """
 
 import torch
 import transformers
 
-from nanosft import demo
+from nanosft.cli import demo
 from nanosft.cli import main
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model

@@ -4,18 +4,18 @@ Guide: memory (QLoRA's arithmetic, gradient checkpointing). `estimate_memory(con
 without building a model, the base weights (fp32 / bf16 / NF4 with absmax and double-quantization
 tables), trainable parameters, gradients, optimizer states, the tensors each decoder layer saves for
 backward (with and without checkpointing) and the logits / loss buffers (B x T x V), per FSDP rank.
-The plan and shapes live in nanosft.memory_plan, the per-layer saves in nanosft.memory_activations,
-the measuring tools (`MemoryTracker`, `PeakMemory`, ...) in nanosft.memory_measure; their names
+The plan and shapes live in nanosft.memory.plan, the per-layer saves in nanosft.memory.activations,
+the measuring tools (`MemoryTracker`, `PeakMemory`, ...) in nanosft.memory.measure; their names
 import from here too. Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
 """
 
 import dataclasses
 import math
 
-from nanosft.memory_activations import head_saved_bytes, layer_saved_bytes
-from nanosft.memory_measure import (  # noqa: F401 (measuring tools, re-exported)
+from nanosft.memory.activations import head_saved_bytes, layer_saved_bytes
+from nanosft.memory.measure import (  # noqa: F401 (measuring tools, re-exported)
     MemoryTracker, PeakMemory, count_saved_tensors, cpu_memory, cpu_peak_reset, unique_bytes)
-from nanosft.memory_plan import (  # noqa: F401 (the plan and shapes, re-exported)
+from nanosft.memory.plan import (  # noqa: F401 (the plan and shapes, re-exported)
     DTYPE_BYTES, LAYER_LINEARS, OPTIMIZERS, MemoryPlan, _fail, lora_targets, nf4_quantizable,
     parameter_shapes)
 

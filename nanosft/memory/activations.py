@@ -7,7 +7,7 @@ lm_head and loss. nanosft.memory sums them into the ledger's activations row.
 Paper: activation recomputation 1604.06174.
 """
 
-from nanosft.memory_plan import DTYPE_BYTES, LAYER_LINEARS, lora_targets, nf4_quantizable
+from nanosft.memory.plan import DTYPE_BYTES, LAYER_LINEARS, lora_targets, nf4_quantizable
 
 
 class _Saved:

@@ -7,7 +7,7 @@ changed. Keyword arguments transformers accepts but nanosft has no use for are l
 any other is an error naming it.
 """
 
-from nanosft import hub
+from nanosft.io import hub
 
 # from_pretrained keywords that change nothing here (one attention path, no remote code)
 IGNORED_KWARGS = {"attn_implementation", "low_cpu_mem_usage", "use_cache", "token", "use_fast",

@@ -1,7 +1,7 @@
 """The pieces of `nanosft demo`: the embedded default model, held-out exact match, the before/after
 table, plots.
 
-The default (nanosft/assets/default, made by scripts/make_default_model.py) is a tiny
+The default (nanosft/cli/assets/default, made by scripts/make_default_model.py) is a tiny
 Llama-family base that read sums as plain sentences ("7 plus 5 equals 12.") but was never asked one
 in chat form. QLoRA SFT on 300 chat examples teaches the form; the 100 held-out prompts ask sums the
 base read but SFT never showed, so a right answer after training means the adapter unlocked
@@ -225,8 +225,8 @@ def run(
     Walkthrough 1 (SFTTrainer.__init__ -> trainer.train()) | Mirrors: a TRL QLoRA recipe
     An output_dir holding another run is refused before anything runs, unless overwrite_output_dir.
     """
-    from nanosft import output_folder
-    from nanosft import trace as walkthrough_trace
+    from nanosft.io import output_folder
+    from nanosft.monitoring import trace as walkthrough_trace
     from nanosft.sft import SFTTrainer
     from nanosft.tokenizer import Tokenizer
 

@@ -1,11 +1,11 @@
 """The `nanosft` command line (`python -m nanosft`): demo, train, generate, chat, merge, memory.
 
 A thin door over the library: `train` builds an SFTConfig / LoraConfig from flags (one typed flag
-per dataclass field, nanosft.cli_flags) and a JSON config file, then runs SFTTrainer (walkthrough
+per dataclass field, nanosft.cli.flags) and a JSON config file, then runs SFTTrainer (walkthrough
 1: SFTTrainer.__init__ -> trainer.train()); `demo` does the same on the embedded default model
-(nanosft.demo); `generate` and `chat` stream replies (nanosft.streamer). `--model` / `--adapter`
-take a folder or a Hub id from the local Hugging Face cache. Mistakes a user can make (bad path,
-bad JSONL line, bad value) end in a one-paragraph message on stderr and exit status 2;
+(nanosft.cli.demo); `generate` and `chat` stream replies (nanosft.cli.streamer). `--model` /
+`--adapter` take a folder or a Hub id from the local Hugging Face cache. Mistakes a user can make
+(bad path, bad JSONL line, bad value) end in a one-paragraph message on stderr and exit status 2;
 NANOSFT_DEBUG=1 shows the traceback instead. `--trace` / NANOSFT_TRACE=1 prints the walkthrough
 trace. Torch is imported only once a command runs, so `nanosft --help` and a mistyped flag answer
 at once.
@@ -21,15 +21,15 @@ import sys
 import tempfile
 
 # the flag machinery and the streamer, re-exported so their names import from here too
-from nanosft.cli_flags import (  # noqa: F401
+from nanosft.cli.flags import (  # noqa: F401
     FALSE, FIXED_FIELDS, FLAG_ALIASES, TRUE, add_dataclass_flags, collect, read_config_file,
     value_parser)
-from nanosft.streamer import make_streamer, stream_reply  # noqa: F401
+from nanosft.cli.streamer import make_streamer, stream_reply  # noqa: F401
 
 
 def _trace():
-    """nanosft.trace, imported when a command runs (it imports torch)."""
-    from nanosft import trace
+    """nanosft.monitoring.trace, imported when a command runs (it imports torch)."""
+    from nanosft.monitoring import trace
 
     return trace
 
@@ -39,7 +39,7 @@ def _trace():
 def resolve_folder(flag, name):
     """The local folder of --model / --adapter: the folder itself or the Hub id's cached snapshot.
     Walkthrough 2.1 | Mirrors: transformers cached_files (a repo id or a path)"""
-    from nanosft import hub
+    from nanosft.io import hub
 
     return hub.resolve_pretrained_path(name, what=flag)
 
@@ -88,7 +88,7 @@ def pick_device(name):
 def run_demo(args):
     """QLoRA SFT of the embedded default, with before/after held-out answers.
     Walkthrough 1 (end to end) | Mirrors: a TRL QLoRA recipe run by `trl sft`"""
-    from nanosft import demo
+    from nanosft.cli import demo
 
     if args.full and (args.dora or args.no_quant):
         raise ValueError("--full trains every weight of a full-precision model; drop --dora / "
@@ -177,7 +177,7 @@ def run_train(args):
 def _check_output_dir(sft_config):
     """Before the model loads: resolve --resume_from_checkpoint (a folder, or the latest valid
     checkpoint), and refuse a fresh run in a folder holding another run; errors name the flags."""
-    from nanosft import output_folder
+    from nanosft.io import output_folder
 
     sft_config.resume_from_checkpoint = output_folder.resolve_resume_checkpoint(
         sft_config.resume_from_checkpoint, sft_config.output_dir, command_line=True)
@@ -422,5 +422,6 @@ def main(argv=None):
         message = " ".join(str(error).split())  # one paragraph
         return _fail(args.command, f"{message} (NANOSFT_DEBUG=1 shows the traceback)")
     finally:
-        if "nanosft.trace" in sys.modules:  # never imported (with torch) just to switch it off
+        # never imported (with torch) just to switch it off
+        if "nanosft.monitoring.trace" in sys.modules:
             _trace().enable_trace(False)

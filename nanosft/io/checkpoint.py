@@ -22,8 +22,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-from nanosft import distributed, fsdp
-from nanosft.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
+from nanosft import distributed
+from nanosft.parallel import fsdp
+from nanosft.io.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
     _CHECKPOINT_RE,
     ADAPTER_CONFIG_NAME,
     check_output_dir,

@@ -16,7 +16,7 @@ import re
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nanosft import hub
+from nanosft.io import hub
 from nanosft.nf4 import Linear4bit
 
 PEFT_FORMAT_VERSION = "0.21.2"  # the peft release whose adapter files we read and write
