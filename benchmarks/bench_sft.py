@@ -427,9 +427,9 @@ class Fixture:
         """Model FLOPs of each planned optimizer step: 6N per token for full fine-tuning, 4N for a
         frozen base (forward + input gradients; the adapters add 6 per LoRA weight), plus causal
         attention, 6 * hidden * layers * T * (T + 1) per sequence of T tokens (QK^T and AV, forward
-        and both backward products, only the lower triangle): nanosft.trainer_utils.model_flops,
+        and both backward products, only the lower triangle): nanosft.monitoring.flops.model_flops,
         the count the Trainer logs."""
-        from nanosft.trainer_utils import model_flops
+        from nanosft.monitoring.flops import model_flops
 
         c = self.hf_config
         d, layers = c.hidden_size, c.num_hidden_layers

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanosft.parallel.fsdp import check_fsdp_options, normalize_fsdp_config
 
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -264,6 +263,8 @@ class TrainingArguments:
 
     def _validate_fsdp(self):
         # transformers' normalisation (fsdp_ prefix stripped, legacy strings); unknown keys refused
+        from nanosft.parallel.fsdp import check_fsdp_options, normalize_fsdp_config
+
         config = normalize_fsdp_config(self.fsdp, self.fsdp_config)
         if config is not None:  # FSDP off: both fields stay as given, as in transformers
             self.fsdp, self.fsdp_config = True, config

@@ -9,8 +9,6 @@ what the hand-written model does not implement (sliding windows, other rope type
 import os
 from dataclasses import dataclass, fields
 
-from nanosft.io import hub
-
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
 
@@ -105,4 +103,6 @@ class ModelConfig:
     def from_pretrained(cls, model_dir):
         """Read model_dir/config.json.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.from_pretrained"""
+        from nanosft.io import hub  # product layer: imported on use
+
         return cls.from_dict(hub.read_json(os.path.join(model_dir, "config.json")))

@@ -10,7 +10,6 @@ Papers: LoRA (2106.09685), rsLoRA (2312.03732), QLoRA (2305.14314), DoRA (2402.0
 """
 
 import copy
-import functools
 import math
 import warnings
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanosft.nf4 import Linear4bit, is_quantized
+from nanosft.reference import fast_path
 
 
 def base_weight(base_layer):
@@ -73,72 +73,16 @@ class DoraMagnitude(nn.Module):
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
 
 
-@functools.cache
-def _has_bf16_gemm():
-    # torch multiplies bf16 on CPU through oneDNN where the CPU has AVX512 (or AMX); elsewhere
-    # (AVX2) its fallback kernel runs 20-30x slower than fp32 on the adapters' shapes
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def _multiplies_in_bf16_without_kernel(x, weight):
-    if x.device.type != "cpu" or _has_bf16_gemm():
-        return False
-    if torch.is_autocast_enabled("cpu"):
-        return torch.get_autocast_dtype("cpu") == torch.bfloat16
-    return x.dtype == weight.dtype == torch.bfloat16
-
-
-class Bf16LinearInFp32(torch.autograd.Function):
-    """x @ w^T as a bf16 linear computes it (inputs rounded to bf16, every product and sum in fp32,
-    the result rounded to bf16 once), run as an fp32 GEMM; backward likewise. Only the summation
-    order differs from torch's own bf16 kernel: 99.97-100% of outputs bit-equal, the rest 1 ulp."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        xb, wb = x.to(torch.bfloat16), weight.to(torch.bfloat16)  # what autocast would round
-        ctx.save_for_backward(xb, wb)
-        ctx.dtypes = x.dtype, weight.dtype
-        with torch.autocast("cpu", enabled=False):
-            return F.linear(xb.float(), wb.float()).to(torch.bfloat16)
-
-    @staticmethod
-    def backward(ctx, grad):
-        xb, wb = ctx.saved_tensors
-        g = grad.to(torch.bfloat16).float()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # (..., out) @ (out, in)
-            grad_x = (g @ wb.float()).to(torch.bfloat16).to(ctx.dtypes[0])
-        if ctx.needs_input_grad[1]:  # (out, N) @ (N, in)
-            grad_w = g.flatten(0, -2).t() @ xb.flatten(0, -2).float()
-            grad_w = grad_w.to(torch.bfloat16).to(ctx.dtypes[1])
-        return grad_x, grad_w
-
-
 class AdapterLinear(nn.Linear):
-    """lora_A / lora_B: an nn.Linear (same init, keys, checks) that, where torch has no bf16 GEMM
-    on this CPU, runs its bf16 products through Bf16LinearInFp32. QLoRA trains bf16 adapters
-    (TRL casts them), so there most of an fp32 step's time went to these small products.
-    Mirrors: peft's nn.Linear adapters | Differs: that one exception (an nn.Linear subclass, so
-    nothing else changes)."""
+    """lora_A / lora_B: an nn.Linear (same init, keys, checks as peft's adapters). Outside reference
+    mode, where torch has no bf16 GEMM on this CPU, its bf16 products run as fp32 GEMMs
+    (nanosft.fast.lora.bf16_adapter_linear): QLoRA trains bf16 adapters (TRL casts them).
+    Mirrors: peft's nn.Linear adapters"""
 
     def forward(self, x):
-        if self.bias is None and _multiplies_in_bf16_without_kernel(x, self.weight):
-            return Bf16LinearInFp32.apply(x, self.weight)
-        return super().forward(x)
-
-
-def _fp32_throughout(x, result, lora_A, lora_B):
-    # fp32 activations, base output and adapters, no autocast, B without a bias
-    return (x.dtype == result.dtype == lora_A.weight.dtype == lora_B.weight.dtype == torch.float32
-            and lora_B.bias is None and not torch.is_autocast_enabled(x.device.type))
-
-
-def _add_low_rank(result, ax, weight_B, scaling):
-    """result + (ax @ B^T) * scaling as one addmm, (B, T, out) + (B, T, r) @ (r, out).
-    Saves the (B, T, out) scaling multiply and add passes, forward and backward; with a
-    power-of-two scaling (alpha = 2r, alpha = r) every rounding is the unfused sum's."""
-    out = torch.addmm(result.flatten(0, -2), ax.flatten(0, -2), weight_B.t(), alpha=scaling)
-    return out.view(result.shape)
+        speed_path = fast_path("bf16_adapter_linear")  # None in reference mode
+        out = None if speed_path is None else speed_path(self, x)
+        return super().forward(x) if out is None else out
 
 
 class LoraLinear(nn.Module):
@@ -375,8 +319,7 @@ class LoraLinear(nn.Module):
         """Base output plus each active adapter's (DoRA-scaled) low-rank update (or per-row ones).
         Walkthrough 2.7 | Mirrors: peft lora.bnb.Linear4bit.forward, lora.Linear.forward
         Differs: DoRA's dropped input stays in a local `x_dora` (peft 0.21.2; the walkthrough
-        rebinds x); casts as peft 0.21.2: DoRA adds, then casts; a float base casts at the end;
-        in fp32, B's product is added into the base output by one addmm (_add_low_rank)."""
+        rebinds x); casts as peft 0.21.2: DoRA adds, then casts; a float base casts at the end."""
         self._check_forward_args(x, adapter_names)
         if self.disable_adapters:  # "if self.disable_adapters: if self.merged: self.unmerge()"
             if self.merged:
@@ -406,10 +349,14 @@ class LoraLinear(nn.Module):
                 expected_dtype = result.dtype
                 x = self._cast_input_dtype(x, lora_A.weight.dtype)
             if not self.use_dora[active_adapter]:
-                if _fp32_throughout(x, result, lora_A, lora_B):
-                    # the same sum as below, with B's product added into result by the GEMM
-                    result = _add_low_rank(result, lora_A(dropout(x)), lora_B.weight, scaling)
-                    continue
+                # speed path (nanosft.fast; off in reference mode): fp32 throughout, the same sum
+                # with B's product added into result by one addmm
+                lora_addmm = fast_path("lora_addmm")
+                if lora_addmm is not None:
+                    fused = lora_addmm(result, x, lora_A, lora_B, dropout, scaling)
+                    if fused is not None:
+                        result = fused
+                        continue
                 # (B, T, in) -> (B, T, r) -> (B, T, out)
                 output = lora_B(lora_A(dropout(x))) * scaling
                 if requires_conversion and cast_each:

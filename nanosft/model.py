@@ -20,17 +20,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanosft import generation, nf4
-from nanosft.io import hub
-from nanosft.parallel import tensor_parallel
 from nanosft.configuration import ModelConfig
 from nanosft.generation import sample_next_token as sample_next_token  # model API too
-from nanosft.io.hub import load_state_dict_from_hf as load_state_dict_from_hf  # model API too
-from nanosft.io.hub import save_state_dict_to_hf
-from nanosft.loss import LOSS_CHUNK_SIZE as LOSS_CHUNK_SIZE  # model API too
-from nanosft.loss import causal_lm_loss as causal_lm_loss
-from nanosft.loss import chunked_causal_lm_loss as chunked_causal_lm_loss
-from nanosft.loss import fused_lm_head_outputs
-from nanosft.masking import build_attention_mask, varlen_layout
+from nanosft.loss import causal_lm_loss
+from nanosft.masking import build_attention_mask
+from nanosft.reference import fast_path
 
 
 @dataclass
@@ -78,15 +72,6 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _recomputed(fn, *args):
-    """fn(*args), keeping only `args` for backward and running fn again there: for cheap
-    elementwise blocks whose intermediates would otherwise stay saved (an RMSNorm's normalised
-    copy, SwiGLU's (N, I) silu): 12% fewer saved bytes in full fine-tuning (SmolLM2-135M shapes)."""
-    if torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm in fp32, cast back to the input dtype before the weight multiply.
     Walkthrough 2.6 | Mirrors: transformers LlamaRMSNorm"""
@@ -96,8 +81,11 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(hidden_size)), eps
 
     def forward(self, x):
-        """x / rms(x) * weight over the last dim, (..., C) -> (..., C); backward keeps only x."""
-        return _recomputed(self._normalize, x)
+        """x / rms(x) * weight over the last dim, (..., C) -> (..., C)."""
+        recomputed = fast_path("recomputed")  # speed path: backward keeps only x (nanosft.fast)
+        if recomputed is not None:
+            return recomputed(self._normalize, x)
+        return self._normalize(x)
 
     def _normalize(self, x):
         x32 = x.float()
@@ -154,8 +142,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, C, bias=bias)
 
     def forward(self, x):
-        """(B, T, C) -> (B, T, I) -> (B, T, C); the silu is recomputed in backward."""
-        return self.down_proj(_recomputed(self._swiglu, self.gate_proj(x), self.up_proj(x)))
+        """(B, T, C) -> (B, T, I) -> (B, T, C)."""
+        recomputed = fast_path("recomputed")  # speed path: the silu is recomputed in backward
+        if recomputed is not None:
+            return self.down_proj(recomputed(self._swiglu, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self._swiglu(self.gate_proj(x), self.up_proj(x)))
 
     def _swiglu(self, gate, up):
         return F.silu(gate) * up
@@ -211,20 +202,16 @@ class DecoderModel(nn.Module):
         T, past_len = h.shape[1], past_key_values[0][0].shape[2] if past_key_values else 0
         if position_ids is None:  # as transformers: arange, blind to padding (RoPE: differences)
             position_ids = torch.arange(past_len, past_len + T, device=h.device)[None]
-        B, C = h.shape[0], h.shape[2]
-        # Unpadding pays in fp32 (1.3-1.4x); under CPU bf16 autocast it measured slower than the
-        # padded batch.
-        autocast = torch.is_autocast_enabled(h.device.type)
-        unpad = self.training and torch.is_grad_enabled() and not autocast
-        layout = None if use_cache else varlen_layout(attention_mask, position_ids, B, T, past_len,
-                                                      unpad=unpad)
+        B = h.shape[0]
+        # speed path (nanosft.fast.unpad, off in reference mode): packed or right-padded rows run
+        # as one row of real tokens, one causal SDPA per document, instead of a dense mask
+        unpad = None if use_cache else fast_path("unpad")
+        layout = None if unpad is None else unpad.layout(self, attention_mask, position_ids, B, T,
+                                                        past_len)
         if layout is None:
             mask = build_attention_mask(attention_mask, position_ids, T, past_len)
-        else:  # one packed row (1, N, C) of the kept tokens; pad rows (training) skip the layers
-            index, mask = layout
-            h, position_ids = h.reshape(1, B * T, C), position_ids.expand(B, T).reshape(1, B * T)
-            if index is not None:
-                h, position_ids = h[:, index], position_ids[:, index]
+        else:
+            h, position_ids, mask = unpad.pack(h, position_ids, layout)
         cos, sin = self.rotary(position_ids, h.dtype)
         use_checkpoint = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         cache = []
@@ -237,9 +224,8 @@ class DecoderModel(nn.Module):
                 h, kv = layer(*args)
             cache.append(kv)
         h = self.norm(h)
-        if layout is not None:  # back to (B, T, C); unpadded positions get zeros (labels -100)
-            h = h[0] if layout[0] is None else h.new_zeros(B * T, C).index_copy(0, layout[0], h[0])
-            h = h.view(B, T, C)
+        if layout is not None:
+            h = unpad.unpack(h, layout, B, T)
         return h, (cache if use_cache else None)
 
 
@@ -294,6 +280,8 @@ class CausalLM(nn.Module):
         h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
                               past_key_values, use_cache)
         if fused_lm_head and labels is not None:  # the (B, T, V) logits never exist
+            from nanosft.fast.lm_head import fused_lm_head_outputs  # a speed path
+
             log_probs, entropy, is_top1, mask = fused_lm_head_outputs(h, self.lm_head, labels)
             count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
             loss = -log_probs.sum() / torch.as_tensor(count, device=h.device)
@@ -348,6 +336,8 @@ class CausalLM(nn.Module):
         Differs: keys and shapes must match exactly, all checked from the file headers before any
         weight is read; device_map is one device. tp_plan="auto" (under torchrun) splits the
         decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
+        from nanosft.io import hub
+
         config = ModelConfig.from_pretrained(model_dir)
         dtype = hub.torch_dtype((config.dtype or "float32") if dtype == "auto" else
                                 (dtype or torch.float32))
@@ -366,7 +356,9 @@ class CausalLM(nn.Module):
         model.config.dtype = str(dtype).removeprefix("torch.")
         model.tie_weights()
         if tp_plan is not None:  # "auto": transformers' Llama base_model_tp_plan over all ranks
-            tensor_parallel.apply_tensor_parallel(model, tp_plan)
+            from nanosft.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, tp_plan)
         return model
 
     def _load_tensor(self, key, tensor, quantization_config):
@@ -385,10 +377,12 @@ class CausalLM(nn.Module):
         """Write config.json (transformers-5 spelling), generation_config.json and the weights.
         Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained
         `state_dict`: tensors to write instead of the model's (whole ones gathered under FSDP)."""
+        from nanosft.io import hub
+
         state_dict = self.state_dict() if state_dict is None else dict(state_dict)
         if self.config.tie_word_embeddings:
             state_dict.pop("lm_head.weight")  # loaders re-tie it to model.embed_tokens.weight
-        save_state_dict_to_hf(state_dict, save_directory, max_shard_size)
+        hub.save_state_dict_to_hf(state_dict, save_directory, max_shard_size)
         self.config.dtype = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
         hub.write_json(self.config.to_dict(), os.path.join(save_directory, "config.json"))
         ids = {k: getattr(self.config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanosft.io import hub
-
 logger = logging.getLogger(__name__)
 
 
@@ -286,6 +284,8 @@ class BitsAndBytesConfig:
     bnb_4bit_quant_storage: torch.dtype | str | None = None  # None: torch.uint8
 
     def __post_init__(self):
+        from nanosft.io import hub  # product layer: imported on use
+
         def refuse(field, fix):
             raise ValueError(f"BitsAndBytesConfig: {field}={getattr(self, field)!r} is not "
                              f"supported; {fix}")

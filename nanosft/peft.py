@@ -3,7 +3,7 @@
 `get_peft_model` (called in SFTTrainer.__init__, walkthrough 2.1) swaps each targeted linear for a
 `LoraLinear`, or adds virtual prompt tokens, and freezes the base; `PeftModelForCausalLM.forward`
 is walkthrough 2.6 line by line. Parameter names equal peft 0.21.2's. The configs, the modules they
-target and the adapter files live in nanosft.io.adapter_files; the layers injected (LoraLinear,
+target and the adapter files live in nanosft.adapter_files; the layers injected (LoraLinear,
 ModulesToSaveWrapper) and prepare_model_for_kbit_training in nanosft.lora (all import from here).
 Papers: LoRA (2106.09685), rsLoRA (2312.03732), DoRA (2402.09353), prompt tuning (2104.08691).
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 # the configs and adapter files, re-exported so nanosft.peft keeps its public names
-from nanosft.io.adapter_files import (  # noqa: F401
+from nanosft.adapter_files import (  # noqa: F401
     DEFAULT_TARGET_MODULES, PEFT_FORMAT_VERSION, LoraConfig, PromptTuningConfig,
     find_target_modules, get_peft_model_state_dict, load_adapter_files, peft_config_from_dict,
     prompt_init_token_ids, resolve_target_modules, save_adapter_files, set_peft_model_state_dict,
@@ -210,7 +210,7 @@ class PeftModelForCausalLM(nn.Module):
         print(f"trainable params: {t:,d} || all params: {a:,d} || trainable%: {100 * t / a:.4f}")
 
     def save_pretrained(self, save_directory, state_dict=None):
-        """Write the active adapter's two files in peft's format (nanosft.io.adapter_files); a given
+        """Write the active adapter's two files in peft's format (nanosft.adapter_files); a given
         `state_dict` (whole tensors gathered under FSDP) is read instead of the model's.
         Mirrors: peft PeftModel.save_pretrained | Differs: no README.md model card."""
         state = get_peft_model_state_dict(self, state_dict=state_dict,

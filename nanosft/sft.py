@@ -17,9 +17,9 @@ from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.data import load_examples, prepare_dataset
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
+from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
-from nanosft.trainer_utils import (IGNORE_INDEX, convert_outputs_to_fp32, label_smoothed_loss,
-                                   set_seed)
+from nanosft.trainer_utils import IGNORE_INDEX, set_seed
 
 
 def _as_sft_config(args, model) -> SFTConfig:
@@ -157,22 +157,21 @@ class SFTTrainer(Trainer):
         return rows
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Σ -log p(target) over supervised shifted tokens / num_items_in_batch, plus token metrics,
-        from the fused LM head (no (B, T, V) logits). Walkthrough 2.5 | Mirrors: trl
-        SFTTrainer.compute_loss (loss_type="nll") | Differs: with label smoothing the metrics come
-        from the full logits the loss needs, where TRL runs a second, fused forward for them."""
+        """The loss of Trainer.compute_loss, plus TRL's token metrics (entropy, accuracy).
+        Walkthrough 2.5 | Mirrors: trl SFTTrainer.compute_loss (loss_type="nll")
+        Differs: TRL always asks for the fused LM head; here that is the speed path, and reference
+        mode (or label smoothing) goes through Trainer.compute_loss: `outputs = model(**inputs)`,
+        `loss = outputs["loss"]`, the metrics from the full logits."""
         mode = "train" if model.training else "eval"
         inputs = {**inputs, "use_cache": False}
-        # "The forwards that build the full logits leave the loss to the caller"
-        logits_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        if self.args.label_smoothing_factor != 0:
-            with self.compute_loss_context_manager():  # bf16 / fp16 autocast, or nothing
-                outputs = convert_outputs_to_fp32(model(**logits_inputs))
-            labels = with_virtual_prefix(inputs["labels"], outputs.logits)
-            loss = label_smoothed_loss(outputs.logits, labels, self.args.label_smoothing_factor,
-                                       num_items_in_batch)
+        fused = self.args.label_smoothing_factor == 0 and fast_path("fused_lm_head_outputs")
+        if not fused:
+            labels = inputs["labels"]  # Trainer.compute_loss pops it under label smoothing
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            labels = with_virtual_prefix(labels, outputs.logits)
             stats = token_metrics(outputs.logits.detach(), labels)
-        else:
+        else:  # speed path (nanosft.fast.lm_head): no (B, T, V) logits
             with self.compute_loss_context_manager():
                 outputs = model(**inputs, fused_lm_head=True)
             per_token_loss = -outputs.log_probs  # zero on ignored positions
@@ -181,8 +180,8 @@ class SFTTrainer(Trainer):
             loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
             stats = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.sum(),
                                  outputs.is_top1.sum().float()])
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages the ranks
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages ranks
         self._record_metrics(mode, stats.detach(), inputs)
         return (loss, outputs) if return_outputs else loss
 

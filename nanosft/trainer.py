@@ -1,10 +1,11 @@
-"""Trainer: the training loop of transformers 5.23, small enough to read beside walkthrough 2.2-2.5.
+"""Trainer: transformers 5.23's training loop, small enough to read beside walkthrough 1, 2.2-2.5.
 
-Trainer.train -> _inner_training_loop (2.3: dataloader, derived counts, epoch / update /
-micro-batch loops) -> training_step (2.4) -> compute_loss (2.5; SFTTrainer.compute_loss in sft.py
-on the SFT path); the guide's accumulation, clipping, autocast, fp16 GradScaler, DDP no_sync.
-log_history matches transformers Trainer step by step. This file holds the loop; what happens
-between steps (log, evaluate, save) is trainer_callback.py, the output_dir output_folder.py.
+Trainer.train (2.2) -> _inner_training_loop (1, 2.3: dataloader, derived counts, the "Running
+training" banner, epoch / update / micro-batch loops) -> training_step (2.4) -> compute_loss
+(2.5; SFTTrainer.compute_loss in sft.py on the SFT path), with the guide's accumulation, clipping,
+autocast, fp16 GradScaler and DDP/FSDP no_sync inline. Everything else reaches the loop through
+callbacks (trainer_callback.py; the reporting ones in nanosft.monitoring), the one model-wrapping
+entry point (nanosft.parallel.wrap_model) and the checkpoint files (nanosft.io.checkpoint).
 """
 
 import contextlib
@@ -14,35 +15,31 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from nanosft import distributed, trainer_callback
-from nanosft.io import checkpoint
-from nanosft.parallel import fsdp
-from nanosft import memory
+from nanosft import distributed
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.optim import create_optimizer, create_scheduler
-from nanosft.trainer_utils import (IGNORE_INDEX, LogWindow, TrainerControl,  # noqa: F401
-                                   TrainerState, TrainOutput, build_dataloader,
-                                   convert_outputs_to_fp32, count_num_items_in_batch,
-                                   find_executable_batch_size,  # auto_find_batch_size
-                                   autocast_context,
-                                   label_smoothed_loss, model_accepts_loss_kwargs, no_sync,
-                                   prepare_model, select_columns, set_seed, signature_columns,
-                                   skip_first_batches, speed_metrics)
+from nanosft.reference import reference_mode_enabled
+from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, TrainerControl,
+                                      TrainerState)
+from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
+                                   autocast_context, build_dataloader, convert_outputs_to_fp32,
+                                   count_num_items_in_batch, evaluation_loop,
+                                   find_executable_batch_size, label_smoothed_loss,
+                                   model_accepts_loss_kwargs, no_sync, select_columns, set_seed,
+                                   signature_columns, skip_first_batches, speed_metrics)
 
 
 class Trainer:
     """Training loop for a causal LM (or its PEFT wrapper): train, evaluate, save, resume.
-    Walkthrough 2.2 - 2.5 | Mirrors: transformers Trainer (5.23), accelerate DDP/autocast/scaler
-    Differs: no callbacks, hyperparameter search, DeepSpeed, DataParallel, apex; causal LMs only."""
-
-    max_nonfinite_logs = 3  # Differs: stop after this many nan/inf logging windows in a row
+    Walkthrough 1, 2.2 - 2.5 | Mirrors: transformers Trainer (5.23), accelerate DDP/autocast/scaler
+    Differs: no hyperparameter search, DeepSpeed, DataParallel, apex; causal LMs only."""
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_loss_func=None,
-                 optimizers=(None, None)):
+                 callbacks=None, optimizers=(None, None)):
         self.args = args if args is not None else TrainingArguments()
-        self._memory_tracker = memory.MemoryTracker(self.args.skip_memory_metrics)
+        self._memory_tracker = MemoryTracker(self.args.skip_memory_metrics)
         self._memory_tracker.start("init")  # "memory metrics - must set up as early as possible"
         set_seed(self.args.seed)  # Trainer.__init__ seeds before anything draws from the RNG
         distributed.init_distributed(self.args)
@@ -56,14 +53,32 @@ class Trainer:
         self.model_accepts_loss_kwargs = model_accepts_loss_kwargs(self.model)
         # fp16 needs loss scaling; bf16 has fp32's exponent range (guide: mixed precision)
         self.scaler = torch.amp.GradScaler(self.args.device.type) if self.args.fp16 else None
-        self.state = TrainerState()
+        from nanosft.monitoring.callbacks import reporting_callbacks  # progress bar, logs, ...
+
+        default_callbacks = [DefaultFlowCallback(), *reporting_callbacks(self.args)]
+        self.callback_handler = CallbackHandler(default_callbacks + list(callbacks or []),
+                                                self.model, self.processing_class,
+                                                self.optimizer, self.lr_scheduler)
+        self.state = TrainerState(is_world_process_zero=distributed.is_main_process())
         self.control = TrainerControl()
-        self.reporter = trainer_callback.Reporter(self.args, distributed.is_main_process())
         self.current_gradient_accumulation_steps = 1
         # "Effective batch size; may be reduced by find_executable_batch_size"
         self._train_batch_size = self.args.train_batch_size
         self._signature_columns = None
         self._memory_tracker.stop_and_update_metrics("init")
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    def add_callback(self, callback):
+        """Add a callback (an instance or a class). Mirrors: Trainer.add_callback"""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        """Remove and return a callback (a class or an instance). Mirrors: Trainer.pop_callback"""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback):
+        """Remove a callback (a class or an instance). Mirrors: Trainer.remove_callback"""
+        self.callback_handler.remove_callback(callback)
 
     # ----- data -----
     def _collate(self, features):
@@ -135,9 +150,11 @@ class Trainer:
         """Main training entry point: resolve the checkpoint, check output_dir, enable activation
         checkpointing, then the inner loop. Walkthrough 2.2 | Mirrors: Trainer.train
         Differs: a fresh run refuses an output_dir holding another run (check_output_dir)."""
+        from nanosft.io.checkpoint import resolve_and_check
+
         args = self.args
         self._memory_tracker.start("train")
-        resume_from_checkpoint = checkpoint.resolve_and_check(  # also: output_dir, set-up
+        resume_from_checkpoint = resolve_and_check(  # also: output_dir, set-up
             args, self.model, resume_from_checkpoint or args.resume_from_checkpoint)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
@@ -156,16 +173,32 @@ class Trainer:
         return find_executable_batch_size(inner_training_loop, self._train_batch_size)
 
     def _prepare_for_training(self, max_steps):
-        """Optimizer, FSDP / DDP / compile wrapping, then the scheduler (the optimizer is final).
-        Walkthrough 2.3 | Mirrors: Trainer._prepare_for_training"""
-        if self.args.fsdp:  # fully_shard swaps in sharded parameters: before the optimizer
-            fsdp.apply_fsdp(self.model, self.args.fsdp_config, self.args.device)
+        """FSDP / DDP / compile wrapping (nanosft.parallel), the optimizer, then the scheduler.
+        Mirrors: Trainer._prepare_for_training"""
+        from nanosft.parallel import wrap_model
+
+        model = wrap_model(self.model, self.args)  # FSDP2 shards self.model in place
         if self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
-        model = prepare_model(self.model, self.args)  # DDP / torch.compile, or self.model
         if self.lr_scheduler is None:
             self.lr_scheduler = create_scheduler(self.args, self.optimizer, max_steps)
+        self.callback_handler.optimizer = self.optimizer
+        self.callback_handler.lr_scheduler = self.lr_scheduler
         return model
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
+                             resume_from_checkpoint):
+        """A fresh TrainerState, or the checkpoint's with model, optimizer, scheduler, scaler and
+        RNG restored; plus epochs_trained and steps_trained_in_current_epoch.
+        Mirrors: Trainer._init_training_state + _load_from_checkpoint (nanosft.io.checkpoint)"""
+        from nanosft.io.checkpoint import init_training_state
+
+        state, epochs_trained, steps_trained_in_current_epoch = init_training_state(
+            self.args, self.model, self.optimizer, self.lr_scheduler, self.scaler, max_steps,
+            num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
+        state.train_batch_size = self._train_batch_size  # what auto_find_batch_size settled on
+        state.is_world_process_zero = distributed.is_main_process()
+        return state, epochs_trained, steps_trained_in_current_epoch
 
     def _inner_training_loop(self, args, resume_from_checkpoint=None) -> TrainOutput:
         """Epochs -> update steps -> micro-batches: accumulate, clip, step, schedule, log, save.
@@ -179,23 +212,28 @@ class Trainer:
          total_train_batch_size, steps_in_epoch, max_steps) = self.set_initial_training_values(
             args, train_dataloader)
         model = self._prepare_for_training(max_steps)
-        # 5.23's _init_training_state: a fresh TrainerState, or the checkpoint's (all restored)
-        self.state, epochs_trained, steps_trained_in_current_epoch = checkpoint.init_training_state(
-            args, self.model, self.optimizer, self.lr_scheduler, self.scaler, max_steps,
-            num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
-        self.state.train_batch_size = self._train_batch_size  # what auto_find_batch_size settled on
+        self.state, epochs_trained, steps_trained_in_current_epoch = self._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
+        self.callback_handler.model = self.model
+        self.callback_handler.train_dataloader = train_dataloader
 
-        # Train!  (rank 0 prints the lines transformers logs: "***** Running training *****")
-        if distributed.is_main_process():
-            trainer_callback.print_train_banner(
-                args, self.model, num_examples, num_train_epochs, num_update_steps_per_epoch,
-                total_train_batch_size, max_steps, resume_from_checkpoint, epochs_trained,
-                self.state.global_step)
-            self._memory_ledger = memory.predict_for_trainer(self.model, args)
-            if self._memory_ledger is not None:  # guide: memory (nanosft/memory/__init__.py)
-                print(memory.summary_line(self._memory_ledger))
-        self.reporter.on_train_begin(max_steps, self.state.global_step, self.model)  # mfu's peak
-        self._peak_memory = memory.PeakMemory(args.device.type).start()
+        # Train!
+        if self.state.is_world_process_zero:  # rank 0 prints what transformers logs
+            print("***** Running training *****")
+            print(f"  Num examples = {num_examples:,}")
+            print(f"  Num Epochs = {num_train_epochs:,}")
+            print(f"  Num update steps per epoch = {num_update_steps_per_epoch:,}")
+            print(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+            print("  Total train batch size (w. parallel, distributed & accumulation) = "
+                  f"{total_train_batch_size:,}")
+            print(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+            print(f"  Total optimization steps = {max_steps:,}")
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            print(f"  Number of trainable parameters = {trainable:,}")
+            if resume_from_checkpoint is not None:
+                print(f"  Resuming training from {resume_from_checkpoint} with epoch "
+                      f"{epochs_trained} and global step {self.state.global_step}")
+
         start_time = time.time()
         self._initial_global_step = self.state.global_step
         # "tr_loss is a tensor to avoid synchronization of TPUs through .item()"
@@ -203,20 +241,20 @@ class Trainer:
         # "_total_loss_scalar is updated everytime .item() has to be called on tr_loss"
         self._total_loss_scalar = 0.0
         self._globalstep_last_logged = self.state.global_step
-        self._window = LogWindow()
-        self.control = TrainerControl()
         model.zero_grad()
         grad_norm = None
         learning_rate = None
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
 
         if args.eval_on_start:
             self._evaluate()
 
         for epoch in range(epochs_trained, num_train_epochs):
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            epoch_dataloader = train_dataloader
+            train_dataloader.batch_sampler.set_epoch(epoch)  # order = randperm(seed + epoch)
             step = -1
             num_update_steps_trained = 0
-            train_dataloader.batch_sampler.set_epoch(epoch)  # order = randperm(seed + epoch)
-            epoch_dataloader = train_dataloader
             if epoch == epochs_trained and steps_trained_in_current_epoch > 0:
                 # resume mid-epoch: the same order, less the micro-batches already trained on
                 epoch_dataloader = skip_first_batches(train_dataloader,
@@ -239,34 +277,36 @@ class Trainer:
                     epoch_iterator, num_batches, args.device)
                 # the divisor of a loss NOT normalised by num_items_in_batch (short last window)
                 self.current_gradient_accumulation_steps = len(batch_samples)
+                self.control = self.callback_handler.on_step_begin(
+                    args, self.state, self.control, batch_samples=batch_samples)
 
                 for i, inputs in enumerate(batch_samples):
                     step += 1
                     do_sync_step = ((step + 1) % args.gradient_accumulation_steps == 0
                                     or (step + 1) == steps_in_epoch)
-                    # DDP all-reduces gradients only on the window's last micro-batch
+                    # guide: DDP all-reduces gradients only on the window's last micro-batch
                     last = i == len(batch_samples) - 1
-                    sync = contextlib.nullcontext() if last else no_sync(model)
-                    with sync:
+                    with contextlib.nullcontext() if last else no_sync(model):
                         tr_loss_step = self.training_step(model, inputs, num_items_in_batch)
 
-                    if args.logging_nan_inf_filter:
-                        # "if loss is nan or inf simply add the average of previous logged
-                        # losses"; torch.where, not a Python `if`: no host sync per micro-batch
-                        finite = torch.isfinite(tr_loss_step)
-                        average = tr_loss / (1 + self.state.global_step
-                                             - self._globalstep_last_logged)
-                        tr_loss = tr_loss + torch.where(finite, tr_loss_step, average)
-                        self._window.nonfinite = self._window.nonfinite | ~finite
+                    if args.logging_nan_inf_filter and not reference_mode_enabled():
+                        # speed path: the same filter as one torch.where, no host sync
+                        tr_loss = self._nan_inf_filtered_sum(tr_loss, tr_loss_step)
+                    elif args.logging_nan_inf_filter and (torch.isnan(tr_loss_step)
+                                                          or torch.isinf(tr_loss_step)):
+                        # "if loss is nan or inf simply add the average of previous logged losses"
+                        tr_loss = tr_loss + tr_loss / (1 + self.state.global_step
+                                                       - self._globalstep_last_logged)
                     else:
                         tr_loss = tr_loss + tr_loss_step
-                    self._window.add(inputs)
 
                     if do_sync_step:
-                        grad_norm = self._clip_grad_norm(model)
+                        grad_norm = self._clip_grad_norm(model)  # guide: clipping (fp16: unscaled)
+                        self.control = self.callback_handler.on_pre_optimizer_step(
+                            args, self.state, self.control)
                         if self.scaler is not None:
-                            # fp16: the GradScaler skips the step when the grads hold inf/nan,
-                            # then lowers the scale, which is how a skip shows
+                            # guide: mixed precision. fp16: the GradScaler skips the step when the
+                            # grads hold inf/nan, then lowers the scale, which is how a skip shows
                             scale_before = self.scaler.get_scale()
                             self.scaler.step(self.optimizer)
                             self.scaler.update()
@@ -274,33 +314,42 @@ class Trainer:
                         else:
                             self.optimizer.step()
                             optimizer_step_was_skipped = False
-                        # "get leaning rate before update": the lr this optimizer step used
+                        self.control = self.callback_handler.on_optimizer_step(
+                            args, self.state, self.control)
+                        # "get leaning rate before update"
                         learning_rate = self._get_learning_rate()
-                        # not after a skipped step; ReduceLROnPlateau steps in _evaluate
                         if not optimizer_step_was_skipped and not self._is_plateau():
                             self.lr_scheduler.step()
                         model.zero_grad()
                         self.state.global_step += 1
                         self.state.epoch = epoch + (step + 1) / steps_in_epoch
-                        self.reporter.on_step()
-                        self._on_step_end()
+                        self.control = self.callback_handler.on_step_end(
+                            args, self.state, self.control)
                         self._maybe_log_save_evaluate(tr_loss, grad_norm, learning_rate)
-                    if self.control.should_training_stop:
+                    else:
+                        self.control = self.callback_handler.on_substep_end(
+                            args, self.state, self.control)
+                    if self.control.should_epoch_stop or self.control.should_training_stop:
                         break
-                if self.control.should_training_stop:
+                if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
 
             if step < 0:
                 print(f"Warning: epoch {epoch} yielded no batch; stopping at step "
                       f"{self.state.global_step}.")
                 self.control.should_training_stop = True
-            self._on_epoch_end()
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
             self._maybe_log_save_evaluate(tr_loss, grad_norm, learning_rate)
             if self.control.should_training_stop:
                 break
 
-        self.reporter.on_train_end()
         return self._finalize_training(tr_loss, num_train_samples, start_time)
+
+    def _nan_inf_filtered_sum(self, tr_loss, tr_loss_step):
+        """tr_loss + tr_loss_step, or + the average of the previous logged losses where the step
+        loss is nan/inf: the walkthrough's filter as one torch.where (no host sync)."""
+        average = tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+        return tr_loss + torch.where(torch.isfinite(tr_loss_step), tr_loss_step, average)
 
     def _finalize_training(self, tr_loss, num_train_samples, start_time) -> TrainOutput:
         """Mean per-step loss of this call, speed metrics, then the best model reload.
@@ -314,13 +363,12 @@ class Trainer:
         # num_train_samples covers the whole schedule: count the share of the steps run here
         samples = num_train_samples * steps / max(self.state.max_steps, 1)
         metrics = speed_metrics("train", start_time, num_samples=samples, num_steps=steps)
-        metrics.update(trainer_callback.flos_metrics(self, metrics), train_loss=train_loss)
+        metrics["train_loss"] = train_loss
         self._memory_tracker.stop_and_update_metrics("train", metrics)
-        if distributed.is_main_process():
-            print(memory.peak_line(self._peak_memory.stop(), getattr(self, "_memory_ledger", None)))
-        self.log(metrics)
+        self.log(metrics)  # the throughput callback adds total_flos and the model FLOP/s
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     # ----- one micro-batch: walkthrough 2.4 and 2.5 -----
@@ -406,48 +454,118 @@ class Trainer:
             return self.optimizer.param_groups[0]["lr"]
         return self.lr_scheduler.get_last_lr()[0]
 
-    # ----- logging, evaluation, saving (the flags and the reporting: trainer_callback.py) -----
-    def _on_step_end(self) -> None:
-        """Set the log / evaluate / save / stop flags. Mirrors: DefaultFlowCallback.on_step_end"""
-        trainer_callback.on_step_end(self.args, self.state, self.control)
-
-    def _on_epoch_end(self) -> None:
-        """The "epoch" strategies. Mirrors: DefaultFlowCallback.on_epoch_end"""
-        trainer_callback.on_epoch_end(self.args, self.control)
-
+    # ----- logging, evaluation, saving: what the callbacks' flags ask for -----
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, learning_rate=None) -> None:
-        """Log the window's mean loss and throughput, evaluate, track the best, save a checkpoint,
-        as self.control says. Walkthrough 2.3 | Mirrors: Trainer._maybe_log_save_evaluate
-        Differs: no model / trial / epoch / start_time arguments; body in trainer_callback.py."""
-        trainer_callback.log_save_evaluate(self, tr_loss, grad_norm, learning_rate)
+        """Log the window's mean loss, evaluate, track the best metric, save a checkpoint, as
+        self.control says. Walkthrough 1, 2.3 | Mirrors: Trainer._maybe_log_save_evaluate
+        Differs: no model / trial / epoch / start_time arguments."""
+        args, state, control = self.args, self.state, self.control
+        if control.should_log and state.global_step > self._globalstep_last_logged:
+            logs = {}
+            # mean over ranks of the summed step losses ("all_gather + mean()")
+            tr_loss_scalar = distributed.all_reduce_sum(tr_loss.detach()).item() / args.world_size
+            tr_loss -= tr_loss  # "reset tr_loss to zero", in place: the loop's tensor
+            logs["loss"] = tr_loss_scalar / (state.global_step - self._globalstep_last_logged)
+            if grad_norm is not None:
+                logs["grad_norm"] = grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm
+            if learning_rate is not None:
+                logs["learning_rate"] = learning_rate
+            else:
+                logs["learning_rate"] = self._get_learning_rate()
+            self._total_loss_scalar += tr_loss_scalar
+            self._globalstep_last_logged = state.global_step
+            self.log(logs)
+        if control.should_evaluate:
+            metrics = self._evaluate()
+            if self._determine_best_metric(metrics) and args.save_strategy == "best":
+                control.should_save = True
+        if control.should_save:
+            self._save_checkpoint()
+            self.control = self.callback_handler.on_save(args, state, self.control)
+
+    def _determine_best_metric(self, metrics: dict) -> bool:
+        """Track state.best_metric for metric_for_best_model; True when `metrics` set a new best.
+        Mirrors: transformers Trainer._determine_best_metric"""
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={name!r}: {key!r} is not among the eval "
+                           f"metrics {sorted(metrics)}.")
+        value, best = metrics[key], self.state.best_metric
+        if best is not None and not (value > best if self.args.greater_is_better else value < best):
+            return False
+        self.state.best_metric = value
+        self.state.best_global_step = self.state.global_step
+        return True
 
     def log(self, logs: dict) -> None:
-        """Add epoch, append to state.log_history; rank 0 reports it (trainer_callback.Reporter).
-        Mirrors: Trainer.log | Differs: no start_time argument; the throughput is in the logs."""
+        """Add epoch, append to state.log_history, then the callbacks' on_log (rank 0 prints and
+        writes it). Mirrors: Trainer.log | Differs: no start_time argument."""
         logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.reporter.on_log(logs, self.state.global_step)
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def evaluate(self, eval_dataset=None, metric_key_prefix="eval") -> dict:
         """Mean eval loss (each batch's loss weighted by its size), perplexity, speed; logged.
         Mirrors: Trainer.evaluate | Differs: adds perplexity, no compute_metrics; SFTTrainer.log
-        adds TRL's eval_mean_token_accuracy. Body: trainer_callback.evaluate."""
-        return trainer_callback.evaluate(self, eval_dataset, metric_key_prefix)
+        adds TRL's eval_mean_token_accuracy."""
+        start_time = time.time()
+        model = self.model
+        was_training = model.training
+        model.eval()
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        self.callback_handler.eval_dataloader = dataloader
+        eval_loss, examples, batches = evaluation_loop(model, dataloader, self.compute_loss,
+                                                       self._prepare_inputs, self.args.device)
+        metrics = {f"{metric_key_prefix}_loss": eval_loss,
+                   f"{metric_key_prefix}_perplexity": math.exp(min(eval_loss, 700.0)),
+                   **speed_metrics(metric_key_prefix, start_time, examples, batches)}
+        self.log(metrics)  # still in eval mode, so SFTTrainer.log adds its eval_ metrics
+        model.train(was_training)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
+                                                         metrics)
+        return metrics
 
     def _evaluate(self) -> dict:
-        """evaluate(), then a ReduceLROnPlateau step on its metric. Mirrors: Trainer._evaluate"""
-        return trainer_callback.evaluate_and_step_plateau(self)
+        """evaluate(), then ReduceLROnPlateau steps on metric_for_best_model (not for
+        eval_on_start). Mirrors: Trainer._evaluate"""
+        metrics = self.evaluate()
+        if self._is_plateau() and self.state.global_step > 0:
+            name = self.args.metric_for_best_model.removeprefix("eval_")
+            self.lr_scheduler.step(metrics[f"eval_{name}"])
+        return metrics
 
     def _save_checkpoint(self) -> None:
-        """Write output_dir/checkpoint-<step>, rotate old ones. Mirrors: Trainer._save_checkpoint"""
-        trainer_callback.save_checkpoint(self)
+        """Write output_dir/checkpoint-<step> (every rank takes part), then rank 0 rotates old ones.
+        Mirrors: Trainer._save_checkpoint (files: nanosft.io.checkpoint)"""
+        import os
+
+        from nanosft.io import checkpoint, output_folder
+
+        args, state = self.args, self.state
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if state.best_global_step == state.global_step:
+            state.best_model_checkpoint = folder
+        checkpoint.save_checkpoint(folder, model=self.model, optimizer=self.optimizer,
+                                   lr_scheduler=self.lr_scheduler, scaler=self.scaler,
+                                   trainer_state=state.to_dict(), args=args.to_dict(),
+                                   rank=distributed.get_rank(), world_size=args.world_size)
+        if distributed.is_main_process():
+            output_folder.rotate_checkpoints(args.output_dir, args.save_total_limit,
+                                             state.best_model_checkpoint)
 
     def _load_best_model(self) -> None:
         """Reload the weights of state.best_model_checkpoint. Mirrors: Trainer._load_best_model"""
-        checkpoint.load_model_weights(self.model, self.state.best_model_checkpoint)
+        from nanosft.io.checkpoint import load_model_weights
+
+        load_model_weights(self.model, self.state.best_model_checkpoint)
 
     def save_model(self, output_dir=None) -> None:
         """Save the model (a PEFT model: its adapter only) and the tokenizer; every rank calls it
         (FSDP gathers the shards), rank 0 writes.
         Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
-        checkpoint.save_model(self.model, self.processing_class, output_dir or self.args.output_dir)
+        from nanosft.io.checkpoint import save_model
+
+        save_model(self.model, self.processing_class, output_dir or self.args.output_dir)

@@ -16,7 +16,6 @@ import math
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -24,9 +23,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanosft import distributed
-from nanosft.parallel import fsdp
-from nanosft.parallel import tensor_parallel
-from nanosft.masking import packed_segment_ids
 
 IGNORE_INDEX = -100
 
@@ -44,121 +40,6 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict
-
-
-@dataclass
-class TrainerState:
-    """Progress that a checkpoint must carry: step, epoch, log history, best metric, intervals.
-    Walkthrough 2.3 | Mirrors: transformers TrainerState (to_dict/from_dict: save/load_from_json)"""
-
-    epoch: float = 0.0
-    global_step: int = 0
-    max_steps: int = 0
-    num_train_epochs: int = 0
-    train_batch_size: int | None = None
-    total_flos: float = 0.0  # 6 x input_ids elements x parameters, summed over steps and ranks
-    logging_steps: int = 500
-    eval_steps: int = 500
-    save_steps: int = 500
-    log_history: list = field(default_factory=list)
-    best_metric: float | None = None
-    best_global_step: int | None = None
-    best_model_checkpoint: str | None = None
-
-    def compute_steps(self, args, max_steps: int) -> None:
-        """Logging/eval/save steps given as a ratio (< 1) of max_steps become step counts.
-        Mirrors: TrainerState.compute_steps"""
-        for kind in ("logging", "eval", "save"):
-            value = getattr(args, f"{kind}_steps")
-            if value is not None:
-                steps = math.ceil(max_steps * value) if value < 1 else int(value)
-                setattr(self, f"{kind}_steps", steps)
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict (trainer_state.json). Mirrors: TrainerState.save_to_json"""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "TrainerState":
-        """Rebuild from to_dict() output, ignoring unknown keys.
-        Mirrors: TrainerState.load_from_json"""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-
-@dataclass
-class TrainerControl:
-    """Flags set after each step / epoch, cleared once acted on.
-    Mirrors: transformers TrainerControl"""
-
-    should_log: bool = False
-    should_evaluate: bool = False
-    should_save: bool = False
-    should_training_stop: bool = False
-
-
-@dataclass
-class LogWindow:
-    """Tokens, samples, sequence lengths, wall time and a nan/inf flag since the last log: the
-    throughput and model FLOP/s of the window and the stop-on-nan check. Guide: monitoring
-    Mirrors: transformers speed_metrics (its names), Trainer.num_input_tokens_seen, current_flos"""
-
-    start: float = field(default_factory=time.time)
-    tokens: int = 0
-    samples: int = 0
-    input_ids: int = 0  # every input_ids element, padding too: what transformers' total_flos counts
-    seq_lengths: list = field(default_factory=list)  # tokens of each sequence: the attention FLOPs
-    nonfinite: torch.Tensor | bool = False  # a 0-d bool tensor: flagging a loss needs no host sync
-
-    def add(self, inputs: dict) -> None:
-        """Count one (host-side) micro-batch: its attention_mask ones, or all ids (padding-free)."""
-        mask = inputs.get("attention_mask")
-        self.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
-        self.samples += len(inputs["input_ids"])
-        self.input_ids += inputs["input_ids"].numel()
-        self.seq_lengths += sequence_lengths(inputs["input_ids"], mask, inputs.get("position_ids"))
-
-    def speed(self, world_size: int, steps: int, model_flos=None, peak_flops=None) -> dict:
-        """Tokens/s and samples/s of all ranks (each sees about as many as this one), steps/s and
-        seconds per optimizer step, over the window of `steps` optimizer steps; given the window's
-        model FLOPs of all ranks, their rate, and its share of world_size x peak_flops (mfu)."""
-        seconds = max(time.time() - self.start, 1e-9)
-        speed = {"train_tokens_per_second": round(self.tokens * world_size / seconds, 1),
-                 "train_samples_per_second": round(self.samples * world_size / seconds, 3),
-                 "train_steps_per_second": round(steps / seconds, 3),
-                 "train_step_time": round(seconds / max(steps, 1), 4)}
-        if model_flos is not None:
-            speed["train_model_flops_per_second"] = round(model_flos / seconds, 1)
-        if model_flos is not None and peak_flops:
-            speed["mfu"] = model_flos / seconds / (peak_flops * world_size)
-        return speed
-
-
-def sequence_lengths(input_ids, attention_mask=None, position_ids=None) -> list:
-    """Tokens of each sequence in a batch: the attention_mask row sums; without a mask, each row's
-    documents, split where position_ids do not step by +1 (padding-free), else whole rows.
-    Guide: performance | Mirrors: the documents nanosft.masking.varlen_layout attends within"""
-    if attention_mask is not None:
-        return attention_mask.sum(-1).tolist()
-    if position_ids is None:
-        return [input_ids.shape[-1]] * len(input_ids)
-    segments = packed_segment_ids(position_ids.reshape(-1, position_ids.shape[-1]))
-    return [n for row in segments for n in torch.bincount(row).tolist() if n]
-
-
-def model_flops(matmul_params, trainable_matmul_params, attention_width, num_layers,
-                seq_lengths) -> int:
-    """FLOPs of one forward + backward over sequences of `seq_lengths` tokens: per token 4 a matmul
-    weight (forward, input gradient) and 2 more a trainable one (weight gradient), so 6N for full
-    fine-tuning and 4N + 6 an adapter weight on a frozen base; plus causal attention, 6 x width x
-    layers x T(T+1) a sequence of T. Guide: performance | Mirrors: nanoGPT estimate_mfu"""
-    # Differs: nanoGPT (PaLM's appendix B) counts the whole T x T square, 12 x layers x width x T
-    # a token; the causal products need the lower triangle only: T(T+1)/2 of its entries, which
-    # fused kernels skip (QK^T and AV: 2 x 2 x width a pair forward, twice that backward)
-    tokens = sum(seq_lengths)
-    pairs = sum(t * (t + 1) for t in seq_lengths)
-    return ((4 * matmul_params + 2 * trainable_matmul_params) * tokens
-            + 6 * attention_width * num_layers * pairs)
 
 
 def convert_outputs_to_fp32(outputs):
@@ -346,28 +227,24 @@ def signature_columns(model) -> set:
     return set(inspect.signature(model.forward).parameters) | {"labels", "label", "label_ids"}
 
 
-def prepare_model(model, args):
-    """DDP under torchrun (unless FSDP sharded it), torch.compile, as args say; returns the model
-    to call (Trainer.model stays the unwrapped one, what checkpoints save).
-    Walkthrough 2.3 | Mirrors: accelerate Accelerator.prepare_model"""
-    if args.world_size > 1 and not args.fsdp:
-        tensor_parallel.refuse_tensor_parallel(model)  # DDP would all-reduce its shards' grads
-        device_ids = [args.local_process_index] if args.device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    if args.torch_compile:
-        model = torch.compile(model)  # shares its parameters with the model it wraps
-    return model
-
-
 def no_sync(model):
     """DDP's no_sync (skip the gradient all-reduce), FSDP2's, or nothing for one process.
     Guide: distributed | Mirrors: accelerate Accelerator.no_sync"""
     inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
-    if fsdp.is_fsdp(inner):  # FSDP2: no reduce-scatter until the window's last batch
-        return fsdp.fsdp_no_sync(inner)
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         return inner.no_sync()
+    if hasattr(inner, "set_requires_gradient_sync"):  # FSDP2: no reduce-scatter until the last
+        return _fsdp_no_sync(inner)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
@@ -430,3 +307,95 @@ def autocast_context(args):
     if not (args.bf16 or args.fp16):
         return contextlib.nullcontext()
     return torch.autocast(args.device.type, dtype=torch.bfloat16 if args.bf16 else torch.float16)
+
+
+# ----------------------------------------------------------------------------- memory metrics
+def cpu_peak_reset():
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where /proc refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cpu_memory():
+    """(RSS, peak RSS since the last reset) of this process in bytes, from /proc/self/status.
+    Mirrors: psutil Process.memory_info().rss (transformers' cpu_mem_used)"""
+    values = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    values[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except OSError:
+        import psutil
+
+        rss = psutil.Process().memory_info().rss
+        return rss, rss
+    return values["VmRSS"], values["VmHWM"]
+
+
+class MemoryTracker:
+    """Memory deltas per stage (init, train, eval) under transformers' metric names.
+    Mirrors: transformers TrainerMemoryTracker (start, stop, update_metrics)
+    Differs: the CPU peak is the kernel's VmHWM (reset per stage), not RSS polled by a thread."""
+
+    def __init__(self, skip_memory_metrics=False):
+        self.skip_memory_metrics = skip_memory_metrics
+        self.cur_stage, self.cpu, self.gpu, self.init_reported = None, {}, {}, False
+        self.cuda = torch.cuda.is_available()
+
+    def start(self, stage):
+        """Begin measuring `stage`; a stage inside another (eval inside train) is ignored."""
+        if self.skip_memory_metrics or (self.cur_stage is not None and self.cur_stage != stage):
+            return
+        self.cur_stage = stage
+        gc.collect()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.empty_cache()
+            self.gpu_begin = torch.cuda.memory_allocated()
+        cpu_peak_reset()
+        self.cpu_begin = cpu_memory()[0]
+
+    def stop(self, stage):
+        """End `stage`: alloc = end - begin, peaked = max(0, peak - end), as in transformers."""
+        if self.skip_memory_metrics or self.cur_stage != stage:
+            return
+        _, peak = cpu_memory()  # read before gc.collect can lower anything
+        gc.collect()
+        now = cpu_memory()[0]
+        self.cpu[stage] = {"begin": self.cpu_begin, "end": now, "alloc": now - self.cpu_begin,
+                           "peaked": max(0, peak - now)}
+        if self.cuda:
+            torch.cuda.empty_cache()
+            now, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+            self.gpu[stage] = {"begin": self.gpu_begin, "end": now, "alloc": now - self.gpu_begin,
+                               "peaked": max(0, peak - now)}
+        self.cur_stage = None
+
+    def update_metrics(self, stage, metrics):
+        """Add `{stage}_mem_cpu_alloc_delta`, `..._peaked_delta` (+ `_gpu_`); init's go first."""
+        if self.skip_memory_metrics:
+            return
+        stages = [stage]
+        if not self.init_reported and "init" in self.cpu:
+            stages.insert(0, "init")
+            self.init_reported = True
+            metrics["before_init_mem_cpu"] = self.cpu["init"]["begin"]
+            if self.cuda:
+                metrics["before_init_mem_gpu"] = self.gpu["init"]["begin"]
+        for s in stages:
+            for kind in ("alloc", "peaked"):
+                if s in self.cpu:
+                    metrics[f"{s}_mem_cpu_{kind}_delta"] = self.cpu[s][kind]
+                if self.cuda and s in self.gpu:
+                    metrics[f"{s}_mem_gpu_{kind}_delta"] = self.gpu[s][kind]
+
+    def stop_and_update_metrics(self, stage, metrics=None):
+        """stop(stage), then update_metrics(stage, metrics) when a dict is given."""
+        self.stop(stage)
+        if metrics is not None:
+            self.update_metrics(stage, metrics)

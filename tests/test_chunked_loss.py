@@ -1,5 +1,5 @@
-"""The chunked causal-LM loss (loss.py: chunked_causal_lm_loss, fused_lm_head_outputs, used by
-CausalLM.forward(fused_lm_head=True)).
+"""The chunked causal-LM loss (nanosft/fast/lm_head.py: chunked_causal_lm_loss,
+fused_lm_head_outputs, used by CausalLM.forward(fused_lm_head=True)).
 
 Compared: loss and gradients against the unchunked causal_lm_loss and against transformers'
 ForCausalLMLoss on the same logits, at 1e-6 in fp32, over a trained and a frozen head (whose
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from nanosft.model import causal_lm_loss, chunked_causal_lm_loss
+from nanosft.fast.lm_head import chunked_causal_lm_loss
+from nanosft.loss import causal_lm_loss
 
 V, C = 512, 32
 
@@ -116,7 +117,7 @@ def test_chunked_loss_saves_no_vocab_sized_tensor():
 def test_fused_outputs_equal_the_full_logits_metrics(chunk_size):
     """Per-token log p, entropy and top-1 hit of fused_lm_head_outputs equal those computed from
     the full logits (what sft.token_metrics sums), and are zero where the label is -100."""
-    from nanosft.model import fused_lm_head_outputs
+    from nanosft.fast.lm_head import fused_lm_head_outputs
     from nanosft.sft import token_metrics
 
     hidden, head, labels = _inputs()

@@ -10,8 +10,8 @@ the fix, with no temp folder left and checkpoint-2 resumable to the same bits; a
 failure (RLIMIT_FSIZE in a child process: safetensors and torch raise their own error types)
 also keeps checkpoint-2. (3) walkthrough 2.3's logging_nan_inf_filter adds the running average
 instead of a nan step loss (value computed here from the step losses), and a loss non-finite for
-Trainer.max_nonfinite_logs logging windows in a row stops the run with a message naming the
-learning rate, bf16/fp16 and clipping; non-finite windows that are not consecutive do not stop
+StopOnNonFiniteCallback.max_windows logging windows in a row stops the run with a message naming
+the learning rate, bf16/fp16 and clipping; non-finite windows that are not consecutive do not stop
 it (negative control). (4) under 2-process DDP, when rank 1 is SIGKILLed (sockets close) or
 frozen with SIGSTOP (only the timeout can help), rank 0 exits non-zero within ddp_timeout (10 s)
 plus a margin. Hermetic: tiny CausalLMs (hidden 32, 2 layers, vocab 64) on random token rows,
@@ -36,6 +36,7 @@ from nanosft.io import checkpoint
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.optim import create_optimizer, get_scheduler
+from nanosft.monitoring.callbacks import StopOnNonFiniteCallback
 from nanosft.trainer import Trainer
 
 posix_only = pytest.mark.skipif(
@@ -272,7 +273,7 @@ def test_loss_nonfinite_for_n_logged_steps_stops_with_advice(tmp_path, capsys):
     trainer = _trainer(tmp_path, max_steps=8, learning_rate=0.5)
     _poison_logits_from_step(trainer, 2)
     out = trainer.train()
-    n = Trainer.max_nonfinite_logs
+    n = StopOnNonFiniteCallback.max_windows
     # step 1 was fine; steps 2 .. 1+n were not; the run stopped there
     assert out.global_step == 1 + n < 8
     message = capsys.readouterr().out
@@ -284,7 +285,7 @@ def test_loss_nonfinite_for_n_logged_steps_stops_with_advice(tmp_path, capsys):
 def test_nonfinite_windows_not_in_a_row_do_not_stop(tmp_path, capsys):
     # negative control: n-1 bad windows, a good one, n-1 bad ones: the count restarts, the run ends
     # normally
-    n = Trainer.max_nonfinite_logs
+    n = StopOnNonFiniteCallback.max_windows
     bad = set(range(2, n + 1)) | set(range(n + 2, 2 * n + 1))
     trainer = _trainer(tmp_path, max_steps=2 * n + 2)
     step = trainer.training_step

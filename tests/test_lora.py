@@ -6,7 +6,8 @@ differ); DoRA equals LoRA when m is initialised to ||W + sBA||; peft's RNG order
 (init_lora_weights True, False, "gaussian"; negative control: skipping B's constructor changes A);
 merge/unmerge (exact up to fp32 rounding for a float base, within the NF4 requantization bound for a
 4-bit base); disable; mixed batches; gradients; clear errors; bf16 adapter products through fp32
-GEMMs on a CPU without a bf16 kernel, against torch's bf16 linear (and when that path is taken).
+GEMMs on a CPU without a bf16 kernel, against torch's bf16 linear (its fallback kernel on every
+CPU, oneDNN's where the CPU has AVX-512 or AMX), and when that path is taken.
 Hermetic: tiny random layers on CPU,
 seeds fixed.
 Run: python -m pytest -q tests/test_lora.py
@@ -296,14 +297,21 @@ def _bf16_ulp(t):
 
 @pytest.mark.parametrize("shape", [(1100, 576, 16), (1100, 16, 1536), (300, 1536, 16)])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_bf16_linear_in_fp32_is_the_bf16_linear_up_to_summation_order(shape, autocast):
+@pytest.mark.parametrize("onednn", [False, True], ids=["fallback_kernel", "onednn_avx512_or_amx"])
+def test_bf16_linear_in_fp32_is_the_bf16_linear_up_to_summation_order(shape, autocast, onednn,
+                                                                       monkeypatch):
     """Bf16LinearInFp32 against torch's own bf16 linear on QLoRA adapter shapes: outputs and both
     gradients in the same dtypes, at least 99.5% of entries bit-equal, none more than 1 bf16 ulp
     away (plus fp32 summation error where a sum cancels to near 0). autocast: fp32 input and
     weight, rounded to bf16 by autocast (native) or by the Function. Negative control: an fp32
-    product left unrounded is caught by the bit-equality."""
-    from nanosft.lora import Bf16LinearInFp32
+    product left unrounded is caught by the bit-equality. Two torch kernels: its fallback, run
+    with oneDNN off on every CPU (what a CPU without oneDNN bf16, e.g. AVX2 only, runs: the kernel
+    the Function stands in for), and oneDNN's, which needs AVX-512 (BW, VL, DQ) or AMX."""
+    from nanosft.fast.lora import Bf16LinearInFp32
 
+    if onednn and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 kernel on this CPU (needs AVX-512 BW/VL/DQ or AMX); "
+                    "the fallback_kernel case compares with the kernel this CPU runs")
     n, k, m = shape
     g = torch.Generator().manual_seed(0)
     dtype = torch.float32 if autocast else torch.bfloat16
@@ -313,9 +321,11 @@ def test_bf16_linear_in_fp32_is_the_bf16_linear_up_to_summation_order(shape, aut
     results = []
     for fn in (F.linear, Bf16LinearInFp32.apply):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            y = fn(xi, wi)
-        y.backward(grad)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.backends.mkldnn, "enabled", onednn)  # picks torch's bf16 kernel
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = fn(xi, wi)
+            y.backward(grad)
         results.append((y, xi.grad, wi.grad))
     xb, wb, gb = (t.bfloat16().float().abs() for t in (x, w, grad))
     # fp32 summation-order error is about 2^-24 x the sum of |terms|: it shows where a sum cancels
@@ -329,7 +339,7 @@ def test_bf16_linear_in_fp32_is_the_bf16_linear_up_to_summation_order(shape, aut
 
 
 def test_adapters_use_the_fp32_gemm_only_for_bf16_on_a_cpu_without_a_bf16_kernel(monkeypatch):
-    import nanosft.lora as lora
+    import nanosft.fast.lora as lora
 
     calls = []
     real_apply = lora.Bf16LinearInFp32.apply

@@ -21,8 +21,8 @@ from nanosft.model import (
     build_attention_mask,
     causal_lm_loss,
     rope_inv_freq,
-    varlen_layout,
 )
+from nanosft.fast.unpad import varlen_layout
 
 PAD, EOS = 0, 2
 

@@ -35,8 +35,9 @@ from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.distributed import cleanup
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.trainer import Trainer
-from nanosft.trainer_callback import attention_shape, calibrate_matmul_flops, matmul_parameters
-from nanosft.trainer_utils import model_flops, sequence_lengths
+from nanosft.monitoring.callbacks import ThroughputCallback, find_callback
+from nanosft.monitoring.flops import (attention_shape, calibrate_matmul_flops, matmul_parameters,
+                                      model_flops, sequence_lengths)
 
 
 def counted_flops(model, **inputs):
@@ -144,7 +145,7 @@ def test_logs_carry_model_flops_per_second_and_mfu_over_the_passed_peak(tmp_path
                                               rel=rel)
     assert padded_batches > 0
     final = trainer.state.log_history[-1]
-    achieved = trainer.reporter.model_flos / final["train_runtime"]
+    achieved = find_callback(trainer, ThroughputCallback).model_flos / final["train_runtime"]
     assert final["train_model_flops_per_second"] == pytest.approx(achieved, rel=1e-6)
     assert final["mfu"] == pytest.approx(achieved / peak, rel=1e-6)
 
@@ -158,7 +159,7 @@ def flops_of_run(output_dir, gradient_accumulation_steps):
     trainer = Trainer(tiny_model(), args, train_dataset=rows(12),
                       data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
     trainer.train()
-    return trainer.state.total_flos, trainer.reporter.model_flos
+    return trainer.state.total_flos, find_callback(trainer, ThroughputCallback).model_flos
 
 
 def _ddp_worker(rank, port, output_dir):
@@ -193,9 +194,10 @@ def test_peak_is_calibrated_without_peak_flops_and_leaves_the_rng_alone(tmp_path
     trainer = Trainer(tiny_model(), args, train_dataset=rows(4),
                       data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
     metrics = trainer.train().metrics
-    assert trainer.reporter.peak_flops > 1e6
+    assert find_callback(trainer, ThroughputCallback).peak_flops > 1e6
     assert metrics["mfu"] == pytest.approx(
-        metrics["train_model_flops_per_second"] / trainer.reporter.peak_flops, rel=1e-6)
+        metrics["train_model_flops_per_second"]
+        / find_callback(trainer, ThroughputCallback).peak_flops, rel=1e-6)
     with pytest.raises(ValueError, match="peak_flops"):
         TrainingArguments(str(tmp_path), peak_flops=0)
 

@@ -5,8 +5,9 @@ Compared against formulas written out here: the QLoRA normal-quantile constructi
 quantization with one absmax per 64-value block over the flattened weight (first code in the high
 nibble), the double-quantization error bound, the byte count of each stored tensor, and
 y = x W_deq^T + b. Hermetic: tiny random layers on CPU, no files outside pytest's tmp_path.
-Linear4bit in_features are multiples of the blocksize (64): bitsandbytes' CPU dequantize kernel
-can decode rows that do not hold whole blocks wrongly.
+Linear4bit in_features are multiples of the blocksize (64): on a CPU with AVX-512, bitsandbytes'
+CPU dequantize kernel decodes rows that split a block wrongly. The bf16 test runs both sides
+through this CPU's own bf16 matmul (oneDNN's or torch's fallback), so it holds with either.
 Run: python -m pytest -q tests/test_nf4.py
 """
 
@@ -210,7 +211,7 @@ def test_compute_dtype_is_taken_from_the_first_input_when_unset():
 
 
 def test_cpu_eval_takes_dequantize_and_matmul_and_equals_train_mode():
-    layer = Linear4bit.from_linear(nn.Linear(128, 32))  # 32 rows: bnb's bf16 kernel could pack them
+    layer = Linear4bit.from_linear(nn.Linear(128, 32))  # 32 rows: bnb's AVX512-BF16 kernel packs
     x = torch.randn(3, 128)
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     train_out = layer(x)
@@ -277,7 +278,7 @@ def _linear(w):
 
 
 def test_in_features_not_made_of_whole_blocks_is_refused_on_cpu_and_skipped_by_quantize_model():
-    # bnb's CPU dequantize kernel decodes rows that do not hold whole 64-value blocks wrongly
+    # bnb's CPU dequantize kernel (its AVX-512 path) decodes rows that split a block wrongly
     with pytest.raises(ValueError, match="in_features=96 is not a multiple of blocksize=64"):
         Linear4bit.from_linear(nn.Linear(96, 8))
     model = nn.Sequential(nn.Linear(96, 64), nn.Linear(64, 8))

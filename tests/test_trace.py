@@ -62,6 +62,7 @@ def test_trace_prints_nothing_and_attach_does_nothing_when_off(tmp_path, capsys)
 def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(tracing, tmp_path, capsys):
     trainer = make_trainer(tmp_path)
     before = hook_counts(trainer.model)
+    callbacks_before = len(trainer.callback_handler.callbacks)
     handle = trace.attach(trainer)
     assert "training_step" in vars(trainer)  # wrapped on this instance only
     trainer.train()
@@ -85,9 +86,9 @@ def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(tracing, tmp
         "training_step",
         "compute_loss",
         "_clip_grad_norm",
-        "_on_step_end",
     }
     assert not wrapped & set(vars(trainer))  # the class methods show through again
+    assert len(trainer.callback_handler.callbacks) == callbacks_before  # its callback is gone
     assert "step" not in vars(trainer.lr_scheduler) and "zero_grad" not in vars(trainer.model)
     assert not trainer.optimizer._optimizer_step_pre_hooks
     assert hook_counts(trainer.model) == before

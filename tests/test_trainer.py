@@ -22,7 +22,9 @@ from tiny import TINY_LLAMA, one_thread, tiny_model  # noqa: F401 (one_thread: a
 from nanosft import trainer as trainer_module
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.trainer import Trainer, TrainerState
+from nanosft.monitoring.callbacks import StopOnNonFiniteCallback
+from nanosft.trainer import Trainer
+from nanosft.trainer_callback import TrainerState
 
 VOCAB = TINY_LLAMA["vocab_size"]
 
@@ -184,9 +186,15 @@ def test_nan_inf_filter_adds_running_average(tmp_path):
 
 def test_nonfinite_guard_stops_training(tmp_path, capsys):
     trainer = make_trainer(tmp_path, n_rows=20, gradient_accumulation_steps=1, max_steps=10)
-    trainer.training_step = lambda model, inputs, n=None: torch.tensor(float("nan"))
+
+    def nan_step(model, inputs, n=None):  # a nan loss backpropagates nan gradients
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float("nan")) if p.requires_grad else None
+        return torch.tensor(float("nan"))
+
+    trainer.training_step = nan_step
     trainer.train()
-    assert trainer.state.global_step == Trainer.max_nonfinite_logs
+    assert trainer.state.global_step == StopOnNonFiniteCallback.max_windows
     assert "lower learning_rate" in capsys.readouterr().out
 
 

@@ -33,6 +33,7 @@ from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.memory import count_saved_tensors
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
+from nanosft.trainer_callback import TrainerCallback
 
 torch.set_num_threads(1)
 TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -145,16 +146,17 @@ full_dir, cut_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
 full = make_trainer(full_dir)
 full_result = quiet(full.train)
 cut = make_trainer(cut_dir, max_steps=4, save_strategy="steps", save_steps=1)
-original_on_step_end = cut._on_step_end
 
 
-def stop_after_two():  # "interrupt" the run after step 2 (its checkpoint is written first)
-    original_on_step_end()
-    if cut.state.global_step == 2:
-        cut.control.should_training_stop = True
+class StopAfterTwo(TrainerCallback):
+    """"Interrupt" the run after step 2 (its checkpoint is written first)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            control.should_training_stop = True
 
 
-cut._on_step_end = stop_after_two
+cut.add_callback(StopAfterTwo)
 quiet(cut.train)
 print(f"interrupted run wrote: {sorted(os.listdir(cut_dir))}")
 try:

@@ -1,14 +1,17 @@
 """Tutorial 15: the training loop written by hand, no Trainer (guide: 自定义训练 / custom training).
 
-Plain PyTorch over nanosft's CausalLM, collator, create_optimizer and get_scheduler: a seeded
-sampler, accumulation normalised by the window's token count, clipping, the scheduler after the
-optimizer, a GradScaler, an eval loop, an atomic checkpoint, DDP no_sync under torchrun. The Trainer
-then logs the same per-step losses on the same seed and arguments: it is this loop + bookkeeping.
+nanosft/loop.py holds the guide's loop as importable pieces: `count_window_tokens` (one divisor
+per window, all ranks), `micro_step` (loss / the window's tokens, backward under DDP no_sync except
+on the window's last micro-batch), `optimizer_step` (clip, GradScaler step, the scheduler after a
+real step) and `train_loop`. We string the pieces by hand into a draft, assert it equals
+train_loop, and run train_loop beside nanosft's Trainer on the same seed and arguments: the Trainer
+is this loop + bookkeeping. Then an eval loop and an atomic checkpoint.
 Run:      python tutorials/15_custom_loop.py
           torchrun --standalone --nproc_per_node=2 tutorials/15_custom_loop.py   (2 gloo ranks)
 Runtime:  about 5 s on one CPU core.
 You should see:
-  - per optimizer step: loss, grad_norm and learning rate from our loop and from the Trainer;
+  - the first window: each micro-batch's tokens, num_items_in_batch, sync and loss;
+  - per optimizer step: loss, grad_norm and learning rate from train_loop and from the Trainer;
   - "max |loss - Trainer loss|" below 1e-6, and the same for grad_norm, eval loss and weights;
   - the mean-of-means control off by ~1e-2; a checkpoint reloaded equal; "OK: custom loop ..."
 """
@@ -16,18 +19,22 @@ You should see:
 # %%
 import contextlib
 import io
+import math
 import os
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft.distributed import all_reduce_sum
+from nanosft.loop import count_window_tokens, micro_step, optimizer_step, train_loop, windows
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.optim import create_optimizer, get_scheduler
 from nanosft.trainer import Trainer
+from nanosft.trainer_utils import SeedableBatchSampler
 
 torch.set_num_threads(1)
 TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -59,73 +66,64 @@ ARGS = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_s
                          per_device_eval_batch_size=4, seed=7, report_to="none", disable_tqdm=True,
                          use_cpu=not torch.cuda.is_available(), fp16=torch.cuda.is_available())
 DEVICE = ARGS.device
+AUTOCAST = torch.float16 if ARGS.fp16 else None
+if WORLD > 1:
+    dist.init_process_group("gloo" if DEVICE.type == "cpu" else "nccl")
 
 
-def window_loss(model, batch, num_items_in_batch, world=WORLD):
-    """Sum of this micro-batch's token losses / tokens of the whole window (all ranks) x world."""
-    with torch.autocast(DEVICE.type, dtype=torch.float16, enabled=ARGS.fp16):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    # position t predicts token t+1: (B, T-1, V) against (B, T-1)
-    targets = batch["labels"][:, 1:]
-    summed = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(),
-                             ignore_index=-100, reduction="sum")
-    return summed / num_items_in_batch * world  # x world: DDP averages the ranks' gradients
-
-
-# %%  The loop: epoch -> optimizer step (a window of GA micro-batches) -> micro-batch
-def custom_loop(mean_of_means=False):
-    """The guide's loop; returns [(loss, grad_norm, lr) per step], eval loss, model, state.
-    mean_of_means=True is the classic bug: each micro-batch normalised by its own tokens."""
-    if WORLD > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo" if DEVICE.type == "cpu" else "nccl")
+def setup():
+    """A fresh model (DDP-wrapped under torchrun), this rank's seeded loader, AdamW, the scheduler
+    and a GradScaler: what both the draft and train_loop start from."""
     model = tiny_model().to(DEVICE)
+    # the Trainer's sampler: randperm(seed + epoch), rank r taking global micro-batches r, r+W, ...
+    sampler = SeedableBatchSampler(len(TRAIN), ARGS.per_device_train_batch_size, seed=ARGS.seed,
+                                   num_replicas=WORLD, rank=RANK)
+    loader = DataLoader(TRAIN, batch_sampler=sampler, collate_fn=COLLATOR)
     optimizer = create_optimizer(model, ARGS)
-    ga, bs = ARGS.gradient_accumulation_steps, ARGS.per_device_train_batch_size
-    # ceil at each division: a short last batch, rank share or window still counts (rows divide
-    # evenly here, so the ranks' shares need none of the Trainer's even-batches topping up)
-    steps_per_epoch = -(-len(TRAIN) // bs // WORLD // ga)
-    max_steps = int(ARGS.num_train_epochs) * steps_per_epoch
+    max_steps = int(ARGS.num_train_epochs) * math.ceil(len(loader) /
+                                                       ARGS.gradient_accumulation_steps)
     scheduler = get_scheduler(ARGS.lr_scheduler_type, optimizer, num_training_steps=max_steps,
                               num_warmup_steps=ARGS.get_warmup_steps(max_steps))
     # fp16 on CUDA needs the scaler; on CPU the same object (tutorial 12) scales by 2**16 exactly
     scaler = torch.amp.GradScaler(DEVICE.type)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if WORLD > 1 else model
+    return ddp, loader, optimizer, scheduler, scaler
+
+
+# %%  The draft: loop.py's pieces strung by hand, epoch -> optimizer step (a window) -> micro-batch
+def draft_loop(mean_of_means=False, show=False):
+    """[(loss, grad_norm, lr) per optimizer step]. mean_of_means=True is the classic bug: each
+    micro-batch normalised by its own tokens (x the window's size) instead of the window's."""
+    ddp, loader, optimizer, scheduler, scaler = setup()
     history = []
     for epoch in range(int(ARGS.num_train_epochs)):
-        # seeded sampler: a new order each epoch, the same on every rank and every run
-        seeded = torch.Generator().manual_seed(ARGS.seed + epoch)
-        order = torch.randperm(len(TRAIN), generator=seeded)
-        batches = [order[i:i + bs].tolist() for i in range(0, len(TRAIN), bs)][RANK::WORLD]
-        loader = torch.utils.data.DataLoader(TRAIN, batch_sampler=batches, collate_fn=COLLATOR)
-        micro = [{k: v.to(DEVICE) for k, v in b.items()} for b in loader]
-        for start in range(0, len(micro), ga):
-            window = micro[start:start + ga]
+        loader.batch_sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank
+        for window in windows(loader, ARGS.gradient_accumulation_steps):
+            window = [{k: v.to(DEVICE) for k, v in b.items()} for b in window]
             # "accumulation normalised by token count": one count for the whole window, all ranks
-            num_items_in_batch = sum((b["labels"][:, 1:] != -100).sum() for b in window).float()
-            if WORLD > 1:
-                dist.all_reduce(num_items_in_batch)
+            num_items_in_batch = count_window_tokens(window, DEVICE)
             step_loss = torch.zeros((), device=DEVICE)
             for i, batch in enumerate(window):
+                divisor = num_items_in_batch
+                if mean_of_means:  # the bug: this micro-batch's own tokens x the window's size
+                    divisor = count_window_tokens([batch], DEVICE) * len(window)
                 last = i == len(window) - 1  # DDP all-reduces gradients only on the last one
-                sync = contextlib.nullcontext() if last or WORLD == 1 else ddp.no_sync()
-                own = (batch["labels"][:, 1:] != -100).sum() * len(window) * WORLD
-                with sync:
-                    loss = window_loss(ddp, batch, own if mean_of_means else num_items_in_batch)
-                    scaler.scale(loss).backward()
-                step_loss += loss.detach() / WORLD
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), ARGS.max_grad_norm)
+                loss = micro_step(ddp, batch, divisor, sync=last, scaler=scaler,
+                                  autocast_dtype=AUTOCAST)
+                step_loss += loss
+                if show and not history:
+                    tokens = (batch["labels"][:, 1:] != -100).sum().item()
+                    say(f"  micro-batch {i}: {tokens:2d} tokens on rank 0, num_items_in_batch "
+                        f"{num_items_in_batch.item():.0f} (window, all ranks), sync={last}, "
+                        f"loss {loss.item():.6f}")
             lr = scheduler.get_last_lr()[0]
-            scale = scaler.get_scale()
-            scaler.step(optimizer)  # skipped when the gradients hold inf/nan
-            scaler.update()
-            if scaler.get_scale() >= scale:  # not skipped: the scheduler steps AFTER the optimizer
-                scheduler.step()
-            optimizer.zero_grad()
-            if WORLD > 1:
-                dist.all_reduce(step_loss)  # mean over ranks, as the Trainer logs it
-            history.append((step_loss.item(), grad_norm.item(), lr))
-    return history, evaluate(model), model, (optimizer, scheduler, scaler)
+            grad_norm, _ = optimizer_step(ddp, optimizer, scheduler,
+                                          max_grad_norm=ARGS.max_grad_norm, scaler=scaler)
+            history.append((all_reduce_sum(step_loss).item() / WORLD, grad_norm.item(), lr))
+            if show and len(history) == 1:
+                say(f"  step 1 loss = sum of the micro-batch losses (mean over ranks) = "
+                    f"{history[0][0]:.6f}")
+    return history
 
 
 def evaluate(model):
@@ -133,13 +131,12 @@ def evaluate(model):
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=DEVICE)
     batches = torch.arange(len(EVAL)).split(ARGS.per_device_eval_batch_size)[RANK::WORLD]
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=AUTOCAST, enabled=ARGS.fp16):
         for index in batches:
             batch = {k: v.to(DEVICE) for k, v in COLLATOR([EVAL[i] for i in index]).items()}
-            loss = window_loss(model, batch, (batch["labels"][:, 1:] != -100).sum(), world=1)
+            loss = model(**batch).loss  # no num_items_in_batch: the batch's own token mean
             total += torch.tensor([loss.item() * len(index), len(index)], device=DEVICE)
-    if WORLD > 1:
-        dist.all_reduce(total)
+    all_reduce_sum(total)
     model.train()
     return (total[0] / total[1]).item()
 
@@ -152,8 +149,23 @@ def save_checkpoint(path, model, optimizer, scheduler, scaler, step):
     os.replace(path + ".tmp", path)
 
 
-# %%
-history, eval_loss, model, (optimizer, scheduler, scaler) = custom_loop()
+# %%  The first window, piece by piece; then the draft == nanosft.loop.train_loop
+say(f"the draft's first optimizer step, one micro-batch a line (rank 0's; losses x world size "
+    f"{WORLD}, which DDP's gradient average takes back):")
+draft = draft_loop(show=True)
+ddp, loader, optimizer, scheduler, scaler = setup()
+log_history = train_loop(ddp, loader, optimizer, scheduler,
+                         num_train_epochs=int(ARGS.num_train_epochs),
+                         gradient_accumulation_steps=ARGS.gradient_accumulation_steps,
+                         max_grad_norm=ARGS.max_grad_norm, scaler=scaler, autocast_dtype=AUTOCAST)
+model = ddp.module if WORLD > 1 else ddp
+history = [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in log_history]
+draft_diff = max(abs(a - b) for d, h in zip(draft, history) for a, b in zip(d, h))
+say(f"draft vs loop.train_loop: {len(draft)} steps, max |difference| = {draft_diff:.1e}")
+assert len(draft) == len(history) and draft_diff < 1e-6
+
+# %%  train_loop beside the Trainer, same seed and arguments
+eval_loss = evaluate(model)
 trainer = Trainer(tiny_model(), ARGS, train_dataset=TRAIN, eval_dataset=EVAL,
                   data_collator=COLLATOR)
 with contextlib.redirect_stdout(io.StringIO()):  # the banner and log lines: tutorial 04 shows them
@@ -176,7 +188,7 @@ say(f"eval loss: ours {eval_loss:.7f}, Trainer.evaluate {trainer_eval:.7f} "
 assert len(history) == len(logs) == trainer.state.global_step
 assert [h[2] for h in history] == [h["learning_rate"] for h in logs]
 assert max(loss_diff, norm_diff, weight_diff, abs(eval_loss - trainer_eval)) < 1e-6
-control = custom_loop(mean_of_means=True)[0]
+control = draft_loop(mean_of_means=True)
 control_diff = max(abs(ours[0] - h["loss"]) for ours, h in zip(control, logs))
 say(f"negative control, mean of per-micro-batch means: max |loss - Trainer| = {control_diff:.1e}")
 assert control_diff > 1e-3  # the comparison catches the classic accumulation bug

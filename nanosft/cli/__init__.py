@@ -169,7 +169,9 @@ def run_train(args):
         kind = "adapter" if peft_config is not None else "model"
         print(f"saved the {kind} and tokenizer to {sft_config.output_dir} "
               f"(train_loss {result.training_loss:.4f}, {result.global_step} steps)")
-        print(trainer.reporter.speed_summary(result.metrics))  # model GFLOP/s and MFU
+        from nanosft.monitoring.callbacks import speed_summary
+
+        print(speed_summary(trainer, result.metrics))  # model GFLOP/s and MFU
     distributed.cleanup()
     return 0
 

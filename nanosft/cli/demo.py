@@ -16,6 +16,7 @@ import time
 import torch
 
 from nanosft.data import load_examples
+from nanosft.monitoring.callbacks import speed_summary
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "default")
 TRAIN_FILE, EVAL_FILE = "sft_train.jsonl", "sft_eval.jsonl"
@@ -265,7 +266,7 @@ def run(
         f"\nheld-out exact match: before {accuracy_before:.1%} -> after {accuracy_after:.1%} "
         f"({result.global_step} steps, {train_seconds:.0f}s of training)"
     )
-    print(trainer.reporter.speed_summary(result.metrics))  # model GFLOP/s and MFU
+    print(speed_summary(trainer, result.metrics))  # model GFLOP/s and MFU
     saved = os.path.join(output_dir, "model" if mode == "full" else "adapter")
     trainer.model.save_pretrained(
         saved

@@ -38,7 +38,7 @@ from nanosft.io.output_folder import (  # noqa: F401 (finding and rotating check
     rotate_checkpoints,
     sorted_checkpoints,
 )
-from nanosft.trainer_utils import TrainerState
+from nanosft.trainer_callback import TrainerState
 
 TRAINING_ARGS_NAME = "training_args.json"
 OPTIMIZER_NAME = "optimizer.pt"

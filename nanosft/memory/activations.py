@@ -21,7 +21,7 @@ class _Saved:
 
 
 def _norm(saved, tag, N, C, rg, trainable, wd):
-    # RMSNorm is recomputed in backward (model._recomputed): only its input stays saved
+    # RMSNorm is recomputed in backward (nanosft.fast.recompute): only its input stays saved
     if rg or trainable:
         saved.add(f"{tag}.input", N * C, wd)
     return rg or trainable

@@ -13,6 +13,61 @@ import functools
 
 import torch
 
+from nanosft.reference import reference_mode_enabled
+from nanosft.trainer_callback import TrainerCallback
+
+# Every printed line of walkthrough 1 and 2.1-2.7 that nanosft mirrors, as (section, module,
+# statement): the statement is a substring of exactly one line of nanosft/<module>.py, the line that
+# mirrors it. In reference mode (NANOSFT_REFERENCE=1) a LoRA and a QLoRA SFT step execute every one
+# (tests/test_reference_mode.py); FAST_PATH_REPLACES names those the speed paths replace.
+WALKTHROUGH_STATEMENTS = [
+    ("2.1", "sft.py", "super().__init__(model, args, data_collator=data_collator,"),
+    ("2.2", "trainer.py",
+     "return self._inner_training_loop(args, resume_from_checkpoint)\n        #"),
+    ("2.3", "trainer.py", "train_dataloader = self.get_train_dataloader()"),
+    ("2.3", "trainer.py", "total_train_batch_size = (self._train_batch_size"),
+    ("2.3", "trainer.py", 'print("***** Running training *****")'),
+    ("2.3", "trainer.py", "tr_loss = torch.tensor(0.0, device=args.device)"),
+    ("2.3", "trainer.py", "self._total_loss_scalar = 0.0"),
+    ("2.3", "trainer.py", "self._globalstep_last_logged = self.state.global_step"),
+    ("1", "trainer.py", "for epoch in range(epochs_trained, num_train_epochs):"),
+    ("2.3", "trainer.py", "epoch_iterator = iter(epoch_dataloader)"),
+    ("2.3", "trainer.py", "remainder = steps_in_epoch % args.gradient_accumulation_steps"),
+    ("1", "trainer.py", "batch_samples, num_items_in_batch = self.get_batch_samples("),
+    ("1", "trainer.py", "for i, inputs in enumerate(batch_samples):"),
+    ("2.3", "trainer.py", "do_sync_step = ((step + 1) % args.gradient_accumulation_steps == 0"),
+    ("1", "trainer.py", "tr_loss_step = self.training_step(model, inputs, num_items_in_batch)"),
+    ("1", "trainer.py", "tr_loss = tr_loss + tr_loss_step"),
+    ("1", "trainer.py", "self.optimizer.step()"),
+    ("2.3", "trainer.py", "learning_rate = self._get_learning_rate()"),
+    ("1", "trainer.py", "self.lr_scheduler.step()"),
+    ("1", "trainer.py", "model.zero_grad()\n                        self.state.global_step"),
+    ("1", "trainer.py", "self.state.global_step += 1"),
+    ("2.3", "trainer.py", "self.state.epoch = epoch + (step + 1) / steps_in_epoch"),
+    ("1", "trainer.py", "self._maybe_log_save_evaluate(tr_loss, grad_norm, learning_rate)\n    "
+     "                else"),
+    ("2.4", "trainer.py", "model.train()"),
+    ("2.4", "trainer.py", "inputs = self._prepare_inputs(inputs)"),
+    ("2.4", "trainer.py", "loss = self.compute_loss(model, inputs, num_items_in_batch="),
+    ("2.4", "trainer.py", "loss.backward()"),
+    ("2.4", "trainer.py", "return loss.detach()"),
+    ("2.5", "trainer.py", "outputs = model(**inputs)\n"),
+    ("2.5", "trainer.py", 'loss = outputs["loss"]'),
+    ("2.6", "peft.py", "return self.base_model(input_ids=input_ids"),
+    ("2.7", "lora.py", "result = self.base_layer(x)  #"),
+    ("2.7", "lora.py", "result = result.clone()"),
+    ("2.7", "lora.py", "for active_adapter in self.active_adapters:  #"),
+    ("2.7", "lora.py", "lora_A = self.lora_A[active_adapter]"),
+    ("2.7", "lora.py", "scaling = self.scaling[active_adapter]"),
+    ("2.7", "lora.py", "requires_conversion = not torch.is_autocast_enabled()\n"
+     "            if requires_conversion:\n                expected_dtype = result.dtype\n"
+     "                x = self._cast_input_dtype(x, lora_A.weight.dtype)\n            if not"),
+    ("2.7", "lora.py", "output = lora_B(lora_A(dropout(x))) * scaling"),
+    ("2.7", "lora.py", "result = result + output\n            else"),
+    ("2.7", "lora.py", "return result.to(torch_result_dtype)"),
+]
+
+
 _enabled = False
 PREFIX = "[trace]"
 
@@ -66,6 +121,7 @@ class _TrainerTrace:
         self.forwards = 0
         self.in_forward = False
         self.done = False
+        self.callback = None
 
     # ----- plumbing: wrap a bound method of one instance, put it back later -----
     def wrap(self, owner, name, before=None, after=None):
@@ -94,6 +150,8 @@ class _TrainerTrace:
         for hook in self.hooks:
             hook.remove()
         self.wrapped, self.hooks = [], []
+        handler = self.trainer.callback_handler  # a new list: call_event may be iterating the old
+        handler.callbacks = [cb for cb in handler.callbacks if cb is not self.callback]
 
     # ----- walkthrough 2.2 / 2.3: the loop around the micro-batches -----
     def install(self):
@@ -112,7 +170,8 @@ class _TrainerTrace:
         self.wrap(t, "_clip_grad_norm", after=lambda norm, *a, **k: trace(
             "2.3", "  do_sync_step: clip gradients", grad_norm=norm,
             max_grad_norm=t.args.max_grad_norm))
-        self.wrap(t, "_on_step_end", before=self.on_step_end)
+        self.callback = _StepEndCallback(self.on_step_end)
+        t.add_callback(self.callback)
 
     def on_dataloader(self, dataloader, *args, **kwargs):
         self.steps_in_epoch = len(dataloader)
@@ -159,19 +218,27 @@ class _TrainerTrace:
         """SFTTrainer (TRL's own loss and token metrics) rather than the plain Trainer."""
         return hasattr(self.trainer, "_metrics")
 
+    def is_fused(self) -> bool:
+        """SFTTrainer taking the fused LM head (a speed path: off in reference mode)."""
+        return (self.is_sft() and self.trainer.args.label_smoothing_factor == 0
+                and not reference_mode_enabled())
+
     def on_compute_loss(self, model, inputs, *args, **kwargs):
         owner = type(self.trainer).__name__
         trace("2.5", f"compute_loss -> outputs = model(**inputs)  ({owner}.compute_loss)",
               model=type(model).__name__,
               num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
-        if self.is_sft():
+        if self.is_fused():
             trace("2.5", "  SFTTrainer.compute_loss overrides Trainer.compute_loss: "
                   "outputs = model(**inputs, fused_lm_head=True), per-token log p without the "
-                  "(B, T, V) logits")
+                  "(B, T, V) logits (speed path)")
+        elif self.is_sft():
+            trace("2.5", "  SFTTrainer.compute_loss -> Trainer.compute_loss (reference mode): "
+                  'outputs = model(**inputs); loss = outputs["loss"]')
 
     def on_loss(self, loss, *args, **kwargs):
         value = loss[0] if isinstance(loss, tuple) else loss
-        if not self.is_sft():
+        if not self.is_fused():
             trace("2.5", 'loss = outputs["loss"]  (sum of token losses / num_items_in_batch)',
                   loss=value)
             return
@@ -255,6 +322,16 @@ class _TrainerTrace:
         self.in_forward = False
         if self.forwards == 1:
             trace("2.6", f"{type(module).__name__}.forward returns", logits=output["logits"])
+
+
+class _StepEndCallback(TrainerCallback):
+    """Calls `on_step_end()` after the first optimizer step (the trace then detaches)."""
+
+    def __init__(self, on_step_end):
+        self.step_end = on_step_end
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_end()
 
 
 def attach(trainer):

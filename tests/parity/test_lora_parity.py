@@ -10,7 +10,8 @@ adapters (as get_peft_model leaves them): outputs and all gradients bit-identica
 LoRA and DoRA on both bases, which pins peft 0.21.2's cast order (DoRA and the float base add
 in fp32, then cast to bf16); a negative control shows the walkthrough's cast-then-add is caught.
 TRL's QLoRA recipe (fp32 compute, bf16 adapters): bit-identical to peft with torch's bf16 kernel
-and with the fp32-GEMM path nanosft takes on a CPU without one.
+and with the fp32-GEMM path nanosft takes on a CPU without one (peft then on torch's fallback
+kernel, oneDNN switched off, whatever the CPU).
 4-bit cases run in train mode: in eval mode bitsandbytes switches to a bf16 CPU kernel and
 repacks its weight in place, so both sides would be compared on different kernels. in_features
 are multiples of the 64-value block (bitsandbytes' CPU dequantize assumes rows hold whole blocks).
@@ -238,11 +239,16 @@ def test_negative_control_walkthrough_cast_order_differs_from_peft_for_dora(base
 def test_qlora_recipe_bf16_adapters_on_fp32_input_match_peft(kind, bf16_gemm, monkeypatch):
     """TRL's QLoRA: a 4-bit base computing in fp32, adapters cast to bf16 (not DoRA's magnitude).
     With torch's bf16 kernel and with the fp32-GEMM path a CPU without one takes
-    (nanosft.lora.Bf16LinearInFp32): outputs and gradients bit-identical to peft at these sizes
-    (the sums are short; on real shapes see tests/test_lora.py: at most 1 bf16 ulp)."""
-    import nanosft.lora
+    (nanosft.fast.lora.Bf16LinearInFp32): outputs and gradients bit-identical to peft at these
+    sizes (the sums are short; on real shapes see tests/test_lora.py: at most 1 bf16 ulp).
+    bf16_gemm=False is a CPU without oneDNN bf16 (AVX2 only): oneDNN is switched off too, so on
+    every CPU peft's adapters run torch's fallback kernel, the one that path stands in for.
+    bf16_gemm=True: both sides run this CPU's bf16 kernel (oneDNN's with AVX-512 or AMX)."""
+    import nanosft.fast.lora
 
-    monkeypatch.setattr(nanosft.lora, "_has_bf16_gemm", lambda: bf16_gemm)
+    monkeypatch.setattr(nanosft.fast.lora, "_has_bf16_gemm", lambda: bf16_gemm)
+    if not bf16_gemm:
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     ours, ref = build("4bit", kind)
     for layer in (ours, ref):
         for name, p in trainable(layer).items():

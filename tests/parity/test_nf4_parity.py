@@ -68,9 +68,9 @@ def test_dequantize_nf4_equals_bitsandbytes_where_its_cpu_decode_is_right(name):
     ref_packed, state = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4")
     ours = dequantize_nf4(ref_packed, state.absmax, w.shape, dtype=w.dtype)
     if w.shape[-1] % 64:
-        # bnb's CPU C++ decode reshapes to (rows, cols / 2): with blocks crossing rows it can go
-        # wrong (AVX512 builds); odd widths take its torch.compile'd fallback (seconds to build).
-        # So there, check the fp32 formula of the format instead.
+        # bnb's CPU C++ decode reshapes to (rows, cols / 2): with blocks crossing rows its AVX-512
+        # path (picked at run time on such CPUs) goes wrong; odd widths take its torch.compile'd
+        # fallback (seconds to build). So there, on every CPU, check the fp32 formula instead.
         code = bnbF.get_4bit_type("nf4", device="cpu")
         b = ref_packed.flatten().long()
         idx = torch.stack([b >> 4, b & 0xF], 1).flatten()[: w.numel()]

@@ -79,7 +79,7 @@ def _randomize_lora_B(ref, got):
 
 def _assert_train_logits_close(got, ref, attention_mask):
     """Real positions equal peft's. In training nanosft runs a right-padded batch unpadded
-    (model.varlen_layout, the convention of transformers' flash-attention path), so its pad
+    (nanosft.fast.unpad, the convention of transformers' flash-attention path), so its pad
     positions hold zeros; no loss reads them."""
     real = attention_mask.bool()
     torch.testing.assert_close(got[real], ref[real], **TOL)

@@ -16,7 +16,6 @@ import re
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nanosft.io import hub
 from nanosft.nf4 import Linear4bit
 
 PEFT_FORMAT_VERSION = "0.21.2"  # the peft release whose adapter files we read and write
@@ -299,6 +298,8 @@ def save_adapter_files(save_directory, config, state_dict):
     """Write adapter_model.safetensors and adapter_config.json (each atomically), as peft does.
     Mirrors: peft PeftModel.save_pretrained (its file writing)
     Differs: no README.md model card; the config is saved with inference_mode=True, as peft's."""
+    from nanosft.io import hub  # product layer: imported on use
+
     os.makedirs(save_directory, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
     hub.atomic_write(os.path.join(save_directory, WEIGHTS_NAME),
@@ -310,6 +311,8 @@ def save_adapter_files(save_directory, config, state_dict):
 def load_adapter_files(model_id):
     """(config, state_dict, weights path) of an adapter folder written by peft or nanosft.
     Mirrors: peft PeftConfig.from_pretrained, load_peft_weights"""
+    from nanosft.io import hub  # product layer: imported on use
+
     config_path = os.path.join(model_id, CONFIG_NAME)
     weights_path = os.path.join(model_id, WEIGHTS_NAME)
     for path in (config_path, weights_path):

@@ -1,0 +1,252 @@
+"""The callbacks that report on a run: throughput and MFU, stop on non-finite losses, the memory
+ledger and peak, the progress bar and printed logs, metrics.jsonl and live TensorBoard events.
+
+The Trainer adds `reporting_callbacks(args)` after DefaultFlowCallback; each can be taken off with
+`trainer.remove_callback(cls)`. ThroughputCallback comes first: it adds its numbers to the logs
+(and to the entry already in state.log_history) before the callbacks after it print or write them.
+Mirrors transformers ProgressCallback, PrinterCallback, TensorBoardCallback; the rest is nanosft's.
+"""
+
+import json
+import math
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+from nanosft import distributed
+from nanosft.monitoring.flops import (LogWindow, attention_shape, calibrate_matmul_flops,
+                                      compute_dtype, matmul_parameters, model_flops, model_width,
+                                      non_embedding_parameters)
+from nanosft.trainer_callback import TrainerCallback
+
+
+def _update_logs(state, logs, values):
+    # the logs the later callbacks see, and the entry Trainer.log already appended to log_history
+    logs.update(values)
+    if state.log_history:
+        state.log_history[-1].update(values)
+
+
+class ThroughputCallback(TrainerCallback):
+    """Tokens/s, samples/s, step time, model FLOP/s and MFU of each logging window, transformers'
+    state.total_flos, and the final train_model_flops_per_second / mfu. Without args.peak_flops the
+    MFU denominator is a matmul calibration at train start (only while this callback is on)."""
+
+    def __init__(self):
+        self.window = LogWindow()
+        self.peak_flops = None
+        self.model_flos = 0.0  # model FLOPs of this train() call, all ranks
+        self.last_logged_step = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.window = LogWindow()
+        self.model_flos = 0.0
+        self.last_logged_step = state.global_step
+        self.peak_flops = args.peak_flops
+        if self.peak_flops is None and model is not None:
+            width, dtype = model_width(model), compute_dtype(model, args)
+            self.peak_flops = calibrate_matmul_flops(width, dtype, args.device)
+
+    def on_step_begin(self, args, state, control, batch_samples=(), **kwargs):
+        for inputs in batch_samples:
+            self.window.add(inputs)
+
+    def store_flos(self, args, state, model) -> float:
+        """Add the window's 6 x input_ids x non-embedding parameters to state.total_flos; return the
+        window's model FLOPs; both summed over ranks. Mirrors: Trainer.store_flos"""
+        window = self.window
+        flos = [6 * window.input_ids * non_embedding_parameters(model),
+                model_flops(*matmul_parameters(model), *attention_shape(model), window.seq_lengths)]
+        if args.world_size > 1:  # float64: exact far past fp32's 2^24
+            summed = torch.tensor(flos, dtype=torch.float64, device=args.device)
+            flos = distributed.all_reduce_sum(summed).tolist()
+        state.total_flos += float(flos[0])
+        self.model_flos += float(flos[1])
+        self.window = LogWindow()  # stored: never counted twice
+        return float(flos[1])
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if "loss" in logs and "train_runtime" not in logs:  # a training window
+            steps = state.global_step - self.last_logged_step
+            window = self.window
+            flos = self.store_flos(args, state, model)
+            _update_logs(state, logs, window.speed(args.world_size, steps, flos, self.peak_flops))
+            self.last_logged_step = state.global_step
+        elif "train_runtime" in logs:  # the final metrics of train()
+            self.store_flos(args, state, model)
+            achieved = self.model_flos / max(logs["train_runtime"], 1e-9)
+            final = {"total_flos": state.total_flos,
+                     "train_model_flops_per_second": round(achieved, 1)}
+            if self.peak_flops:
+                final["mfu"] = achieved / (self.peak_flops * args.world_size)
+            _update_logs(state, logs, final)
+
+    def speed_summary(self, args, metrics: dict) -> str:
+        """The final summary's speed line: model GFLOP/s and MFU against the peak it used."""
+        line = f"speed: {metrics['train_model_flops_per_second'] / 1e9:.2f} GFLOP/s of model FLOPs"
+        if metrics.get("mfu") is not None:
+            source = ("peak_flops" if args.peak_flops is not None
+                      else "a matmul calibration at train start")
+            ranks = f" x {args.world_size} ranks" if args.world_size > 1 else ""
+            line += (f", MFU {100 * metrics['mfu']:.1f}% of {self.peak_flops / 1e9:.1f} GFLOP/s"
+                     f"{ranks} ({source})")
+        return line
+
+
+class StopOnNonFiniteCallback(TrainerCallback):
+    """Stop after `max_windows` logging windows in a row with a nan/inf loss or grad_norm, with a
+    message naming the fixes. Mirrors: nothing (transformers trains on)"""
+
+    max_windows = 3
+
+    def __init__(self):
+        self.nonfinite_logs = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.nonfinite_logs = 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" not in logs or "train_runtime" in logs:
+            return
+        values = [logs.get(k, 0.0) for k in ("loss", "grad_norm")]
+        bad = not all(math.isfinite(v) for v in values)
+        self.nonfinite_logs = self.nonfinite_logs + 1 if bad else 0
+        if self.nonfinite_logs >= self.max_windows:
+            control.should_training_stop = True
+            print(f"Stopping at step {state.global_step}: the loss or grad_norm was nan/inf in "
+                  f"{self.nonfinite_logs} logging windows in a row. Try a lower learning_rate "
+                  f"(now {args.learning_rate}), bf16 instead of fp16, or max_grad_norm=1.0 "
+                  "to clip gradients.")
+
+
+class MemoryCallback(TrainerCallback):
+    """Rank 0 prints the memory ledger's prediction at train start and the measured peak beside it
+    at the end (nanosft.memory). Guide: memory"""
+
+    def __init__(self):
+        self.ledger = None
+        self.peak = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from nanosft import memory
+
+        self.ledger = None
+        if state.is_world_process_zero:
+            self.ledger = memory.predict_for_trainer(model, args)
+            if self.ledger is not None:
+                print(memory.summary_line(self.ledger))
+        self.peak = memory.PeakMemory(args.device.type).start()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        from nanosft import memory
+
+        if self.peak is not None and state.is_world_process_zero:
+            print(memory.peak_line(self.peak.stop(), self.ledger))
+        self.peak = None
+
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar over the optimizer steps with loss / lr / grad_norm / tokens/s, and each log
+    printed as a dict (rank 0). Mirrors: transformers ProgressCallback, PrinterCallback"""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
+                            disable=bool(args.disable_tqdm))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if self.bar is not None and "loss" in logs:
+            self.bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
+                                 grad_norm=f"{logs.get('grad_norm', float('nan')):.3f}",
+                                 tok_s=logs.get("train_tokens_per_second"), mfu=logs.get("mfu"))
+        shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}
+        tqdm.write(str(shown))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class MetricsFileCallback(TrainerCallback):
+    """Appends each log, with its step, as one JSON line to output_dir/metrics.jsonl (rank 0)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({**logs, "step": state.global_step}) + "\n")  # appends: no temp file
+
+
+def tensorboard_tag(key: str) -> str:
+    """eval_loss -> eval/loss, loss -> train/loss. Mirrors: transformers rewrite_logs"""
+    return "eval/" + key.removeprefix("eval_") if key.startswith("eval_") else "train/" + key
+
+
+def open_tensorboard(log_dir):
+    """A torch SummaryWriter on `log_dir`, or None (with one printed line) when tensorboard is not
+    installed. Mirrors: transformers TensorBoardCallback._init_summary_writer"""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print('report_to="tensorboard": tensorboard is not installed, so no events are written; '
+              'pip install "nanosft[tensorboard]"')
+        return None
+    return SummaryWriter(log_dir=log_dir)
+
+
+class TensorBoardCallback(TrainerCallback):
+    """Scalars of every log to output_dir/runs, flushed as they come, so a live `tensorboard
+    --logdir` shows them (rank 0). Mirrors: transformers TensorBoardCallback
+    Differs: events go to output_dir/runs, not runs/<date>_<host>."""
+
+    def __init__(self):
+        self.tb_writer = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.tb_writer is None:
+            self.tb_writer = open_tensorboard(os.path.join(args.output_dir, "runs"))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.tb_writer is None:
+            return
+        for key, value in logs.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tb_writer.add_scalar(tensorboard_tag(key), value, state.global_step)
+        self.tb_writer.flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.tb_writer is not None:
+            self.tb_writer.close()
+            self.tb_writer = None
+
+
+def reporting_callbacks(args) -> list:
+    """The callbacks a Trainer reports through, in the order they must run."""
+    callbacks = [ThroughputCallback(), StopOnNonFiniteCallback(), MemoryCallback(),
+                 ProgressCallback(), MetricsFileCallback()]
+    if "tensorboard" in args.report_to:
+        callbacks.append(TensorBoardCallback())
+    return callbacks
+
+
+def speed_summary(trainer, metrics: dict) -> str:
+    """The throughput callback's final speed line for `metrics` (train()'s), or "" without it."""
+    throughput = find_callback(trainer, ThroughputCallback)
+    return "" if throughput is None else throughput.speed_summary(trainer.args, metrics)
+
+
+def find_callback(trainer, cls):
+    """The trainer's first callback of class `cls`, or None."""
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)

@@ -1,0 +1,169 @@
+"""Reference mode (NANOSFT_REFERENCE=1): the walkthrough's own statements execute, and the default
+(fast) mode gives the same numbers.
+
+Compared: (1) a line tracer over one LoRA SFT step (fp32 adapters) and one QLoRA SFT step in
+reference mode records every statement of nanosft.monitoring.trace.WALKTHROUGH_STATEMENTS as
+executed; in fast mode the same run prints which entries the speed paths replace, and that list
+is FAST_PATH_REPLACES below (also in the README). (2) losses and trained weights after a few LoRA,
+QLoRA, DoRA and full fine-tuning steps, fast vs reference, fp32, within 1e-6. (3) the switch itself:
+the environment variable, the context manager, and fast_path() returning None. Tiny models, CPU.
+Run: python -m pytest -q tests/test_reference_mode.py
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from tiny import one_thread  # noqa: F401 (an autouse fixture)
+
+import nanosft
+from nanosft.args import SFTConfig
+from nanosft.model import CausalLM, ModelConfig
+from nanosft.monitoring.trace import WALKTHROUGH_STATEMENTS
+from nanosft.nf4 import quantize_model
+from nanosft.peft import LoraConfig
+from nanosft.reference import (fast_path, reference_mode, reference_mode_enabled,
+                               set_reference_mode)
+from nanosft.sft import SFTTrainer
+from nanosft.tokenizer import Tokenizer
+
+PACKAGE = os.path.dirname(nanosft.__file__)
+# the mirrored statements that a default (fast) step does not execute, per run
+FAST_PATH_REPLACES = {
+    "lora": {
+        "tr_loss = tr_loss + tr_loss_step",  # the nan/inf filter runs as one torch.where
+        "outputs = model(**inputs)\n",  # SFTTrainer.compute_loss asks for the fused LM head
+        'loss = outputs["loss"]',
+        "output = lora_B(lora_A(dropout(x))) * scaling",  # fp32 adapters: one addmm
+        "result = result + output\n            else",
+    },
+    "qlora": {  # bf16 adapters take the walkthrough's line
+        "tr_loss = tr_loss + tr_loss_step",
+        "outputs = model(**inputs)\n",
+        'loss = outputs["loss"]',
+    },
+}
+
+
+def statement_lines():
+    """{(module, line number): statement} for WALKTHROUGH_STATEMENTS, each found exactly once."""
+    found = {}
+    for section, module, statement in WALKTHROUGH_STATEMENTS:
+        with open(os.path.join(PACKAGE, module), encoding="utf-8") as f:
+            text = f.read()
+        assert text.count(statement) == 1, f"{section} {module}: {statement!r} must occur once"
+        line = text[: text.index(statement)].count("\n") + 1
+        found[(os.path.join(PACKAGE, module), line)] = statement
+    return found
+
+
+TEXTS = ["What is 2 plus 3? 5.", "What is 7 plus 1? 8.", "Add 4 and 4: 8.", "Six minus two: 4."]
+
+
+def tokenizer():
+    return Tokenizer.train(TEXTS * 4, vocab_size=300, special_tokens=["<|endoftext|>"])
+
+
+def make_trainer(tmp_path, kind, tok, steps=2):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = CausalLM(config)
+    if kind == "qlora":
+        quantize_model(model)
+    peft_config = None
+    if kind in ("lora", "qlora", "dora"):
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                 use_dora=kind == "dora")
+    # SGD: an update linear in the gradient, so rounding differences stay rounding-sized (Adam
+    # would scale a 1e-9 gradient difference on a near-zero gradient up to the learning rate)
+    args = SFTConfig(output_dir=str(tmp_path / kind), max_steps=steps, learning_rate=1e-2,
+                     optim="sgd",
+                     per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
+                     disable_tqdm=True, report_to=[], max_length=32, seed=0, bf16=False)
+    rows = [{"text": t} for t in TEXTS]
+    return SFTTrainer(model, args=args, train_dataset=rows, processing_class=tok,
+                      peft_config=peft_config)
+
+
+def executed_lines(run):
+    """(file, line) pairs executed under nanosft/ while `run()` runs."""
+    seen = set()
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        if event == "line":
+            seen.add((frame.f_code.co_filename, frame.f_lineno))
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def traced_statements(tmp_path, reference, kinds=("lora", "qlora")):
+    tok = tokenizer()
+    seen = set()
+    with reference_mode(reference):
+        for kind in kinds:
+            seen |= executed_lines(lambda: make_trainer(tmp_path, kind, tok, steps=1).train())
+    return seen
+
+
+def test_every_mirrored_statement_executes_in_reference_mode(tmp_path):
+    lines = statement_lines()
+    seen = traced_statements(tmp_path, reference=True)
+    missing = [statement for key, statement in lines.items() if key not in seen]
+    assert missing == []
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_fast_mode_replaces_exactly_the_listed_statements(tmp_path, kind):
+    lines = statement_lines()
+    in_reference = traced_statements(tmp_path / "ref", reference=True, kinds=(kind,))
+    in_fast = traced_statements(tmp_path / "fast", reference=False, kinds=(kind,))
+    replaced = {lines[key] for key in lines if key in in_reference and key not in in_fast}
+    print(f"{kind}: speed paths replace", sorted(replaced))
+    assert replaced == FAST_PATH_REPLACES[kind]
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora", "dora", "full"])
+def test_fast_mode_equals_reference_mode(tmp_path, kind):
+    tok = tokenizer()
+    results = {}
+    for reference in (True, False):
+        with reference_mode(reference):
+            trainer = make_trainer(tmp_path / str(reference), kind, tok, steps=3)
+            trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        weights = {k: v.float().clone() for k, v in trainer.model.state_dict().items()
+                   if v.is_floating_point()}
+        results[reference] = losses, weights
+    (ref_losses, ref_weights), (fast_losses, fast_weights) = results[True], results[False]
+    assert len(ref_losses) == 3
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(ref_losses),
+                               rtol=1e-6, atol=1e-6)
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(fast_weights[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_switch_follows_environment_and_python(monkeypatch):
+    monkeypatch.setenv("NANOSFT_REFERENCE", "1")
+    assert reference_mode_enabled() and fast_path("recomputed") is None
+    monkeypatch.setenv("NANOSFT_REFERENCE", "0")
+    assert not reference_mode_enabled() and fast_path("recomputed") is not None
+    with reference_mode():
+        assert reference_mode_enabled()
+    assert not reference_mode_enabled()
+    set_reference_mode(True)
+    try:
+        assert reference_mode_enabled()
+    finally:
+        set_reference_mode(None)
+    assert not reference_mode_enabled()
