@@ -38,7 +38,7 @@ def _trace():
 
 def resolve_folder(flag, name):
     """The local folder of --model / --adapter: the folder itself or the Hub id's cached snapshot.
-    Walkthrough 2.1 | Mirrors: transformers cached_files (a repo id or a path)"""
+    Mirrors: transformers cached_files (a repo id or a path)"""
     from nanosft.io import hub
 
     return hub.resolve_pretrained_path(name, what=flag)
@@ -87,7 +87,7 @@ def pick_device(name):
 
 def run_demo(args):
     """QLoRA SFT of the embedded default, with before/after held-out answers.
-    Walkthrough 1 (end to end) | Mirrors: a TRL QLoRA recipe run by `trl sft`"""
+    Mirrors: a TRL QLoRA recipe run by `trl sft`"""
     from nanosft.cli import demo
 
     if args.full and (args.dora or args.no_quant):
@@ -104,7 +104,7 @@ def run_demo(args):
 
 def build_train_configs(args, sft_names, lora_names):
     """(SFTConfig, LoraConfig | PromptTuningConfig | None) from --config then the flags (flags win).
-    Walkthrough 2.1 (args, peft_config) | Mirrors: trl TrlParser (config file, then command line)"""
+    Mirrors: trl TrlParser (config file, then command line)"""
     from nanosft.args import SFTConfig
     from nanosft.peft import LoraConfig, PromptTuningConfig
 
@@ -141,7 +141,7 @@ def build_train_configs(args, sft_names, lora_names):
 
 def run_train(args):
     """SFT of --model on --data: SFTTrainer.__init__, trainer.train(); under torchrun rank 0 saves.
-    Walkthrough 2.1, 2.2 | Mirrors: `trl sft` (trl.scripts.sft.main)"""
+    Mirrors: `trl sft` (trl.scripts.sft.main)"""
     from nanosft import distributed
     from nanosft.sft import SFTTrainer
 
@@ -234,7 +234,7 @@ def run_chat(args):
 
 def run_merge(args):
     """Fold the adapter into the full-precision base and write a Hugging Face folder transformers
-    loads. Walkthrough 2.7 (merge) | Mirrors: peft merge_and_unload + save_pretrained"""
+    loads. Mirrors: peft merge_and_unload + save_pretrained"""
     if os.path.exists(args.out) and os.listdir(args.out):
         raise FileExistsError(f"--out {args.out} exists and is not empty; give a new folder "
                               "(nothing is overwritten)")
@@ -258,7 +258,7 @@ def run_merge(args):
 
 def run_memory(args):
     """Print the memory ledger of a run on --model's config.json (no weights are read).
-    Guide: memory | Mirrors: `accelerate estimate-memory` (which stops at weights and Adam)"""
+    Mirrors: `accelerate estimate-memory` (which stops at weights and Adam)"""
     from nanosft import memory
     from nanosft.model import ModelConfig
 

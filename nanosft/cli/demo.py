@@ -25,7 +25,7 @@ TRAIN_FILE, EVAL_FILE = "sft_train.jsonl", "sft_eval.jsonl"
 def default_model_dir() -> str:
     """The embedded default model folder; an error naming the fix if the package was installed
     without it.
-    Walkthrough 1 (the model SFTTrainer starts from) | Mirrors: a Hub model id, here shipped in
+    Mirrors: a Hub model id, here shipped in
     the package"""
     if not os.path.isfile(os.path.join(DEFAULT_DIR, "config.json")):
         raise FileNotFoundError(
@@ -38,7 +38,7 @@ def default_model_dir() -> str:
 def held_out_prompts(path):
     """(prompt messages, expected answer) pairs from a conversational JSONL whose last turn is
     the assistant's.
-    Walkthrough 1 | Mirrors: an eval split in TRL's conversational format"""
+    Mirrors: an eval split in TRL's conversational format"""
     pairs = []
     for i, example in enumerate(load_examples(path)):
         messages = example.get("messages")
@@ -62,7 +62,7 @@ def chat_answers(model, tokenizer, chats, max_new_tokens=6, device="cpu"):
     """Greedy replies to many chats, cut at EOS and stripped; prompts of equal length share one
     batch (no padding).
 
-    Walkthrough 1 (what SFT changes) | Mirrors: a batched transformers `generate` without padding
+    Mirrors: a batched transformers `generate` without padding
     """
     prompts = [
         tokenizer.apply_chat_template(messages, add_generation_prompt=True) for messages in chats
@@ -94,7 +94,7 @@ def exact_match(model, tokenizer, pairs, device="cpu"):
 def before_after_table(pairs, before, after, rows=8) -> str:
     """A plain-text table: prompt | expected | before | after, for the first `rows` held-out
     prompts.
-    Walkthrough 1 | Mirrors: nothing (the demo's report)"""
+    Mirrors: nothing (the demo's report)"""
 
     def cell(text, width):
         text = text.replace("\n", "\\n")
@@ -116,7 +116,7 @@ def before_after_table(pairs, before, after, rows=8) -> str:
 def save_loss_curve(log_history, path):
     """Write a PNG of the logged training loss; returns the path, or None when matplotlib is
     missing.
-    Guide: monitoring | Mirrors: the loss plot of trainer.state.log_history people draw after
+    Mirrors: the loss plot of trainer.state.log_history people draw after
     training"""
     try:
         import matplotlib
@@ -140,7 +140,7 @@ def save_loss_curve(log_history, path):
 
 
 def write_summary(path, summary: dict) -> None:
-    """demo_summary.json (accuracies, timings) written atomically. Walkthrough 1 | Mirrors:
+    """demo_summary.json (accuracies, timings) written atomically. Mirrors:
     Trainer.save_metrics"""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -154,7 +154,7 @@ def demo_config(
     """The SFTConfig of the demo: small batches, a high LoRA learning rate, assistant-only loss,
     no checkpoints.
 
-    Walkthrough 2.1 (args) | Mirrors: trl SFTConfig | Differs: gradient checkpointing off (the
+    Mirrors: trl SFTConfig | Differs: gradient checkpointing off (the
     model is tiny).
     """
     from nanosft.args import SFTConfig
@@ -185,7 +185,7 @@ def demo_config(
 def load_demo_model(model_dir, mode, device):
     """The base for the demo: NF4-quantized (qlora, qdora), or full precision (lora, dora with
     --no-quant; full).
-    Walkthrough 2.1 (model loading) | Mirrors:
+    Mirrors:
     from_pretrained(quantization_config=BitsAndBytesConfig(nf4))"""
     from nanosft import nf4
     from nanosft.model import CausalLM
@@ -203,7 +203,7 @@ def load_demo_model(model_dir, mode, device):
 def demo_peft_config(mode):
     """LoRA on every linear layer (r=16, alpha=32); DoRA adds the magnitude vector; None for
     full fine-tuning.
-    Walkthrough 2.1 (peft_config) | Mirrors: peft LoraConfig as in TRL's QLoRA examples"""
+    Mirrors: peft LoraConfig as in TRL's QLoRA examples"""
     from nanosft.peft import LoraConfig
 
     if mode == "full":

@@ -58,7 +58,7 @@ def _check_quantization_config(config):
 
 class AutoModelForCausalLM:
     """Load nanosft's CausalLM from a folder or Hub id, 4-bit when a BitsAndBytesConfig asks.
-    Walkthrough 2.1 | Mirrors: transformers AutoModelForCausalLM.from_pretrained
+    Mirrors: transformers AutoModelForCausalLM.from_pretrained
     Differs: Llama-family only; device_map puts the whole model on one device."""
 
     @staticmethod
@@ -83,7 +83,7 @@ class AutoModelForCausalLM:
 
 class AutoTokenizer:
     """Load nanosft's Tokenizer (tokenizer.json + chat template) from a folder or Hub id.
-    Walkthrough 2.1 | Mirrors: transformers AutoTokenizer.from_pretrained"""
+    Mirrors: transformers AutoTokenizer.from_pretrained"""
 
     @staticmethod
     def from_pretrained(pretrained_model_name_or_path, *, revision=None, **kwargs):
@@ -97,7 +97,7 @@ class AutoTokenizer:
 
 class PeftModel:
     """Put a saved adapter (folder or Hub id) on a model; returns a PeftModelForCausalLM.
-    Walkthrough 2.6 | Mirrors: peft PeftModel.from_pretrained
+    Mirrors: peft PeftModel.from_pretrained
     Differs: a loader only; isinstance checks use nanosft.peft.PeftModelForCausalLM."""
 
     @staticmethod

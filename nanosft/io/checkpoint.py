@@ -251,7 +251,7 @@ def _write_all(folder, model, optimizer, lr_scheduler, scaler, trainer_state, ar
 def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None,
                     trainer_state: dict, args: dict, rank=0, world_size=1):
     """Write a complete checkpoint folder atomically: files go to a temp folder renamed at the end.
-    Walkthrough 2.3 | Mirrors: transformers Trainer._save_checkpoint
+    Mirrors: transformers Trainer._save_checkpoint
     Rank 0 writes everything; other ranks add their rng_state_{rank}.pth once the folder exists."""
     checkpoint_dir = os.path.normpath(checkpoint_dir)
     parent, name = os.path.split(checkpoint_dir)
@@ -335,7 +335,7 @@ _SETUP_FIELDS = ("peft_type", "r", "lora_alpha", "target_modules", "use_dora", "
 def check_same_setup(checkpoint_dir, model) -> None:
     """Refuse, naming what differs, a checkpoint of another set-up: a full fine-tune resumed as LoRA
     (or back), other LoRA target modules, rank, alpha, DoRA or prompt length.
-    Walkthrough 2.2 | Mirrors: nothing (transformers finds out when loading, or not at all)"""
+    Mirrors: nothing (transformers finds out when loading, or not at all)"""
     model = _unwrap(model)
     adapter_file = os.path.join(checkpoint_dir, ADAPTER_CONFIG_NAME)
     has_full = os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_NAME))
@@ -372,7 +372,7 @@ def _read_json(path):
 def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0,
                     world_size=1) -> dict:
     """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the state.
-    Walkthrough 2.2 (resume_from_checkpoint) | Mirrors: transformers Trainer._load_from_checkpoint,
+    Mirrors: transformers Trainer._load_from_checkpoint,
     _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True."""
     check_same_setup(checkpoint_dir, model)
     check_is_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler)
@@ -404,7 +404,7 @@ def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
                         num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint):
     """(TrainerState, epochs_trained, steps_trained_in_current_epoch): a fresh state, or the
     checkpoint's with model, optimizer, scheduler, scaler and RNG restored in place.
-    Walkthrough 2.2 | Mirrors: transformers Trainer._init_training_state
+    Mirrors: transformers Trainer._init_training_state
     Differs: RNG restored here, not after skipping batches (the data order uses no global RNG)."""
     state = TrainerState(max_steps=max_steps, num_train_epochs=num_train_epochs,
                          train_batch_size=args.train_batch_size)
@@ -442,7 +442,7 @@ def save_model(model, processing_class, output_dir) -> None:
 def resolve_and_check(args, model, resume_from_checkpoint):
     """Before training: the checkpoint to resume (None, the latest valid for True, or a folder);
     a fresh run refused in another run's output_dir; a checkpoint of another set-up refused.
-    Walkthrough 2.2 | Mirrors: transformers Trainer.train (resume handling)"""
+    Mirrors: transformers Trainer.train (resume handling)"""
     resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
     check_output_dir(args, resuming=resume_from_checkpoint is not None)
     if resume_from_checkpoint is not None:

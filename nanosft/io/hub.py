@@ -25,7 +25,7 @@ INDEX = "model.safetensors.index.json"
 
 def read_json(path):
     """Load a JSON file; a missing or malformed file raises an error naming it.
-    Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig._dict_from_json_file"""
+    Mirrors: transformers PreTrainedConfig._dict_from_json_file"""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: a model folder needs it "
                                 "(save_pretrained writes it)")
@@ -39,7 +39,7 @@ def read_json(path):
 
 def atomic_write(path, write):
     """Call `write(tmp)` on a hidden temp file beside `path`, then os.replace it into place; on
-    failure no file. Walkthrough 2.1 | Mirrors: transformers save_pretrained
+    failure no file. Mirrors: transformers save_pretrained
     Differs: transformers writes in place; we never leave half a file."""
     folder, base = os.path.dirname(path) or ".", os.path.basename(path)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + base)
@@ -54,14 +54,14 @@ def atomic_write(path, write):
 
 def write_json(obj, path, sort_keys=False):
     """Write JSON (indent 2) atomically.
-    Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.to_json_file"""
+    Mirrors: transformers PreTrainedConfig.to_json_file"""
     text = json.dumps(obj, indent=2, sort_keys=sort_keys)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def parse_size(size):
     """Bytes from an int or a string such as "5GB" (10**9) or "500MiB" (2**20 each).
-    Walkthrough 2.1 | Mirrors: transformers utils.hub.convert_file_size_to_int"""
+    Mirrors: transformers utils.hub.convert_file_size_to_int"""
     units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
              "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
     m = re.fullmatch(r"(\d+)\s*([GMK]I?B|B)", str(size).strip().upper())
@@ -73,7 +73,7 @@ def parse_size(size):
 
 def check_state_dict(state_dict, expected, source):
     """Raise a ValueError listing missing / unexpected keys, or naming a tensor whose shape differs.
-    Walkthrough 2.1 | Mirrors: transformers modeling_utils._find_missing_and_unexpected_keys,
+    Mirrors: transformers modeling_utils._find_missing_and_unexpected_keys,
     _find_mismatched_keys. Values need only a `.shape` (tensors, or TensorInfo from the headers)."""
     missing = sorted(expected.keys() - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected.keys())
@@ -97,7 +97,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 def torch_dtype(value, field="dtype"):
     """A torch.dtype from a dtype or its spelling ("bfloat16", "torch.float16"); others are named.
-    Walkthrough 2.1 | Mirrors: transformers' getattr(torch, name) for config.json dtype strings"""
+    Mirrors: transformers' getattr(torch, name) for config.json dtype strings"""
     if isinstance(value, torch.dtype):
         return value
     found = getattr(torch, str(value).removeprefix("torch."), None)
@@ -148,7 +148,7 @@ def _read_header(path):
 def safetensors_index(model_dir):
     """{name: TensorInfo} from the headers of model.safetensors or of every shard; no data read,
     so a missing shard or a wrong shape is found before any weight is loaded.
-    Walkthrough 2.1 | Mirrors: transformers get_checkpoint_shard_files, safe_open(...).keys()"""
+    Mirrors: transformers get_checkpoint_shard_files, safe_open(...).keys()"""
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.isfile(single):
         return _read_header(single)
@@ -189,7 +189,7 @@ def release_freed_memory():
 
 def iter_tensors(index, dtype=None, device="cpu"):
     """(name, tensor) one at a time, each file read in byte order, cast to dtype/device as read.
-    Walkthrough 2.1 | Mirrors: transformers' per-tensor loading (safe_open(...).get_slice)
+    Mirrors: transformers' per-tensor loading (safe_open(...).get_slice)
     Differs: plain reads, not a memory map whose touched pages would all stay resident."""
     by_file = {}
     for name, info in index.items():
@@ -211,13 +211,13 @@ def iter_tensors(index, dtype=None, device="cpu"):
 
 def load_state_dict_from_hf(model_dir):
     """Read model.safetensors, or every shard named in model.safetensors.index.json, into a dict.
-    Walkthrough 2.1 | Mirrors: transformers modeling_utils.load_state_dict"""
+    Mirrors: transformers modeling_utils.load_state_dict"""
     return dict(iter_tensors(safetensors_index(model_dir)))
 
 
 def save_state_dict_to_hf(state_dict, model_dir, max_shard_size="5GB"):
     """Write model.safetensors, or shards + index past max_shard_size, each file atomically.
-    Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained,
+    Mirrors: transformers PreTrainedModel.save_pretrained,
     huggingface_hub split_torch_state_dict_into_shards"""
     os.makedirs(model_dir, exist_ok=True)
     limit, shards, used = parse_size(max_shard_size), [{}], 0

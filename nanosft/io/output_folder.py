@@ -170,7 +170,7 @@ def clear_previous_run(output_dir) -> list[str]:
 def check_output_dir(args, resuming: bool) -> None:
     """Before a run writes anything: a fresh run refuses an output_dir holding another run, unless
     overwrite_output_dir, which first removes that run's checkpoints. Rank 0 decides; every rank
-    gets its answer. Walkthrough 2.2 | Mirrors: transformers 4 overwrite_output_dir
+    gets its answer. Mirrors: transformers 4 overwrite_output_dir
     Differs: transformers 5.23 removed overwrite_output_dir and writes into any folder."""
     if resuming:
         if args.overwrite_output_dir:

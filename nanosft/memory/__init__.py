@@ -66,7 +66,7 @@ def optimizer_state_bytes(numel, dtype_bytes, optim, optim_args=None, embedding=
 @dataclasses.dataclass
 class MemoryLedger:
     """Predicted bytes per part of one training step on one rank; `format()` prints the table.
-    Guide: memory | Mirrors: accelerate estimate-memory (which covers weights and Adam only)"""
+    Mirrors: accelerate estimate-memory (which covers weights and Adam only)"""
 
     rows: dict
     notes: dict
@@ -93,7 +93,7 @@ class MemoryLedger:
 
 def estimate_memory(config, plan, device_type="cpu"):
     """Predict the memory of one training step of `config` under `plan`, per part, per rank.
-    Guide: memory | Mirrors: the tensors transformers Trainer + peft + bitsandbytes keep alive
+    Mirrors: the tensors transformers Trainer + peft + bitsandbytes keep alive
     Differs: predicted from shapes alone, so a 70B config costs nothing to ask about."""
     wd, world = DTYPE_BYTES[plan.dtype], plan.fsdp
     targets = lora_targets(config, plan)
@@ -185,7 +185,7 @@ def estimate_memory(config, plan, device_type="cpu"):
 # ----------------------------------------------------------------------------- the Trainer's lines
 def plan_from_model(model, args, max_length, device_type="cpu"):
     """A MemoryPlan read off a live (peft-wrapped or not, 4-bit or not) model and its arguments.
-    Guide: memory | Mirrors: what SFTTrainer.__init__ set up (peft_config, 4-bit base)"""
+    Mirrors: what SFTTrainer.__init__ set up (peft_config, 4-bit base)"""
     from nanosft import nf4
 
     peft_config = getattr(model, "active_peft_config", None)
@@ -206,7 +206,7 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
 def predict_for_trainer(model, args):
     """The ledger of the run a Trainer is about to start, or None for a model it cannot read
     (not a nanosft CausalLM, or prompt tuning). T is SFTConfig.max_length, else the context size.
-    Guide: memory | Mirrors: nothing in transformers, which predicts no memory"""
+    Mirrors: nothing in transformers, which predicts no memory"""
     from nanosft.model import ModelConfig
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -60,7 +60,7 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
 
 def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
     """Bytes one decoder layer saves for backward, by tensor (shared ones once), no checkpointing.
-    Guide: memory (activations) | Mirrors: autograd's saves in transformers LlamaDecoderLayer
+    Mirrors: autograd's saves in transformers LlamaDecoderLayer
     Assumes flash / memory-efficient SDPA (no (T, T) matrix), as nanosft's causal batches use."""
     C, I, T = config.hidden_size, config.intermediate_size, plan.max_length
     H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -104,7 +104,7 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
 def head_saved_bytes(config, plan):
     """Bytes saved for backward outside the decoder layers (ids, final norm, lm_head input),
     and the loss's fp32 log-probabilities (N, V), which the logits row reports.
-    Guide: memory | Mirrors: transformers ForCausalLMLoss (logits.float(), cross_entropy)"""
+    Mirrors: transformers ForCausalLMLoss (logits.float(), cross_entropy)"""
     C, V = config.hidden_size, config.vocab_size
     N, wd = plan.per_device_train_batch_size * plan.max_length, DTYPE_BYTES[plan.dtype]
     ad = 2 if plan.bf16 else None

@@ -13,7 +13,7 @@ from nanosft.trainer_utils import MemoryTracker, cpu_memory, cpu_peak_reset  # n
 
 def unique_bytes(tensors):
     """Bytes of the distinct storages behind `tensors` (views and shared tables counted once).
-    Guide: memory | Mirrors: torch UntypedStorage.nbytes"""
+    Mirrors: torch UntypedStorage.nbytes"""
     seen = {}
     for t in tensors:
         if torch.is_tensor(t):
@@ -23,7 +23,7 @@ def unique_bytes(tensors):
 
 class PeakMemory:
     """The peak a run reaches above its start: CPU RSS (VmHWM) and, on CUDA, allocated bytes.
-    Guide: memory | Mirrors: torch.cuda.max_memory_allocated, the kernel's VmHWM"""
+    Mirrors: torch.cuda.max_memory_allocated, the kernel's VmHWM"""
 
     def __init__(self, device_type="cpu"):
         self.cuda = device_type == "cuda" and torch.cuda.is_available()
@@ -48,7 +48,7 @@ class PeakMemory:
 def count_saved_tensors(model):
     """A context manager counting the bytes autograd saves for backward, per decoder layer, less
     the model's own weights and quantization state; `.per_layer`, `.outside`, `.total` after it.
-    Guide: memory | Mirrors: torch.autograd.graph.saved_tensors_hooks"""
+    Mirrors: torch.autograd.graph.saved_tensors_hooks"""
     return _SavedTensorCounter(model)
 
 

@@ -21,7 +21,7 @@ def _fail(field, value, fix):
 @dataclasses.dataclass
 class MemoryPlan:
     """What a run keeps in memory: method, batch shape, precision (SFTConfig / LoraConfig names).
-    Guide: memory | Mirrors: trl SFTConfig, peft LoraConfig, transformers BitsAndBytesConfig
+    Mirrors: trl SFTConfig, peft LoraConfig, transformers BitsAndBytesConfig
     Differs: `fsdp` is the number of ranks sharding the model (transformers takes a strategy)."""
 
     full: bool = False  # full fine-tuning; otherwise LoRA / DoRA adapters on a frozen base
@@ -60,7 +60,7 @@ class MemoryPlan:
 
 def parameter_shapes(config):
     """(name, shape) of every parameter under transformers' Llama names; a tied lm_head once.
-    Guide: memory | Mirrors: transformers LlamaForCausalLM.state_dict keys"""
+    Mirrors: transformers LlamaForCausalLM.state_dict keys"""
     C, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
     H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out = {"q_proj": H * D, "k_proj": KV * D, "v_proj": KV * D, "o_proj": C, "gate_proj": I,
@@ -86,7 +86,7 @@ def parameter_shapes(config):
 
 def lora_targets(config, plan):
     """Short names of the layer linears LoRA wraps: target_modules, "all-linear", or peft's default.
-    Guide: memory | Mirrors: peft check_target_module_exists (list: suffix match, str: regex)"""
+    Mirrors: peft check_target_module_exists (list: suffix match, str: regex)"""
     from nanosft.peft import DEFAULT_TARGET_MODULES
 
     if plan.full:
@@ -104,5 +104,5 @@ def lora_targets(config, plan):
 def nf4_quantizable(shape, device_type):
     """Whether nf4.quantize_model stores a linear weight of `shape` (out, in) in NF4 on this
     device: it keeps a CPU linear in float where bitsandbytes' CPU kernel decodes wrongly.
-    Guide: memory | Differs: restates nanosft.nf4.cpu_kernels_decode (blocksize 64) on shapes"""
+    Differs: restates nanosft.nf4.cpu_kernels_decode (blocksize 64) on shapes"""
     return device_type != "cpu" or shape[1] % 64 == 0 or shape[1] % 2 == 1

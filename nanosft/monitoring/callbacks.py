@@ -122,7 +122,7 @@ class StopOnNonFiniteCallback(TrainerCallback):
 
 class MemoryCallback(TrainerCallback):
     """Rank 0 prints the memory ledger's prediction at train start and the measured peak beside it
-    at the end (nanosft.memory). Guide: memory"""
+    at the end (nanosft.memory)."""
 
     def __init__(self):
         self.ledger = None

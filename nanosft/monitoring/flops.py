@@ -54,7 +54,7 @@ class LogWindow:
 def sequence_lengths(input_ids, attention_mask=None, position_ids=None) -> list:
     """Tokens of each sequence in a batch: the attention_mask row sums; without a mask, each row's
     documents, split where position_ids do not step by +1 (padding-free), else whole rows.
-    Guide: performance | Mirrors: the documents nanosft.fast.unpad.varlen_layout attends within"""
+    Mirrors: the documents nanosft.fast.unpad.varlen_layout attends within"""
     if attention_mask is not None:
         return attention_mask.sum(-1).tolist()
     if position_ids is None:
@@ -68,7 +68,7 @@ def model_flops(matmul_params, trainable_matmul_params, attention_width, num_lay
     """FLOPs of one forward + backward over sequences of `seq_lengths` tokens: per token 4 a matmul
     weight (forward, input gradient) and 2 more a trainable one (weight gradient), so 6N for full
     fine-tuning and 4N + 6 an adapter weight on a frozen base; plus causal attention, 6 x width x
-    layers x T(T+1) a sequence of T. Guide: performance | Mirrors: nanoGPT estimate_mfu"""
+    layers x T(T+1) a sequence of T. Mirrors: nanoGPT estimate_mfu"""
     # Differs: nanoGPT (PaLM's appendix B) counts the whole T x T square, 12 x layers x width x T
     # a token; the causal products need the lower triangle only: T(T+1)/2 of its entries, which
     # fused kernels skip (QK^T and AV: 2 x 2 x width a pair forward, twice that backward)
@@ -81,7 +81,7 @@ def model_flops(matmul_params, trainable_matmul_params, attention_width, num_lay
 def matmul_parameters(model) -> tuple:
     """(weights, trainable weights) that multiply activations, the N of 6N: every nn.Linear (the
     base layers, lm_head once even when tied, LoRA's A and B) and 4-bit linear at in x out.
-    Guide: performance | Differs: DoRA's weight norm and prompt tuning's encoder are left out."""
+    Differs: DoRA's weight norm and prompt tuning's encoder are left out."""
     total = trainable = 0
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, Linear4bit)):

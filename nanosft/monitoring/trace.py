@@ -73,13 +73,13 @@ PREFIX = "[trace]"
 
 
 def enable_trace(on: bool = True) -> None:
-    """Switch the walkthrough trace on (or off). Walkthrough 1 | Mirrors: nothing (teaching aid)"""
+    """Switch the walkthrough trace on (or off). Mirrors: nothing (teaching aid)"""
     global _enabled
     _enabled = on
 
 
 def is_enabled() -> bool:
-    """Whether `trace` prints. Walkthrough 1 | Mirrors: nothing (a teaching aid)"""
+    """Whether `trace` prints. Mirrors: nothing (a teaching aid)"""
     return _enabled
 
 
@@ -96,7 +96,7 @@ def _show(value):
 def trace(section: str, message: str, **values) -> None:
     """Print one line `[trace] [section] message  key=value ...`; a no-op unless enable_trace().
 
-    Walkthrough 1 (every section) | Mirrors: nothing (a teaching aid)
+    Mirrors: nothing (a teaching aid)
     """
     if not _enabled:
         return
@@ -337,7 +337,7 @@ class _StepEndCallback(TrainerCallback):
 def attach(trainer):
     """Trace the next `trainer.train()` up to its first optimizer step; returns the handle.
 
-    Walkthrough 1 (the outline) and 2.2 - 2.7 | Mirrors: nothing (a teaching aid)
+    Mirrors: nothing (a teaching aid)
     A no-op returning None unless enable_trace() was called.
     """
     if not _enabled:

@@ -77,7 +77,7 @@ def _read_fsdp_config(fsdp_config):
 
 def normalize_fsdp_config(fsdp, fsdp_config) -> dict | None:
     """`fsdp` and `fsdp_config` -> the full config dict (None when FSDP is off); bad keys raise.
-    Guide: FSDP | Mirrors: transformers TrainingArguments._process_fsdp_args
+    Mirrors: transformers TrainingArguments._process_fsdp_args
     Differs: FSDP2 only, and only the keys nanosft acts on; any other key is refused by name."""
     if fsdp in (None, False, "", []):
         return None
@@ -114,7 +114,7 @@ def normalize_fsdp_config(fsdp, fsdp_config) -> dict | None:
 
 def check_fsdp_options(args) -> None:
     """Refuse TrainingArguments that FSDP here cannot honour, naming the option and the fix.
-    Guide: FSDP | Mirrors: accelerate FullyShardedDataParallelPlugin checks"""
+    Mirrors: accelerate FullyShardedDataParallelPlugin checks"""
     clashes = {
         "fp16": (args.fp16, "the fp16 GradScaler is not shard-aware here; use bf16=True"),
         "optim": (
@@ -149,7 +149,7 @@ def _drop_exposed(module, state_dict, prefix, local_metadata):
 
 def expose_quant_statistics(linear4bit) -> None:
     """Register a Linear4bit's absmax tensors as frozen parameters, so fully_shard shards them too.
-    Guide: FSDP (QLoRA) | Mirrors: the idea of bitsandbytes bnb_4bit_quant_storage
+    Mirrors: the idea of bitsandbytes bnb_4bit_quant_storage
     Differs: the 16- and 256-entry code tables and the offset stay whole on every rank."""
     qs = linear4bit.quant_state
     # (blocks,) uint8 codes when double-quantized, else fp32
@@ -203,7 +203,7 @@ def _decoder_layers(model, names):
 
 def apply_fsdp(model, fsdp_config: dict, device) -> nn.Module:
     """fully_shard every decoder layer, then the root, over all ranks; returns `model` (in place).
-    Guide: FSDP | Mirrors: accelerate fsdp2_prepare_model (transformer-layer auto-wrap)
+    Mirrors: accelerate fsdp2_prepare_model (transformer-layer auto-wrap)
     4-bit layers get their absmax registered first: packed bytes and statistics shard alike."""
     require_process_group("fsdp")
     from torch.distributed.device_mesh import init_device_mesh
@@ -236,7 +236,7 @@ def apply_fsdp(model, fsdp_config: dict, device) -> nn.Module:
 
 
 def is_fsdp(model) -> bool:
-    """True when fully_shard was applied to `model`. Guide: FSDP | Mirrors: accelerate is_fsdp2
+    """True when fully_shard was applied to `model`. Mirrors: accelerate is_fsdp2
     checks"""
     from torch.distributed.fsdp import FSDPModule
 
@@ -246,7 +246,7 @@ def is_fsdp(model) -> bool:
 @contextlib.contextmanager
 def fsdp_no_sync(model):
     """Accumulate full gradients locally, with no reduce-scatter, before the sync step.
-    Guide: gradient accumulation (FSDP) | Mirrors: FSDPModule.set_requires_gradient_sync, DDP
+    Mirrors: FSDPModule.set_requires_gradient_sync, DDP
     no_sync"""
     model.set_requires_gradient_sync(False)
     try:
@@ -258,7 +258,7 @@ def fsdp_no_sync(model):
 def full_state_dict(model, only=None) -> dict:
     """model.state_dict() (or its keys in `only`) with every sharded tensor gathered whole onto the
     CPU; a collective, so every rank calls it. Tied weights stay one tensor under both names.
-    Guide: FSDP checkpoints | Mirrors: torch get_model_state_dict(full_state_dict=True)"""
+    Mirrors: torch get_model_state_dict(full_state_dict=True)"""
     gathered, out = {}, {}
     for k, v in model.state_dict().items():
         if only is None or k in only:  # the same keys, in the same order, on every rank
@@ -271,7 +271,7 @@ def full_state_dict(model, only=None) -> dict:
 def whole_tensors_into_shards():
     """Context in which copying a whole tensor into a sharded parameter keeps this rank's part of
     it (load_state_dict of a one-process file into an FSDP model).
-    Guide: FSDP checkpoints | Mirrors: torch implicit_replication"""
+    Mirrors: torch implicit_replication"""
     from torch.distributed.tensor.experimental import implicit_replication
 
     return implicit_replication()
@@ -280,7 +280,7 @@ def whole_tensors_into_shards():
 def full_optimizer_state_dict(optimizer) -> dict:
     """optimizer.state_dict() in its one-process form, per-parameter states gathered whole (every
     rank calls it).
-    Guide: FSDP checkpoints | Mirrors: torch get_optimizer_state_dict(full_state_dict=True)
+    Mirrors: torch get_optimizer_state_dict(full_state_dict=True)
     Differs: keeps torch's integer parameter ids, so the file equals a one-process optimizer.pt."""
     state = optimizer.state_dict()
     state["state"] = {
@@ -292,7 +292,7 @@ def full_optimizer_state_dict(optimizer) -> dict:
 
 def shard_optimizer_state_dict(state: dict, optimizer) -> dict:
     """A whole (one-process) optimizer state dict cut to this rank's shards, for load_state_dict.
-    Guide: FSDP checkpoints | Mirrors: torch set_optimizer_state_dict(full_state_dict=True)"""
+    Mirrors: torch set_optimizer_state_dict(full_state_dict=True)"""
     from torch.distributed.tensor import distribute_tensor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -311,7 +311,7 @@ def shard_optimizer_state_dict(state: dict, optimizer) -> dict:
 def held_bytes(model) -> int:
     """Parameter bytes this rank holds: local shards of sharded parameters, whole tensors
     otherwise, plus 4-bit quantization tensors that are not parameters (code tables, offset).
-    Guide: FSDP (memory) | Mirrors: the per-rank memory FSDP-QLoRA is about"""
+    Mirrors: the per-rank memory FSDP-QLoRA is about"""
     seen, total = set(), 0
     tensors = list(model.parameters())
     for m in model.modules():

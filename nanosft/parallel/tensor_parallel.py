@@ -40,7 +40,7 @@ LLAMA_TP_PLAN = {
 
 def check_tp_sizes(config, tp_size: int) -> None:
     """Refuse a model whose heads, KV heads or MLP width do not split evenly over `tp_size` ranks,
-    naming them. Guide: tensor parallel | Mirrors: transformers distributed checks of tp_size
+    naming them. Mirrors: transformers distributed checks of tp_size
     against the config"""
     sizes = {
         "num_attention_heads": config.num_attention_heads,
@@ -60,7 +60,7 @@ def check_tp_sizes(config, tp_size: int) -> None:
 
 def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
     """Shard a CausalLM's decoder layers over all ranks (DTensor colwise / rowwise), in place.
-    Guide: tensor parallel | Mirrors: transformers from_pretrained(tp_plan="auto")
+    Mirrors: transformers from_pretrained(tp_plan="auto")
     Differs: embeddings, norms and lm_head stay whole on each rank (transformers splits lm_head)."""
     if not is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # as transformers does, the process group comes from torchrun's environment
@@ -92,7 +92,7 @@ def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Clip gradients that are partly sharded (DTensor) and partly whole; returns the whole-model
-    2-norm. Guide: tensor parallel | Mirrors: torch.nn.utils.clip_grad_norm_
+    2-norm. Mirrors: torch.nn.utils.clip_grad_norm_
     Differs: whole gradients (norms, embeddings under TP) count as replicated, once."""
     from torch.distributed.tensor.experimental import implicit_replication
 
@@ -103,7 +103,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 def refuse_tensor_parallel(model) -> None:
     """Raise, naming the fix, for a tensor-parallel model handed to the data-parallel Trainer: its
     ranks hold different shards and must see the same batches, which DDP's data sharding breaks.
-    Guide: tensor parallel | Mirrors: nothing (transformers' Trainer mixes TP with data sharding)"""
+    Mirrors: nothing (transformers' Trainer mixes TP with data sharding)"""
     if any(is_dtensor(p) for p in model.parameters()):
         raise ValueError(
             "this model was loaded with tp_plan (its weights are split over the ranks); the "
