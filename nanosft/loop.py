@@ -14,8 +14,7 @@ import math
 import torch
 
 from nanosft import distributed
-
-IGNORE_INDEX = -100
+from nanosft.trainer_utils import count_num_items_in_batch, no_sync
 
 
 # ----------------------------------------------------------------------------- the data side
@@ -37,32 +36,13 @@ def count_window_tokens(batches, device=None) -> torch.Tensor:
     """Supervised tokens in a window's micro-batches, summed over all ranks under torchrun (float).
     Guide: gradient accumulation | Mirrors: transformers Trainer._get_num_items_in_batch"""
     # the model shifts the labels: position 0 is never a target, hence labels[..., 1:]
-    num_items_in_batch = sum(b["labels"][..., 1:].ne(IGNORE_INDEX).sum() for b in batches)
-    num_items_in_batch = torch.as_tensor(num_items_in_batch, device=device)
+    num_items_in_batch = torch.as_tensor(count_num_items_in_batch(batches), device=device)
     # "average tokens across devices": every rank divides by the same, global count
     distributed.all_reduce_sum(num_items_in_batch)
     return num_items_in_batch.float()
 
 
 # ----------------------------------------------------------------------------- one micro-batch
-@contextlib.contextmanager
-def no_sync(model):
-    """Keep the gradients of the backward passes inside local: DDP's no_sync, FSDP2's
-    set_requires_gradient_sync(False), or nothing for a model that is not distributed.
-    Guide: distributed | Mirrors: accelerate Accelerator.no_sync"""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # a module wrapped by FSDP2's fully_shard
-        model.set_requires_gradient_sync(False)  # no reduce-scatter until the window's last batch
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield
-
-
 def micro_step(model, batch, num_items_in_batch, *, sync=True, scaler=None, autocast_dtype=None):
     """Forward and backward of one micro-batch, its loss divided by the window's token count;
     returns that loss, detached. sync=False keeps the gradients local (not the window's last).

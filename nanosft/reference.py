@@ -13,6 +13,7 @@ import importlib
 import os
 
 _forced = None  # None: follow NANOSFT_REFERENCE; True / False: set from Python
+_fast = None  # nanosft.fast once a speed path was asked for
 
 
 def reference_mode_enabled() -> bool:
@@ -43,6 +44,9 @@ def reference_mode(enabled: bool = True):
 def fast_path(name: str):
     """The speed path `name` of nanosft.fast, or None in reference mode: the one door from the
     teaching core to the speed paths (imported on first use, never at module level)."""
+    global _fast
     if reference_mode_enabled():
         return None
-    return getattr(importlib.import_module("nanosft.fast"), name)
+    if _fast is None:  # called in every forward: import once, then a module attribute
+        _fast = importlib.import_module("nanosft.fast")
+    return getattr(_fast, name)

@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from nanosft.distributed import cleanup
-from nanosft.loop import (count_window_tokens, micro_step, no_sync, optimizer_step, train_loop,
+from nanosft.trainer_utils import no_sync
+from nanosft.loop import (count_window_tokens, micro_step, optimizer_step, train_loop,
                           windows)
 from tiny import TINY_LLAMA, join_as_rank, tiny_model
 

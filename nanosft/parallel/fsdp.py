@@ -3,12 +3,11 @@
 The guide's FSDP part. `normalize_fsdp_config` reads `fsdp` and `fsdp_config` as transformers 5.23
 does; `apply_fsdp` runs torch's fully_shard on every decoder layer and then the root, with the
 4-bit bytes of a QLoRA model and their absmax statistics sharded alike (the FSDP-QLoRA idea);
-`fsdp_no_sync` accumulates without reduce-scatter; the state-dict helpers gather shards into the
-one-process Hugging Face files and cut them back. Built on distributed.py; imports nothing else of
-nanosft (4-bit layers are recognised by their attributes).
+the state-dict helpers gather shards into the one-process Hugging Face files and cut them back
+(no_sync, in trainer_utils, skips the reduce-scatter). Built on distributed.py; imports nothing
+else of nanosft (4-bit layers are recognised by their attributes).
 """
 
-import contextlib
 import copy
 import json
 
@@ -241,18 +240,6 @@ def is_fsdp(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-@contextlib.contextmanager
-def fsdp_no_sync(model):
-    """Accumulate full gradients locally, with no reduce-scatter, before the sync step.
-    Mirrors: FSDPModule.set_requires_gradient_sync, DDP
-    no_sync"""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def full_state_dict(model, only=None) -> dict:
