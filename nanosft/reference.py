@@ -50,3 +50,16 @@ def fast_path(name: str):
     if _fast is None:  # called in every forward: import once, then a module attribute
         _fast = importlib.import_module("nanosft.fast")
     return getattr(_fast, name)
+
+
+REFERENCE_BANNER = (
+    "Reference mode: the walkthrough's own statements run, no speed paths "
+    "(NANOSFT_REFERENCE=1; nanosft.reference)"
+)
+
+
+def start_reference_mode() -> None:
+    """Switch reference mode on for the rest of the process and say so: the first printed line of
+    the reading tutorials (01-08) and of `--trace`."""
+    set_reference_mode(True)
+    print(REFERENCE_BANNER, flush=True)

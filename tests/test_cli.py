@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from nanosft.cli import demo
 from nanosft.monitoring import trace
+from nanosft.reference import REFERENCE_BANNER, reference_mode_enabled
 from nanosft.cli import main
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
@@ -293,9 +294,9 @@ WALKTHROUGH_ORDER = [
     "output = lora_B(lora_A(dropout(x))) * scaling",
     "result = result + output",
     "PeftModelForCausalLM.forward returns",
-    # nanosft train runs an SFTTrainer: its compute_loss replaces `loss = outputs["loss"]`
-    "per_token_loss = -outputs.log_probs",
-    "loss = per_token_loss.sum() / num_items_in_batch",
+    # the trace runs in reference mode: SFTTrainer.compute_loss goes through Trainer.compute_loss
+    'loss = outputs["loss"]',
+    "token metrics of this micro-batch",
     "loss.backward()",
     "do_sync_step = ",
     "do_sync_step: clip gradients",
@@ -325,6 +326,8 @@ def test_trace_prints_the_walkthrough_steps_in_order_for_the_first_step_only(tmp
     ]
     code, out, err = run([*argv, "--trace"], capsys)
     assert code == 0, err[-2000:]
+    assert out.splitlines()[0] == REFERENCE_BANNER  # the trace runs the walkthrough's own lines
+    assert not reference_mode_enabled()  # and hands the switch back when the command ends
     lines = [line for line in out.splitlines() if line.startswith(trace.PREFIX)]
     position = 0
     for step in WALKTHROUGH_ORDER:  # each appears after the previous one

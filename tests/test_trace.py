@@ -13,6 +13,7 @@ import pytest
 
 from nanosft.cli import demo
 from nanosft.monitoring import trace
+from nanosft.reference import reference_mode, reference_mode_enabled
 from nanosft.args import SFTConfig
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig
@@ -59,21 +60,29 @@ def test_trace_prints_nothing_and_attach_does_nothing_when_off(tmp_path, capsys)
     assert trace.PREFIX not in capsys.readouterr().out
 
 
-def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(tracing, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["reference", "fast"])
+def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(
+    mode, tracing, tmp_path, capsys
+):
     trainer = make_trainer(tmp_path)
     before = hook_counts(trainer.model)
     callbacks_before = len(trainer.callback_handler.callbacks)
     handle = trace.attach(trainer)
     assert "training_step" in vars(trainer)  # wrapped on this instance only
-    trainer.train()
+    assert reference_mode_enabled()  # enable_trace() switched reference mode on
+    with reference_mode(mode == "reference"):
+        trainer.train()
     out = capsys.readouterr().out
     # 2 steps run, 1 traced
     assert out.count("training_step(model, inputs, num_items_in_batch)") == 1
-    # an SFTTrainer: the trace shows the loss that runs (SFTTrainer.compute_loss), not
-    # outputs["loss"]
-    assert "SFTTrainer.compute_loss overrides Trainer.compute_loss" in out
-    assert "loss = per_token_loss.sum() / num_items_in_batch" in out
-    assert 'loss = outputs["loss"]' not in out
+    # an SFTTrainer: the trace shows the loss that runs, Trainer.compute_loss's outputs["loss"]
+    # in reference mode, the fused head when the speed paths are on
+    fused = ["SFTTrainer.compute_loss overrides Trainer.compute_loss",
+             "loss = per_token_loss.sum() / num_items_in_batch"]
+    reference = ["SFTTrainer.compute_loss -> Trainer.compute_loss (reference mode)",
+                 'loss = outputs["loss"]']
+    shown, hidden = (reference, fused) if mode == "reference" else (fused, reference)
+    assert all(line in out for line in shown) and not any(line in out for line in hidden)
     assert "mean_token_accuracy=" in out
     assert handle.done
     wrapped = {

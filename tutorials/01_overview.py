@@ -21,6 +21,10 @@ You should see:
 """
 
 # %%
+from nanosft.reference import start_reference_mode
+
+start_reference_mode()  # for reading: the walkthrough's own statements run, no speed paths
+
 import ast
 import contextlib
 import importlib.util

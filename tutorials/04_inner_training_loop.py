@@ -12,6 +12,10 @@ epoch, "num_items_in_batch == window count: True", and "train_loss == mean of lo
 """
 
 # %%
+from nanosft.reference import start_reference_mode
+
+start_reference_mode()  # for reading: the walkthrough's own statements run, no speed paths
+
 import importlib.util
 import math
 import tempfile

@@ -19,6 +19,10 @@ You should see:
 """
 
 # %%
+from nanosft.reference import start_reference_mode
+
+start_reference_mode()  # for reading: the walkthrough's own statements run, no speed paths
+
 import tempfile
 
 import torch

@@ -16,6 +16,10 @@ You should see:
 """
 
 # %%
+from nanosft.reference import start_reference_mode
+
+start_reference_mode()  # for reading: the walkthrough's own statements run, no speed paths
+
 import importlib.util
 import tempfile
 import warnings

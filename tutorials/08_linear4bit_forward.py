@@ -21,6 +21,10 @@ You should see:
 """
 
 # %%
+from nanosft.reference import reference_mode, start_reference_mode
+
+start_reference_mode()  # for reading: the walkthrough's own statements run, no speed paths
+
 import copy
 import importlib.util
 import math
@@ -298,7 +302,22 @@ result = result + output.to(expected_dtype)
 print(
     "result = result + output             -> matches LoraLinear:", torch.allclose(result, layer(x))
 )
-assert torch.equal(result, layer(x))
+assert torch.equal(result, layer(x))  # reference mode: layer(x) runs the lines above
+# Default (fast) mode replaces the last three lines for fp32 adapters by one addmm that adds B's
+# product into result: result + (lora_A(x) @ B^T) * scaling, no (B, T, out) multiply-and-add pass.
+with reference_mode(False):
+    fast = layer(x)
+by_addmm = torch.addmm(
+    layer.base_layer(x).flatten(0, -2), lora_A(x_cast).flatten(0, -2), lora_B.weight.t(),
+    alpha=scaling,
+).view(result.shape)
+fast_diff = (fast - result).abs().max().item()
+print(
+    f"fast path (nanosft.fast.lora_addmm): result.addmm(lora_A(x), B^T, alpha=scaling), "
+    f"max |fast - reference| = {fast_diff:.1e}"
+)
+assert torch.equal(fast, by_addmm)  # the speed path is exactly this addmm
+assert torch.allclose(fast, result, rtol=1e-6, atol=1e-6)  # and the walkthrough's sum, to rounding
 rs = LoraLinear(Linear4bit.from_linear(lin), r=4, lora_alpha=8, use_rslora=True)
 print("rsLoRA scaling = lora_alpha / sqrt(r) =", rs.scaling["default"])
 assert rs.scaling["default"] == rs.lora_alpha["default"] / math.sqrt(rs.r["default"])

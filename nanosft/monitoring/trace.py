@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from nanosft.reference import reference_mode_enabled
+from nanosft.reference import reference_mode_enabled, set_reference_mode, start_reference_mode
 from nanosft.trainer_callback import TrainerCallback
 
 # Every printed line of walkthrough 1 and 2.1-2.7 that nanosft mirrors, as (section, module,
@@ -73,8 +73,14 @@ PREFIX = "[trace]"
 
 
 def enable_trace(on: bool = True) -> None:
-    """Switch the walkthrough trace on (or off). Mirrors: nothing (teaching aid)"""
+    """Switch the walkthrough trace on (or off). The trace is for reading, so it runs in reference
+    mode (the walkthrough's own statements, no speed paths) and says so on its first line; off
+    hands reference mode back to NANOSFT_REFERENCE."""
     global _enabled
+    if on and not _enabled:
+        start_reference_mode()
+    elif not on and _enabled:
+        set_reference_mode(None)
     _enabled = on
 
 
@@ -241,10 +247,12 @@ class _TrainerTrace:
         if not self.is_fused():
             trace("2.5", 'loss = outputs["loss"]  (sum of token losses / num_items_in_batch)',
                   loss=value)
+        else:
+            trace("2.5", "  per_token_loss = -outputs.log_probs  (zero on ignored positions)")
+            trace("2.5", "  loss = per_token_loss.sum() / num_items_in_batch", loss=value,
+                  num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
+        if not self.is_sft():
             return
-        trace("2.5", "  per_token_loss = -outputs.log_probs  (zero on ignored positions)")
-        trace("2.5", "  loss = per_token_loss.sum() / num_items_in_batch", loss=value,
-              num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
         metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
         if metrics.get("mean_token_accuracy"):
             trace("2.5", "  token metrics of this micro-batch (logged as their mean)",
