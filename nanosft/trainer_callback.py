@@ -152,8 +152,12 @@ class CallbackHandler(TrainerCallback):
         return None
 
     def remove_callback(self, callback):
-        """Remove the first callback of this class (or this instance). Mirrors: remove_callback"""
-        self.pop_callback(callback)
+        """Remove the first callback of this class, or this instance (ValueError when the instance
+        is absent, as list.remove). Mirrors: remove_callback"""
+        if isinstance(callback, type):
+            self.pop_callback(callback)
+        else:
+            self.callbacks.remove(callback)
 
     @property
     def callback_list(self):

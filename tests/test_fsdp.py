@@ -222,6 +222,9 @@ def _worker(rank, port, out):
     result["resume"] = resume_runs(out)
     if rank == 0:
         torch.save(result, os.path.join(out, "fsdp_result.pt"))
+    # both ranks leave together: a rank tearing gloo down while its peer is still inside a
+    # collective or writing can abort the peer (seen once as SIGABRT in rank 1)
+    torch.distributed.barrier()
     distributed.cleanup()
 
 
