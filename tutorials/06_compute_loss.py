@@ -3,29 +3,40 @@
 
 Trainer.compute_loss runs the model and returns `outputs["loss"]` (with num_items_in_batch passed
 into the model, so the loss is a sum over tokens divided by the window's token count), or applies
-label smoothing / a user compute_loss_func to the logits. TRL's SFTTrainer.compute_loss computes
-the same negative log-likelihood through a chunked log-softmax over the LM head. We write each of
-these out by hand on a tiny batch and assert they equal nanosft's; transformers' ForCausalLMLoss
-and LabelSmoother and TRL's ChunkedLogProbFunction are printed beside ours when installed.
+label smoothing / a user compute_loss_func to the logits. SFTTrainer.compute_loss returns the same
+loss plus TRL's token metrics: in reference mode (this script) through Trainer.compute_loss, by
+default through nanosft's fused LM head (nanosft.fast.lm_head.TileLogProbs), which scores the
+supervised tokens a tile of rows at a time and never holds the (B, T, V) logits. We write each
+piece out by hand on a tiny batch, derive the tile's gradient and check it against autograd, run
+the fast path beside the reference one and count the memory it saves; transformers'
+ForCausalLMLoss / LabelSmoother and TRL's ChunkedLogProbFunction are printed beside ours.
 Run:      python tutorials/06_compute_loss.py
 Runtime:  about 7 s on one CPU core with transformers / trl installed, 5 s without.
 You should see:
-  - the shifted (input position -> target) pairs and the loss as mean and as
-    sum / num_items_in_batch;
-  - the error a batch without labels gives;
-  - the label-smoothed loss = (1 - eps) * NLL + eps * mean over the vocabulary of -log p;
-  - an online (tiled) logsumexp equal to log_softmax in fp32, and
+  - the reference-mode banner, the shifted pairs, the loss as mean and as sum / num_items_in_batch;
+  - the no-labels error and the label-smoothed loss (1 - eps) * NLL + eps * mean_v(-log p_v);
+  - d log p / dh = w_target - E_p[w] by hand on tiles of 3 tokens, equal to autograd on the full
+    logits (max diff ~1e-8 in fp32; asserted within 1e-6) and to TileLogProbs;
+  - the fast path (`with reference_mode(False):`) equal to the reference in loss and gradients;
+  - 7.83 GiB of (n, V) fp32 logits against 250.5 MiB of tiles at n = 8 x 1024, V = 128,256, and
     "OK: walkthrough 2.5 compute_loss checked".
 """
 
 # %%
+from nanosft.reference import start_reference_mode
+
+start_reference_mode()  # for reading: the walkthrough's own statements run, no speed paths
+
 import tempfile
 
 import torch
 
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.model import CausalLM, ModelConfig, causal_lm_loss
+from nanosft.fast.lm_head import LOSS_CHUNK_SIZE, TileLogProbs, fused_lm_head_outputs
+from nanosft.loss import causal_lm_loss
+from nanosft.model import CausalLM, ModelConfig
+from nanosft.reference import reference_mode
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
 from nanosft.trainer import Trainer
@@ -93,7 +104,7 @@ sum_by_hand = token_nll.sum() / num_items_in_batch
 ours_fn = causal_lm_loss(outputs.logits, labels, num_items_in_batch)
 print(f"compute_loss(num_items_in_batch=20) {loss_n.item():.6f}   "
       f"sum by hand / 20 {sum_by_hand.item():.6f}   "
-      f"nanosft.model.causal_lm_loss {ours_fn.item():.6f}")
+      f"nanosft.loss.causal_lm_loss {ours_fn.item():.6f}")
 torch.testing.assert_close(loss_n, sum_by_hand, rtol=1e-6, atol=1e-6)
 torch.testing.assert_close(ours_fn, sum_by_hand, rtol=1e-6, atol=1e-6)
 try:
@@ -169,42 +180,97 @@ print(f"compute_loss_func got labels {tuple(seen['labels'])} and num_items_in_ba
       f"{seen['num_items_in_batch'].item():g}; loss {func_loss.item():.6f}")
 torch.testing.assert_close(func_loss, loss_n, rtol=1e-6, atol=1e-6)
 
+
 # %% [markdown]
-# ## The SFT loss: TRL's chunked log-softmax
-# TRL never builds the (B, T, V) logits: it multiplies the hidden states by vocabulary tiles of the
-# lm_head and keeps a running max m, a running sum s of exp(z - m) and the target logit, so
-# log p(target) = z_target - (m + log s). Here is that online logsumexp on tiles of 64 of our 300
-# tokens.
+# ## The SFT loss: the fused LM head, one tile of tokens at a time
+# TRL's SFTTrainer.compute_loss asks the model for per-token log p (`fused_lm_head=True`) rather
+# than logits; nanosft answers with TileLogProbs (a speed path, off in reference mode). For one
+# token with hidden state h (C,) and a frozen head W (V, C) the logits are z = W h, and
+#   log p(y) = w_y . h - logsumexp(W h)
+#   d log p(y) / dh = w_y - softmax(W h)^T W = w_y - E_p[w]      (C,)
+# since d logsumexp(z) / dz = softmax(z). Both need only this token's own row of V logits, so the
+# supervised tokens can go through the head a tile of rows at a time: TileLogProbs takes
+# LOSS_CHUNK_SIZE of them per tile, we take 3 so our 7 targets make three tiles.
 
 # %%
-banner("2.5 compute_loss (SFT): per-token log p from a chunked, online log-softmax")
+banner("2.5 compute_loss (SFT): the fused LM head's tile, d log p / dh = w_y - E_p[w]")
+print("log p(y) = w_y . h - logsumexp(W h);  "
+      "d log p(y) / dh = w_y - softmax(W h)^T W = w_y - E_p[w]")
 with torch.no_grad():
     # (B, T, C), after the final norm
     hidden, _ = model.model(inputs["input_ids"], inputs["attention_mask"])
-hidden_flat = hidden[:, :-1].flatten(0, 1)  # (N, C): positions that have a next token
-targets = labels[:, 1:].flatten()  # (N,)
-weight = model.lm_head.weight.detach()  # (V, C)
-TILE = 64
-running_max = torch.full((len(targets),), float("-inf"))
-sum_exp = torch.zeros(len(targets))
-target_logit = torch.zeros(len(targets))
-for start in range(0, weight.shape[0], TILE):
-    # (N, tile): one slice of the logits, never all of them
-    z = hidden_flat @ weight[start:start + TILE].T
-    new_max = torch.maximum(running_max, z.max(-1).values)
-    sum_exp = sum_exp * torch.exp(running_max - new_max) + torch.exp(z - new_max[:, None]).sum(-1)
-    running_max = new_max
-    inside = (targets >= start) & (targets < start + TILE)
-    target_logit[inside] = z[inside, targets[inside] - start]
-chunked_log_p = target_logit - (running_max + torch.log(sum_exp))
-mask = targets != -100
-full_log_p = log_probs[:, :-1].flatten(0, 1).gather(-1, targets.clamp(min=0)[:, None]).squeeze(-1)
-print(f"{(weight.shape[0] + TILE - 1) // TILE} tiles; "
-      "max |chunked - log_softmax| over supervised tokens = "
-      f"{(chunked_log_p - full_log_p)[mask].abs().max().item():.2e}")
-torch.testing.assert_close(chunked_log_p[mask], full_log_p[mask], rtol=1e-5, atol=1e-5)
-sft_by_hand = -chunked_log_p[mask].sum() / num_items_in_batch
+targets = labels[:, 1:]  # position t predicts labels[t + 1]
+h = hidden[:, :-1][targets != -100]  # (N, C): supervised positions only, as the fused head
+y = targets[targets != -100]  # (N,)
+W = model.lm_head.weight.detach()  # (V, C), frozen
+TILE = 3
+tile_log_p, tile_grad = [], []
+for h_tile, y_tile in zip(h.split(TILE), y.split(TILE)):
+    z = h_tile @ W.T  # (tile, V): the only logits that exist at any moment
+    tile_log_p.append(z.gather(1, y_tile[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1))
+    tile_grad.append(W[y_tile] - torch.softmax(z, dim=-1) @ W)  # (tile, C): w_y - E_p[w]
+by_hand_log_p = torch.cat(tile_log_p)  # (N,)
+by_hand_grad = torch.cat(tile_grad)  # (N, C)
 
+# autograd on the full (N, V) logits: row i of d(sum_i log p_i)/dh is d log p_i / dh_i
+h_full = h.clone().requires_grad_()
+full_log_p = torch.log_softmax(h_full @ W.T, dim=-1).gather(1, y[:, None]).squeeze(1)
+full_log_p.sum().backward()
+log_p_diff = (by_hand_log_p - full_log_p).abs().max().item()
+grad_diff = (by_hand_grad - h_full.grad).abs().max().item()
+print(f"{len(y)} supervised tokens in {len(tile_log_p)} tiles of <= {TILE}: "
+      f"max |log p by hand - log_softmax| = {log_p_diff:.1e}; "
+      f"max |d log p / dh by hand - autograd| = {grad_diff:.1e} (fp32, atol 1e-6)")
+# log p ~ -5.7, where an fp32 ulp is 4.8e-7, and logsumexp rounds apart from log_softmax: so a
+# relative tolerance on log p too (the gradients, at most 5e-2, get the plain atol 1e-6)
+torch.testing.assert_close(by_hand_log_p, full_log_p, rtol=1e-6, atol=1e-6)
+torch.testing.assert_close(by_hand_grad, h_full.grad, rtol=0, atol=1e-6)
+
+# nanosft's own tile on the same tiles: with a frozen head its forward keeps w_y - E_p[w] and its
+# backward only scales that by the incoming gradient (a trained head recomputes the tile instead,
+# since dW needs p). The two (tile, V) buffers are shared by the tiles.
+workspace = torch.empty(2, TILE, TINY["vocab_size"])
+h_tiles = h.clone().requires_grad_()
+nanosft_log_p = torch.cat([TileLogProbs.apply(h_tile, W, y_tile, workspace)[0]
+                           for h_tile, y_tile in zip(h_tiles.split(TILE), y.split(TILE))])
+nanosft_log_p.sum().backward()
+print("nanosft.fast.lm_head.TileLogProbs on the same tiles: "
+      f"max |log p - by hand| = {(nanosft_log_p - by_hand_log_p).abs().max().item():.1e}; "
+      f"max |grad h - by hand| = {(h_tiles.grad - by_hand_grad).abs().max().item():.1e}")
+torch.testing.assert_close(nanosft_log_p, by_hand_log_p, rtol=1e-6, atol=1e-6)
+torch.testing.assert_close(h_tiles.grad, by_hand_grad, rtol=0, atol=1e-6)
+tiled_by_hand = -by_hand_log_p.sum() / num_items_in_batch
+
+# TRL tiles the tokens (4096 a tile) and also the vocabulary (chunk_size), folding the vocabulary
+# tiles with an online logsumexp; nanosft keeps each token's whole row of V logits in its tile.
+try:
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+except ImportError:
+    print("reference check skipped: trl is not installed (ChunkedLogProbFunction)")
+else:
+    VOCAB_TILE = 64
+    h_trl = h.clone().requires_grad_()
+    trl_log_p = ChunkedLogProbFunction.apply(h_trl, W, None, y, 1.0, VOCAB_TILE)[0]
+    trl_log_p.sum().backward()
+    trl_loss = -trl_log_p.sum() / num_items_in_batch
+    print(f"trl ChunkedLogProbFunction (fp32, vocabulary tiles of {VOCAB_TILE}): loss "
+          f"{trl_loss.item():.6f} (ours {tiled_by_hand.item():.6f}); "
+          f"max |grad h - ours| = {(h_trl.grad - by_hand_grad).abs().max().item():.1e}")
+    torch.testing.assert_close(trl_log_p, by_hand_log_p, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h_trl.grad, by_hand_grad, rtol=1e-5, atol=1e-6)
+    print("reference check ran: trl ChunkedLogProbFunction")
+
+# %% [markdown]
+# ## SFTTrainer.compute_loss: reference mode and the fast path
+# In reference mode SFTTrainer.compute_loss is Trainer.compute_loss (`outputs = model(**inputs)`,
+# `loss = outputs["loss"]`) plus TRL's token metrics. `with reference_mode(False):` turns the
+# speed paths on and the same call goes through `model(**inputs, fused_lm_head=True)` and
+# TileLogProbs. Both must give the same loss and the same gradients: into the hidden states (the
+# head's backward) and into every trainable parameter, with the head frozen (as under LoRA) and
+# trained (TileLogProbs' other backward).
+
+# %%
+banner("2.5 compute_loss (SFT): SFTTrainer.compute_loss, reference path and fast path")
 tokenizer = Tokenizer.train(["a tiny corpus for a tiny tokenizer"] * 4,
                             vocab_size=TINY["vocab_size"])
 sft_args = SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False,
@@ -212,21 +278,102 @@ sft_args = SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False,
 sft = SFTTrainer(model, sft_args, train_dataset=rows, processing_class=tokenizer)
 sft_loss = sft.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
 print(f"SFTTrainer.compute_loss {sft_loss.item():.6f}   "
-      f"chunked by hand {sft_by_hand.item():.6f}   "
+      f"tiled by hand {tiled_by_hand.item():.6f}   "
       f"Trainer.compute_loss {loss_n.item():.6f}")
-torch.testing.assert_close(sft_loss, sft_by_hand, rtol=1e-5, atol=1e-6)
-torch.testing.assert_close(sft_loss, loss_n, rtol=1e-5, atol=1e-6)
-try:
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-except ImportError:
-    print("reference check skipped: trl is not installed (ChunkedLogProbFunction)")
-else:
-    trl_log_p = ChunkedLogProbFunction.apply(hidden_flat, weight, None, targets.clamp(min=0), 1.0,
-                                             TILE)[0]
-    trl_loss = -trl_log_p[mask].sum() / num_items_in_batch
-    print(f"trl ChunkedLogProbFunction (fp32, tiles of {TILE}): loss {trl_loss.item():.6f}")
-    torch.testing.assert_close(trl_log_p[mask], chunked_log_p[mask], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(trl_loss, sft_loss, rtol=1e-5, atol=1e-6)
-    print("reference check ran: trl ChunkedLogProbFunction")
+torch.testing.assert_close(sft_loss, loss_n, rtol=0, atol=1e-6)
+torch.testing.assert_close(sft_loss, tiled_by_hand, rtol=1e-6, atol=1e-6)
+
+
+def sft_step(fast):
+    """SFTTrainer.compute_loss and backward on `inputs`, in reference mode or on the speed paths:
+    the loss, outputs.logits, d loss / d hidden states (B, T, C) and the parameters' gradients."""
+    model.zero_grad(set_to_none=True)
+    kept = []
+
+    def keep_hidden(module, args, output):  # model.model's output (h, cache): keep h's gradient
+        output[0].retain_grad()
+        kept.append(output[0])
+
+    handle = model.model.register_forward_hook(keep_hidden)
+    with reference_mode(not fast):
+        loss, outputs = sft.compute_loss(model, dict(inputs), return_outputs=True,
+                                         num_items_in_batch=num_items_in_batch)
+    loss.backward()
+    handle.remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), outputs.logits, kept[0].grad, grads
+
+
+for head in ("frozen", "trained"):
+    model.lm_head.weight.requires_grad_(head == "trained")
+    ref_loss, ref_logits, ref_grad_h, ref_grads = sft_step(fast=False)
+    fast_loss, fast_logits, fast_grad_h, fast_grads = sft_step(fast=True)
+    assert ref_grads.keys() == fast_grads.keys()
+    grad_diff = max((fast_grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+    print(f"lm_head {head:7s}: loss reference {ref_loss.item():.6f} fast {fast_loss.item():.6f}; "
+          f"max |fast - reference|: loss {(fast_loss - ref_loss).abs().item():.1e}, "
+          f"grad h {(fast_grad_h - ref_grad_h).abs().max().item():.1e}, "
+          f"grads of {len(ref_grads)} params {grad_diff:.1e}")
+    torch.testing.assert_close(fast_loss, ref_loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(fast_grad_h, ref_grad_h, rtol=0, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=0, atol=1e-6)
+model.lm_head.weight.requires_grad_(True)
+print(f"outputs.logits: reference {tuple(ref_logits.shape)} (B, T, V), fast {fast_logits}")
+assert fast_logits is None
+
+# %% [markdown]
+# ## What the tiles save
+# The full-logits path holds the (n, V) fp32 logits and, for backward, their log-softmax, another
+# (n, V). The tiled path holds two (tile, V) fp32 buffers during the forward and, with a frozen
+# head, keeps w_y - E_p[w], (n, C), for backward. At a realistic shape, in bytes:
+
+# %%
+banner("2.5 compute_loss (SFT): memory, (n, V) logits against (tile, V) tiles")
+N_TOKENS = 8 * 1024  # 8 sequences of 1024 tokens, every one supervised (the worst case)
+LLAMA3_VOCAB = 128_256
+LLAMA3_8B_HIDDEN = 4096
+FP32 = 4  # bytes
+full_bytes = 2 * N_TOKENS * LLAMA3_VOCAB * FP32
+tile_bytes = 2 * LOSS_CHUNK_SIZE * LLAMA3_VOCAB * FP32
+direction_bytes = N_TOKENS * LLAMA3_8B_HIDDEN * FP32
+print(f"n = 8 x 1024 tokens, V = {LLAMA3_VOCAB:,} (Llama 3), C = {LLAMA3_8B_HIDDEN:,}, fp32")
+print(f"full logits path: logits + log-softmax, 2 x (n, V) = {full_bytes:,} bytes "
+      f"({full_bytes / 2**30:.2f} GiB)")
+print(f"tiled path: 2 x ({LOSS_CHUNK_SIZE}, V) tile buffers = {tile_bytes:,} bytes "
+      f"({tile_bytes / 2**20:.1f} MiB); kept for backward (frozen head) (n, C) = "
+      f"{direction_bytes:,} bytes ({direction_bytes / 2**20:.1f} MiB)")
+assert tile_bytes + direction_bytes < full_bytes
+
+
+# Measured on our batch: what autograd saves for backward between the hidden states and the loss,
+# counted as each tensor is saved (saved_tensors_hooks; deterministic). The head is frozen, as
+# under LoRA: a trained head's tile buffers sit on the autograd node, where this hook cannot see.
+def saved_for_backward(loss_fn):
+    """Bytes of the distinct storages autograd saves while loss_fn(h) builds its graph, with the
+    parameters' own storages left out (they are held anyway); and the largest shape saved."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = (storage.nbytes(), tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss_fn(hidden.clone().requires_grad_())  # (B, T, C)
+    return sum(nbytes for nbytes, _ in saved.values()), max(saved.values())[1]
+
+
+model.lm_head.weight.requires_grad_(False)
+full_saved, full_largest = saved_for_backward(
+    lambda h: causal_lm_loss(model.lm_head(h), labels, num_items_in_batch))
+tiled_saved, tiled_largest = saved_for_backward(  # as model(**inputs, fused_lm_head=True)
+    lambda h: -fused_lm_head_outputs(h, model.lm_head, labels)[0].sum() / num_items_in_batch)
+model.lm_head.weight.requires_grad_(True)
+print(f"saved for backward on this batch (lm_head frozen): full logits path {full_saved:,} bytes "
+      f"(largest {full_largest}), tiled path {tiled_saved:,} bytes (largest {tiled_largest})")
+assert tiled_saved < full_saved
 
 print("\nOK: walkthrough 2.5 compute_loss checked")
