@@ -1,6 +1,6 @@
 """The memory ledger: where a fine-tuning run's bytes go, predicted from the config, and measured.
 
-Guide: memory (QLoRA's arithmetic, gradient checkpointing). `estimate_memory(config, plan)` counts,
+QLoRA's arithmetic, with and without gradient checkpointing. `estimate_memory(config, plan)` counts,
 without building a model, the base weights (fp32 / bf16 / NF4 with absmax and double-quantization
 tables), trainable parameters, gradients, optimizer states, the tensors each decoder layer saves for
 backward (with and without checkpointing) and the logits / loss buffers (B x T x V), per FSDP rank.
@@ -48,7 +48,7 @@ def _shard(nbytes, shape, world):
 # ----------------------------------------------------------------------------- optimizer
 def optimizer_state_bytes(numel, dtype_bytes, optim, optim_args=None, embedding=False):
     """Bytes of one parameter tensor's optimizer state (the shared 8-bit maps are added once).
-    Guide: 优化器配置与管理 | Mirrors: torch AdamW (exp_avg, exp_avg_sq, fp32 step), bitsandbytes
+    Mirrors: torch AdamW (exp_avg, exp_avg_sq, fp32 step), bitsandbytes
     Optimizer2State.init_state (uint8 states, fp32 absmax per 256), torch SGD momentum_buffer
     `embedding`: 32-bit states, as transformers registers nn.Embedding with bitsandbytes."""
     if optim in ("adamw_torch", "adamw_torch_fused"):
@@ -232,5 +232,11 @@ def summary_line(ledger):
 def peak_line(peak, ledger):
     """One closing line: the measured peak growth beside the prediction."""
     measured = ", ".join(f"{k.replace('_', ' ')} {v / MiB:.1f} MiB" for k, v in peak.items())
-    predicted = f" (predicted <= {ledger.total / MiB:.1f} MiB)" if ledger is not None else ""
+    predicted = ""
+    if ledger is not None:
+        predicted = f" (predicted <= {ledger.total / MiB:.1f} MiB"
+        # the ledger counts tensors; the process also grows by what torch's allocator, threads and
+        # libraries take once (MiBs): a bound for the GPU's allocated bytes, not for CPU RSS
+        predicted += ")" if "gpu_peak_growth" in peak else (
+            " of tensors; CPU RSS also counts the allocator's and libraries' own memory)")
     return f"  Memory measured: {measured}{predicted}"

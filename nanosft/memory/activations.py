@@ -1,6 +1,6 @@
 """What one training step saves for backward, predicted per tensor from the config alone.
 
-Guide: memory (activations, gradient checkpointing). `layer_saved_bytes` walks one decoder layer op
+Activations, with and without gradient checkpointing. `layer_saved_bytes` walks one decoder layer op
 by op (RMSNorm, the LoRA / DoRA / NF4 linears, SDPA, SwiGLU) and names each tensor autograd keeps,
 so one saved by several ops counts once; `head_saved_bytes` does the same for the final norm,
 lm_head and loss. nanosft.memory sums them into the ledger's activations row.

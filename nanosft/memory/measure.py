@@ -1,6 +1,6 @@
 """Measuring memory: distinct storage bytes, peak RSS / CUDA allocation, saved-for-backward bytes.
 
-Guide: memory. `unique_bytes` counts the storages behind tensors once; `cpu_memory` reads RSS and
+`unique_bytes` counts the storages behind tensors once; `cpu_memory` reads RSS and
 its peak from /proc; `MemoryTracker` reports per-stage deltas under transformers'
 TrainerMemoryTracker metric names; `PeakMemory` measures a run's peak growth; `count_saved_tensors`
 counts what autograd saves per decoder layer. These check nanosft.memory's predictions.

@@ -1,6 +1,6 @@
 """What the memory ledger is asked about: a run's plan and the model's parameters.
 
-Guide: memory. `MemoryPlan` holds a run's method, batch shape and precision under SFTConfig /
+`MemoryPlan` holds a run's method, batch shape and precision under SFTConfig /
 LoraConfig names; `parameter_shapes` lists a Llama-family config's parameters under transformers'
 names, `lora_targets` the layer linears LoRA wraps and `nf4_quantizable` those kept in NF4. Read by
 nanosft.memory (the ledger) and nanosft.memory.activations (bytes saved for backward).

@@ -48,6 +48,12 @@ class ThroughputCallback(TrainerCallback):
             width, dtype = model_width(model), compute_dtype(model, args)
             self.peak_flops = calibrate_matmul_flops(width, dtype, args.device)
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.last_logged_step and self.window.samples == 0:
+            # the first window's clock starts here, after the calibration above and the other
+            # callbacks' start-up (the ledger, TensorBoard's writer), as every later window's does
+            self.window = LogWindow()
+
     def on_step_begin(self, args, state, control, batch_samples=(), **kwargs):
         for inputs in batch_samples:
             self.window.add(inputs)

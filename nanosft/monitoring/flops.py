@@ -2,7 +2,7 @@
 of a step (nanoGPT's MFU numerator, causal attention counted exactly), transformers' total_flos
 parameter count, and a matmul calibration for the MFU denominator.
 
-Guide: monitoring (samples/s, tokens/s, step time) and performance (MFU). Read by
+The numbers behind samples/s, tokens/s, step time and MFU. Read by
 nanosft.monitoring.callbacks.ThroughputCallback.
 """
 
@@ -17,8 +17,8 @@ from nanosft.nf4 import Linear4bit
 
 @dataclass
 class LogWindow:
-    """Tokens, samples, sequence lengths, wall time and a nan/inf flag since the last log: the
-    throughput and model FLOP/s of the window and the stop-on-nan check. Guide: monitoring
+    """Tokens, samples, sequence lengths and wall time since the last log: the throughput and
+    model FLOP/s of the window.
     Mirrors: transformers speed_metrics (its names), Trainer.num_input_tokens_seen, current_flos"""
 
     start: float = field(default_factory=time.time)
@@ -127,7 +127,8 @@ def model_width(model) -> int:
 def calibrate_matmul_flops(width, dtype=torch.float32, device="cpu", budget_s=0.2) -> float:
     """Best FLOP/s of torch.mm at (M, width) x (width, width): M doubles from a ~16 MFLOP product
     while a product takes under budget_s / 4, up to ~2 GFLOP (at most 4096 rows), then repeats,
-    stopping after about budget_s or 3 products at the largest M. Guide: performance
+    stopping after about budget_s, or after 3 products at the largest M once a quarter of budget_s
+    is spent (small widths start at the largest M: 3 products there would be cold kernels).
     Mirrors: nothing in transformers (it reports no MFU)"""
     device = torch.device(device)
     max_rows = max(1, min(4096, 2**30 // width**2))
@@ -137,7 +138,7 @@ def calibrate_matmul_flops(width, dtype=torch.float32, device="cpu", budget_s=0.
     b = torch.randn(width, width, generator=generator, device=device, dtype=dtype)
     best, spent, at_max = 0.0, 0.0, 0
     # a slow kernel (bf16 on a CPU without bf16 units) stops the growth early: it costs < 1 s
-    while spent < budget_s and at_max < 3:
+    while spent < budget_s and (at_max < 3 or spent < budget_s / 4):
         start = time.perf_counter()
         torch.mm(a[:rows], b)
         if device.type == "cuda":
