@@ -1,4 +1,4 @@
-"""A hand-written Llama-family causal LM (llama, mistral, qwen2) that loads and saves HF folders.
+"""A hand-written Llama causal LM (llama, mistral without a window) that loads and saves HF folders.
 
 The network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps; its loss is the
 `outputs["loss"]` of walkthrough 2.5 `compute_loss`. RMSNorm, RoPE (default, linear, llama3),
@@ -6,6 +6,7 @@ grouped-query SDPA attention, SwiGLU, then `CausalLM`. Beside it: configuration.
 loss.py (the causal-LM loss, whole or in lm_head tiles), masking.py (attention masks, packed
 rows), generation.py (decoding with the (k, v) cache), hub.py (safetensors files;
 `from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
+Other families (Qwen2, Qwen3, SmolLM3, sliding windows) subclass these pieces in nanosft.families.
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
@@ -30,7 +31,7 @@ from nanosft.reference import fast_path
 @dataclass
 class CausalLMOutput:
     """What CausalLM.forward returns, readable as `out.loss` or `out["loss"]`.
-    Walkthrough 2.5 | Mirrors: transformers CausalLMOutputWithPast"""
+    Mirrors: transformers CausalLMOutputWithPast"""
 
     loss: torch.Tensor | None
     logits: torch.Tensor | None  # None under fused_lm_head: the per-token fields below instead
@@ -47,7 +48,7 @@ class CausalLMOutput:
 
 def rope_inv_freq(config):
     """Rotary inverse frequencies (fp32, head_dim/2 of them), with linear or llama3 scaling.
-    Walkthrough 2.6 | Mirrors: transformers compute_default_rope_parameters,
+    Mirrors: transformers compute_default_rope_parameters,
     _compute_llama3_parameters"""
     hd, s = config.head_dim, config.rope_scaling or {"rope_type": "default"}
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
@@ -67,14 +68,14 @@ def rope_inv_freq(config):
 
 def rotate_half(x):
     """(x1, x2) -> (-x2, x1) over the halves of the head dim (HF half-split, not interleaved).
-    Walkthrough 2.6 | Mirrors: transformers rotate_half"""
+    Mirrors: transformers rotate_half"""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm in fp32, cast back to the input dtype before the weight multiply.
-    Walkthrough 2.6 | Mirrors: transformers LlamaRMSNorm"""
+    Mirrors: transformers LlamaRMSNorm"""
 
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
@@ -95,17 +96,19 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE over SDPA, appending to an optional (k, v) cache.
-    Walkthrough 2.7 (the q/k/v/o_proj LoRA wraps) | Mirrors: transformers LlamaAttention,
+    LoRA wraps its q/k/v/o_proj (lora.LoraLinear). Mirrors: transformers LlamaAttention,
     sdpa_attention_forward"""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx=0):
         super().__init__()
         C, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
         KV = config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim, bias = H, KV, D, config.attention_bias
+        self.layer_idx = layer_idx  # transformers' name; a family's layer types read it
+        self.scaling = D**-0.5  # Gemma 3 would use query_pre_attn_scalar**-0.5
         self.q_proj = nn.Linear(C, H * D, bias=bias)
         self.k_proj, self.v_proj = nn.Linear(C, KV * D, bias=bias), nn.Linear(C, KV * D, bias=bias)
-        self.o_proj = nn.Linear(H * D, C, bias=bias and config.model_type != "qwen2")
+        self.o_proj = nn.Linear(H * D, C, bias=bias)
 
     def forward(self, x, cos, sin, mask, past=None):
         """(B, T, C) -> (B, T, C) and the layer's (k, v) cache, each (B, KV, past + T, D).
@@ -118,10 +121,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         # cos, sin: (B|1, 1, T, D)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.attend(q, k, v, mask, past)
+
+    def attend(self, q, k, v, mask, past=None):
+        """SDPA of q (B, H, T, D) over the cache plus this step's k, v (B, KV, T, D), then o_proj.
+        Mirrors: transformers sdpa_attention_forward (and LlamaAttention.forward's last lines)"""
+        B, _, T, _ = q.shape
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
         # enable_gqa: query head j reads kv head j // (H // KV), as transformers' repeat_kv.
-        sdpa = functools.partial(F.scaled_dot_product_attention, scale=self.head_dim**-0.5,
+        sdpa = functools.partial(F.scaled_dot_product_attention, scale=self.scaling,
                                  enable_gqa=self.num_kv_heads != self.num_heads)
         if isinstance(mask, list):  # document lengths of one packed row: causal inside each
             docs = zip(*(t.split(mask, dim=2) for t in (q, k, v)))
@@ -133,7 +142,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)).
-    Walkthrough 2.7 | Mirrors: transformers LlamaMLP"""
+    Mirrors: transformers LlamaMLP"""
 
     def __init__(self, config):
         super().__init__()
@@ -154,14 +163,18 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)).
-    Walkthrough 2.6 | Mirrors: transformers LlamaDecoderLayer"""
+    Mirrors: transformers LlamaDecoderLayer"""
 
-    def __init__(self, config):
+    # the pieces a model family swaps (nanosft.families subclasses set these)
+    attention_class = Attention
+    mlp_class = MLP
+
+    def __init__(self, config, layer_idx=0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.attention_class(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = self.mlp_class(config)
 
     def forward(self, h, cos, sin, mask, past=None):
         """(B, T, C) residual stream in and out, plus this layer's (k, v)."""
@@ -172,20 +185,23 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm: the `.model` inside CausalLM.
-    Walkthrough 2.6 | Mirrors: transformers LlamaModel.forward"""
+    Mirrors: transformers LlamaModel.forward"""
+
+    layer_class = DecoderLayer  # a model family's own (nanosft.families)
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing, self.checkpoint_kwargs = False, {}
 
     def rotary(self, position_ids, dtype):
         """cos, sin (B|1, 1, T, D) computed in fp32, then cast to the hidden-state dtype.
-        Walkthrough 2.6 | Mirrors: transformers LlamaRotaryEmbedding.forward"""
+        Mirrors: transformers LlamaRotaryEmbedding.forward"""
         # Recomputed (a few flops) rather than a buffer that `.to(bfloat16)` would round; HF keeps
         # it fp32 too.
         inv_freq = rope_inv_freq(self.config).to(position_ids.device)
@@ -231,16 +247,16 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """The decoder plus lm_head: logits, the causal-LM loss, generation, HF checkpoint load, save.
-    Walkthrough 2.5, 2.6 | Mirrors: transformers LlamaForCausalLM (what
-    PeftModelForCausalLM.forward wraps)"""
+    What 2.6's `self.base_model(...)` ends in. Mirrors: transformers LlamaForCausalLM"""
 
     # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
     accepts_loss_kwargs = True
+    model_class = DecoderModel  # a model family's own (nanosft.families)
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         # after init, so lm_head's own draw is dropped and the zero padding row survives
@@ -257,7 +273,7 @@ class CausalLM(nn.Module):
 
     def tie_weights(self):
         """Share the embedding matrix with lm_head when tie_word_embeddings is set.
-        Walkthrough 2.6 | Mirrors: transformers PreTrainedModel.tie_weights"""
+        Mirrors: transformers PreTrainedModel.tie_weights"""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -274,7 +290,7 @@ class CausalLM(nn.Module):
                 labels=None, num_items_in_batch=None, past_key_values=None, use_cache=False,
                 fused_lm_head=False, **kwargs):
         """Logits (B, T, V) and, given labels, causal_lm_loss(logits, labels, num_items_in_batch).
-        Walkthrough 2.5 (`outputs = model(**inputs)`) | Mirrors: LlamaForCausalLM.forward
+        What 2.5's `model(**inputs)` reaches. Mirrors: LlamaForCausalLM.forward
         fused_lm_head=True (trl add_fused_lm_head's kwarg): per-token log_probs, entropy, is_top1
         and label_mask from fused_lm_head_outputs, logits=None."""
         h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
@@ -293,13 +309,13 @@ class CausalLM(nn.Module):
     def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
                  top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
         """Prompt + new ids (B, T + n), decoded with a (k, v) cache (nanosft.generation).
-        Walkthrough guide: generation | Mirrors: transformers GenerationMixin.generate"""
+        Mirrors: transformers GenerationMixin.generate"""
         return generation.generate(self, input_ids, attention_mask, max_new_tokens, temperature,
                                    top_k, top_p, eos_token_id, pad_token_id, streamer)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
         """Recompute each decoder layer in backward (torch.utils.checkpoint, use_reentrant=False
-        by default). Walkthrough 2.1 | Mirrors: PreTrainedModel.gradient_checkpointing_enable"""
+        by default). Guide: performance | Mirrors: PreTrainedModel.gradient_checkpointing_enable"""
         kwargs = gradient_checkpointing_kwargs or {}
         self.model.checkpoint_kwargs = {"use_reentrant": False, **kwargs}
         self.model.gradient_checkpointing = True
@@ -317,7 +333,7 @@ class CausalLM(nn.Module):
     def enable_input_require_grads(self):
         """Make the embedding output require grad, so checkpointed layers over a frozen base
         backprop to LoRA.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.enable_input_require_grads"""
+        Mirrors: transformers PreTrainedModel.enable_input_require_grads"""
         if self._input_grad_hook is None:
             hook = lambda module, args, output: output.requires_grad_(True)
             self._input_grad_hook = self.model.embed_tokens.register_forward_hook(hook)
@@ -332,20 +348,21 @@ class CausalLM(nn.Module):
         """Build on the meta device, then read the safetensors tensor by tensor, each cast to dtype
         (None: float32, "auto": config.json's) and, given a BitsAndBytesConfig, each linear weight
         quantized as soon as it is read: no full-precision copy of the model ever exists.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.from_pretrained, Bnb4BitHfQuantizer
+        Mirrors: transformers PreTrainedModel.from_pretrained, Bnb4BitHfQuantizer
         Differs: keys and shapes must match exactly, all checked from the file headers before any
         weight is read; device_map is one device. tp_plan="auto" (under torchrun) splits the
         decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
+        from nanosft.families import causal_lm_class
         from nanosft.io import hub
 
-        config = ModelConfig.from_pretrained(model_dir)
+        config = ModelConfig.from_pretrained(model_dir)  # or a family's: Qwen2, Qwen3, ...
         dtype = hub.torch_dtype((config.dtype or "float32") if dtype == "auto" else
                                 (dtype or torch.float32))
         if quantization_config is not None:
             quantization_config = nf4.BitsAndBytesConfig.from_any(quantization_config)
         index = hub.safetensors_index(model_dir)  # headers only: names, dtypes, shapes, offsets
         with torch.device("meta"):  # no random init of weights about to be replaced
-            model = cls(config)
+            model = causal_lm_class(config, cls)(config)
         expected = model.state_dict()
         if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
             expected.pop("lm_head.weight"), index.pop("lm_head.weight", None)
@@ -375,7 +392,7 @@ class CausalLM(nn.Module):
 
     def save_pretrained(self, save_directory, max_shard_size="5GB", state_dict=None):
         """Write config.json (transformers-5 spelling), generation_config.json and the weights.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedModel.save_pretrained
+        Mirrors: transformers PreTrainedModel.save_pretrained
         `state_dict`: tensors to write instead of the model's (whole ones gathered under FSDP)."""
         from nanosft.io import hub
 

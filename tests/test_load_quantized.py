@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nanosft.families import config_from_dict, from_config
 from nanosft.io import hub
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.nf4 import BitsAndBytesConfig, Linear4bit, quantize_model
@@ -100,7 +101,7 @@ def tiny(tmp_path, max_shard_size="5GB", **overrides):
     kw = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "model_type": "qwen2"}  # q/k/v bias
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig(**{**kw, **overrides}))
+    model = from_config(config_from_dict({**kw, **overrides}))
     model.save_pretrained(tmp_path, max_shard_size=max_shard_size)
     return tmp_path
 

@@ -238,7 +238,10 @@ def test_rope_linear_and_llama3_scaling_follow_the_formula():
 
 
 def test_init_follows_initializer_range_and_zeroes_the_padding_row():
-    m = CausalLM(tiny_config(vocab_size=256, initializer_range=0.05, model_type="qwen2"))
+    from nanosft.families import config_from_dict, from_config
+
+    config = tiny_config(vocab_size=256, initializer_range=0.05).to_dict()
+    m = from_config(config_from_dict({**config, "model_type": "qwen2"}))
     emb = m.model.embed_tokens.weight
     assert torch.all(emb[PAD] == 0) and emb[1:].std().item() == pytest.approx(0.05, rel=0.05)
     attn = m.model.layers[0].self_attn
@@ -337,14 +340,13 @@ def test_missing_files_are_named(tmp_path, model):
 
 @pytest.mark.parametrize("field, value, culprit", [
     ("model_type", "gpt2", "model_type"),
-    ("sliding_window", 4096, "sliding_window"),
-    ("use_sliding_window", True, "use_sliding_window"),
+    ("sliding_window", 4096, "sliding_window"),  # loads as nanosft.families.mistral's
     ("rope_parameters", {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}, "yarn"),
     ("hidden_act", "gelu", "hidden_act"),
     ("num_key_value_heads", 3, "num_key_value_heads"),
 ])
 def test_unsupported_config_values_are_refused(field, value, culprit):
-    base = tiny_config(model_type="qwen2" if field == "use_sliding_window" else "mistral").to_dict()
+    base = tiny_config(model_type="mistral").to_dict()
     with pytest.raises(ValueError, match=culprit):
         ModelConfig.from_dict({**base, field: value})
 

@@ -43,6 +43,8 @@ DECODER_LAYER_NAMES = {
     "LlamaDecoderLayer",
     "MistralDecoderLayer",
     "Qwen2DecoderLayer",
+    "Qwen3DecoderLayer",  # nanosft.families' subclasses
+    "SmolLM3DecoderLayer",
 }
 _RESHARD_BY_STRATEGY = {"full_shard": True, "shard_grad_op": False}  # the legacy `fsdp="..."` words
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from nanosft.model import CausalLM, ModelConfig
+from nanosft.families import config_from_dict, from_config
+from nanosft.model import CausalLM
 from nanosft.nf4 import BitsAndBytesConfig
 
 EXACT = {"rtol": 0, "atol": 0}
@@ -28,10 +29,10 @@ EXACT = {"rtol": 0, "atol": 0}
 def test_state_dict_and_logits_equal_transformers(tmp_path, model_type, dtype, quant_type,
                                                   double_quant, max_shard_size):
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         model_type=model_type)
-    CausalLM(config).save_pretrained(tmp_path, max_shard_size=max_shard_size)
+    config = config_from_dict({"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "model_type": model_type})
+    from_config(config).save_pretrained(tmp_path, max_shard_size=max_shard_size)
     options = {"load_in_4bit": True, "bnb_4bit_quant_type": quant_type,
                "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": dtype}
     ours = CausalLM.from_pretrained(tmp_path, dtype=dtype,

@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 
-from nanosft.model import CausalLM, ModelConfig
+from nanosft.families import config_from_dict, from_config
+from nanosft.model import CausalLM
 
 PAD = 0
 # eos None: both libraries run all 20 new tokens (an eos case has its own test below).
@@ -61,7 +62,7 @@ def from_hf(name, tmp_path):
 def both_ways(name, tmp_path):
     """(transformers model, nanosft model) pairs: transformers -> nanosft and back."""
     hf, ours = from_hf(name, tmp_path)
-    theirs = randomize_biases(CausalLM(ModelConfig.from_dict(hf.config.to_dict())).eval())
+    theirs = randomize_biases(from_config(config_from_dict(hf.config.to_dict())).eval())
     theirs.save_pretrained(tmp_path / "from_nanosft")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "from_nanosft").eval()
     assert type(back) is type(hf)
