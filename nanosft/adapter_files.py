@@ -10,6 +10,7 @@ two files. Nothing here builds or runs a layer, so this module sits below peft.p
 """
 
 import dataclasses
+import math
 import os
 import re
 
@@ -52,7 +53,7 @@ def _check_unused(d, defaults, source):
 @dataclasses.dataclass
 class LoraConfig:
     """LoRA hyper-parameters, peft's field names and defaults (target_modules None: q_proj, v_proj).
-    Walkthrough 2.1 peft_config | Mirrors: peft LoraConfig
+    SFTTrainer's `peft_config`. Mirrors: peft LoraConfig
     Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False or "gaussian"."""
     r: int = 8
     lora_alpha: int = 8
@@ -72,6 +73,12 @@ class LoraConfig:
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError("LoraConfig.r must be a positive integer (the adapter rank), "
                              f"got r={self.r!r}")
+        for f in dataclasses.fields(self):  # lora_alpha, lora_dropout: peft takes inf/nan
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"LoraConfig.{f.name}={value!r} is invalid: give a finite number "
+                                 f"(peft's default is {f.default!r}); with nan/inf the adapter's "
+                                 "output is nan/inf")
         if self.bias not in ("none", "all", "lora_only"):
             raise ValueError("LoraConfig.bias must be 'none', 'all' or 'lora_only', "
                              f"got {self.bias!r}")
@@ -98,7 +105,7 @@ class LoraConfig:
 @dataclasses.dataclass
 class PromptTuningConfig:
     """Prompt tuning: `num_virtual_tokens` trainable embeddings before the input (RANDOM or TEXT).
-    Walkthrough 2.6 peft_config.num_virtual_tokens | Mirrors: peft PromptTuningConfig
+    2.6 reads its `num_virtual_tokens`. Mirrors: peft PromptTuningConfig
     Differs: TEXT init takes a `tokenizer` object (anything with `encode`) or a tokenizer folder."""
     num_virtual_tokens: int | None = None
     prompt_tuning_init: str = "RANDOM"
@@ -146,7 +153,7 @@ class PromptTuningConfig:
 
 def prompt_init_token_ids(config, total):
     """The `total` token ids a TEXT init copies: prompt_tuning_init_text encoded, cut or repeated.
-    Walkthrough 2.1 (get_peft_model builds the prompt) | Mirrors: peft PromptEmbedding.__init__"""
+    Mirrors: peft PromptEmbedding.__init__"""
     tokenizer = config.tokenizer
     if tokenizer is None:
         from nanosft.tokenizer import Tokenizer
@@ -171,7 +178,7 @@ def peft_config_from_dict(d, source="adapter config"):
 # ----------------------------------------------------------------------------- target modules
 
 DEFAULT_TARGET_MODULES = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"],
-                          "qwen2": ["q_proj", "v_proj"]}
+                          "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"]}
 
 _LINEAR = (nn.Linear, Linear4bit)  # the layers a LoraLinear wraps
 
@@ -194,7 +201,7 @@ def target_module_matches(target, name):
 
 def resolve_target_modules(model, config):
     """`target_modules` as saved: None -> the architecture default, "all-linear" -> every linear.
-    Walkthrough 2.1 | Mirrors: peft _maybe_include_all_linear_layers,
+    Mirrors: peft _maybe_include_all_linear_layers,
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"""
     target = config.target_modules
     if target is None:
@@ -210,7 +217,7 @@ def resolve_target_modules(model, config):
 
 def find_target_modules(model, config):
     """Names of the modules LoRA wraps, in `model.named_modules()` order (peft's init order).
-    Walkthrough 2.1 | Mirrors: peft BaseTuner.inject_adapter, check_target_module_exists
+    Mirrors: peft BaseTuner.inject_adapter, check_target_module_exists
     Differs: a list entry that matches nothing is an error (peft errors only if nothing matches)."""
     target = resolve_target_modules(model, config)
     skip = config.modules_to_save or []

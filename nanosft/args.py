@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ def _check_steps(field_name, value):
 @dataclass
 class TrainingArguments:
     """Settings of one training run (batching, optimiser, schedule, logging, saving, precision).
-    Walkthrough 2.3 | Mirrors: transformers TrainingArguments (5.23 names and defaults)
+    Mirrors: transformers TrainingArguments (5.23 names and defaults)
     Differs: report_to stays "none" (not []); bf16 runs on CPU without use_cpu; fp16 needs CUDA;
     overwrite_output_dir (transformers 4; 5.23 removed it) acts: see below."""
 
@@ -109,6 +110,11 @@ class TrainingArguments:
     eval_strategy: str = "no"
     eval_steps: float | None = None  # None -> logging_steps when eval_strategy="steps"
     eval_on_start: bool = False
+    # compute_metrics: what EvalPrediction carries beside predictions / label_ids ("inputs",
+    # "loss"), how often kept predictions move to the CPU, and per-batch metrics
+    include_for_metrics: list = dataclasses.field(default_factory=list)
+    eval_accumulation_steps: int | None = None
+    batch_eval_metrics: bool = False
     # Saving and best model.
     save_strategy: str = "steps"
     save_steps: float = 500
@@ -187,6 +193,11 @@ class TrainingArguments:
             _fail("output_dir", self.output_dir, "it is an existing file; pass a directory path")
 
     def _validate_numbers(self):
+        for f in dataclasses.fields(self):  # inf and nan slip through every `< 0` check below
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                _fail(f.name, value, f"give a finite number (the default is {f.default!r}); a "
+                      "nan/inf hyperparameter makes the weights nan/inf or the run endless")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
                      "gradient_accumulation_steps"):
             value = getattr(self, name)
@@ -313,7 +324,7 @@ class TrainingArguments:
     @property
     def train_batch_size(self) -> int:
         """Micro-batch size of one process (walkthrough 1: `self._train_batch_size`).
-        Walkthrough 2.3 | Mirrors: transformers TrainingArguments.train_batch_size"""
+        Mirrors: transformers TrainingArguments.train_batch_size"""
         return self.per_device_train_batch_size
 
     @property
@@ -392,7 +403,7 @@ def _jsonable(value):
 @dataclass
 class SFTConfig(TrainingArguments):
     """TrainingArguments plus the dataset and loss settings of supervised fine-tuning.
-    Walkthrough 2.1 | Mirrors: trl SFTConfig (1.16: lr 2e-5, logging_steps 10, checkpointing on)
+    Mirrors: trl SFTConfig (1.16: lr 2e-5, logging_steps 10, checkpointing on)
     Differs: bf16 (None -> not fp16) is accepted on CPU; pad_to_multiple_of has no "auto"."""
 
     # CPU autocast runs bf16 on any CPU: fast with bf16 matrix units (avx512_bf16 or amx_bf16 in
@@ -416,11 +427,22 @@ class SFTConfig(TrainingArguments):
     assistant_only_loss: bool = False
     eos_token: str | None = None
     pad_token: str | None = None
+    # "nll", or "dft" (each token's NLL weighted by its probability, arXiv 2508.05629);
+    # "chunked_nll" is TRL 1.16's deprecated alias of "nll"
     loss_type: str = "nll"
+    eval_packing: bool | None = None  # None: as packing
+    # from_pretrained keywords (dtype, quantization_config, device_map, revision) for a model id
+    model_init_kwargs: dict | str | None = None
 
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16
+        if isinstance(self.model_init_kwargs, str):  # a JSON string from the command line
+            self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        if self.loss_type == "chunked_nll":
+            warnings.warn("loss_type='chunked_nll' is deprecated (as in TRL 1.16); it is "
+                          "loss_type='nll'.", FutureWarning, stacklevel=3)
+            self.loss_type = "nll"
         super().__post_init__()
         bad_length = not isinstance(self.max_length, int) or self.max_length < 1
         if self.max_length is not None and bad_length:
@@ -428,6 +450,6 @@ class SFTConfig(TrainingArguments):
                   "use a whole number of tokens >= 1, or None for no truncation")
         _check_choice("packing_strategy", self.packing_strategy, ("bfd", "bfd_split", "wrapped"))
         _check_choice("truncation_mode", self.truncation_mode, ("keep_start", "keep_end"))
-        _check_choice("loss_type", self.loss_type, ("nll",))
+        _check_choice("loss_type", self.loss_type, ("nll", "dft"))
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             _fail("pad_to_multiple_of", self.pad_to_multiple_of, "use a whole number >= 1 or None")

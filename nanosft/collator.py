@@ -1,6 +1,6 @@
 """Batch collators: pad lists of token ids into tensors and build labels (-100 = no loss).
 
-Guide "数据加载与批处理" (data collators); walkthrough 2.1 (SFTTrainer picks TRL's collator).
+Guide: data collators (数据加载与批处理). SFTTrainer.__init__ picks its `data_collator` here.
 The causal path mirrors TRL's DataCollatorForLanguageModeling (right padding, padding-free
 rows with restarting position_ids); the MLM path mirrors transformers' BERT rule (15%, then
 80/10/10; Devlin et al. 1810.04805). Labels come from the examples, never from `input_ids == pad`,

@@ -3,14 +3,20 @@
 `ModelConfig` holds what `CausalLM` (model.py) is built from, with the field names and defaults of
 transformers' LlamaConfig; `from_dict` / `to_dict` translate config.json in transformers-5 spelling
 (rope_parameters, dtype) and the older one (rope_theta, rope_scaling, torch_dtype), and refuse
-what the hand-written model does not implement (sliding windows, other rope types, activations).
+what the hand-written model does not implement (other rope types, activations). Family configs
+(Qwen2, Qwen3, SmolLM3, Mistral's window) subclass ModelConfig in nanosft.families.
 """
 
 import os
 from dataclasses import dataclass, fields
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+# Llama and Mistral without a window: the same decoder (the other families: nanosft.families)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+# the sizes that build tensors: each must be a positive int
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def _require(ok, message):
@@ -21,9 +27,11 @@ def _require(ok, message):
 @dataclass
 class ModelConfig:
     """Model hyper-parameters under transformers' LlamaConfig names and defaults.
-    Walkthrough 2.6 | Mirrors: transformers LlamaConfig, Qwen2Config, MistralConfig
+    Mirrors: transformers LlamaConfig, MistralConfig
     Differs: rope_theta / rope_scaling stay flat fields; `to_dict` folds them into
     rope_parameters."""
+
+    ARCHITECTURES = ARCHITECTURES  # model_type -> transformers class; a family config's own
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -48,10 +56,19 @@ class ModelConfig:
     dtype: str | None = None  # the checkpoint dtype as config.json names it, e.g. "bfloat16"
 
     def __post_init__(self):
-        _require(self.model_type in ARCHITECTURES, f"config: model_type={self.model_type!r} is "
-                 f"not supported; use one of {list(ARCHITECTURES)}")
-        # Qwen2 has q/k/v biases
-        self.attention_bias = self.attention_bias or self.model_type == "qwen2"
+        for name in SIZES:  # a negative or fractional size would fail deep inside torch
+            value = getattr(self, name)
+            _require(value is None and name in ("num_key_value_heads", "head_dim")
+                     or type(value) is int and value > 0,
+                     f"config: {name}={value!r} must be a positive integer; fix config.json")
+        _require(self.pad_token_id is None or type(self.pad_token_id) is int
+                 and 0 <= self.pad_token_id < self.vocab_size,
+                 f"config: pad_token_id={self.pad_token_id!r} is not a token id of the vocabulary "
+                 f"(0 to {self.vocab_size - 1}); fix config.json (or set it to null)")
+        _require(self.model_type in self.ARCHITECTURES, f"config: model_type={self.model_type!r} "
+                 f"is not supported by {type(self).__name__}; use one of "
+                 f"{list(self.ARCHITECTURES)} (CausalLM.from_pretrained also loads "
+                 "nanosft.families' model types)")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
@@ -73,13 +90,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d):
         """Build a config from a config.json dict in transformers-5 or older spelling.
-        Walkthrough 2.1 | Mirrors: RotaryEmbeddingConfigMixin.standardize_rope_params"""
+        Mirrors: RotaryEmbeddingConfigMixin.standardize_rope_params"""
+        _require(isinstance(d, dict), "config.json must hold a JSON object of fields such as "
+                 f'{{"model_type": "llama", "hidden_size": 4096}}, not a {type(d).__name__}')
         model_type = d.get("model_type", "llama")
-        _require(model_type != "mistral" or d.get("sliding_window") is None,
-                 f"config.json: sliding_window={d.get('sliding_window')} is not supported; set it "
-                 "to null if your texts fit in the window")
-        _require(model_type != "qwen2" or not d.get("use_sliding_window"),
-                 "config.json: use_sliding_window=true is not supported; set it to false")
+        _require(model_type != "mistral" or d.get("sliding_window") is None
+                 or hasattr(cls, "sliding_window"),  # nanosft.families.mistral has the window
+                 f"config.json: sliding_window={d.get('sliding_window')} is not supported by "
+                 f"{cls.__name__}; load it with CausalLM.from_pretrained (nanosft.families)")
         kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         rope = dict(d.get("rope_parameters") or {})  # v5: {"rope_theta", "rope_type", factor, ...}
         kwargs["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
@@ -89,20 +107,27 @@ class ModelConfig:
 
     def to_dict(self):
         """The transformers-5 config.json dict: rope_parameters, dtype, architectures.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.to_dict"""
+        Mirrors: transformers PreTrainedConfig.to_dict"""
         d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("rope_")}
         rope = self.rope_scaling or {"rope_type": "default"}
         d.update(rope_parameters={"rope_theta": self.rope_theta, **rope},
-                 dtype=self.dtype or "float32", architectures=[ARCHITECTURES[self.model_type]],
+                 dtype=self.dtype or "float32", architectures=[self.ARCHITECTURES[self.model_type]],
                  attention_dropout=0.0, use_cache=True)
-        if self.model_type != "llama":  # Mistral's default window is 4096
-            d.update(sliding_window=None, use_sliding_window=False)
+        if self.model_type == "mistral" and not hasattr(self, "sliding_window"):
+            d.update(sliding_window=None)  # transformers' MistralConfig default is 4096
         return dict(sorted(d.items()))
 
     @classmethod
     def from_pretrained(cls, model_dir):
-        """Read model_dir/config.json.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedConfig.from_pretrained"""
-        from nanosft.io import hub  # product layer: imported on use
+        """Read model_dir/config.json; on ModelConfig itself, a family's config class where
+        nanosft.families holds the model_type (Qwen2, Qwen3, ...).
+        Mirrors: transformers PreTrainedConfig.from_pretrained, AutoConfig.from_pretrained"""
+        from nanosft.families import config_from_dict  # product layer: imported on use
+        from nanosft.io import hub
 
-        return cls.from_dict(hub.read_json(os.path.join(model_dir, "config.json")))
+        path = os.path.join(model_dir, "config.json")
+        try:
+            d = hub.read_json(path)
+            return config_from_dict(d) if cls is ModelConfig else cls.from_dict(d)
+        except ValueError as error:  # the message names the field; this adds the file
+            raise ValueError(f"{path}: {error}") from None

@@ -1,6 +1,6 @@
 """SFT datasets: read examples, tell TRL's dataset formats apart, tokenize with loss masks, pack.
 
-Walkthrough 2.1 (SFTTrainer.__init__ prepares `train_dataset` before Trainer sees it). Examples come
+SFTTrainer.__init__ prepares `train_dataset` with it before Trainer sees it. Examples come
 from JSONL / JSON / Parquet / CSV files, lists, datasets.Dataset-like sequences or iterables.
 `prepare_dataset` follows TRL SFTTrainer._prepare_dataset step by step:
 append EOS, tokenize (chat template for conversations), completion / assistant masks -> labels
@@ -34,8 +34,14 @@ COLUMNAR = {".parquet": "parquet", ".csv": "csv"}  # read through `datasets` (a 
 def _read_jsonl(path):
     """One JSON object per line (blank lines skipped); returns (examples, where-strings)."""
     examples, wheres = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes, so a line that is not UTF-8 is named by its number
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}, line {n}: not UTF-8 text (byte "
+                                 f"{raw[error.start]:#04x} at column {error.start + 1}); fix: save "
+                                 "the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -56,6 +62,10 @@ def _read_json_array(path):
     with open(path, encoding="utf-8") as f:
         try:
             examples = json.load(f)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} "
+                             f"at byte offset {error.start} of a read block); fix: save the file "
+                             "as UTF-8") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}: not valid JSON ({error.msg}, line {error.lineno} column "
                              f"{error.colno}); fix: a .json dataset is one array of objects, "
@@ -75,13 +85,21 @@ def _read_columnar(path, kind):
         raise ImportError(f"{path}: reading .{kind} files needs the datasets library; fix: "
                           'pip install "nanosft[data]" (or pip install datasets), or convert '
                           "the file to JSONL") from None
-    examples = datasets.load_dataset(kind, data_files=os.fspath(path), split="train").to_list()
+    try:
+        examples = datasets.load_dataset(kind, data_files=os.fspath(path), split="train").to_list()
+    except Exception as error:  # noqa: BLE001 (datasets wraps the parser's error, e.g. a ragged row)
+        fix = ("give every row as many fields as the header, or convert the file to JSONL"
+               if kind == "csv" else "re-save the file, or convert it to JSONL")
+        cause = error.__cause__ or error
+        reason = " ".join(str(cause).split())
+        raise ValueError(f"{path}: cannot read it as .{kind} ({type(cause).__name__}: {reason}); "
+                         f"fix: {fix}") from error
     return examples, [f"{path}, row {i}" for i in range(len(examples))]
 
 
 def read_dataset_file(path):
     """Rows of a .jsonl, .json (array or JSON Lines), .parquet or .csv file; others read as JSONL.
-    Walkthrough 2.1 | Mirrors: datasets load_dataset("json" | "parquet" | "csv", data_files=path)"""
+    Mirrors: datasets load_dataset("json" | "parquet" | "csv", data_files=path)"""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file; give a .jsonl, .json, .parquet or .csv "
                                 "file of examples")
@@ -89,7 +107,7 @@ def read_dataset_file(path):
     if suffix in COLUMNAR:
         return _read_columnar(path, COLUMNAR[suffix])
     if suffix == ".json":
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:  # a decode error: named below
             head = f.read(4096).lstrip()
         if head.startswith("["):
             return _read_json_array(path)
@@ -99,7 +117,7 @@ def read_dataset_file(path):
 def to_example_list(source, name="the dataset", max_steps=None):
     """(examples, where-strings) from a path, a list, any sequence of dicts (a datasets.Dataset,
     not imported) or an iterable of dicts (an IterableDataset: then max_steps > 0 is required).
-    Walkthrough 2.1 | Mirrors: the datasets TRL accepts as train_dataset / eval_dataset
+    Mirrors: the datasets TRL accepts as train_dataset / eval_dataset
     Differs: an iterable is read into memory at the start; TRL streams it."""
     if isinstance(source, (str, os.PathLike)):
         examples, wheres = read_dataset_file(source)
@@ -135,7 +153,7 @@ def to_example_list(source, name="the dataset", max_steps=None):
 
 def dataset_format(example, dataset_text_field="text"):
     """Name an example's TRL format (one of FORMATS); raises if it has none of their fields.
-    Walkthrough 2.1 | Mirrors: trl is_conversational and the branches of SFTTrainer tokenize_fn"""
+    Mirrors: trl is_conversational and the branches of SFTTrainer tokenize_fn"""
     if "prompt" in example or "completion" in example:
         missing = "completion" if "prompt" in example else "prompt"
         if missing not in example:
@@ -154,7 +172,10 @@ def dataset_format(example, dataset_text_field="text"):
 def _check_field(example, field, kind):
     value = example[field]
     if kind == "str" and not isinstance(value, str):
-        raise TypeError(f"field {field!r} must be a string, got {type(value).__name__}")
+        raise TypeError(f"field {field!r} must be a string, got {type(value).__name__} {value!r}; "
+                        "fix: write it as "
+                        f"text, e.g. \"{value}\" in JSONL (a CSV column holding only numbers is "
+                        "read as numbers: convert such a file to JSONL)")
     if kind == "messages":
         try:
             validate_messages(value)
@@ -164,7 +185,7 @@ def _check_field(example, field, kind):
 
 def check_example(example, dataset_text_field="text"):
     """Validate one example's fields for its format; returns the format name.
-    Walkthrough 2.1 | Mirrors: the checks TRL leaves to a failing tokenizer call
+    Mirrors: the checks TRL leaves to a failing tokenizer call
     Differs: fails early."""
     fmt = dataset_format(example, dataset_text_field)
     kinds = {"language_modeling": {dataset_text_field: "str"},
@@ -179,7 +200,7 @@ def check_example(example, dataset_text_field="text"):
 def load_examples(source, dataset_text_field="text", max_steps=None, name="the dataset"):
     """Examples from a file, list, sequence or iterable (see to_example_list), each checked and all
     of one format (tokenized rows pass as they are); fields a format does not use are ignored.
-    Walkthrough 2.1 | Mirrors: datasets load_dataset + TRL's format detection"""
+    Mirrors: datasets load_dataset + TRL's format detection"""
     examples, wheres = to_example_list(source, name, max_steps)
     if "input_ids" in examples[0]:
         return examples  # already tokenized: TRL skips straight to labels, truncation, packing
@@ -199,7 +220,7 @@ def load_examples(source, dataset_text_field="text", max_steps=None, name="the d
 
 def common_prefix_length(ids, other_ids):
     """Number of leading tokens two id lists share.
-    Walkthrough 2.1 | Mirrors: trl common_prefix_length"""
+    Mirrors: trl common_prefix_length"""
     n = 0
     for a, b in zip(ids, other_ids):
         if a != b:
@@ -211,7 +232,7 @@ def common_prefix_length(ids, other_ids):
 def assistant_char_spans(tokenizer, messages):
     """Character span of each assistant turn in the rendered chat, found by rendering prefixes:
     turn i runs from len(render(messages[:i]) + generation prompt) to len(render(messages[:i+1])).
-    Walkthrough 2.1 | Mirrors: transformers {% generation %} spans
+    Mirrors: transformers {% generation %} spans
     Differs: needs no template tags."""
     full = tokenizer.render_chat(messages)
     spans = []
@@ -233,7 +254,6 @@ def assistant_char_spans(tokenizer, messages):
 
 def assistant_token_mask(tokenizer, messages, input_ids):
     """1 on every token overlapping an assistant turn (content and `<|im_end|>`), else 0.
-    Walkthrough 2.1
     Mirrors: transformers apply_chat_template(return_assistant_tokens_mask=True)"""
     ids, offsets = tokenizer.encode_with_offsets(tokenizer.render_chat(messages))
     if list(ids) != list(input_ids):
@@ -249,7 +269,7 @@ def assistant_token_mask(tokenizer, messages, input_ids):
 def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_token=None,
                      assistant_only_loss=False):
     """Token ids of one example plus `completion_mask` / `assistant_masks` where they apply.
-    Walkthrough 2.1 | Mirrors: trl SFTTrainer._prepare_dataset add_eos + tokenize_fn"""
+    Mirrors: trl SFTTrainer._prepare_dataset add_eos + tokenize_fn"""
     eos = eos_token or tokenizer.eos_token
     if fmt == "language_modeling":
         text = example[dataset_text_field]
@@ -287,7 +307,7 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
 
 def build_labels(input_ids, masks):
     """labels[i] = input_ids[i] where every mask is 1, else -100.
-    Walkthrough 2.1 | Mirrors: trl SFTTrainer._prepare_dataset build_labels"""
+    Mirrors: trl SFTTrainer._prepare_dataset build_labels"""
     return [tok if all(bits) else -100 for tok, *bits in zip(input_ids, *masks)]
 
 
@@ -296,7 +316,7 @@ def build_labels(input_ids, masks):
 def _bfd_bins(lengths, seq_length):
     """Best-Fit-Decreasing: longest first, each into the open bin with the least room that fits
     (oldest first among equal room), else a new bin. Returns bins as lists of indices.
-    Walkthrough 2.1 | Mirrors: trl _pack_bfd, _SegmentTree
+    Mirrors: trl _pack_bfd, _SegmentTree
     Differs: a sorted list of free spaces."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable, as Arrow's sort
     bins, free, by_free = [], [], defaultdict(deque)  # free: sorted distinct spaces of open bins
@@ -344,7 +364,7 @@ def _pack_batch_wrapped(rows, seq_length):
 
 def pack_dataset(examples, max_length, strategy="bfd"):
     """Pack token rows into rows of at most max_length, per 1000-example batch (bfd: seq_lengths).
-    Walkthrough 2.1 | Mirrors: trl pack_dataset (strategies bfd, bfd_split, wrapped)"""
+    Mirrors: trl pack_dataset (strategies bfd, bfd_split, wrapped)"""
     if strategy not in PACKING_STRATEGIES:
         raise ValueError(f"unknown packing strategy {strategy!r}; expected one of "
                          f"{PACKING_STRATEGIES}")
@@ -364,24 +384,39 @@ def pack_dataset(examples, max_length, strategy="bfd"):
 
 # ----------------------------------------------------------------------------- whole preparation
 
-def _drop_fully_masked(rows):
+def _drop_fully_masked(rows, name="the dataset"):
     kept = [row for row in rows if any(label != -100 for label in row["labels"])]
     if len(kept) < len(rows):
-        logger.warning("dropped %d of %d examples with no trainable token after masking and "
-                       "truncation", len(rows) - len(kept), len(rows))
+        logger.warning("%s: dropped %d of %d examples with no trainable token after masking and "
+                       "truncation (max_length cut off every completion or assistant token)",
+                       name, len(rows) - len(kept), len(rows))
     if not kept:
-        raise ValueError(f"all {len(rows)} examples have labels that are all -100 (nothing to "
-                         "train on); fix: raise max_length, or check the prompt/completion or "
-                         "assistant turns")
+        raise ValueError(f"{name}: all {len(rows)} examples have labels that are all -100 "
+                         "(nothing to train on); fix: raise max_length, or check the "
+                         "prompt/completion or assistant turns")
     return kept
+
+
+def _check_tokens_to_train(rows, name):
+    # labels[0] is never predicted (the loss shifts by one), so a one-token row, such as an empty
+    # text plus EOS, trains nothing; TRL keeps such rows, so they stay, with a warning
+    empty = sum(not any(label != -100 for label in row["labels"][1:]) for row in rows)
+    if empty == len(rows):
+        raise ValueError(f"{name}: no example has a token to train on ({empty} examples, each "
+                         "with an empty text or completion); fix: give examples with text")
+    if empty:
+        logger.warning("%s: %d of %d examples have no token to train on (an empty text or "
+                       "completion); they add nothing to the loss", name, empty, len(rows))
 
 
 def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, packing_strategy="bfd",
                     completion_only_loss=None, assistant_only_loss=False, dataset_text_field="text",
-                    eos_token=None):
+                    eos_token=None, name=None):
     """Examples (path or dicts) -> rows of `input_ids`, `labels` (-100 = no loss) [, `seq_lengths`].
-    Walkthrough 2.1
-    Mirrors: trl SFTTrainer._prepare_dataset (+ SFTTrainer.__init__ option checks)"""
+    Mirrors: trl SFTTrainer._prepare_dataset (+ SFTTrainer.__init__ option checks)
+    `name` (the data file, or e.g. "train_dataset") is what warnings and errors call it."""
+    if name is None:
+        name = os.fspath(examples) if isinstance(examples, (str, os.PathLike)) else "the dataset"
     examples = load_examples(examples, dataset_text_field)
     if "input_ids" in examples[0]:
         fmt = "tokenized"
@@ -408,8 +443,10 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
     if packing:
         if max_length is None:
             raise ValueError("packing=True needs max_length (the packed row length), got None")
+        _check_tokens_to_train(rows, name)
         return pack_dataset(rows, max_length, packing_strategy)
+    _check_tokens_to_train(rows, name)
     if max_length is not None:  # keep_start truncation, then drop rows left without a target
         rows = [{k: v[:max_length] for k, v in row.items()} for row in rows]
-        rows = _drop_fully_masked(rows)
+        rows = _drop_fully_masked(rows, name)
     return rows

@@ -3,13 +3,19 @@
 The guide's "distributed training" part. `torchrun --nproc_per_node N` sets RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `init_distributed` turns them into a process group (gloo on
 CPU, nccl on CUDA). `shard_batches` gives each rank its share of the seeded epoch order
-(accelerate's BatchSamplerShard). FSDP2 lives in fsdp.py and tensor parallelism in
-tensor_parallel.py, both built on this module. Imports nothing of nanosft, so every layer above
-can use it.
+(accelerate's BatchSamplerShard). FSDP2 lives in parallel/fsdp.py and tensor parallelism in
+parallel/tensor_parallel.py, both built on this module. `check_ranks_agree` stops every rank,
+naming the odd ones, when they hold different data or step plans (they would wait in a
+collective until ddp_timeout otherwise), and `explain_timeout` turns that wait into a message.
+Imports nothing of nanosft, so every layer above can use it.
 """
 
+import array
+import contextlib
+import hashlib
 import os
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -112,7 +118,7 @@ def shard_batches(
 
 def require_process_group(feature: str) -> None:
     """Raise, naming the fix, when there is no multi-process group (a plain `python script.py`).
-    Guide: FSDP, tensor parallel | Mirrors: accelerate PartialState (distributed_type checks)"""
+    Guide: distributed training | Mirrors: accelerate PartialState (distributed_type checks)"""
     if get_world_size() > 1:
         return
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
@@ -126,7 +132,7 @@ def require_process_group(feature: str) -> None:
 # ----------------------------------------------------------------------------- DTensor helpers
 def is_dtensor(value) -> bool:
     """True for a DTensor (a parameter sharded by FSDP2 or tensor parallel).
-    Guide: FSDP, tensor parallel | Mirrors: isinstance(value, torch.distributed.tensor.DTensor)
+    Guide: distributed training | Mirrors: isinstance(value, torch.distributed.tensor.DTensor)
     Differs: never imports torch.distributed.tensor (seconds of sympy), so `import nanosft.sft`
     does not pay for it: no DTensor can exist before that import."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -135,5 +141,96 @@ def is_dtensor(value) -> bool:
 
 def to_full(tensor):
     """The whole tensor behind a DTensor (a collective: every rank calls it), any other value
-    unchanged. Guide: FSDP, tensor parallel | Mirrors: torch DTensor.full_tensor"""
+    unchanged. Guide: distributed training | Mirrors: torch DTensor.full_tensor"""
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+# ----------------------------------------------------------------------------- ranks agree
+FINGERPRINT_KEYS = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
+
+
+def _int64_bytes(value) -> bytes:
+    """A token list or tensor as int64 bytes: what the fingerprint hashes."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    try:
+        return array.array("q", value).tobytes()  # a flat list of ints (or bools)
+    except TypeError:  # nested lists
+        return torch.as_tensor(value).to(torch.int64).numpy().tobytes()
+
+
+def fingerprint_examples(dataset, keys=FINGERPRINT_KEYS) -> str:
+    """16 hex digits of BLAKE2b over each example's `keys` (token ids, labels, masks), in order:
+    two ranks get the same string only when they hold the same tokenized examples."""
+    digest = hashlib.blake2b(digest_size=8)
+    for i in range(len(dataset)):
+        example = dataset[i]
+        if not isinstance(example, Mapping):
+            continue
+        for key in keys:
+            if example.get(key) is not None:
+                digest.update(key.encode())
+                digest.update(_int64_bytes(example[key]))
+    return digest.hexdigest()
+
+
+def _ranks(ranks: list) -> str:
+    """[1] -> 'rank 1'; [0, 2, 3] -> 'ranks 0, 2 and 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def ranks_disagree_message(per_rank: list) -> str | None:
+    """The error for `per_rank` (one dict of named values per rank, in rank order) when the ranks
+    hold different values, naming the ranks that differ from rank 0 and each value's ranks; None
+    when all agree."""
+    differ = [name for name in per_rank[0] if len({repr(v.get(name)) for v in per_rank}) > 1]
+    if not differ:
+        return None
+    odd = [rank for rank, values in enumerate(per_rank) if values != per_rank[0]]
+    parts = []
+    for name in differ:
+        holders = {}  # value -> the ranks holding it, in rank order
+        for rank, values in enumerate(per_rank):
+            holders.setdefault(repr(values.get(name)), []).append(rank)
+        listed = ", ".join(f"{value} on {_ranks(ranks)}" for value, ranks in holders.items())
+        parts.append(f"{name}: {listed}")
+    return (f"{_ranks(odd)} {'does' if len(odd) == 1 else 'do'} not hold the same training data "
+            f"and step plan as rank 0 ({'; '.join(parts)}). The ranks would wait for each other "
+            "in a collective until ddp_timeout, or train on different data, so every rank stops. "
+            "Every rank must read the same training file with the same arguments: with a "
+            "multi-node run, copy the same file to each node.")
+
+
+def check_ranks_agree(named_values: dict) -> None:
+    """Raise ValueError on every rank, naming the ranks that differ, unless all ranks hold the same
+    `named_values` (e.g. num_examples, a data fingerprint, max_steps); a no-op for one process.
+    Differs: transformers and accelerate trust the ranks to agree."""
+    if get_world_size() <= 1:
+        return
+    per_rank = [None] * get_world_size()
+    dist.all_gather_object(per_rank, named_values)  # every rank sees every rank's values
+    message = ranks_disagree_message(per_rank)
+    if message is not None:
+        raise ValueError(message)
+
+
+@contextlib.contextmanager
+def explain_timeout(ddp_timeout):
+    """Turn a collective that waited longer than ddp_timeout seconds (gloo raises a RuntimeError)
+    into a TimeoutError that names the setting; closes the process group first (a gloo group
+    left open after a timeout aborts the process at exit). NCCL's watchdog ends its process
+    itself."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not (is_initialized() and "timed out" in str(error).lower()):
+            raise
+        rank = get_rank()
+        cleanup()
+        raise TimeoutError(
+            f"rank {rank} waited longer than ddp_timeout={ddp_timeout} s for the other ranks in "
+            f"a collective ({error}). Another rank is stuck, stopped or far slower (its own log "
+            "says why: a dead node, an error on that rank, a long save); for slow steps raise "
+            "--ddp_timeout.") from error

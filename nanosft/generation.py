@@ -10,7 +10,7 @@ import torch
 
 def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):
     """One id per row of (B, V) logits: argmax at temperature 0, else sampling after temperature,
-    top-k, top-p. Walkthrough guide: generation | Mirrors: transformers TemperatureLogitsWarper,
+    top-k, top-p. Mirrors: transformers TemperatureLogitsWarper,
     TopKLogitsWarper, TopPLogitsWarper"""
     if not temperature:
         return logits.argmax(dim=-1)
@@ -31,8 +31,12 @@ def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None):
 def generate(model, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
              top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
     """Prompt + new ids (B, T + n) decoded with a (k, v) cache; rows that hit eos are padded.
-    Walkthrough guide: generation | Mirrors: transformers GenerationMixin._sample
+    Mirrors: transformers GenerationMixin._sample
     streamer(ids), when given, is called with each step's (B,) new ids."""
+    if temperature and not temperature > 0:  # a negative one would invert the distribution
+        raise ValueError(f"temperature (={temperature}) has to be a strictly positive float to "
+                         "sample, or 0 for greedy decoding (as transformers' "
+                         "TemperatureLogitsWarper)")
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
     eos = torch.tensor([] if eos is None else eos, dtype=torch.long,
                        device=input_ids.device).reshape(-1)

@@ -1,6 +1,6 @@
 """The guide's gradient-accumulation loop written by hand, no Trainer, in importable pieces.
 
-Guide: 自定义训练 (the training loop without the Trainer API). Read top to bottom: `windows` cuts
+Guide: custom training loop (自定义训练: no Trainer API). Read top to bottom: `windows` cuts
 an epoch into optimizer steps, `count_window_tokens` is a window's divisor, `no_sync` and
 `micro_step` are one forward/backward, `optimizer_step` clips and steps under a GradScaler, and
 `train_loop` strings them together. It is trainer.py's `_inner_training_loop` less the bookkeeping

@@ -23,13 +23,13 @@ from nanosft.reference import fast_path
 
 def base_weight(base_layer):
     """Float weight [out, in] of a base layer: dequantized (a new tensor) for `Linear4bit`, else
-    the parameter itself. Walkthrough 2.7 | Mirrors: peft dequantize_module_weight"""
+    the parameter itself. Mirrors: peft dequantize_module_weight"""
     return base_layer.dequantize() if isinstance(base_layer, Linear4bit) else base_layer.weight
 
 
 def set_base_weight(base_layer, weight):
     """Write a float [out, in] weight back: requantize a `Linear4bit` (lossy), else copy it in.
-    Walkthrough 2.7 | Mirrors: peft bnb Linear4bit.merge (Params4bit(w_data).to(device))"""
+    Mirrors: peft bnb Linear4bit.merge (Params4bit(w_data).to(device))"""
     if isinstance(base_layer, Linear4bit):
         base_layer.set_weight(weight)  # quantized in weight.dtype, as peft's Params4bit(w_data) is
     else:
@@ -45,7 +45,8 @@ def dora_weight_norm(weight, lora_weight, scaling):
 
 class DoraMagnitude(nn.Module):
     """DoRA's magnitude m (`.weight`, [out]); calling it returns the term added to the base output.
-    Walkthrough 2.7 (DoRA branch) | Mirrors: peft DoraLinearLayer.forward"""
+    What 2.7's DoRA branch calls as `self.lora_magnitude_vector[active_adapter](...)`.
+    Mirrors: peft DoraLinearLayer.forward"""
 
     def __init__(self, weight_norm):
         super().__init__()
@@ -53,7 +54,7 @@ class DoraMagnitude(nn.Module):
 
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None):
         """The DoRA term (B, T, out) turning `base_result` into m / ||W + s B A|| * (W x + s B A x).
-        Walkthrough 2.7 | Mirrors: peft DoraLinearLayer.forward"""
+        Mirrors: peft DoraLinearLayer.forward"""
         # B @ A through the modules on an identity, as peft does: (in, in) -> (in, out) -> T
         A = lora_A.weight
         eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
@@ -87,6 +88,8 @@ class AdapterLinear(nn.Linear):
 
 class LoraLinear(nn.Module):
     """A frozen base linear plus low-rank adapters by name: y = base(x) + B(A(dropout(x))) * s.
+    This is the walkthrough's `Linear4bit` of 2.7 (peft's LoRA layer; over a float base, its
+    `Linear`), not nf4.Linear4bit, which is its base_layer.
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
     Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
 
@@ -134,13 +137,13 @@ class LoraLinear(nn.Module):
 
     def get_base_layer(self):
         """The wrapped frozen layer (2.7: `base_layer=self.get_base_layer()`).
-        Walkthrough 2.7 | Mirrors: peft BaseTunerLayer.get_base_layer"""
+        Mirrors: peft BaseTunerLayer.get_base_layer"""
         return self.base_layer
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
                      use_dora=False, init_lora_weights=True):
         """Add adapter `adapter_name`: A and B (B zero by default: it starts as the identity),
-        scaling, DoRA's m. Walkthrough 2.7 | Mirrors: peft LoraLayer.update_layer,
+        scaling, DoRA's m. Mirrors: peft LoraLayer.update_layer,
         reset_lora_parameters, DoraLinearVariant.init"""
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a "
@@ -174,7 +177,7 @@ class LoraLinear(nn.Module):
         """True: A ~ Kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
         "gaussian": A ~ N(0, 1/r), B = 0. False: both keep nn.Linear's init, so the adapter does
         not start as the identity (for tests).
-        Walkthrough 2.7 | Mirrors: peft LoraLayer.reset_lora_parameters"""
+        Mirrors: peft LoraLayer.reset_lora_parameters"""
         if init_lora_weights is False:
             return
         A = self.lora_A[adapter_name].weight
@@ -196,7 +199,7 @@ class LoraLinear(nn.Module):
 
     def set_adapter(self, adapter_names):
         """Make `adapter_names` the active adapters; only their parameters require grad.
-        Walkthrough 2.7 (active_adapters) | Mirrors: peft BaseTunerLayer.set_adapter"""
+        Mirrors: peft BaseTunerLayer.set_adapter"""
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         for layer in (self.lora_A, self.lora_B, self.lora_magnitude_vector):
             for key, module in layer.items():
@@ -205,7 +208,7 @@ class LoraLinear(nn.Module):
 
     def enable_adapters(self, enabled):
         """Switch all adapters on (the active ones trainable again) or off (all frozen).
-        Walkthrough 2.7 | Mirrors: peft BaseTunerLayer.enable_adapters"""
+        Mirrors: peft BaseTunerLayer.enable_adapters"""
         if enabled:
             self.set_adapter(self.active_adapters)
         else:
@@ -215,7 +218,7 @@ class LoraLinear(nn.Module):
 
     def get_delta_weight(self, adapter_name):
         """The adapter's weight update B @ A * scaling, [out, in] (CPU fp16/bf16: product in fp32).
-        Walkthrough 2.7 | Mirrors: peft lora.Linear.get_delta_weight"""
+        Mirrors: peft lora.Linear.get_delta_weight"""
         A, B = self.lora_A[adapter_name].weight, self.lora_B[adapter_name].weight
         upcast = A.device.type == "cpu" and A.dtype in (torch.float16, torch.bfloat16)
         delta = (B.float() @ A.float() if upcast else B @ A) * self.scaling[adapter_name]
@@ -249,7 +252,7 @@ class LoraLinear(nn.Module):
     @torch.no_grad()
     def merge(self, adapter_names=None):
         """Fold adapters into the base weight (4-bit: dequantize, add, requantize: slightly lossy).
-        Walkthrough 2.7 (merged) | Mirrors: peft lora.Linear.merge, lora.bnb.Linear4bit.merge"""
+        Mirrors: peft lora.Linear.merge, lora.bnb.Linear4bit.merge"""
         names = self.active_adapters if adapter_names is None else adapter_names
         if isinstance(names, str):
             raise TypeError("merge: adapter_names must be a list of names, "
@@ -262,7 +265,7 @@ class LoraLinear(nn.Module):
     @torch.no_grad()
     def unmerge(self):
         """Take merged adapters out of the base weight again, last merged first.
-        Walkthrough 2.7 (disable_adapters -> unmerge) | Mirrors: peft lora.Linear.unmerge"""
+        What 2.7's disable_adapters branch calls. Mirrors: peft lora.Linear.unmerge"""
         if not self.merged:
             warnings.warn("LoraLinear.unmerge: already unmerged, nothing to do.")
             return
@@ -383,7 +386,7 @@ class LoraLinear(nn.Module):
 
 class ModulesToSaveWrapper(nn.Module):
     """Keeps the frozen `original_module`; trains a full copy under `modules_to_save.<adapter>`.
-    Walkthrough 2.1 | Mirrors: peft ModulesToSaveWrapper"""
+    Mirrors: peft ModulesToSaveWrapper"""
 
     def __init__(self, module, adapter_name, trainable=True):
         super().__init__()
@@ -405,7 +408,7 @@ class ModulesToSaveWrapper(nn.Module):
 def prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
                                     gradient_checkpointing_kwargs=None):
     """Freeze everything, upcast fp16/bf16 (non-4-bit) params to fp32; 4-bit: checkpointing on.
-    Walkthrough 2.1 | Mirrors: peft prepare_model_for_kbit_training (an opt-in step TRL skips)"""
+    Mirrors: peft prepare_model_for_kbit_training (an opt-in step TRL skips)"""
     kwargs = gradient_checkpointing_kwargs or {}
     for p in model.parameters():
         p.requires_grad = False

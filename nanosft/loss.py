@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 def causal_lm_loss(logits, labels, num_items_in_batch=None):
     """Next-token cross entropy over fp32 logits, -100 ignored; sum / num_items_in_batch when
-    given, else mean. Walkthrough 2.5 | Mirrors: transformers ForCausalLMLoss,
+    given, else mean. Mirrors: transformers ForCausalLMLoss,
     fixed_cross_entropy"""
     logits = logits.float()
     # Shift the labels, not the logits: position t predicts labels[t+1], the last one gets -100.

@@ -10,14 +10,14 @@ import torch
 
 def packed_segment_ids(position_ids):
     """Document index per token (B, T): a new document wherever position_ids does not step by +1.
-    Walkthrough 2.6 | Mirrors: transformers masking_utils.find_packed_sequence_indices"""
+    Mirrors: transformers masking_utils.find_packed_sequence_indices"""
     step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
     return (step != 1).cumsum(-1)
 
 
 def build_attention_mask(attention_mask, position_ids, q_len, past_len):
     """Boolean SDPA mask (B|1, 1, T, past+T), True = attend; None where plain causal is exact.
-    Walkthrough 2.6 | Mirrors: transformers masking_utils.create_causal_mask (sdpa, packed)"""
+    Mirrors: transformers masking_utils.create_causal_mask (sdpa, packed)"""
     padded = attention_mask is not None and not bool(attention_mask.all())
     seg = packed_segment_ids(position_ids) if attention_mask is None and past_len == 0 else None
     packed = seg is not None and bool(seg[:, -1].any())  # some row holds several documents

@@ -132,7 +132,9 @@ def cpu_kernels_decode(in_features, blocksize, device):
 
 class Linear4bit(nn.Module):
     """A frozen linear layer whose weight lives as NF4 codes; forward dequantizes and matmuls.
-    Walkthrough 2.7 base_layer | Mirrors: bitsandbytes.nn.Linear4bit, Params4bit
+    bitsandbytes' layer: what 2.7's `self.base_layer(x)` runs. The walkthrough's
+    `Linear4bit.forward` is peft's LoRA layer: lora.LoraLinear.forward.
+    Mirrors: bitsandbytes.nn.Linear4bit, Params4bit
     Differs: quantizes at construction (not on `.to(device)`); on CPU, eval mode keeps dequantize +
     matmul where bnb repacks for its AVX512-BF16 kernel (other numerics than train mode)."""
 
@@ -158,7 +160,7 @@ class Linear4bit(nn.Module):
     @classmethod
     def from_linear(cls, linear, compute_dtype=None, blocksize=64, compress_statistics=True):
         """Quantize an `nn.Linear` (weight and bias copied, no RNG consumed) into a `Linear4bit`.
-        Walkthrough 2.7 | Mirrors: transformers bnb loading (quantize_4bit of the weight)"""
+        Mirrors: transformers bnb loading (quantize_4bit of the weight)"""
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     compute_dtype=compute_dtype, compress_statistics=compress_statistics,
                     blocksize=blocksize, weight=linear.weight.data)
@@ -200,7 +202,8 @@ class Linear4bit(nn.Module):
 
     def forward(self, x):
         """y = x W^T + b, W dequantized inside `bnb.matmul_4bit`, in train and eval mode alike.
-        Walkthrough 2.7 base_layer | Mirrors: bitsandbytes.nn.Linear4bit.forward
+        What 2.7's `self.base_layer(x)` runs (2.7's forward is lora.LoraLinear.forward).
+        Mirrors: bitsandbytes.nn.Linear4bit.forward
         Differs: no CPU inference repack: bnb's bf16 gemv changes the numerics against train
         mode, and without its optional `kernels` package it is slower than dequantize + matmul."""
         if not self.compute_type_is_set:  # first call fixes the compute dtype from the input
@@ -269,7 +272,7 @@ class Linear4bit(nn.Module):
 class BitsAndBytesConfig:
     """4-bit loading options under transformers' names and defaults (fp4, no double quant, fp32
     compute); pass it to `CausalLM.from_pretrained(quantization_config=...)`.
-    Walkthrough 2.1 | Mirrors: transformers BitsAndBytesConfig
+    Mirrors: transformers BitsAndBytesConfig
     Differs: 4-bit only; uint8 storage only; skip patterns match names, not regexes."""
 
     load_in_4bit: bool = False
@@ -333,7 +336,7 @@ class BitsAndBytesConfig:
 
     def quantize(self, weight, bias=None):
         """A `Linear4bit` holding `weight` (already in the load dtype) and `bias` as given.
-        Walkthrough 2.1 | Mirrors: transformers Bnb4BitHfQuantizer (quantize_4bit per weight)"""
+        Mirrors: transformers Bnb4BitHfQuantizer (quantize_4bit per weight)"""
         layer = Linear4bit(weight.shape[1], weight.shape[0], bias=False,
                            compute_dtype=self.bnb_4bit_compute_dtype,
                            compress_statistics=self.bnb_4bit_use_double_quant,
@@ -344,7 +347,7 @@ class BitsAndBytesConfig:
 
 def quantize_model(model, skip_modules=("lm_head",), compute_dtype=None, compress_statistics=True):
     """Swap every `nn.Linear` in `model` (in place) for a `Linear4bit`, except `skip_modules`.
-    Walkthrough 2.1 (model loading) | Mirrors: transformers replace_with_bnb_linear"""
+    Mirrors: transformers replace_with_bnb_linear"""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
@@ -363,5 +366,5 @@ def quantize_model(model, skip_modules=("lm_head",), compute_dtype=None, compres
 
 def is_quantized(model):
     """True when any module of `model` is a `Linear4bit`.
-    Walkthrough 2.1 | Mirrors: transformers `model.is_loaded_in_4bit`"""
+    Mirrors: transformers `model.is_loaded_in_4bit`"""
     return any(isinstance(m, Linear4bit) for m in model.modules())

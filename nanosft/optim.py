@@ -1,7 +1,7 @@
 """Optimizer and learning-rate schedule: weight-decay groups, AdamW / 8-bit AdamW / SGD, every
 HF schedule.
 
-Guide (custom training loop): 优化器配置与管理 -> AdamW优化器实现 (two parameter groups,
+Guide: optimizers and schedulers. 优化器配置与管理 -> AdamW优化器实现 (two parameter groups,
 decoupled weight decay, Loshchilov & Hutter 1711.05101) and 学习率调度器类型 (linear, cosine,
 constant, warmup, plateau). Each schedule is a named multiplier function
 `lr_lambda(step) -> factor` wrapped in torch's LambdaLR, so optimizer step s (1-based) runs at
@@ -32,7 +32,7 @@ def _is_norm_module(module: nn.Module) -> bool:
 def get_decay_parameter_names(model: nn.Module) -> list[str]:
     """Names of the parameters that get weight decay: all but biases and norm weights, in
     model order.
-    Guide: AdamW优化器实现 | Mirrors: transformers Trainer.get_decay_parameter_names
+    Guide: optimizers and schedulers | Mirrors: transformers Trainer.get_decay_parameter_names
     Differs: RMSNorm modules are excluded by class too, not only by their attribute name."""
     patterns = [re.compile(p) for p in NO_DECAY_PATTERNS]
     norm_prefixes = [prefix + "." for prefix, m in model.named_modules()
@@ -50,7 +50,7 @@ def get_decay_parameter_names(model: nn.Module) -> list[str]:
 def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two optimizer groups of trainable parameters: [decayed, weight_decay=0.0]; empty groups
     are kept.
-    Guide: 分组参数权重衰减
+    Guide: optimizers and schedulers (分组参数权重衰减)
     Mirrors: transformers Trainer.create_optimizer (optimizer_grouped_parameters)"""
     decay = set(get_decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -118,7 +118,8 @@ def _sgd(groups, args):
 
 def create_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     """Build args.optim over the two weight-decay groups of `model`'s trainable parameters.
-    Guide: 创建优化器 | Mirrors: transformers Trainer.create_optimizer, get_optimizer_cls_and_kwargs
+    Guide: optimizers and schedulers | Mirrors: transformers Trainer.create_optimizer,
+    get_optimizer_cls_and_kwargs.
     adamw_torch_fused -> torch AdamW(fused=True) (runs on CPU too in torch >= 2.4);
     adamw_torch -> foreach."""
     groups = get_parameter_groups(model, args.weight_decay)
@@ -350,7 +351,8 @@ def get_scheduler(name, optimizer, num_warmup_steps=None, num_training_steps=Non
                   scheduler_specific_kwargs=None, **kwargs):
     """Learning-rate scheduler `name` over `optimizer`; extra settings come in
     scheduler_specific_kwargs.
-    Guide: 学习率调度器类型 | Mirrors: transformers.optimization.get_scheduler
+    Guide: optimizers and schedulers (学习率调度器类型)
+    Mirrors: transformers.optimization.get_scheduler
     "constant" ignores warmup; "reduce_lr_on_plateau" is torch's ReduceLROnPlateau, stepped with
     an eval metric."""
     kw = {**(scheduler_specific_kwargs or {}), **kwargs}
@@ -375,7 +377,7 @@ def get_scheduler(name, optimizer, num_warmup_steps=None, num_training_steps=Non
 def create_scheduler(args, optimizer, num_training_steps: int):
     """The scheduler args.lr_scheduler_type with args.get_warmup_steps(num_training_steps)
     warmup steps.
-    Walkthrough 2.3 | Mirrors: transformers Trainer.create_scheduler"""
+    Guide: optimizers and schedulers | Mirrors: transformers Trainer.create_scheduler"""
     return get_scheduler(args.lr_scheduler_type, optimizer,
                          num_warmup_steps=args.get_warmup_steps(num_training_steps),
                          num_training_steps=num_training_steps,

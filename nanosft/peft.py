@@ -1,6 +1,6 @@
 """PEFT wrapping of a CausalLM: LoRA injection, prompt tuning, and walkthrough 2.6's forward.
 
-`get_peft_model` (called in SFTTrainer.__init__, walkthrough 2.1) swaps each targeted linear for a
+`get_peft_model` (called in SFTTrainer.__init__) swaps each targeted linear for a
 `LoraLinear`, or adds virtual prompt tokens, and freezes the base; `PeftModelForCausalLM.forward`
 is walkthrough 2.6 line by line. Parameter names equal peft 0.21.2's. The configs, the modules they
 target and the adapter files live in nanosft.adapter_files; the layers injected (LoraLinear,
@@ -34,7 +34,7 @@ def _replace_module(model, name, new):
 
 def inject_adapter(model, config, adapter_name="default"):
     """Swap each target module for a `LoraLinear`, in named_modules order (peft's RNG order).
-    Walkthrough 2.1 (SFTTrainer wraps the model) | Mirrors: peft BaseTuner.inject_adapter,
+    Mirrors: peft BaseTuner.inject_adapter,
     LoraModel._create_and_replace"""
     names = find_target_modules(model, config)
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
@@ -48,7 +48,7 @@ def inject_adapter(model, config, adapter_name="default"):
 
 def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
     """Freeze the base (bias per `config.bias`), wrap `modules_to_save`, upcast fp16/bf16 adapters.
-    Walkthrough 2.1 | Mirrors: peft _mark_only_adapters_as_trainable, _set_trainable"""
+    Mirrors: peft _mark_only_adapters_as_trainable, _set_trainable"""
     trainable = not config.inference_mode
     for n, p in model.named_parameters():
         bias_trains = config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in n)
@@ -63,7 +63,7 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
 
 class LoraModel(nn.Module):
     """Holds the CausalLM as `.model` after injection: names read `base_model.model.model.layers`.
-    Walkthrough 2.1 | Mirrors: peft LoraModel"""
+    Mirrors: peft LoraModel"""
 
     def __init__(self, model, peft_config, adapter_name="default"):
         super().__init__()
@@ -75,7 +75,7 @@ class LoraModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         """The CausalLM's forward; the LoRA layers inside it do the rest.
-        Walkthrough 2.6 (self.base_model(...)) | Mirrors: peft BaseTuner.forward"""
+        What 2.6's `self.base_model(...)` runs. Mirrors: peft BaseTuner.forward"""
         return self.model(*args, **kwargs)
 
 
@@ -83,7 +83,7 @@ class LoraModel(nn.Module):
 
 class PromptEmbedding(nn.Module):
     """The virtual tokens' embedding table, [num_virtual_tokens, token_dim], fp32.
-    Walkthrough 2.6 get_prompt | Mirrors: peft PromptEmbedding"""
+    What 2.6's `self.get_prompt(...)` reads. Mirrors: peft PromptEmbedding"""
 
     def __init__(self, config, word_embeddings):
         super().__init__()
@@ -97,7 +97,7 @@ class PromptEmbedding(nn.Module):
 
     def forward(self, indices):
         """Look up the virtual tokens' rows.
-        Walkthrough 2.6 get_prompt | Mirrors: peft PromptEmbedding.forward"""
+        Mirrors: peft PromptEmbedding.forward"""
         return self.embedding(indices)  # (B, n_virtual) -> (B, n_virtual, C)
 
 
@@ -145,12 +145,12 @@ class PeftModelForCausalLM(nn.Module):
         return self.get_base_model().config
 
     def get_base_model(self):
-        """The CausalLM itself. Walkthrough 2.5 | Mirrors: peft PeftModel.get_base_model"""
+        """The CausalLM itself. Mirrors: peft PeftModel.get_base_model"""
         return self.base_model.model if self.peft_type == "LORA" else self.base_model
 
     def get_prompt(self, batch_size, task_ids=None):
         """The virtual prompt embeddings repeated over the batch, (B, n_virtual, C).
-        Walkthrough 2.6 | Mirrors: peft PeftModel.get_prompt"""
+        What 2.6's `self.get_prompt(...)` call runs. Mirrors: peft PeftModel.get_prompt"""
         encoder = self.prompt_encoder[self.active_adapter]
         if self.active_peft_config.inference_mode:
             prompts = encoder.embedding.weight
@@ -195,7 +195,7 @@ class PeftModelForCausalLM(nn.Module):
 
     def get_nb_trainable_parameters(self):
         """(trainable, all) parameter counts; a packed 4-bit uint8 weight counts 2 per byte.
-        Walkthrough 2.1 | Mirrors: peft PeftModel.get_nb_trainable_parameters"""
+        Mirrors: peft PeftModel.get_nb_trainable_parameters"""
         trainable = total = 0
         for p in self.parameters():
             n = p.numel() * 2 * p.element_size() if p.dtype == torch.uint8 else p.numel()
@@ -205,7 +205,7 @@ class PeftModelForCausalLM(nn.Module):
 
     def print_trainable_parameters(self):
         """Print `trainable params: X || all params: Y || trainable%: Z` exactly as peft does.
-        Walkthrough 2.1 | Mirrors: peft PeftModel.print_trainable_parameters"""
+        Mirrors: peft PeftModel.print_trainable_parameters"""
         t, a = self.get_nb_trainable_parameters()
         print(f"trainable params: {t:,d} || all params: {a:,d} || trainable%: {100 * t / a:.4f}")
 
@@ -247,7 +247,7 @@ class PeftModelForCausalLM(nn.Module):
 
     def merge_and_unload(self):
         """Fold every LoRA delta into its base weight and return the plain CausalLM.
-        Walkthrough 2.7 merge | Mirrors: peft LoraModel.merge_and_unload (4-bit: requantized)"""
+        Mirrors: peft LoraModel.merge_and_unload (4-bit: requantized)"""
         if self.peft_type != "LORA":
             raise ValueError("merge_and_unload() applies to LoRA; a prompt-tuned model's base is "
                              "get_base_model()")
@@ -283,7 +283,7 @@ class PeftModelForCausalLM(nn.Module):
 
 def get_peft_model(model, peft_config, adapter_name="default"):
     """Wrap `model` with a fresh adapter (LoRA or prompt tuning); only the adapter trains.
-    Walkthrough 2.1 (SFTTrainer wraps the model for 2.6) | Mirrors: peft get_peft_model
+    SFTTrainer.__init__ calls it with `peft_config`. Mirrors: peft get_peft_model
     Differs: the config is copied, so the caller's object is not mutated."""
     peft_config = dataclasses.replace(peft_config)
     name = getattr(model, "name_or_path", None)

@@ -1,11 +1,13 @@
 """SFTTrainer: TRL's supervised fine-tuning set-up (dataset preparation, LoRA wrapping) on Trainer.
 
-Walkthrough 2.1 (SFTTrainer.__init__ ends in Trainer.__init__) and 2.5 (on the SFT path
-SFTTrainer.compute_loss replaces Trainer.compute_loss: TRL's own loss and token metrics).
+Walkthrough 2.1 (SFTTrainer.__init__ ends in Trainer.__init__). On the SFT path
+SFTTrainer.compute_loss overrides 2.5's Trainer.compute_loss (TRL's loss and token metrics).
 Papers: LoRA 2106.09685, QLoRA 2305.14314 (a 4-bit base with bf16 adapters).
 Mirrors trl 1.16 SFTTrainer: __init__, compute_loss and log.
 """
 
+import os
+import warnings
 from collections import defaultdict
 from dataclasses import fields
 
@@ -15,7 +17,7 @@ import torch
 from nanosft import distributed, nf4
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.data import load_examples, prepare_dataset
+from nanosft.data import load_examples, prepare_dataset, to_example_list
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
 from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
@@ -35,7 +37,7 @@ def _as_sft_config(args, model) -> SFTConfig:
 
 def _cast_trainable_to_bf16(model) -> None:
     """QLoRA: trainable params (the adapters) become bf16, except DoRA's magnitude (stays fp32).
-    Walkthrough 2.1 | Mirrors: trl SFTTrainer.__init__ (is_loaded_in_4bit branch)
+    Mirrors: trl SFTTrainer.__init__ (is_loaded_in_4bit branch)
     On a CPU without native bf16 this is slower than fp32 adapters."""
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_magnitude_vector" not in name:
@@ -55,7 +57,7 @@ def _pad_token_id(args, tokenizer) -> int:
 
 def token_metrics(logits, labels):
     """(supervised tokens, summed entropy, correct top-1 guesses) of logits (B, T, V) vs (B, T).
-    Walkthrough 2.5 | Mirrors: trl ChunkedLogProbFunction entropy / is_top1 (first-index argmax)
+    Mirrors: trl ChunkedLogProbFunction entropy / is_top1 (first-index argmax)
     The label-smoothing path's metrics; the fused path gets the same three per token."""
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
     mask = targets != IGNORE_INDEX
@@ -74,6 +76,63 @@ def with_virtual_prefix(labels, logits):
     return torch.cat([labels.new_full((labels.size(0), n_virtual), IGNORE_INDEX), labels], dim=1)
 
 
+def _dataset_name(dataset, default):
+    # what warnings and errors about the data call it: the file when it is one
+    return os.fspath(dataset) if isinstance(dataset, (str, os.PathLike)) else default
+
+
+def _load_model_and_tokenizer(model, args, quantization_config, processing_class):
+    """A model id (folder or Hub-cache id) -> (model, its tokenizer unless one was passed), loaded
+    with args.model_init_kwargs plus quantization_config.
+    Mirrors: trl SFTTrainer.__init__ (the model-id branch)"""
+    if not isinstance(model, (str, os.PathLike)):
+        if quantization_config is not None or args.model_init_kwargs is not None:
+            warnings.warn("SFTTrainer: the model is already built, so quantization_config and "
+                          "args.model_init_kwargs are not used (as in TRL); pass the model as a "
+                          "folder or Hub id to load it with them.", stacklevel=3)
+        return model, processing_class
+    from nanosft.io.auto import AutoModelForCausalLM, AutoTokenizer  # product layer: loaders
+
+    init_kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in init_kwargs:
+            raise ValueError("SFTTrainer: quantization_config is set both as a trainer argument "
+                             "and in args.model_init_kwargs; keep one.")
+        init_kwargs["quantization_config"] = quantization_config
+    loaded = AutoModelForCausalLM.from_pretrained(os.fspath(model), **init_kwargs)
+    if processing_class is None:
+        processing_class = AutoTokenizer.from_pretrained(
+            os.fspath(model), revision=init_kwargs.get("revision"))
+    return loaded, processing_class
+
+
+def _formatted(dataset, formatting_func, max_steps):
+    """Each row plus "text" = formatting_func(row), or the dataset untouched when there is no
+    formatting_func or it is already tokenized. Mirrors: trl SFTTrainer._prepare_dataset"""
+    if formatting_func is None:
+        return dataset
+    name = _dataset_name(dataset, "the dataset")
+    rows, _ = to_example_list(dataset, name, max_steps)
+    if "input_ids" in rows[0]:
+        warnings.warn(f"SFTTrainer: {name} is already tokenized (input_ids), so formatting_func "
+                      "is not applied (as in TRL).", stacklevel=3)
+        return rows
+    return [{**row, "text": formatting_func(row)} for row in rows]
+
+
+def dft_loss(logits, labels, num_items_in_batch=None):
+    """DFT (arXiv 2508.05629): each supervised token's -log p weighted by p itself (detached),
+    summed, over num_items_in_batch (None: the batch's supervised tokens). logits (B, T, V).
+    Mirrors: trl SFTTrainer.compute_loss (loss_type="dft")"""
+    logits, targets = logits[:, :-1].float(), labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    log_probs = torch.log_softmax(logits, dim=-1)
+    log_p = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask  # (B, T-1)
+    per_token_loss = -log_p * log_p.exp().detach()
+    num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    return per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+
+
 def _check_token_ids_fit(model, tokenizer, rows) -> None:
     """Refuse ids without an embedding row, naming both sizes (not torch's "index out of range")."""
     rows_in_model = model.get_input_embeddings().num_embeddings
@@ -87,20 +146,38 @@ def _check_token_ids_fit(model, tokenizer, rows) -> None:
 
 class SFTTrainer(Trainer):
     """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL metrics.
-    Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16) | Differs: processing_class is required
-    (nothing is downloaded); not taken: compute_loss_func, compute_metrics, callbacks, optimizers,
-    optimizer_cls_and_kwargs, preprocess_logits_for_metrics, quantization_config, formatting_func"""
+    Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16)
+    Differs: a model id is read from a local folder or the Hub cache (nothing is downloaded).
 
-    def __init__(self, model, args=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, data_collator=None):
+    Args (TRL 1.16's, in its order): model (a model, or a folder / Hub id loaded with
+    args.model_init_kwargs); args; data_collator; train_dataset; eval_dataset (one set or a dict
+    of named sets); processing_class (None: the tokenizer beside a model id); compute_loss_func;
+    compute_metrics; callbacks; optimizers; optimizer_cls_and_kwargs;
+    preprocess_logits_for_metrics (the Trainer's, see Trainer.__init__); quantization_config (for a
+    model id); peft_config (LoraConfig: wrap the model); formatting_func (row -> text)."""
+
+    def __init__(self, model, args=None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_loss_func=None,
+                 compute_metrics=None, callbacks=None, optimizers=(None, None),
+                 optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None, formatting_func=None):
         args = _as_sft_config(args, model)
+        if data_collator is not None and not callable(data_collator):
+            raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
+                            f"must be callable, got {type(data_collator).__name__}; pass "
+                            "train_dataset= by keyword.")
         if train_dataset is None:
             raise ValueError("SFTTrainer: train_dataset is required (a JSONL path or a list of "
                              "dicts).")
+        set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
+        model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
+                                                            processing_class)
         if processing_class is None:
             raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained("
-                             "model_dir); nanosft never downloads one.")
-        set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
+                             "model_dir), or the model as a folder / Hub id to load both.")
+        if args.loss_type == "dft" and compute_loss_func is not None:
+            raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
+                             "compute_loss_func or use loss_type='nll'.")
         if peft_config is not None:
             if isinstance(model, PeftModelForCausalLM):
                 raise ValueError("SFTTrainer: the model is already a PeftModelForCausalLM; "
@@ -118,12 +195,18 @@ class SFTTrainer(Trainer):
             raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
                              "or bfd packing.")
         # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
-        train_dataset = load_examples(train_dataset, args.dataset_text_field, args.max_steps,
+        train_name = _dataset_name(train_dataset, "train_dataset")
+        train_dataset = load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
+                                      args.dataset_text_field, args.max_steps,
                                       name="train_dataset")
         first = train_dataset[0]
         self.completion_only_loss = args.completion_only_loss
         if self.completion_only_loss is None:
             self.completion_only_loss = "prompt" in first and "completion" in first
+        if self.completion_only_loss and formatting_func is not None:
+            raise ValueError("SFTTrainer: formatting_func turns rows into plain text, which has no "
+                             "completion to mask; set completion_only_loss=False, or format the "
+                             "data before passing it.")
         if data_collator is None:
             pad_token_id = _pad_token_id(args, processing_class)
             base = model.get_base_model() if is_peft else model
@@ -132,49 +215,86 @@ class SFTTrainer(Trainer):
             data_collator = DataCollatorForLanguageModeling(
                 pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
                 padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
-        train_dataset = self._prepare(train_dataset, processing_class, args)
+        train_dataset = self._prepare(train_dataset, processing_class, args, train_name)
         _check_token_ids_fit(model, processing_class, train_dataset)
-        if eval_dataset is not None:
-            eval_dataset = self._prepare(eval_dataset, processing_class, args)
+        self._formatting_func = formatting_func
+        if isinstance(eval_dataset, dict):  # named sets: evaluate() reports eval_<name>_loss
+            eval_dataset = {name: self._prepare_eval(dataset, processing_class, args, name)
+                            for name, dataset in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self._prepare_eval(eval_dataset, processing_class, args,
+                                              _dataset_name(eval_dataset, "eval_dataset"))
 
-        super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class)
+        # TRL 1.16 passes optimizer_cls_and_kwargs by name; the walkthrough's call carries the
+        # arguments it does not print in **super_init_kwargs
+        super_init_kwargs = {"optimizer_cls_and_kwargs": optimizer_cls_and_kwargs}
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            **super_init_kwargs,
+        )
         # TRL's _set_signature_columns_if_needed
         self._signature_columns = {"input_ids", "labels", "seq_lengths"}
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._total_train_tokens = 0
 
-    def _prepare(self, dataset, tokenizer, args):
+    def _prepare_eval(self, dataset, tokenizer, args, name):
+        """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
+        packing) asks. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
+        packing = args.packing if args.eval_packing is None else args.eval_packing
+        return self._prepare(_formatted(dataset, self._formatting_func, args.max_steps),
+                             tokenizer, args, name, packing=packing)
+
+    def _prepare(self, dataset, tokenizer, args, name=None, packing=None):
         """Tokenize, label, truncate or pack, then shuffle if asked.
         Mirrors: trl SFTTrainer._prepare_dataset"""
-        rows = prepare_dataset(dataset, tokenizer, max_length=args.max_length, packing=args.packing,
+        packing = args.packing if packing is None else packing
+        rows = prepare_dataset(dataset, tokenizer, max_length=args.max_length, packing=packing,
                                packing_strategy=args.packing_strategy,
                                completion_only_loss=self.completion_only_loss,
                                assistant_only_loss=args.assistant_only_loss,
-                               dataset_text_field=args.dataset_text_field, eos_token=args.eos_token)
+                               dataset_text_field=args.dataset_text_field, eos_token=args.eos_token,
+                               name=name)
         if args.shuffle_dataset:  # datasets.Dataset.shuffle(seed): numpy default_rng permutation
             rows = [rows[i] for i in np.random.default_rng(args.seed).permutation(len(rows))]
         return rows
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of Trainer.compute_loss, plus TRL's token metrics (entropy, accuracy).
-        Walkthrough 2.5 | Mirrors: trl SFTTrainer.compute_loss (loss_type="nll")
+        Mirrors: trl SFTTrainer.compute_loss (loss_type="nll"), over 2.5's Trainer.compute_loss
         Differs: TRL always asks for the fused LM head; here that is the speed path, and reference
-        mode (or label smoothing) goes through Trainer.compute_loss: `outputs = model(**inputs)`,
-        `loss = outputs["loss"]`, the metrics from the full logits."""
+        mode (or label smoothing, compute_loss_func, or a caller wanting the logits: evaluate with
+        compute_metrics) goes through Trainer.compute_loss: `outputs = model(**inputs)`,
+        `loss = outputs["loss"]`, the metrics from the full logits. loss_type="dft" as TRL's."""
         mode = "train" if model.training else "eval"
         inputs = {**inputs, "use_cache": False}
-        fused = self.args.label_smoothing_factor == 0 and fast_path("fused_lm_head_outputs")
+        fused = (self.args.label_smoothing_factor == 0 and self.compute_loss_func is None
+                 and not return_outputs and fast_path("fused_lm_head_outputs"))
         if not fused:
             labels = inputs["labels"]  # Trainer.compute_loss pops it under label smoothing
             loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                  num_items_in_batch=num_items_in_batch)
             labels = with_virtual_prefix(labels, outputs.logits)
             stats = token_metrics(outputs.logits.detach(), labels)
+            if self.args.loss_type == "dft":  # TRL's DFT ignores label smoothing
+                loss = dft_loss(outputs.logits, labels, num_items_in_batch)
+                if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                    loss = loss * self.args.world_size
         else:  # speed path (nanosft.fast.lm_head): no (B, T, V) logits
             with self.compute_loss_context_manager():
                 outputs = model(**inputs, fused_lm_head=True)
             per_token_loss = -outputs.log_probs  # zero on ignored positions
+            if self.args.loss_type == "dft":  # each token's NLL weighted by its p (no gradient)
+                per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
             num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
                           else num_items_in_batch)
             loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)

@@ -3,7 +3,7 @@
 Train a tiny tokenizer, load / save a Hugging Face tokenizer folder (tokenizer.json,
 tokenizer_config.json, chat_template.jinja) that transformers' AutoTokenizer reads back with the
 same ids, and render chats: a built-in ChatML renderer in plain Python, or a folder's own Jinja
-template. Walkthrough 2.1 (SFTTrainer.__init__: processing_class, apply_chat_template) and TRL
+template. SFTTrainer.__init__ takes it as `processing_class`, for TRL
 SFTTrainer._prepare_dataset's tokenization; the files as transformers 5 writes them.
 """
 
@@ -44,7 +44,7 @@ CHATML_TEMPLATE = (
 def validate_messages(messages):
     """Check a chat is a non-empty list of {"role", "content": str} dicts; errors name index
     and field.
-    Walkthrough 2.1 | Mirrors: transformers apply_chat_template input checks | Differs: stricter."""
+    Mirrors: transformers apply_chat_template input checks | Differs: stricter."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
     for i, message in enumerate(messages):
@@ -62,7 +62,6 @@ def validate_messages(messages):
 
 def render_chatml(messages, add_generation_prompt=False):
     """Render ChatML in plain Python; returns (text, assistant_spans) with char spans [start, end).
-    Walkthrough 2.1
     Mirrors: the Jinja CHATML_TEMPLATE rendered by transformers render_jinja_template."""
     validate_messages(messages)
     text, spans = "", []
@@ -121,18 +120,35 @@ def _compile_jinja_template(template):
     return env.from_string(template)
 
 
+def _jinja_syntax_errors():
+    # evaluated only when an exception is raised; jinja2 is optional (the install hint wins).
+    # What the template's own code raises at render time (raise_exception) stays a TemplateError,
+    # as in transformers.
+    try:
+        from jinja2 import TemplateSyntaxError
+    except ImportError:
+        return ()
+    return (TemplateSyntaxError,)
+
+
 def render_jinja_template(template, messages, add_generation_prompt=False, **special_tokens):
     """Render a Jinja chat template; returns (text, spans of its {% generation %} blocks).
-    Walkthrough 2.1
     Mirrors: transformers render_jinja_template, _render_with_assistant_indices."""
     validate_messages(messages)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers
     if any(_GEN_START in m["content"] or _GEN_END in m["content"] for m in messages):
         raise ValueError("message content contains U+E000/U+E001, "
                          "reserved for {% generation %} tracking")
-    framed = _compile_jinja_template(template).render(
-        messages=messages, tools=None, documents=None,
-        add_generation_prompt=add_generation_prompt, **special_tokens)
+    try:
+        framed = _compile_jinja_template(template).render(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **special_tokens)
+    except _jinja_syntax_errors() as error:  # a syntax error, an unknown filter or test
+        line = getattr(error, "lineno", None)
+        where = f" (line {line})" if line else ""
+        reason = str(error.message).rstrip(".")
+        raise ValueError(f"the chat template cannot be rendered{where}: {reason}; fix the "
+                         "template (chat_template.jinja)") from None
     text, spans, starts = "", [], []
     for piece in re.split(f"([{_GEN_START}{_GEN_END}])", framed):
         if piece == _GEN_START:
@@ -207,12 +223,11 @@ def _special_token_property(key, as_id=False):
         return self.backend.token_to_id(token) if as_id and token is not None else token
     name = key + "_id" if as_id else key
     return property(get, doc=f"The {name} (None when unset). "
-                             f"Walkthrough 2.1 | Mirrors: transformers {name}")
+                             f"Mirrors: transformers {name}")
 
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus named special tokens and a chat template, HF-folder compatible.
-    Walkthrough 2.1 (processing_class)
     Mirrors: transformers TokenizersBackend (PreTrainedTokenizerFast)
     Differs: a special token missing from the vocabulary is an error, never silently appended."""
 
@@ -220,6 +235,7 @@ class Tokenizer:
                  chat_template=None, model_max_length=VERY_LARGE_INTEGER, source="Tokenizer(...)"):
         self.backend = backend
         self.chat_template = chat_template
+        self.name_or_path = os.path.dirname(source) if source.endswith(".json") else source
         self.model_max_length = model_max_length
         self._special = {"bos_token": bos_token, "eos_token": eos_token,
                          "unk_token": unk_token, "pad_token": pad_token}
@@ -233,7 +249,7 @@ class Tokenizer:
     def train(cls, texts, vocab_size, special_tokens=None, *, pad_token="<|endoftext|>",
               eos_token="<|im_end|>", bos_token=None):
         """Train a byte-level BPE (GPT-2 style, no BOS unless bos_token is given) on strings.
-        Walkthrough 2.1 | Mirrors: tokenizers BpeTrainer with pre_tokenizers.ByteLevel
+        Mirrors: tokenizers BpeTrainer with pre_tokenizers.ByteLevel
         (GPT-2 / Qwen family)
         Ids: special tokens first (in order), then the 256 byte symbols, then merges.
         Deterministic."""
@@ -268,7 +284,7 @@ class Tokenizer:
     def from_pretrained(cls, folder):
         """Load a Hugging Face tokenizer folder: tokenizer.json, tokenizer_config.json and
         chat_template.jinja.
-        Walkthrough 2.1 | Mirrors: transformers AutoTokenizer.from_pretrained -> TokenizersBackend
+        Mirrors: transformers AutoTokenizer.from_pretrained -> TokenizersBackend
         Differs: local folders only; no slow-tokenizer conversion, no special_tokens_map.json."""
         tokenizer_file = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
@@ -295,7 +311,7 @@ class Tokenizer:
     def save_pretrained(self, folder):
         """Atomically write tokenizer.json, tokenizer_config.json (v5 layout) and
         chat_template.jinja.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.save_pretrained"""
+        Mirrors: transformers PreTrainedTokenizerBase.save_pretrained"""
         config = {"backend": "tokenizers"}
         config.update({key: token for key, token in self._special.items() if token is not None})
         config.update(model_max_length=self.model_max_length, tokenizer_class="TokenizersBackend")
@@ -319,12 +335,12 @@ class Tokenizer:
 
     def token_to_id(self, token):
         """Token string -> id, or None.
-        Walkthrough 2.1 | Mirrors: transformers convert_tokens_to_ids"""
+        Mirrors: transformers convert_tokens_to_ids"""
         return self.backend.token_to_id(token)
 
     def id_to_token(self, index):
         """Id -> token string, or None.
-        Walkthrough 2.1 | Mirrors: transformers convert_ids_to_tokens"""
+        Mirrors: transformers convert_ids_to_tokens"""
         return self.backend.id_to_token(index)
 
     bos_token = _special_token_property("bos_token")
@@ -339,28 +355,30 @@ class Tokenizer:
     # ---- text <-> ids -----------------------------------------------------------------------
     def encode(self, text, add_special_tokens=True):
         """Text -> token ids; special-token strings in the text become their single ids.
-        Walkthrough 2.1 | Mirrors: transformers tokenizer(text)["input_ids"]"""
+        Mirrors: transformers tokenizer(text)["input_ids"]"""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_with_offsets(self, text, add_special_tokens=False):
         """Text -> (ids, offsets): offsets[i] = (start, end) char span of token i in `text`.
-        Walkthrough 2.1
         Mirrors: transformers return_offsets_mapping=True (what char_to_token reads)"""
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         return encoding.ids, encoding.offsets
 
     def decode(self, ids, skip_special_tokens=False):
-        """Token ids -> text. Walkthrough 2.1 | Mirrors: transformers tokenizer.decode"""
+        """Token ids -> text. Mirrors: transformers tokenizer.decode"""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ---- chat templates ---------------------------------------------------------------------
     def render_chat_with_spans(self, messages, add_generation_prompt=False):
         """Render a chat; returns (text, assistant_spans): the char spans [start, end) the model
         is trained on.
-        Walkthrough 2.1
         Mirrors: transformers render_jinja_template with return_assistant_tokens_mask
         The built-in CHATML_TEMPLATE renders in plain Python (no jinja2 needed); others go
         through Jinja."""
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError(f"{self.name_or_path}: the chat template is empty; fix: write one "
+                             "to chat_template.jinja, or pass --no_chat_template to feed text as "
+                             "is")
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; fix: set "
                              "tokenizer.chat_template (e.g. nanosft.tokenizer.CHATML_TEMPLATE) "
@@ -373,18 +391,22 @@ class Tokenizer:
                                      "chat_template")
             return render_chatml(messages, add_generation_prompt)
         special = {key: token for key, token in self._special.items() if token is not None}
-        return render_jinja_template(self.chat_template, messages, add_generation_prompt, **special)
+        try:
+            return render_jinja_template(self.chat_template, messages, add_generation_prompt,
+                                         **special)
+        except ValueError as error:
+            raise ValueError(f"{self.name_or_path}: {error}") from None
 
     def render_chat(self, messages, add_generation_prompt=False):
         """Render a chat to text.
-        Walkthrough 2.1 | Mirrors: apply_chat_template(..., tokenize=False)"""
+        Mirrors: apply_chat_template(..., tokenize=False)"""
         return self.render_chat_with_spans(messages, add_generation_prompt)[0]
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True,
                             return_assistant_tokens_mask=False):
         """Render a chat and (by default) tokenize it with add_special_tokens=False, as
         transformers does.
-        Walkthrough 2.1 | Mirrors: transformers PreTrainedTokenizerBase.apply_chat_template
+        Mirrors: transformers PreTrainedTokenizerBase.apply_chat_template
         Returns str (tokenize=False), list[int], or {"input_ids", "assistant_masks"} when asked
         for masks."""
         text, spans = self.render_chat_with_spans(messages, add_generation_prompt)

@@ -12,19 +12,22 @@ import contextlib
 import math
 import time
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from nanosft import distributed
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
-from nanosft.optim import create_optimizer, create_scheduler
+from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
 from nanosft.reference import reference_mode_enabled
 from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, TrainerControl,
                                       TrainerState)
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
-                                   autocast_context, build_dataloader, convert_outputs_to_fp32,
-                                   count_num_items_in_batch, evaluation_loop,
+                                   EvalPrediction, autocast_context, build_dataloader,
+                                   check_trainer_arguments, convert_outputs_to_fp32,
+                                   count_num_items_in_batch, denumpify_detensorize,
+                                   evaluation_loop, pad_and_concatenate,
                                    find_executable_batch_size, label_smoothed_loss,
                                    model_accepts_loss_kwargs, no_sync, select_columns, set_seed,
                                    signature_columns, skip_first_batches, speed_metrics)
@@ -35,9 +38,19 @@ class Trainer:
     Walkthrough 1, 2.2 - 2.5 | Mirrors: transformers Trainer (5.23), accelerate DDP/autocast/scaler
     Differs: no hyperparameter search, DeepSpeed, DataParallel, apex; causal LMs only."""
 
-    def __init__(self, model, args=None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, compute_loss_func=None,
-                 callbacks=None, optimizers=(None, None)):
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, model_init=None,
+                 compute_loss_func=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None):
+        """Args (transformers 5.23's, in its order): model; args (TrainingArguments); data_collator
+        (features -> batch); train_dataset / eval_dataset (eval: one set or a dict of named sets);
+        processing_class (saved with the model); model_init (refused: hyperparameter search);
+        compute_loss_func(outputs, labels, num_items_in_batch); compute_metrics(EvalPrediction);
+        callbacks; optimizers (optimizer, scheduler); optimizer_cls_and_kwargs (class, kwargs);
+        preprocess_logits_for_metrics(logits, labels)."""
+        check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs,
+                                compute_metrics, args)
         self.args = args if args is not None else TrainingArguments()
         self._memory_tracker = MemoryTracker(self.args.skip_memory_metrics)
         self._memory_tracker.start("init")  # "memory metrics - must set up as early as possible"
@@ -49,7 +62,10 @@ class Trainer:
         self.eval_dataset = eval_dataset
         self.processing_class = processing_class
         self.compute_loss_func = compute_loss_func
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.model_accepts_loss_kwargs = model_accepts_loss_kwargs(self.model)
         # fp16 needs loss scaling; bf16 has fp32's exponent range (guide: mixed precision)
         self.scaler = torch.amp.GradScaler(self.args.device.type) if self.args.fp16 else None
@@ -90,7 +106,8 @@ class Trainer:
 
     def get_train_dataloader(self) -> DataLoader:
         """Micro-batches of per_device_train_batch_size in the seeded train_sampling_strategy order.
-        Walkthrough 2.3 | Mirrors: Trainer.get_train_dataloader (random or group_by_length)"""
+        What 2.3's `self.get_train_dataloader()` call runs.
+        Mirrors: Trainer.get_train_dataloader (random or group_by_length)"""
         return build_dataloader(self.train_dataset, self._train_batch_size, self.args,
                                 self._collate, shuffle=True,
                                 drop_last=self.args.dataloader_drop_last)
@@ -127,10 +144,28 @@ class Trainer:
         return (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
                 total_train_batch_size, steps_in_epoch, max_steps)
 
+    def _check_ranks_agree(self, num_examples, num_update_steps_per_epoch, num_train_epochs,
+                           max_steps) -> None:
+        """Under torchrun: every rank stops with one ValueError naming the ranks that differ,
+        unless all hold the same tokenized examples and step plan (else they would wait in
+        different collectives until ddp_timeout). Differs: transformers does not check."""
+        if distributed.get_world_size() <= 1:
+            return
+        distributed.check_ranks_agree({
+            "num_examples": num_examples,
+            "examples_fingerprint": distributed.fingerprint_examples(self.train_dataset),
+            "num_update_steps_per_epoch": num_update_steps_per_epoch,
+            "num_train_epochs": num_train_epochs,
+            "max_steps": max_steps,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "per_device_train_batch_size": self._train_batch_size,
+        })
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Prefetch up to `num_batches` micro-batches and count their supervised tokens: a float32
         0-d tensor, summed over ranks when average_tokens_across_devices.
-        Walkthrough 2.3 | Mirrors: Trainer.get_batch_samples, Trainer._get_num_items_in_batch"""
+        What section 1's `self.get_batch_samples(...)` call runs. Guide: gradient accumulation |
+        Mirrors: Trainer.get_batch_samples, Trainer._get_num_items_in_batch"""
         batch_samples = []
         for _ in range(num_batches):
             try:
@@ -149,28 +184,35 @@ class Trainer:
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
         """Main training entry point: resolve the checkpoint, check output_dir, enable activation
         checkpointing, then the inner loop. Walkthrough 2.2 | Mirrors: Trainer.train
-        Differs: a fresh run refuses an output_dir holding another run (check_output_dir)."""
+        Differs: a fresh run refuses an output_dir holding another run (check_output_dir); what
+        the run needs at its end is checked first (nanosft.io.preflight, output_folder)."""
         from nanosft.io.checkpoint import resolve_and_check
+        from nanosft.io.preflight import guarded_run
 
+        if self.train_dataset is None:  # transformers' words, from get_train_dataloader
+            raise ValueError("Trainer: training requires a train_dataset.")
         args = self.args
         self._memory_tracker.start("train")
-        resume_from_checkpoint = resolve_and_check(  # also: output_dir, set-up
-            args, self.model, resume_from_checkpoint or args.resume_from_checkpoint)
-        if args.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-        if not args.auto_find_batch_size:
-            return self._inner_training_loop(args, resume_from_checkpoint)
-        # "inner_training_loop = find_executable_batch_size(self._inner_training_loop, ...)": on
-        # out-of-memory the whole loop restarts with a smaller batch (a new schedule length too)
-        lr_scheduler = self.lr_scheduler  # the caller's, or None for one made per attempt
+        # checked before any step: eval data, the metric, output_dir (this run's alone, locked),
+        # and a collective stuck past ddp_timeout ends with a message
+        with guarded_run(self):
+            resume_from_checkpoint = resolve_and_check(  # also: output_dir, set-up
+                args, self.model, resume_from_checkpoint or args.resume_from_checkpoint)
+            if args.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+            if not args.auto_find_batch_size:
+                return self._inner_training_loop(args, resume_from_checkpoint)
+            # "inner_training_loop = find_executable_batch_size(self._inner_training_loop, ...)": on
+            # out-of-memory the whole loop restarts with a smaller batch (a new schedule length too)
+            lr_scheduler = self.lr_scheduler  # the caller's, or None for one made per attempt
 
-        def inner_training_loop(batch_size):
-            self._train_batch_size = batch_size  # Trainer._update_auto_batch_size
-            self.lr_scheduler = lr_scheduler
-            return self._inner_training_loop(args, resume_from_checkpoint)
+            def inner_training_loop(batch_size):
+                self._train_batch_size = batch_size  # Trainer._update_auto_batch_size
+                self.lr_scheduler = lr_scheduler
+                return self._inner_training_loop(args, resume_from_checkpoint)
 
-        return find_executable_batch_size(inner_training_loop, self._train_batch_size)
+            return find_executable_batch_size(inner_training_loop, self._train_batch_size)
 
     def _prepare_for_training(self, max_steps):
         """FSDP / DDP / compile wrapping (nanosft.parallel), the optimizer, then the scheduler.
@@ -178,7 +220,11 @@ class Trainer:
         from nanosft.parallel import wrap_model
 
         model = wrap_model(self.model, self.args)  # FSDP2 shards self.model in place
-        if self.optimizer is None:
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs  # the two decay groups
+            self.optimizer = optimizer_cls(get_parameter_groups(self.model, self.args.weight_decay),
+                                           **optimizer_kwargs)
+        elif self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
         if self.lr_scheduler is None:
             self.lr_scheduler = create_scheduler(self.args, self.optimizer, max_steps)
@@ -202,7 +248,7 @@ class Trainer:
 
     def _inner_training_loop(self, args, resume_from_checkpoint=None) -> TrainOutput:
         """Epochs -> update steps -> micro-batches: accumulate, clip, step, schedule, log, save.
-        Walkthrough 2.3 | Mirrors: Trainer._inner_training_loop + _run_epoch + _finalize_training
+        Walkthrough 1, 2.3 | Mirrors: Trainer._inner_training_loop + _run_epoch + _finalize_training
         Differs: 5.23 moved the epoch body into `_run_epoch`; it stays inline, as the walkthrough
         prints it. tr_loss is a local, as in the walkthrough (5.23: self._tr_loss)."""
         # Data loader and number of training steps
@@ -211,6 +257,9 @@ class Trainer:
         (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
          total_train_batch_size, steps_in_epoch, max_steps) = self.set_initial_training_values(
             args, train_dataloader)
+        # under torchrun: all ranks hold the same data and step plan, or all stop here, named
+        self._check_ranks_agree(num_examples, num_update_steps_per_epoch, num_train_epochs,
+                                max_steps)
         model = self._prepare_for_training(max_steps)
         self.state, epochs_trained, steps_trained_in_current_epoch = self._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
@@ -457,7 +506,8 @@ class Trainer:
     # ----- logging, evaluation, saving: what the callbacks' flags ask for -----
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, learning_rate=None) -> None:
         """Log the window's mean loss, evaluate, track the best metric, save a checkpoint, as
-        self.control says. Walkthrough 1, 2.3 | Mirrors: Trainer._maybe_log_save_evaluate
+        self.control says; section 1 calls it after each optimizer step.
+        Guide: monitoring | Mirrors: Trainer._maybe_log_save_evaluate
         Differs: no model / trial / epoch / start_time arguments."""
         args, state, control = self.args, self.state, self.control
         if control.should_log and state.global_step > self._globalstep_last_logged:
@@ -486,14 +536,12 @@ class Trainer:
     def _determine_best_metric(self, metrics: dict) -> bool:
         """Track state.best_metric for metric_for_best_model; True when `metrics` set a new best.
         Mirrors: transformers Trainer._determine_best_metric"""
+        from nanosft.io.preflight import metric_value  # its error names the keys there are
+
         name = self.args.metric_for_best_model
         if name is None:
             return False
-        key = name if name.startswith("eval_") else f"eval_{name}"
-        if key not in metrics:
-            raise KeyError(f"metric_for_best_model={name!r}: {key!r} is not among the eval "
-                           f"metrics {sorted(metrics)}.")
-        value, best = metrics[key], self.state.best_metric
+        value, best = metric_value(metrics, name), self.state.best_metric
         if best is not None and not (value > best if self.args.greater_is_better else value < best):
             return False
         self.state.best_metric = value
@@ -507,34 +555,113 @@ class Trainer:
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
-    def evaluate(self, eval_dataset=None, metric_key_prefix="eval") -> dict:
-        """Mean eval loss (each batch's loss weighted by its size), perplexity, speed; logged.
-        Mirrors: Trainer.evaluate | Differs: adds perplexity, no compute_metrics; SFTTrainer.log
-        adds TRL's eval_mean_token_accuracy."""
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict:
+        """Mean eval loss (each batch's loss weighted by its size), compute_metrics' metrics,
+        perplexity, speed; logged. A dict of named sets: one evaluation each, eval_<name>_loss.
+        Mirrors: Trainer.evaluate | Differs: adds perplexity; SFTTrainer.log adds TRL's
+        eval_mean_token_accuracy. ignore_keys has nothing to drop (outputs: loss, logits)."""
+        eval_dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(eval_dataset, dict):
+            metrics = {}
+            for name, dataset in eval_dataset.items():
+                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
         start_time = time.time()
         model = self.model
         was_training = model.training
         model.eval()
         dataloader = self.get_eval_dataloader(eval_dataset)
         self.callback_handler.eval_dataloader = dataloader
-        eval_loss, examples, batches = evaluation_loop(model, dataloader, self.compute_loss,
-                                                       self._prepare_inputs, self.args.device)
-        metrics = {f"{metric_key_prefix}_loss": eval_loss,
-                   f"{metric_key_prefix}_perplexity": math.exp(min(eval_loss, 700.0)),
-                   **speed_metrics(metric_key_prefix, start_time, examples, batches)}
+        if self.compute_metrics is None:  # the loss alone: no logits kept
+            eval_loss, examples, batches = evaluation_loop(model, dataloader, self.compute_loss,
+                                                           self._prepare_inputs, self.args.device)
+            metrics = {f"{metric_key_prefix}_loss": eval_loss}
+        else:
+            metrics, examples, batches = self.evaluation_loop(dataloader, metric_key_prefix)
+            eval_loss = metrics[f"{metric_key_prefix}_loss"]
+        metrics.update({f"{metric_key_prefix}_perplexity": math.exp(min(eval_loss, 700.0)),
+                        **speed_metrics(metric_key_prefix, start_time, examples, batches)})
         self.log(metrics)  # still in eval mode, so SFTTrainer.log adds its eval_ metrics
         model.train(was_training)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
                                                          metrics)
         return metrics
 
+    def evaluation_loop(self, dataloader, metric_key_prefix="eval"):
+        """(metrics, examples, batches): compute_metrics over the predictions and labels of every
+        batch (padded to one width with -100), plus the size-weighted mean loss.
+        Mirrors: Trainer.evaluation_loop (preprocess_logits_for_metrics, include_for_metrics,
+        eval_accumulation_steps, batch_eval_metrics) | Differs: one process only."""
+        args = self.args
+        if args.world_size > 1:
+            raise ValueError("compute_metrics under torchrun is not supported: nanosft does not "
+                             "gather predictions across ranks; evaluate on one process.")
+        kept = {"predictions": [], "label_ids": [], "inputs": [], "losses": []}
+        metrics, examples, batches = {}, 0, len(dataloader)
+        for step, inputs in enumerate(dataloader):
+            loss, logits, labels = self.prediction_step(self.model, inputs, False)
+            size = len(inputs["input_ids"])
+            examples += size
+            if self.preprocess_logits_for_metrics is not None:
+                logits = self.preprocess_logits_for_metrics(logits, labels)
+            batch = {"predictions": logits, "label_ids": labels, "inputs": inputs["input_ids"],
+                     "losses": loss.repeat(size)}  # each example counts once in the mean loss
+            kept["losses"].append(batch["losses"])
+            if args.batch_eval_metrics:  # compute_metrics keeps running sums; the last reports
+                metrics = self.compute_metrics(self._eval_prediction(batch),
+                                               compute_result=step == batches - 1)
+                continue
+            for key in ("predictions", "label_ids", "inputs"):
+                kept[key].append(batch[key])
+            if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
+                # "put them back on the CPU": the chunks so far become one numpy array each
+                kept = {key: [pad_and_concatenate(chunks)] for key, chunks in kept.items()}
+        if not args.batch_eval_metrics:
+            metrics = self.compute_metrics(self._eval_prediction(
+                {key: pad_and_concatenate(chunks) for key, chunks in kept.items()}))
+        metrics = denumpify_detensorize(metrics)
+        losses = pad_and_concatenate(kept["losses"])
+        finite = np.isfinite(losses)
+        if args.logging_nan_inf_filter and finite.any():
+            losses = losses[finite]
+        metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
+        # "Prefix all keys with metric_key_prefix + '_'"
+        metrics = {key if key.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{key}":
+                   value for key, value in metrics.items()}
+        return metrics, examples, batches
+
+    def _eval_prediction(self, batch: dict) -> EvalPrediction:
+        """EvalPrediction of predictions and label_ids, with inputs / losses when
+        args.include_for_metrics names "inputs" / "loss"."""
+        include = self.args.include_for_metrics
+        return EvalPrediction(batch["predictions"], batch["label_ids"],
+                              inputs=batch["inputs"] if "inputs" in include else None,
+                              losses=batch["losses"] if "loss" in include else None)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """(loss, logits, labels) of one eval batch, without gradients.
+        Mirrors: Trainer.prediction_step (num_items_in_batch = the batch's supervised tokens)"""
+        batch = self._prepare_inputs(inputs)
+        labels = batch.get("labels")
+        num_items_in_batch = None
+        if labels is not None and (self.model_accepts_loss_kwargs
+                                   or self.compute_loss_func is not None):
+            num_items_in_batch = count_num_items_in_batch([batch]).to(self.args.device) / 1
+        with torch.no_grad():
+            loss, outputs = self.compute_loss(model, batch, return_outputs=True,
+                                              num_items_in_batch=num_items_in_batch)
+        if prediction_loss_only:
+            return (loss.detach(), None, None)
+        return (loss.detach(), outputs["logits"].detach(), labels)
+
     def _evaluate(self) -> dict:
         """evaluate(), then ReduceLROnPlateau steps on metric_for_best_model (not for
         eval_on_start). Mirrors: Trainer._evaluate"""
         metrics = self.evaluate()
         if self._is_plateau() and self.state.global_step > 0:
-            name = self.args.metric_for_best_model.removeprefix("eval_")
-            self.lr_scheduler.step(metrics[f"eval_{name}"])
+            from nanosft.io.preflight import metric_value
+
+            self.lr_scheduler.step(metric_value(metrics, self.args.metric_for_best_model))
         return metrics
 
     def _save_checkpoint(self) -> None:
@@ -568,4 +695,5 @@ class Trainer:
         Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
         from nanosft.io.checkpoint import save_model
 
-        save_model(self.model, self.processing_class, output_dir or self.args.output_dir)
+        save_model(self.model, self.processing_class, output_dir or self.args.output_dir,
+                   checkpoints_dir=self.args.output_dir)  # a failed save names the last one

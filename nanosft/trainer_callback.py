@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 @dataclass
 class TrainerState:
     """Progress that a checkpoint must carry: step, epoch, log history, best metric, intervals.
-    Walkthrough 2.3 | Mirrors: transformers TrainerState (to_dict/from_dict: save/load_from_json)"""
+    Mirrors: transformers TrainerState (to_dict/from_dict: save/load_from_json)"""
 
     epoch: float = 0.0
     global_step: int = 0
@@ -224,7 +224,7 @@ class CallbackHandler(TrainerCallback):
 
 class DefaultFlowCallback(TrainerCallback):
     """Sets should_log / should_evaluate / should_save / should_training_stop from the strategies.
-    Walkthrough 2.3 (what `_maybe_log_save_evaluate` acts on) | Mirrors: DefaultFlowCallback"""
+    `_maybe_log_save_evaluate` acts on these flags. Mirrors: DefaultFlowCallback"""
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step

@@ -3,10 +3,11 @@ window and the model FLOPs it counts (model_flops), the seeded batch sampler (ra
 by length), resume skipping, label smoothing, the fp32 upcast of the logits and the loss-kwargs
 check.
 
-Walkthrough 2.3 - 2.5. The split mirrors transformers, where these live beside trainer.py in
-trainer_utils.py (set_seed, TrainOutput), trainer_callback.py (TrainerState, TrainerControl),
-trainer_pt_utils.py (LabelSmoother, LengthGroupedSampler) and accelerate (SeedableRandomSampler,
-skip_first_batches, convert_outputs_to_fp32).
+The walkthrough prints none of it; trainer.py's loop (2.3-2.5) calls it. The split mirrors
+transformers, where these live beside trainer.py in trainer_utils.py (set_seed, TrainOutput),
+trainer_callback.py (TrainerState, TrainerControl), trainer_pt_utils.py (LabelSmoother,
+LengthGroupedSampler) and accelerate (SeedableRandomSampler, skip_first_batches,
+convert_outputs_to_fp32).
 """
 
 import contextlib
@@ -28,14 +29,14 @@ IGNORE_INDEX = -100
 
 
 def set_seed(seed: int) -> None:
-    """Seed python, numpy and torch. Walkthrough 2.1 | Mirrors: transformers set_seed"""
+    """Seed python, numpy and torch. Mirrors: transformers set_seed"""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
 class TrainOutput(NamedTuple):
-    """What train() returns. Walkthrough 2.3 | Mirrors: transformers trainer_utils.TrainOutput"""
+    """What train() returns (2.3 ends with it). Mirrors: transformers trainer_utils.TrainOutput"""
 
     global_step: int
     training_loss: float
@@ -44,7 +45,7 @@ class TrainOutput(NamedTuple):
 
 def convert_outputs_to_fp32(outputs):
     """Half-precision logits (autocast) back to fp32, so the loss and metrics are fp32.
-    Walkthrough 2.5 | Mirrors: accelerate convert_outputs_to_fp32 (on the logits)"""
+    Guide: mixed precision | Mirrors: accelerate convert_outputs_to_fp32 (on the logits)"""
     logits = getattr(outputs, "logits", None)
     if logits is not None and logits.dtype in (torch.float16, torch.bfloat16):
         outputs.logits = logits.float()
@@ -55,7 +56,7 @@ def get_length_grouped_indices(lengths, batch_size, mega_batch_mult=None, genera
     """A random order whose runs of `batch_size` indices hold similar lengths: randperm, cut into
     megabatches of mega_batch_mult x batch_size (default min(N // (4 x batch_size), 50), at least
     1), each sorted longest first; the longest example of all goes first (an OOM shows at once).
-    Walkthrough 2.3 | Mirrors: transformers get_length_grouped_indices"""
+    Mirrors: transformers get_length_grouped_indices"""
     if mega_batch_mult is None:  # 50, or fewer so that a small dataset still has 4 megabatches
         mega_batch_mult = max(min(len(lengths) // (4 * batch_size), 50), 1)
     if len(lengths) == 0:
@@ -74,7 +75,7 @@ def get_length_grouped_indices(lengths, batch_size, mega_batch_mult=None, genera
 class SeedableBatchSampler:
     """Batches of the epoch order, this rank's share of them. The order: randperm(N, seed + epoch),
     or with `lengths`, get_length_grouped_indices(lengths, group_size) drawn from that generator.
-    Walkthrough 2.3 | Mirrors: accelerate SeedableRandomSampler, BatchSampler, BatchSamplerShard;
+    Mirrors: accelerate SeedableRandomSampler, BatchSampler, BatchSamplerShard;
     transformers LengthGroupedSampler, get_length_grouped_indices
     Differs: LengthGroupedSampler draws from the global torch RNG (accelerate: a generator seeded
     from it, broadcast from rank 0); here seed + epoch, so a resumed run sees the same order."""
@@ -140,7 +141,8 @@ def select_columns(features: list, collator, keep: set | None):
 
 def label_smoothed_loss(logits, labels, epsilon, num_items_in_batch=None, shift_labels=True):
     """(1-eps) * NLL + eps * mean over the vocabulary of -log p, over the supervised tokens.
-    Walkthrough 2.5 | Mirrors: transformers LabelSmoother.__call__"""
+    What 2.5's `self.label_smoother(outputs, labels, ...)` computes.
+    Mirrors: transformers LabelSmoother.__call__"""
     if shift_labels:  # position t predicts token t+1
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     neg_log_probs = -torch.nn.functional.log_softmax(logits, dim=-1)  # (B, T, V)
@@ -165,7 +167,7 @@ def model_accepts_loss_kwargs(model) -> bool:
 
 def dataset_lengths(dataset, length_column_name: str | None = "length") -> list:
     """Each example's length: a datasets.Dataset's `length_column_name` column, else len(input_ids).
-    Walkthrough 2.3 | Mirrors: Trainer._get_train_sampler + LengthGroupedSampler (lengths)"""
+    Mirrors: Trainer._get_train_sampler + LengthGroupedSampler (lengths)"""
     if length_column_name and length_column_name in (getattr(dataset, "column_names", None) or ()):
         return list(dataset[length_column_name])
     if len(dataset) and not (isinstance(dataset[0], Mapping) and "input_ids" in dataset[0]):
@@ -181,7 +183,7 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
     args.train_sampling_strategy names - random (randperm(seed + epoch)), sequential, or
     group_by_length over windows of train_batch_size x gradient_accumulation_steps; shuffle=False
     (eval): dataset order, or group_by_length over eval batches, as transformers' eval sampler.
-    Walkthrough 2.3 | Mirrors: Trainer._get_dataloader, _get_train_sampler, _get_eval_sampler +
+    Mirrors: Trainer._get_dataloader, _get_train_sampler, _get_eval_sampler +
     accelerate prepare_data_loader"""
     seed = args.data_seed if args.data_seed is not None else args.seed
     lengths = group_size = None
@@ -204,7 +206,8 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
 
 def count_num_items_in_batch(batch_samples: list) -> torch.Tensor:
     """Supervised tokens of a window: sum of (labels[..., 1:] != -100), since the model shifts
-    (position 0 is never a target). Walkthrough 2.3 | Mirrors: Trainer._get_num_items_in_batch"""
+    (position 0 is never a target).
+    Guide: gradient accumulation | Mirrors: Trainer._get_num_items_in_batch"""
     return sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:])
                .ne(IGNORE_INDEX).sum() for b in batch_samples)
 
@@ -229,7 +232,7 @@ def signature_columns(model) -> set:
 
 def no_sync(model):
     """DDP's no_sync (skip the gradient all-reduce), FSDP2's, or nothing for one process.
-    Guide: distributed | Mirrors: accelerate Accelerator.no_sync"""
+    Guide: distributed training | Mirrors: accelerate Accelerator.no_sync"""
     inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         return inner.no_sync()
@@ -258,6 +261,79 @@ def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
             totals += torch.cat([(loss.double() * size)[None], totals.new_tensor([size, 1.0])])
     loss_sum, examples, batches = distributed.all_reduce_sum(totals).tolist()
     return loss_sum / max(examples, 1), examples, batches
+
+
+def check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs,
+                            compute_metrics, args) -> None:
+    """Refuse, by name, the Trainer arguments nanosft does not act on or that contradict.
+    Mirrors: Trainer.__init__'s checks (optimizers vs optimizer_cls_and_kwargs, compute_result)"""
+    if model_init is not None:
+        raise ValueError("Trainer: model_init is not supported; it serves hyperparameter search "
+                         "(Trainer.hyperparameter_search), which nanosft leaves out. Build the "
+                         "model and pass it as model=.")
+    if model is None:
+        raise ValueError("Trainer: model is required (nanosft has no model_init).")
+    if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+        raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is "
+                           "incompatible.")
+    if (args is not None and args.batch_eval_metrics and compute_metrics is not None
+            and "compute_result" not in inspect.signature(compute_metrics).parameters):
+        raise ValueError("batch_eval_metrics=True calls compute_metrics(eval_pred, "
+                         "compute_result=...) after every batch (True after the last, when it "
+                         "returns the metrics); add a `compute_result` argument to it.")
+
+
+class EvalPrediction:
+    """What compute_metrics receives: predictions, label_ids (numpy, batches concatenated), plus
+    inputs / losses when args.include_for_metrics asks; unpacks as a tuple of those it holds.
+    Mirrors: transformers trainer_utils.EvalPrediction"""
+
+    def __init__(self, predictions, label_ids, inputs=None, losses=None):
+        self.predictions = predictions
+        self.label_ids = label_ids
+        self.inputs = inputs
+        self.losses = losses
+        self.elements = (predictions, label_ids) + tuple(x for x in (inputs, losses)
+                                                         if x is not None)
+
+    def __iter__(self):
+        return iter(self.elements)
+
+    def __getitem__(self, idx):
+        if not 0 <= idx < len(self.elements):
+            raise IndexError("tuple index out of range")
+        return self.elements[idx]
+
+
+def pad_and_concatenate(chunks: list, padding_index=IGNORE_INDEX):
+    """Per-batch arrays (B_i, T_i, ...) -> one numpy array (sum B_i, max T_i, ...), the shorter
+    rows right-padded with -100; None when there are no chunks.
+    Mirrors: transformers nested_concat / numpy_pad_and_concatenate (EvalLoopContainer)"""
+    arrays = [c.cpu().numpy() if torch.is_tensor(c) else np.asarray(c) for c in chunks]
+    if not arrays:
+        return None
+    if arrays[0].ndim < 2 or len({a.shape[1:] for a in arrays}) == 1:
+        return np.concatenate(arrays, axis=0)
+    width = max(a.shape[1] for a in arrays)
+    out = np.full((sum(len(a) for a in arrays), width, *arrays[0].shape[2:]), padding_index,
+                  dtype=arrays[0].dtype)
+    row = 0
+    for a in arrays:
+        out[row:row + len(a), :a.shape[1]] = a
+        row += len(a)
+    return out
+
+
+def denumpify_detensorize(metrics):
+    """numpy scalars and 0-d tensors -> Python numbers (JSON-ready), through lists and dicts.
+    Mirrors: transformers trainer_utils.denumpify_detensorize"""
+    if isinstance(metrics, dict):
+        return {key: denumpify_detensorize(value) for key, value in metrics.items()}
+    if isinstance(metrics, (list, tuple)):
+        return type(metrics)(map(denumpify_detensorize, metrics))
+    one_number = isinstance(metrics, np.generic) or (torch.is_tensor(metrics)
+                                                     and metrics.numel() == 1)
+    return metrics.item() if one_number else metrics
 
 
 # Substrings accelerate looks for in a one-argument RuntimeError's message (CUDA/HIP/XPU, MPS,
@@ -303,7 +379,7 @@ def find_executable_batch_size(function, starting_batch_size: int):
 
 def autocast_context(args):
     """bf16 / fp16 autocast (CPU or CUDA) as args say, else nothing.
-    Walkthrough 2.5 | Mirrors: accelerate Accelerator.autocast"""
+    Guide: mixed precision | Mirrors: accelerate Accelerator.autocast"""
     if not (args.bf16 or args.fp16):
         return contextlib.nullcontext()
     return torch.autocast(args.device.type, dtype=torch.bfloat16 if args.bf16 else torch.float16)

@@ -73,7 +73,7 @@ def test_fp16_without_cuda_is_refused():
     ({"max_length": 0}, "max_length"),
     ({"packing_strategy": "ffd"}, "packing_strategy"),
     ({"truncation_mode": "keep_middle"}, "truncation_mode"),
-    ({"loss_type": "dft"}, "loss_type"),
+    ({"loss_type": "focal"}, "loss_type"),
     ({"pad_to_multiple_of": 0}, "pad_to_multiple_of"),
 ])
 def test_sft_config_invalid_values(kwargs, field):

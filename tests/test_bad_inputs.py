@@ -360,8 +360,10 @@ def case_tokenizer_special_token_not_in_vocab(tmp, shared):
 def case_model_unknown_model_type(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     _edit_json(folder / "config.json", model_type="gpt2")
+    from nanosft.families import supported_model_types  # the message names every family
+
     return Bad(lambda: CausalLM.from_pretrained(str(folder)), ValueError, ["model_type='gpt2'"],
-               ["use one of ['llama', 'mistral', 'qwen2']"])
+               [f"use one of {supported_model_types()}"])
 
 
 def case_model_missing_shard(tmp, shared):

@@ -59,10 +59,13 @@ def make_trainer(output_dir, model=None, **overrides):
 
 
 def tree_digest(folder) -> dict:
-    """{relative path: sha256} of every file under `folder`."""
+    """{relative path: sha256} of every file under `folder`, but the run lock file (no run's result:
+    a SIGKILLed run leaves it, the next start takes it over and removes it)."""
     digest = {}
     for root, _, files in os.walk(folder):
         for name in files:
+            if name == output_folder.LOCK_NAME:
+                continue
             path = os.path.join(root, name)
             with open(path, "rb") as f:
                 digest[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
@@ -137,7 +140,8 @@ def test_overwrite_output_dir_removes_old_checkpoints_before_the_first_new_one(t
 
     second._save_checkpoint = recording_save
     second.train()
-    assert seen_at_first_save[0] == ["metrics.jsonl", "notes.txt"]  # the old run's logs went too
+    # the old run's logs went too; the run's lock file is there while it runs (and gone after)
+    assert seen_at_first_save[0] == [output_folder.LOCK_NAME, "metrics.jsonl", "notes.txt"]
     assert sorted(p.name for p in out.iterdir()) == [
         "checkpoint-1",
         "checkpoint-2",

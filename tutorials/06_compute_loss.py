@@ -295,13 +295,14 @@ def sft_step(fast):
         kept.append(output[0])
 
     handle = model.model.register_forward_hook(keep_hidden)
-    with reference_mode(not fast):
-        loss, outputs = sft.compute_loss(model, dict(inputs), return_outputs=True,
-                                         num_items_in_batch=num_items_in_batch)
+    with reference_mode(not fast):  # the training call: return_outputs=False
+        loss = sft.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
     loss.backward()
     handle.remove()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), outputs.logits, kept[0].grad, grads
+    with torch.no_grad():  # what each path's forward returns as logits
+        logits = model(**inputs, fused_lm_head=fast).logits
+    return loss.detach(), logits, kept[0].grad, grads
 
 
 for head in ("frozen", "trained"):

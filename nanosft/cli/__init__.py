@@ -22,8 +22,8 @@ import tempfile
 
 # the flag machinery and the streamer, re-exported so their names import from here too
 from nanosft.cli.flags import (  # noqa: F401
-    FALSE, FIXED_FIELDS, FLAG_ALIASES, TRUE, add_dataclass_flags, collect, read_config_file,
-    value_parser)
+    FALSE, FIXED_FIELDS, FLAG_ALIASES, TRUE, add_dataclass_flags, check_value_types, collect,
+    read_config_file, value_parser)
 from nanosft.cli.streamer import make_streamer, stream_reply  # noqa: F401
 
 
@@ -44,9 +44,10 @@ def resolve_folder(flag, name):
     return hub.resolve_pretrained_path(name, what=flag)
 
 
-def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
-    """A CausalLM (fp32, or NF4 when asked) from a folder or Hub id, with a PEFT adapter when given.
-    Walkthrough 2.1 (model loading)
+def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu", dtype=None,
+               quantization_config=None):
+    """A CausalLM (fp32 or `dtype`; NF4 when asked, or as `quantization_config` says) from a folder
+    or Hub id, with a PEFT adapter when given.
     Mirrors: AutoModelForCausalLM.from_pretrained + PeftModel.from_pretrained"""
     from nanosft import nf4
     from nanosft.model import CausalLM
@@ -55,11 +56,11 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu"):
     model_dir = resolve_folder("--model", model_dir)
     adapter_dir = None if adapter_dir is None else resolve_folder("--adapter", adapter_dir)
     # QLoRA's 4-bit options; each linear weight is quantized as it is read (no fp32 copy)
-    quantization_config = nf4.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-    ) if load_in_4bit else None
-    model = CausalLM.from_pretrained(model_dir, quantization_config=quantization_config,
-                                     device_map=device)
+    if load_in_4bit and quantization_config is None:
+        quantization_config = nf4.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    model = CausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device,
+                                     quantization_config=quantization_config)
     if adapter_dir is not None:
         model = PeftModelForCausalLM.from_pretrained(model, adapter_dir)
     return model.eval()
@@ -111,11 +112,15 @@ def build_train_configs(args, sft_names, lora_names):
     allowed = {**dict.fromkeys(sft_names, "sft"), **dict.fromkeys(lora_names, "lora"),
                "num_virtual_tokens": "pt"}
     from_file = read_config_file(args.config, allowed) if args.config else {}
+    for cls in (SFTConfig, LoraConfig):
+        check_value_types(f"--config {args.config}", from_file, cls)
     values = {"sft": {}, "lora": {}, "pt": {}}
     for key, value in from_file.items():
         values[allowed[key]][key] = value
     values["sft"].update(collect(args, "SFTConfig."))
     values["lora"].update(collect(args, "LoraConfig."))
+    for key, value in args.lora_defaults.items():  # `trl sft` flags: TRL ModelConfig's defaults
+        values["lora"].setdefault(key, value)
     if args.num_virtual_tokens is not None:
         values["pt"]["num_virtual_tokens"] = args.num_virtual_tokens
     if not values["sft"].get("output_dir"):
@@ -142,18 +147,43 @@ def build_train_configs(args, sft_names, lora_names):
 def run_train(args):
     """SFT of --model on --data: SFTTrainer.__init__, trainer.train(); under torchrun rank 0 saves.
     Mirrors: `trl sft` (trl.scripts.sft.main)"""
+    from nanosft.cli.trl_flags import apply_trl_flags, trl_eval_data
+    from nanosft.io import output_folder
+
+    apply_trl_flags(args)  # `trl sft` flags -> nanosft's (--model_name_or_path -> --model, ...)
+    sft_config, peft_config = build_train_configs(args, args.sft_names, args.lora_names)
+    trl_eval_data(args, sft_config)
+    args.resume_hint_dir = sft_config.output_dir  # for the Ctrl-C line in main()
+    if sft_config.fsdp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("--fsdp shards the model over several processes, but this one runs "
+                         "alone; launch it with torchrun, e.g. `torchrun --nproc_per_node 2 -m "
+                         "nanosft train ...` (the same flags), or drop --fsdp for one process")
+    # one run per --output_dir: locked before the guard below looks at the folder (two runs
+    # started at once would both pass it), held through the final save; writable, or stop here
+    with output_folder.hold_output_dir(sft_config, command_line=True):
+        return _train(args, sft_config, peft_config)
+
+
+def _train(args, sft_config, peft_config):
+    """run_train's body, inside the output_dir lock: checks, load, train, save, summary."""
     from nanosft import distributed
+    from nanosft.io import preflight
     from nanosft.sft import SFTTrainer
 
-    sft_config, peft_config = build_train_configs(args, args.sft_names, args.lora_names)
     _check_output_dir(sft_config)
+    # what the run needs at its end (eval data, the best-model metric), before the model loads
+    preflight.check_eval_data(sft_config.eval_strategy, args.eval_data, command_line=True,
+                              eval_on_start=sft_config.eval_on_start)
+    preflight.check_metric_name(sft_config.metric_for_best_model,
+                                preflight.known_eval_metrics(SFTTrainer), command_line=True)
     for flag, path in (("--data", args.data), ("--eval_data", args.eval_data)):
-        if path is not None and not os.path.isfile(path):
+        if isinstance(path, str) and not os.path.isfile(path):  # not a --dataset_name Dataset
             raise FileNotFoundError(
                 f"{flag} {path}: no such file; give a JSONL file with one example per line "
                 '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}), '
                 "or a .json array, .parquet or .csv file")
-    model = load_model(args.model, load_in_4bit=args.qlora, device=sft_config.device)
+    model = load_model(args.model, load_in_4bit=args.qlora, device=sft_config.device,
+                       dtype=args.model_dtype, quantization_config=args.quantization_config)
     model.train()
     tokenizer = load_tokenizer(args.model)
     trainer = SFTTrainer(model, args=sft_config, train_dataset=args.data,
@@ -199,9 +229,27 @@ def _tensorboard(output_dir):
 
 # ----------------------------------------------------------------------------- generate, chat
 
+def _check_sampling_flags(args):
+    """Refuse sampling flags transformers' logits warpers refuse, before the model loads."""
+    if not args.temperature >= 0:  # nan too
+        raise ValueError(f"--temperature {args.temperature}: must be 0 (greedy, the default) or "
+                         "positive (sampling; transformers refuses a temperature that is not "
+                         "strictly positive)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top_p {args.top_p}: must be in (0, 1]")
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"--top_k {args.top_k}: must be 0 (off) or positive")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max_new_tokens {args.max_new_tokens}: must be 0 or positive")
+
+
 def run_generate(args):
     """One chat-templated prompt -> streamed reply.
     Mirrors: model.generate(**tokenizer.apply_chat_template(...))"""
+    _check_sampling_flags(args)
+    if args.no_chat_template and not args.prompt:
+        raise ValueError("--prompt is empty: with --no_chat_template the text is fed as it is, and "
+                         "an empty text has no tokens; give a non-empty --prompt")
     model = load_model(args.model, args.adapter, args.load_in_4bit, pick_device(args.device))
     messages = [{"role": "user", "content": args.prompt}]
     stream_reply(model, load_tokenizer(args.model), messages, args)
@@ -211,6 +259,7 @@ def run_generate(args):
 def run_chat(args):
     """An interactive chat: a user turn per stdin line, replies streamed, history kept, ends at EOF.
     Mirrors: `transformers chat` | Differs: an empty line resets the history; no slash commands."""
+    _check_sampling_flags(args)
     model = load_model(args.model, args.adapter, args.load_in_4bit, pick_device(args.device))
     tokenizer = load_tokenizer(args.model)
     messages = []
@@ -243,6 +292,9 @@ def run_merge(args):
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".merge-")
     try:
+        from nanosft.io.hub import default_mode
+
+        os.chmod(tmp, default_mode(folder=True))  # mkdtemp makes 0700; as mkdir would instead
         model.save_pretrained(tmp)
         load_tokenizer(args.model).save_pretrained(tmp)
         if os.path.isdir(args.out):
@@ -330,9 +382,10 @@ def build_parser(train_fields=True):
                        usage="nanosft train --model DIR_OR_ID --data FILE --output_dir DIR "
                              "[--config FILE.json] [--qlora | --full | --prompt_tuning] [--dora] "
                              "[--trace] [--<field> VALUE ...]")
-    train.add_argument("--model", required=True,
+    # not required=True: `trl sft`'s --model_name_or_path / --dataset_name may name them instead
+    train.add_argument("--model",
                        help="a Hugging Face model folder or Hub id (weights + tokenizer)")
-    train.add_argument("--data", required=True, help="train data: .jsonl, .json, .parquet or .csv "
+    train.add_argument("--data", help="train data: .jsonl, .json, .parquet or .csv "
                        "with text, prompt/completion or messages")
     train.add_argument("--eval_data", help="eval data (set --eval_strategy steps to use it)")
     train.add_argument("--config", help="JSON file of SFTConfig / LoraConfig fields (flags win)")
@@ -344,13 +397,16 @@ def build_parser(train_fields=True):
                        help="prompt tuning length (default 8)")
     train.add_argument("--trace", action="store_true",
                        help="print the walkthrough trace of the first step")
-    train.set_defaults(run=run_train, sft_names=[], lora_names=[])
+    train.set_defaults(run=run_train, sft_names=[], lora_names=[], lora_defaults={},
+                       model_dtype=None, quantization_config=None, trl_test_split=None)
     if train_fields:
         from nanosft.args import SFTConfig
+        from nanosft.cli.trl_flags import add_trl_flags
         from nanosft.peft import LoraConfig
 
         train.set_defaults(sft_names=add_dataclass_flags(train, SFTConfig, "SFTConfig."),
                            lora_names=add_dataclass_flags(train, LoraConfig, "LoraConfig."))
+        add_trl_flags(train)
 
     generate = add_parser("generate", help="answer one prompt (streamed)")
     _add_sampling_flags(generate)
@@ -395,6 +451,51 @@ def _fail(command, message) -> int:
     return 2
 
 
+def _template_errors():
+    # jinja2 is optional; evaluated only when an exception reaches main()
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return ()
+    return (TemplateError,)
+
+
+def _interrupt_summary(args):
+    """What an interrupted command leaves: for train the last checkpoint and the resume flag."""
+    output_dir = getattr(args, "resume_hint_dir", None)
+    if args.command != "train" or output_dir is None:
+        return "nothing was saved"
+    from nanosft.io.output_folder import get_last_checkpoint
+
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if last is None:
+        return (f"no checkpoint was saved in {output_dir}; start again (with "
+                "--overwrite_output_dir if the folder holds partial files)")
+    return (f"the last checkpoint is {last}; resume with the same command plus "
+            "--resume_from_checkpoint")
+
+
+def _join_negative_numbers(argv):
+    """`--flag -1e-3` -> `--flag=-1e-3`: argparse reads a word starting with '-' as a flag unless
+    it looks like -1 or -0.5, so scientific notation and -inf would be 'expected one argument'."""
+    joined = []
+    for word in argv:
+        previous = joined[-1] if joined else ""
+        if previous.startswith("--") and "=" not in previous and _is_negative_number(word):
+            joined[-1] = f"{previous}={word}"
+        else:
+            joined.append(word)
+    return joined
+
+
+def _is_negative_number(word):
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return word.startswith("-")
+
+
 def _command(argv):
     """The sub-command named in argv (its first word that is not a flag), or None."""
     return next((word for word in argv if not word.startswith("-")), None)
@@ -405,7 +506,7 @@ def main(argv=None):
     Mirrors: a console_scripts entry point"""
     # bitsandbytes warns at import time about an optional CPU kernel package; not the user's concern
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _join_negative_numbers(sys.argv[1:] if argv is None else argv)
     parser = build_parser(train_fields=_command(argv) == "train")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -423,6 +524,26 @@ def main(argv=None):
             raise
         message = " ".join(str(error).split())  # one paragraph
         return _fail(args.command, f"{message} (NANOSFT_DEBUG=1 shows the traceback)")
+    except KeyboardInterrupt:
+        if os.environ.get("NANOSFT_DEBUG"):
+            raise
+        print(f"\nnanosft {args.command}: interrupted (Ctrl-C); {_interrupt_summary(args)}",
+              file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
+    except _template_errors() as error:  # raise_exception(...) or an undefined name in it
+        if os.environ.get("NANOSFT_DEBUG"):
+            raise
+        message = " ".join(str(error).split())
+        return _fail(args.command, f"the chat template of --model stopped: {message}; fix the "
+                                   "template (chat_template.jinja) or the messages "
+                                   "(NANOSFT_DEBUG=1 shows the traceback)")
+    except (KeyError, RuntimeError) as error:  # the backstop: no traceback
+        if os.environ.get("NANOSFT_DEBUG"):
+            raise
+        message = " ".join(str(error).split())
+        return _fail(args.command, f"{type(error).__name__}: {message}. Check the files and flags "
+                                   "given; if they look right this may be a nanosft bug: run again "
+                                   "with NANOSFT_DEBUG=1 for the traceback and report it")
     finally:
         # never imported (with torch) just to switch it off
         if "nanosft.monitoring.trace" in sys.modules:

@@ -5,7 +5,8 @@ The default (nanosft/cli/assets/default, made by scripts/make_default_model.py) 
 Llama-family base that read sums as plain sentences ("7 plus 5 equals 12.") but was never asked one
 in chat form. QLoRA SFT on 300 chat examples teaches the form; the 100 held-out prompts ask sums the
 base read but SFT never showed, so a right answer after training means the adapter unlocked
-knowledge of the base. Walkthrough 1 (the whole prepare-train path run once); QLoRA 2305.14314.
+knowledge of the base. It runs the walkthrough's prepare-train path (section 1) once; QLoRA
+2305.14314.
 """
 
 import importlib.util
@@ -223,7 +224,7 @@ def run(
     overwrite_output_dir=False,
 ):
     """Held-out answers before, SFTTrainer.train(), answers after; saves adapter, metrics, plots.
-    Walkthrough 1 (SFTTrainer.__init__ -> trainer.train()) | Mirrors: a TRL QLoRA recipe
+    Mirrors: a TRL QLoRA recipe (SFTTrainer.__init__ -> trainer.train())
     An output_dir holding another run is refused before anything runs, unless overwrite_output_dir.
     """
     from nanosft.io import output_folder

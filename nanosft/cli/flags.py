@@ -2,8 +2,8 @@
 
 `nanosft train` gets one typed `--field VALUE` flag per SFTConfig / LoraConfig field
 (`add_dataclass_flags`), parsed by the field's annotation (`value_parser`); `read_config_file`
-reads the same fields from a JSON object and `collect` gathers what the user gave. Walkthrough 2.1
-(the `args` and `peft_config` SFTTrainer.__init__ receives). Mirrors transformers HfArgumentParser
+reads the same fields from a JSON object and `collect` gathers what the user gave (the `args`
+and `peft_config` SFTTrainer.__init__ receives). Mirrors transformers HfArgumentParser
 and trl TrlParser. Standard library only, so `nanosft --help` stays free of torch.
 """
 
@@ -68,7 +68,7 @@ def value_parser(name, annotation):
 
 def add_dataclass_flags(parser, cls, prefix):
     """One `--field VALUE` flag per dataclass field (dest `<prefix>field`, unset unless given, plus
-    FLAG_ALIASES); returns the names. Walkthrough 2.1 (args, peft_config)
+    FLAG_ALIASES); returns the names.
     Mirrors: transformers HfArgumentParser._add_dataclass_arguments"""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} fields (Hugging Face names and defaults)")
@@ -92,7 +92,7 @@ def add_dataclass_flags(parser, cls, prefix):
 
 def read_config_file(path, allowed: dict) -> dict:
     """A JSON object of field values; an unknown key is an error naming it, the file and the closest
-    field. Walkthrough 2.1
+    field.
     Mirrors: transformers HfArgumentParser.parse_json_file(allow_extra_keys=False)"""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file; give a JSON file such as "
@@ -115,6 +115,25 @@ def read_config_file(path, allowed: dict) -> dict:
     return values
 
 
+def _fits(value, kinds) -> bool:
+    if isinstance(value, bool):  # a JSON true/false is a bool, never a number
+        return bool in kinds
+    if isinstance(value, int) and float in kinds:
+        return True
+    return isinstance(value, tuple(k for k in kinds if isinstance(k, type)))
+
+
+def check_value_types(source, values: dict, cls) -> None:
+    """Refuse a value whose JSON type the dataclass field does not take, naming file and field
+    (the dataclass would fail later with a bare TypeError, or keep a string as a number)."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if key in hints and not _fits(value, _kinds(hints[key])):
+            names = " or ".join(k.__name__ for k in _kinds(hints[key]))
+            raise TypeError(f"{source}: field {key!r} expects {names}, got "
+                            f"{type(value).__name__} {value!r}; fix the value in the file")
+
+
 def collect(args, prefix):
-    """The flags the user actually gave for one dataclass, as {field: value}. Walkthrough 2.1"""
+    """The flags the user actually gave for one dataclass, as {field: value}."""
     return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}

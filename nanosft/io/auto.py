@@ -1,6 +1,6 @@
 """The loaders a TRL script calls by name: AutoModelForCausalLM, AutoTokenizer, PeftModel.
 
-Walkthrough 2.1 (the model, tokenizer and adapter SFTTrainer.__init__ receives). Each takes a local
+They build the model, tokenizer and adapter SFTTrainer.__init__ receives. Each takes a local
 folder or a Hub id (resolved from the local Hugging Face cache, see hub.resolve_pretrained_path) and
 returns nanosft's own object, so a script written for transformers + peft runs with only its imports
 changed. Keyword arguments transformers accepts but nanosft has no use for are listed and ignored;

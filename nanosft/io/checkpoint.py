@@ -3,8 +3,8 @@
 A checkpoint-N folder holds the weights (model.safetensors, or adapter_model.safetensors +
 adapter_config.json for a LoRA model), optimizer.pt, scheduler.pt, scaler.pt,
 rng_state[_{rank}].pth, trainer_state.json and training_args.json (JSON instead of transformers'
-pickled training_args.bin). Walkthrough 2.3 (`_maybe_log_save_evaluate` -> `_save_checkpoint`);
-guide: 故障排除 (a resumed run must equal an uninterrupted one). A checkpoint is written in a hidden
+pickled training_args.bin). Written by Trainer._save_checkpoint (from `_maybe_log_save_evaluate`);
+a resumed run must equal an uninterrupted one. A checkpoint is written in a hidden
 temp folder beside it, fsynced, then renamed into place, so a crash or a full disk never leaves half
 of one. Finding the latest checkpoint and rotating old ones live in output_folder.py.
 """
@@ -34,6 +34,7 @@ from nanosft.io.output_folder import (  # noqa: F401 (finding and rotating check
     TRAINER_STATE_NAME,
     WEIGHTS_NAME,
     get_last_checkpoint,
+    holding_output_dir,
     resolve_resume_checkpoint,
     rotate_checkpoints,
     sorted_checkpoints,
@@ -369,6 +370,25 @@ def _read_json(path):
         return json.load(f)
 
 
+# JSON types of the trainer_state.json fields the resumed loop computes with
+_STATE_TYPES = {"epoch": (int, float), "global_step": (int,), "total_flos": (int, float),
+                "logging_steps": (int,), "eval_steps": (int,), "save_steps": (int,),
+                "log_history": (list,), "best_metric": (int, float, type(None)),
+                "best_global_step": (int, type(None))}
+
+
+def _read_trainer_state(path):
+    state = _read_json(path)
+    if not isinstance(state, dict):
+        raise TypeError(f"expected a JSON object, got a {type(state).__name__}")
+    for key, kinds in _STATE_TYPES.items():
+        value = state.get(key)
+        if key in state and (isinstance(value, bool) or not isinstance(value, kinds)):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise TypeError(f"field {key!r} is {value!r}, not {names}")
+    return state
+
+
 def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0,
                     world_size=1) -> dict:
     """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the state.
@@ -397,7 +417,7 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
             raise ValueError(f"{path} does not fit this {type(obj).__name__} ({e}); was it saved "
                              "with other trainable parameters or another optimizer?") from e
     load_rng_state(checkpoint_dir, rank, world_size)
-    return _load_or_explain(os.path.join(checkpoint_dir, TRAINER_STATE_NAME), _read_json)
+    return _load_or_explain(os.path.join(checkpoint_dir, TRAINER_STATE_NAME), _read_trainer_state)
 
 
 def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
@@ -426,17 +446,48 @@ def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
     return state, epochs_trained, steps_trained_in_current_epoch
 
 
-def save_model(model, processing_class, output_dir) -> None:
+def save_model(model, processing_class, output_dir, checkpoints_dir=None) -> None:
     """The final model (a PEFT model: its adapter only) and the tokenizer in output_dir; every
-    rank calls it (FSDP: the shards are gathered), rank 0 writes the one-process files.
-    Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
+    rank calls it (FSDP: the shards are gathered), rank 0 writes the one-process files: all of
+    them into a hidden temp folder first, then moved in, so a failed save (a full disk) leaves
+    none of them. Its error names the last checkpoint in `checkpoints_dir` to resume from.
+    Mirrors: transformers Trainer.save_model | Differs: no training_args.bin; never half a save."""
     state_dict = _gather_sharded(model, None)[0]
     if distributed.get_rank() != 0:
         return
     os.makedirs(output_dir, exist_ok=True)
-    _unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
-    if hasattr(processing_class, "save_pretrained"):
-        processing_class.save_pretrained(output_dir)
+    with holding_output_dir(output_dir):  # no other run writes here meanwhile
+        tmp = os.path.join(output_dir, TEMP_PREFIX + "save_model")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _unwrap(model).save_pretrained(tmp, state_dict=state_dict)
+            if hasattr(processing_class, "save_pretrained"):
+                processing_class.save_pretrained(tmp)
+            _fsync_tree(tmp)
+            for name in sorted(os.listdir(tmp)):  # renames: they need no space
+                os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+            _fsync_dir(output_dir)
+        except (OSError, RuntimeError, SafetensorError) as e:
+            raise OSError(getattr(e, "errno", None) or errno.EIO,
+                          _final_save_failed(output_dir, checkpoints_dir, e)) from e
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _final_save_failed(output_dir, checkpoints_dir, error) -> str:
+    """The error of a failed final save: why, that nothing of it was left, where to resume."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else \
+        (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    last = get_last_checkpoint(checkpoints_dir) if checkpoints_dir else None
+    if last is not None:
+        then = (f"The last checkpoint, {last}, is complete and untouched: free disk space, then "
+                "run the same training again resuming from it (resume_from_checkpoint=True; on "
+                "the command line --resume_from_checkpoint) and it saves the final model.")
+    else:
+        then = ("No checkpoint was saved to resume from (save_strategy / save_steps); free disk "
+                "space and run the training again.")
+    return (f"saving the final model to {output_dir} failed ({reason}); nothing of it was left "
+            f"there. {then}")
 
 
 def resolve_and_check(args, model, resume_from_checkpoint):

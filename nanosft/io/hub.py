@@ -1,8 +1,8 @@
 """The files of a Hugging Face model folder: JSON configs, safetensors weights (single or sharded).
 
-What `CausalLM.from_pretrained` / `save_pretrained` (walkthrough 2.1's model loading) read and
-write: `model.safetensors` (metadata {"format": "pt"}) or `model-0000k-of-0000n.safetensors` shards
-with `model.safetensors.index.json`. Reads go tensor by tensor from the file headers' byte ranges;
+What `CausalLM.from_pretrained` / `save_pretrained` read and write: `model.safetensors`
+(metadata {"format": "pt"}) or `model-0000k-of-0000n.safetensors` shards with
+`model.safetensors.index.json`. Reads go tensor by tensor from the file headers' byte ranges;
 every write goes to a temp file moved into place with os.replace; every read error names the file
 and the fix.
 """
@@ -37,6 +37,21 @@ def read_json(path):
                          f"{e.msg}") from e
 
 
+@functools.cache
+def _umask():
+    # the process umask can only be read by setting it: set and restore once, at first use
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_mode(folder=False):
+    """The permissions open() (0o666) or os.mkdir (0o777) would give under the current umask: what
+    a file written by way of mkstemp / mkdtemp (0o600 / 0o700) is set to before it is moved into
+    place, so another user or a serving account can read a saved model as with transformers."""
+    return (0o777 if folder else 0o666) & ~_umask()
+
+
 def atomic_write(path, write):
     """Call `write(tmp)` on a hidden temp file beside `path`, then os.replace it into place; on
     failure no file. Mirrors: transformers save_pretrained
@@ -46,6 +61,7 @@ def atomic_write(path, write):
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, default_mode())  # mkstemp makes 0600; open() would give 0666 & ~umask
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -83,6 +99,11 @@ def check_state_dict(state_dict, expected, source):
                          f"{len(unexpected)} in all); check model_type, num_hidden_layers, "
                          "attention_bias and tie_word_embeddings in config.json")
     for name, t in state_dict.items():
+        dtype = getattr(t, "dtype", torch.float32)
+        if expected[name].is_floating_point() and not dtype.is_floating_point:
+            raise ValueError(f"{source}: tensor {name} is stored as {dtype} in "
+                             f"{getattr(t, 'path', 'the checkpoint')}, but model weights are "
+                             "floating point; re-save the model in float32, bfloat16 or float16")
         if t.shape != expected[name].shape:
             where = getattr(t, "path", "the checkpoint")
             raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)} in {where} but "
@@ -118,6 +139,16 @@ class TensorInfo:
     end: int
 
 
+def _check_no_overlap(infos):
+    # two tensors sharing bytes would load as aliases of one another (safetensors refuses too)
+    spans = sorted((info.begin, info.end, name) for name, info in infos.items()
+                   if info.end > info.begin)
+    for (_, end, name), (begin, _, other) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {name} and {other} overlap in the file (their data_offsets "
+                             "share bytes)")
+
+
 def _read_header(path):
     # 8 bytes little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
     # then the data; offsets count from the end of the header
@@ -137,11 +168,13 @@ def _read_header(path):
             if end > size or end - begin != shape.numel() * dtype.itemsize:
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
             infos[name] = TensorInfo(path, dtype, shape, begin, end)
+        _check_no_overlap(infos)
         return infos
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{path}: no such file; re-save or re-download the model") from e
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # foreign, cut short
-        raise ValueError(f"{path}: cannot read safetensors weights ({e!r}); re-save or "
+        reason = str(e) if type(e) is ValueError else repr(e)
+        raise ValueError(f"{path}: cannot read safetensors weights ({reason}); re-save or "
                          "re-download the model") from e
 
 
@@ -187,6 +220,33 @@ def release_freed_memory():
         _libc().malloc_trim(0)
 
 
+def count_nonfinite(tensor, chunk=1 << 20) -> int:
+    """How many nan/inf values a floating tensor holds. Any nan/inf makes the sum nan/inf, so a
+    finite sum (one fast pass, no scratch) means none; else count exactly, 1 MB at a time."""
+    tensor = tensor.detach()
+    if tensor.element_size() == 1:  # float8: no isfinite kernel
+        tensor = tensor.float()
+    if torch.isfinite(tensor.sum()):
+        return 0
+    counts = [part.numel() - torch.isfinite(part).sum() for part in tensor.reshape(-1).split(chunk)]
+    return int(sum(counts))  # 0 when only the sum overflowed
+
+
+def check_finite_tensor(tensor, name, path, file_dtype):
+    """Refuse a checkpoint tensor holding nan/inf, naming the file, the tensor and the count."""
+    bad = count_nonfinite(tensor)
+    if not bad:
+        return
+    to = str(tensor.dtype).removeprefix("torch.")
+    read = str(file_dtype).removeprefix("torch.")
+    cast = "" if to == read else (f" once cast from the file's {read} to {to} (a value too large "
+                                  f"for {to} becomes inf too: try float32 or bfloat16)")
+    raise ValueError(f"{path}: tensor {name!r} holds {bad:,} nan/inf values of "
+                     f"{tensor.numel():,}{cast}; the checkpoint is damaged (a broken download or "
+                     "conversion, or a diverged run saved as a model): re-download or re-convert "
+                     "it, or load another checkpoint")
+
+
 def iter_tensors(index, dtype=None, device="cpu"):
     """(name, tensor) one at a time, each file read in byte order, cast to dtype/device as read.
     Mirrors: transformers' per-tensor loading (safe_open(...).get_slice)
@@ -204,7 +264,10 @@ def iter_tensors(index, dtype=None, device="cpu"):
                     raise ValueError(f"{path}: tensor {name} is cut short; re-download the model")
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(device, dtype)  # the file's copy is freed here, not later
-                yield name, tensor.to(device)
+                tensor = tensor.to(device)
+                if tensor.is_floating_point():  # one pass, on the device: a nan base never trains
+                    check_finite_tensor(tensor, name, path, info.dtype)
+                yield name, tensor
                 del tensor  # the caller's next tensor must not overlap this one in memory
                 release_freed_memory()
 
@@ -292,7 +355,15 @@ def cached_snapshot(repo_id, revision=None, cache_dir=None):
     if os.path.isfile(ref):
         with open(ref, encoding="utf-8") as f:
             revision = f.read().strip()
-    snapshot = os.path.join(repo_folder, "snapshots", revision)
+        if not re.fullmatch(r"[0-9a-f]{40}", revision):  # a ref holds a commit hash, nothing else
+            raise ValueError(f"{ref} holds {revision[:60]!r}, not a commit hash (40 hex digits); "
+                             "the cache is damaged: delete that file and download the model again")
+    snapshots = os.path.join(repo_folder, "snapshots")
+    snapshot = os.path.join(snapshots, revision)
+    # a revision such as "../.." must not lead outside the repo's snapshots folder
+    if os.path.dirname(os.path.realpath(snapshot)) != os.path.realpath(snapshots):
+        raise ValueError(f"revision {revision!r} of {repo_id} points outside {snapshots}; give a "
+                         "branch, tag or commit hash")
     return snapshot if os.path.isdir(snapshot) else None
 
 
@@ -324,7 +395,15 @@ def resolve_pretrained_path(name_or_path, revision=None, what="model"):
     except ImportError:
         snapshot_download = None
     if snapshot_download is not None and not is_offline():
-        return snapshot_download(name, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+        try:
+            return snapshot_download(name, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+        except Exception as error:  # noqa: BLE001 (no network, unknown repo, gated, ...)
+            reason = " ".join(str(error).split())[:300]
+            raise FileNotFoundError(
+                f"{what} {name}: no such folder ({os.path.abspath(name)}), not in the Hugging Face "
+                f"cache ({repo_cache_folder(name, cache_dir)}), and the download failed "
+                f"({type(error).__name__}: {reason}); fix: check the path, or the Hub id and "
+                "the network (HF_HUB_OFFLINE=1 skips the download)") from error
     repo_folder = repo_cache_folder(name, cache_dir)
     if os.path.isdir(repo_folder):  # cached, but not at this revision
         raise FileNotFoundError(

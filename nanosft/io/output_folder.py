@@ -1,15 +1,21 @@
 """What a run's output_dir holds: checkpoint-N folders (sorted, the latest valid one, rotated),
-and the guard that keeps a fresh run out of a folder holding another run.
+the guard that keeps a fresh run out of a folder holding another run, and the lock that keeps two
+runs started at once apart (with a probe that the folder can be written at all).
 
-Walkthrough 2.2 (`resume_from_checkpoint`) and 2.3 (`_save_checkpoint` rotates old checkpoints).
+Used by Trainer.train (`resume_from_checkpoint`) and Trainer._save_checkpoint (rotation).
 transformers 5.23 writes into any output_dir; a second run there would replace the first run's
 adapter and mix its checkpoints with the first run's, so that `resume_from_checkpoint=True` picks
 the wrong one. nanosft refuses, as transformers 4's example scripts did (`overwrite_output_dir`).
 """
 
+import contextlib
+import datetime
 import os
 import re
 import shutil
+import socket
+import sys
+import time
 import warnings
 
 import torch
@@ -74,7 +80,7 @@ def _no_checkpoint_message(output_dir, flag) -> str:
 
 def resolve_resume_checkpoint(resume_from_checkpoint, output_dir, command_line=False):
     """The folder to resume from: None (fresh run), the latest valid checkpoint-N for True, else the
-    given folder. `command_line` words the errors as flags. Walkthrough 2.2
+    given folder. `command_line` words the errors as flags.
     Mirrors: transformers Trainer.train (resume_from_checkpoint handling)"""
     if command_line:
         flag, latest = "--resume_from_checkpoint", "--resume_from_checkpoint with no value"
@@ -187,3 +193,185 @@ def check_output_dir(args, resuming: bool) -> None:
     if distributed.all_reduce_sum(refused).item() > 0:
         raise ValueError(refusal or f"output_dir {args.output_dir} holds another run (rank 0 "
                          "names it); nothing was written.")
+
+
+# ----------------------------------------------------------------------------- one run at a time
+LOCK_NAME = ".nanosft.lock"  # in output_dir while a run uses it: who holds it, as text
+# this process's locks, {realpath of output_dir: [fd, depth]}: flock belongs to an open file, so a
+# nested take (the CLI's, then Trainer.train's) must reuse the first one, not open a second
+_held = {}
+
+
+def _is_rank_zero() -> bool:
+    # before the process group exists (the CLI, before the model loads) torchrun's RANK says it
+    if distributed.is_initialized():
+        return distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _nearest_existing(path) -> str:
+    """`path` if it exists, else its nearest existing ancestor (absolute)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _missing_folders(path) -> list[str]:
+    """The folders os.makedirs(path) would create, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def check_writable(output_dir, command_line=False) -> None:
+    """Create output_dir and write, then remove, a probe file, so a folder the final save could not
+    write is found before training, not after it. The error names the folder, the reason and the
+    fix. Differs: transformers finds out at the first save."""
+    flag = "--output_dir" if command_line else "output_dir"
+    probe = os.path.join(output_dir, f".nanosft-probe-{os.getpid()}")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"can this run write here?\n")
+    except OSError as e:
+        where = _nearest_existing(output_dir)  # where the write failed
+        if os.path.isfile(where):
+            is_it = "it is" if where == os.path.abspath(output_dir) else f"{where} is"
+            reason = f"{is_it} a file, not a folder"
+            fix = f"Pick another {flag}, or move that file away"
+        else:
+            reason = f"{(e.strerror or str(e)).lower()} in {where}"
+            fix = f"Pick an {flag} you can write to"
+            if isinstance(e, PermissionError):
+                fix += ", or make that folder writable for this user"
+        raise ValueError(f"{flag} {output_dir} cannot be written ({reason}), so this run could "
+                         f"not save its checkpoints or its result; nothing was trained. {fix}.") \
+            from e
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+
+
+def _holder_text() -> str:
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    program = os.path.basename(sys.argv[0] or "python")
+    if program == "__main__.py":  # python -m nanosft
+        program = "python -m " + os.path.basename(os.path.dirname(sys.argv[0]))
+    command = " ".join([program, *sys.argv[1:]])[:300]
+    return (f"pid: {os.getpid()}\nhost: {socket.gethostname()}\nstarted: {started}\n"
+            f"command: {command}\n")
+
+
+def _describe_holder(fd) -> str:
+    """'pid 12, host h, started T, command C' from the lock file another run holds."""
+    fields = {}
+    for _ in range(50):  # the holder writes its pid just after taking the lock: wait up to 0.5 s
+        try:
+            text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        except OSError:
+            text = ""
+        fields = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+        if "command" in fields:  # the last line written
+            break
+        time.sleep(0.01)
+    if "pid" not in fields:
+        return "a run that is still starting (it has not written its pid yet)"
+    shown = [f"pid {fields['pid']}"]
+    shown += [f"{key} {fields[key]}" for key in ("host", "started") if key in fields]
+    shown += [f"command `{fields['command']}`"] if "command" in fields else []
+    return ", ".join(shown)
+
+
+def lock_output_dir(output_dir, command_line=False):
+    """Take output_dir's run lock (an OS advisory lock, flock, on output_dir/.nanosft.lock holding
+    this run's pid, host and start time); nested takes in one process share it. The OS drops it
+    when the process dies, so a killed run never blocks the next. Returns the key for
+    unlock_output_dir. Differs: transformers takes no lock."""
+    key = os.path.realpath(output_dir)
+    if key in _held:
+        _held[key][1] += 1
+        return key
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; runs are not kept apart there
+        return None
+    path = os.path.join(key, LOCK_NAME)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # mode: what the umask gives, as open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe_holder(fd)
+            os.close(fd)
+            flag = "--output_dir" if command_line else "output_dir"
+            raise ValueError(f"{flag} {output_dir} is in use by another run ({holder}); two runs "
+                             "in one folder would overwrite each other's checkpoints and results, "
+                             f"so this one stopped before writing anything. Wait until that run "
+                             f"ends, or pick another {flag}.") from None
+        # the holder we waited on may have removed the file as it released it: lock the new one
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, _holder_text().encode("utf-8"), 0)
+    _held[key] = [fd, 1]
+    return key
+
+
+def unlock_output_dir(key) -> None:
+    """Release a lock_output_dir take; the last one removes the lock file, then lets the lock go."""
+    if key is None or key not in _held:
+        return
+    _held[key][1] -= 1
+    if _held[key][1] > 0:
+        return
+    fd = _held.pop(key)[0]
+    with contextlib.suppress(OSError):  # removed while still held, so no run can take a stale one
+        os.remove(os.path.join(key, LOCK_NAME))
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def holding_output_dir(output_dir, command_line=False):
+    """`with` block form of lock_output_dir / unlock_output_dir (this process only)."""
+    key = lock_output_dir(output_dir, command_line)
+    try:
+        yield
+    finally:
+        unlock_output_dir(key)
+
+
+@contextlib.contextmanager
+def hold_output_dir(args, command_line=False):
+    """For the `with` block (a whole run): output_dir exists and can be written, and this run alone
+    uses it. Only rank 0 probes and locks it: rank 0 writes everything in output_dir (a per-node
+    lock on a shared disk would have the nodes stop each other); every rank gets its answer."""
+    problem, key = None, None
+    created = _missing_folders(args.output_dir)  # removed again if the run fails at its start
+    if _is_rank_zero():
+        try:
+            check_writable(args.output_dir, command_line)
+            key = lock_output_dir(args.output_dir, command_line)
+        except ValueError as e:
+            problem = e
+    refused = torch.tensor(float(problem is not None), device=args.device)
+    try:
+        if distributed.all_reduce_sum(refused).item() > 0:
+            raise problem or ValueError(f"output_dir {args.output_dir} could not be used (rank 0 "
+                                        "says why); nothing was written.")
+        yield
+    finally:
+        unlock_output_dir(key)
+        if _is_rank_zero() and key not in _held:  # a run that failed at its start leaves no
+            for folder in created:  # empty folders behind (deepest first; rmdir: only if empty)
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    break

@@ -100,30 +100,86 @@ class ThroughputCallback(TrainerCallback):
         return line
 
 
+class NonFiniteTrainingError(ValueError):
+    """A run whose trainable weights became nan/inf: StopOnNonFiniteCallback raises it, so train()
+    returns no such model and the caller's final save never runs (a ValueError: the command line
+    prints its one paragraph and exits with status 2)."""
+
+
+def nonfinite_parameters(model) -> dict:
+    """{name: count} of the trainable parameters holding nan/inf; sharded (DTensor) parameters
+    count every rank's shard, so each rank must call it."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        return {}
+    local = [p.to_local() if distributed.is_dtensor(p) else p for _, p in trainable]
+    # a nan/inf makes its tensor's sum nan/inf: one fast pass, exact counts only when one is
+    sums = torch.stack([t.detach().sum(dtype=torch.float32) for t in local])
+    counts = torch.zeros_like(sums)
+    if not torch.isfinite(sums).all():
+        counts = torch.stack([(~torch.isfinite(t.detach())).sum() for t in local]).float()
+    if any(distributed.is_dtensor(p) for _, p in trainable):
+        counts = distributed.all_reduce_sum(counts)
+    return {name: int(n) for (name, _), n in zip(trainable, counts.tolist()) if n}
+
+
+def nonfinite_message(args, step, logs, bad_parameters) -> str:
+    """What went nan/inf at `step`, what was (not) saved, and what to change."""
+    seen = [f"{key} {logs[key]:.4g}" for key in ("loss", "grad_norm") if key in (logs or {})]
+    what = [f"the logged {', '.join(seen)}"] if seen else []
+    if bad_parameters:
+        named = ", ".join(f"{name!r} ({n:,})" for name, n in list(bad_parameters.items())[:3])
+        named += f" and {len(bad_parameters) - 3} more" if len(bad_parameters) > 3 else ""
+        tensors = "tensor holds" if len(bad_parameters) == 1 else "tensors hold"
+        what.append(f"{len(bad_parameters)} trainable {tensors} nan/inf values: {named}")
+    fixes = [f"a lower learning_rate (now {args.learning_rate})"]
+    if args.fp16:
+        fixes.append("bf16 instead of fp16 (fp16 overflows above 65504)")
+    fixes.append(f"max_grad_norm=1.0 to clip gradients (now {args.max_grad_norm})"
+                 if not 0 < args.max_grad_norm <= 1.0 else
+                 f"a smaller max_grad_norm (now {args.max_grad_norm})")
+    fixes.append("a look at the data (rows that are empty, huge or broken)")
+    from nanosft.io.output_folder import get_last_checkpoint
+
+    last = get_last_checkpoint(args.output_dir)
+    kept = (f"; {last} was saved before, with finite weights" if last is not None else "")
+    return (f"Training diverged at step {step}: {'; '.join(what)}. Stopped: nothing was saved as "
+            f"a result{kept}. Try {', '.join(fixes[:-1])}, and {fixes[-1]}.")
+
+
 class StopOnNonFiniteCallback(TrainerCallback):
-    """Stop after `max_windows` logging windows in a row with a nan/inf loss or grad_norm, with a
-    message naming the fixes. Mirrors: nothing (transformers trains on)"""
+    """Raise NonFiniteTrainingError when a trainable weight holds nan/inf: checked at each
+    logging window, before each checkpoint or evaluation, and at train end, so no nan/inf weights
+    reach a checkpoint or a saved result. A nan/inf loss or grad_norm over finite weights (a step
+    the fp16 GradScaler skipped, a micro-batch with no trained token) gets one printed line.
+    Mirrors: nothing (transformers trains on)"""
 
-    max_windows = 3
+    def check(self, args, state, model, logs=None):
+        """Raise when a trainable weight of `model` holds nan/inf."""
+        bad_parameters = nonfinite_parameters(model) if model is not None else {}
+        if bad_parameters:
+            raise NonFiniteTrainingError(nonfinite_message(args, state.global_step, logs,
+                                                           bad_parameters))
 
-    def __init__(self):
-        self.nonfinite_logs = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.nonfinite_logs = 0
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if "loss" not in logs or "train_runtime" in logs:
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if "loss" not in logs or "train_runtime" in logs:  # not a training window
             return
-        values = [logs.get(k, 0.0) for k in ("loss", "grad_norm")]
-        bad = not all(math.isfinite(v) for v in values)
-        self.nonfinite_logs = self.nonfinite_logs + 1 if bad else 0
-        if self.nonfinite_logs >= self.max_windows:
-            control.should_training_stop = True
-            print(f"Stopping at step {state.global_step}: the loss or grad_norm was nan/inf in "
-                  f"{self.nonfinite_logs} logging windows in a row. Try a lower learning_rate "
-                  f"(now {args.learning_rate}), bf16 instead of fp16, or max_grad_norm=1.0 "
-                  "to clip gradients.")
+        self.check(args, state, model, logs)
+        if not math.isfinite(logs["loss"]) and state.is_world_process_zero:
+            print(f"Step {state.global_step}: the logged loss is {logs['loss']} but the weights "
+                  "are finite (an fp16 step the GradScaler skipped, or a micro-batch with no "
+                  "trained token); training goes on.")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        # a checkpoint or an evaluation comes next; a log first would check in on_log
+        if (control.should_save or control.should_evaluate) and not control.should_log:
+            self.check(args, state, model)
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        self.on_step_end(args, state, control, model=model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.check(args, state, model)  # what train() returns and the caller saves
 
 
 class MemoryCallback(TrainerCallback):
@@ -240,11 +296,11 @@ class TensorBoardCallback(TrainerCallback):
 
 def reporting_callbacks(args) -> list:
     """The callbacks a Trainer reports through, in the order they must run."""
-    callbacks = [ThroughputCallback(), StopOnNonFiniteCallback(), MemoryCallback(),
-                 ProgressCallback(), MetricsFileCallback()]
+    callbacks = [ThroughputCallback(), MemoryCallback(), ProgressCallback(), MetricsFileCallback()]
     if "tensorboard" in args.report_to:
         callbacks.append(TensorBoardCallback())
-    return callbacks
+    # last: the diverged window is printed and written before it raises
+    return callbacks + [StopOnNonFiniteCallback()]
 
 
 def speed_summary(trainer, metrics: dict) -> str:

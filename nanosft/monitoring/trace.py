@@ -21,9 +21,9 @@ from nanosft.trainer_callback import TrainerCallback
 # mirrors it. In reference mode (NANOSFT_REFERENCE=1) a LoRA and a QLoRA SFT step execute every one
 # (tests/test_reference_mode.py); FAST_PATH_REPLACES names those the speed paths replace.
 WALKTHROUGH_STATEMENTS = [
-    ("2.1", "sft.py", "super().__init__(model, args, data_collator=data_collator,"),
+    ("2.1", "sft.py", "super().__init__(\n            model=model,"),
     ("2.2", "trainer.py",
-     "return self._inner_training_loop(args, resume_from_checkpoint)\n        #"),
+     "return self._inner_training_loop(args, resume_from_checkpoint)\n            #"),
     ("2.3", "trainer.py", "train_dataloader = self.get_train_dataloader()"),
     ("2.3", "trainer.py", "total_train_batch_size = (self._train_batch_size"),
     ("2.3", "trainer.py", 'print("***** Running training *****")'),
