@@ -80,10 +80,15 @@ def barrier() -> None:
         dist.barrier()
 
 
-def cleanup() -> None:
-    """Destroy the process group if there is one. Guide: distributed training | Mirrors:
-    torch.distributed.destroy_process_group"""
+def cleanup(barrier: bool = True) -> None:
+    """Destroy the process group if there is one, after a barrier: a rank that tears gloo down
+    while a peer is still inside a collective or writing can abort that peer at exit (SIGABRT,
+    "terminate called without an active exception"). barrier=False on error paths, where a peer
+    may never come. Guide: distributed training
+    Mirrors: torch.distributed.destroy_process_group"""
     if is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -228,7 +233,7 @@ def explain_timeout(ddp_timeout):
         if not (is_initialized() and "timed out" in str(error).lower()):
             raise
         rank = get_rank()
-        cleanup()
+        cleanup(barrier=False)  # the peers may never come
         raise TimeoutError(
             f"rank {rank} waited longer than ddp_timeout={ddp_timeout} s for the other ranks in "
             f"a collective ({error}). Another rank is stuck, stopped or far slower (its own log "

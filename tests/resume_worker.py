@@ -299,9 +299,9 @@ def main(spec_path):
         results[job["name"]] = run_job(job)
     if int(os.environ.get("RANK", "0")) == 0 and spec.get("result"):
         torch.save(results, spec["result"])
-    from nanosft.distributed import cleanup
+    from tiny import leave_group
 
-    cleanup()
+    leave_group()  # FSDP runs shard with DTensors: see leave_group
 
 
 if __name__ == "__main__":

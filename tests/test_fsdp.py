@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from tiny import join_as_rank, tiny_model
+from tiny import join_as_rank, leave_group, tiny_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -222,10 +222,7 @@ def _worker(rank, port, out):
     result["resume"] = resume_runs(out)
     if rank == 0:
         torch.save(result, os.path.join(out, "fsdp_result.pt"))
-    # both ranks leave together: a rank tearing gloo down while its peer is still inside a
-    # collective or writing can abort the peer (seen once as SIGABRT in rank 1)
-    torch.distributed.barrier()
-    distributed.cleanup()
+    leave_group()
 
 
 @pytest.fixture(scope="module")

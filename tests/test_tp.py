@@ -21,7 +21,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tiny import join_as_rank, tiny_model
+from tiny import join_as_rank, leave_group, tiny_model
 
 from nanosft import distributed
 from nanosft.parallel import tensor_parallel
@@ -105,7 +105,7 @@ def _worker(rank, port, folder):
         result["trainer_refused"] = str(e)
     if rank == 0:
         torch.save(result, os.path.join(folder, "tp_result.pt"))
-    distributed.cleanup()
+    leave_group()
 
 
 @pytest.fixture(scope="module")

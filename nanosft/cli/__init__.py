@@ -161,7 +161,13 @@ def run_train(args):
     # one run per --output_dir: locked before the guard below looks at the folder (two runs
     # started at once would both pass it), held through the final save; writable, or stop here
     with output_folder.hold_output_dir(sft_config, command_line=True):
-        return _train(args, sft_config, peft_config)
+        try:
+            return _train(args, sft_config, peft_config)
+        except BaseException:
+            from nanosft import distributed
+
+            distributed.cleanup(barrier=False)  # a gloo group left open can abort at exit
+            raise
 
 
 def _train(args, sft_config, peft_config):
