@@ -369,12 +369,12 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ---- chat templates ---------------------------------------------------------------------
-    def render_chat_with_spans(self, messages, add_generation_prompt=False):
+    def render_chat_with_spans(self, messages, add_generation_prompt=False, **template_kwargs):
         """Render a chat; returns (text, assistant_spans): the char spans [start, end) the model
         is trained on.
         Mirrors: transformers render_jinja_template with return_assistant_tokens_mask
         The built-in CHATML_TEMPLATE renders in plain Python (no jinja2 needed); others go
-        through Jinja."""
+        through Jinja, with template_kwargs as extra variables (Qwen3's enable_thinking=False)."""
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError(f"{self.name_or_path}: the chat template is empty; fix: write one "
                              "to chat_template.jinja, or pass --no_chat_template to feed text as "
@@ -393,23 +393,25 @@ class Tokenizer:
         special = {key: token for key, token in self._special.items() if token is not None}
         try:
             return render_jinja_template(self.chat_template, messages, add_generation_prompt,
-                                         **special)
+                                         **{**special, **template_kwargs})
         except ValueError as error:
             raise ValueError(f"{self.name_or_path}: {error}") from None
 
-    def render_chat(self, messages, add_generation_prompt=False):
+    def render_chat(self, messages, add_generation_prompt=False, **template_kwargs):
         """Render a chat to text.
         Mirrors: apply_chat_template(..., tokenize=False)"""
-        return self.render_chat_with_spans(messages, add_generation_prompt)[0]
+        return self.render_chat_with_spans(messages, add_generation_prompt, **template_kwargs)[0]
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True,
-                            return_assistant_tokens_mask=False):
+                            return_assistant_tokens_mask=False, **template_kwargs):
         """Render a chat and (by default) tokenize it with add_special_tokens=False, as
         transformers does.
         Mirrors: transformers PreTrainedTokenizerBase.apply_chat_template
         Returns str (tokenize=False), list[int], or {"input_ids", "assistant_masks"} when asked
-        for masks."""
-        text, spans = self.render_chat_with_spans(messages, add_generation_prompt)
+        for masks. template_kwargs become template variables, as transformers' **kwargs
+        (Qwen3's enable_thinking=False)."""
+        text, spans = self.render_chat_with_spans(messages, add_generation_prompt,
+                                                  **template_kwargs)
         if not tokenize:
             return text
         encoding = self.backend.encode(text, add_special_tokens=False)

@@ -5,7 +5,9 @@ model trained by the Trainer (full fp32 / 8-bit AdamW, LoRA, QLoRA with double q
 with SGD momentum); the activations row is within 15% of the bytes autograd saves for backward,
 counted here with torch.autograd.graph.saved_tensors_hooks, with and without checkpointing; the NF4
 formula equals bitsandbytes' QuantState tensors; MemoryTracker reports what transformers'
-TrainerMemoryTracker reports on the same allocations. Tiny models (hidden 64), CPU, seeded.
+TrainerMemoryTracker reports on the same allocations; for each family (Qwen3, SmolLM3, Gemma 3,
+Mistral / Qwen2 with windows, Phi-3) the parameter list equals the real model's names and shapes
+(Phi-3: bytes only) and the full fine-tuning row its bytes. Tiny models (hidden 64), CPU, seeded.
 Run: timeout 900 python -m pytest -q tests/test_memory.py
 """
 
@@ -18,6 +20,7 @@ from transformers.trainer_utils import TrainerMemoryTracker
 from nanosft import nf4
 from nanosft import memory
 from nanosft.args import TrainingArguments
+from nanosft.configuration import ModelConfig
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import _cast_trainable_to_bf16
 from nanosft.trainer import Trainer
@@ -240,3 +243,45 @@ def test_cli_memory_prints_the_ledger_and_refuses_bad_flags(capsys):
     assert "--full and --qlora cannot be combined" in capsys.readouterr().err
     assert cli.main(["memory", "--model", folder, "--max_length", "0"]) == 2
     assert "max_length=0 is invalid" in capsys.readouterr().err
+
+
+FAMILY_CONFIGS = {  # transformers config class name: overrides of a tiny shared config
+    "Qwen3Config": {"head_dim": 32},  # H * D = 128 != hidden_size: q/k norms are (D,)
+    "SmolLM3Config": {"no_rope_layer_interval": 2},
+    "Gemma3TextConfig": {"head_dim": 32},
+    "MistralConfig": {"sliding_window": 5},
+    "Qwen2Config": {"use_sliding_window": True, "sliding_window": 5},
+    "Phi3Config": {},
+}
+
+
+def _family_model(config_class_name):
+    import transformers
+
+    from nanosft.families import config_from_dict, from_config
+
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": None,
+            "eos_token_id": None}
+    hf_config = getattr(transformers, config_class_name)(
+        **{**tiny, **FAMILY_CONFIGS[config_class_name]})
+    return from_config(config_from_dict(hf_config.to_dict()))
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_family_parameter_bytes_equal_the_real_model(name):
+    model = _family_model(name)
+    real = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    if name != "Phi3Config":  # Phi-3's fused qkv_proj / gate_up_proj: same numel, other names
+        assert dict(memory.parameter_shapes(model.config)) == real
+    ledger = memory.estimate_memory(model.config, memory.MemoryPlan(full=True, max_length=T))
+    assert ledger.rows["trainable parameters"] == sum(p.numel() * 4 for p in model.parameters())
+    if name == "Qwen3Config":  # negative control: the ledger without q_norm / k_norm is short
+        D, L = model.config.head_dim, model.config.num_hidden_layers
+        names = [n for n, _ in memory.parameter_shapes(model.config)]
+        assert sum(n.endswith(("q_norm.weight", "k_norm.weight")) for n in names) == 2 * L
+        llama = ModelConfig.from_dict({**model.config.to_dict(), "model_type": "llama"})
+        as_llama = memory.estimate_memory(llama, memory.MemoryPlan(full=True, max_length=T))
+        short = ledger.rows["trainable parameters"] - as_llama.rows["trainable parameters"]
+        assert short == 2 * L * D * 4  # fp32 bytes of the (D,) q_norm and k_norm of L layers

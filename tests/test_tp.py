@@ -173,3 +173,19 @@ def test_tp_plan_without_torchrun_is_refused(tmp_path, monkeypatch):
 def test_trainer_refuses_a_tensor_parallel_model(runs):
     message = runs[1]["trainer_refused"]
     assert "tp_plan" in message and "fsdp=True" in message and "same batches" in message
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "smollm3"])
+def test_auto_plan_refuses_layers_it_does_not_fit(model_type):
+    # Llama's plan would shard q/k norms or skip layers' own pieces: refused, named, before any
+    # process group is needed; a Llama-shaped family is still planned (the negative control)
+    from nanosft.families import config_from_dict, from_config
+
+    config = {"model_type": model_type, "vocab_size": 64, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16}
+    with pytest.raises(ValueError, match=f'tp_plan="auto" .* a {model_type} model'):
+        tensor_parallel.apply_tensor_parallel(from_config(config_from_dict(config)))
+    llama_shaped = from_config(config_from_dict({**config, "model_type": "qwen2"}))
+    with pytest.raises(RuntimeError, match="torchrun"):  # past the check, to the process group
+        tensor_parallel.apply_tensor_parallel(llama_shaped)

@@ -8,7 +8,9 @@ right one; model.py itself stays the Llama decoder.
 """
 
 from nanosft.configuration import ARCHITECTURES, ModelConfig
+from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
+from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from nanosft.families.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from nanosft.families.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
@@ -16,7 +18,9 @@ from nanosft.model import CausalLM
 
 # model_type -> (config class, model class); llama (and mistral without a window) are model.py's
 FAMILIES = {
+    "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),

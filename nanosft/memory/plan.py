@@ -1,9 +1,10 @@
 """What the memory ledger is asked about: a run's plan and the model's parameters.
 
 `MemoryPlan` holds a run's method, batch shape and precision under SFTConfig /
-LoraConfig names; `parameter_shapes` lists a Llama-family config's parameters under transformers'
-names, `lora_targets` the layer linears LoRA wraps and `nf4_quantizable` those kept in NF4. Read by
-nanosft.memory (the ledger) and nanosft.memory.activations (bytes saved for backward).
+LoraConfig names; `parameter_shapes` lists a config's parameters under transformers' names (Llama's
+and the families' extra norms), `lora_targets` the layer linears LoRA wraps and `nf4_quantizable`
+those kept in NF4. Read by nanosft.memory (the ledger) and nanosft.memory.activations (bytes saved
+for backward).
 """
 
 import dataclasses
@@ -12,6 +13,10 @@ import re
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd")
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Families whose attention normalizes each head of q and k (a (D,) weight each) before RoPE, and
+# those with Gemma's two extra norms around the feed-forward block.
+QK_NORM_TYPES = ("qwen3", "gemma3_text")
+FFN_NORM_TYPES = ("gemma3_text",)
 
 
 def _fail(field, value, fix):
@@ -59,8 +64,9 @@ class MemoryPlan:
 
 
 def parameter_shapes(config):
-    """(name, shape) of every parameter under transformers' Llama names; a tied lm_head once.
-    Mirrors: transformers LlamaForCausalLM.state_dict keys"""
+    """(name, shape) of every parameter under transformers' names; a tied lm_head once. Llama's,
+    plus the per-head q/k norms (Qwen3, Gemma 3) and Gemma 3's feed-forward norms.
+    Mirrors: transformers LlamaForCausalLM.state_dict keys (Qwen3, Gemma3ForCausalLM)"""
     C, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
     H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out = {"q_proj": H * D, "k_proj": KV * D, "v_proj": KV * D, "o_proj": C, "gate_proj": I,
@@ -77,7 +83,12 @@ def parameter_shapes(config):
             bias = config.mlp_bias if block == "mlp." else config.attention_bias
             if bias and not (lin == "o_proj" and config.model_type == "qwen2"):
                 shapes.append((p + block + lin + ".bias", (out[lin],)))
+        if config.model_type in QK_NORM_TYPES:
+            shapes += [(p + "self_attn.q_norm.weight", (D,)), (p + "self_attn.k_norm.weight", (D,))]
         shapes.append((p + "post_attention_layernorm.weight", (C,)))
+        if config.model_type in FFN_NORM_TYPES:
+            shapes += [(p + "pre_feedforward_layernorm.weight", (C,)),
+                       (p + "post_feedforward_layernorm.weight", (C,))]
     shapes.append(("model.norm.weight", (C,)))
     if not config.tie_word_embeddings:
         shapes.append(("lm_head.weight", (V, C)))

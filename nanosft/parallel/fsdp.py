@@ -42,6 +42,7 @@ DECODER_LAYER_NAMES = {
     "DecoderLayer",
     "LlamaDecoderLayer",
     "MistralDecoderLayer",
+    "Phi3DecoderLayer",
     "Qwen2DecoderLayer",
     "Qwen3DecoderLayer",  # nanosft.families' subclasses
     "SmolLM3DecoderLayer",

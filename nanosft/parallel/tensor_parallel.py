@@ -58,10 +58,23 @@ def check_tp_sizes(config, tp_size: int) -> None:
         )
 
 
+# the model types whose decoder layers LLAMA_TP_PLAN shards correctly
+AUTO_PLAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
 def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
     """Shard a CausalLM's decoder layers over all ranks (DTensor colwise / rowwise), in place.
     Mirrors: transformers from_pretrained(tp_plan="auto")
     Differs: embeddings, norms and lm_head stay whole on each rank (transformers splits lm_head)."""
+    model_type = getattr(model.config, "model_type", "llama")
+    if tp_plan == "auto" and model_type not in AUTO_PLAN_MODEL_TYPES:
+        # q/k norms, fused qkv_proj / gate_up_proj or per-type RoPE: the Llama plan would shard
+        # them wrongly and train on silently wrong numbers
+        llama_shaped = ", ".join(AUTO_PLAN_MODEL_TYPES)
+        raise ValueError(
+            f'tp_plan="auto" holds the plan of Llama-shaped layers ({llama_shaped}); a '
+            f"{model_type} model has layers it does not fit. Train it without tp_plan (DDP or "
+            "FSDP shard it correctly), or pass a dict tp_plan written for its modules")
     if not is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # as transformers does, the process group comes from torchrun's environment
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,192 @@
+"""Parity of nanosft.families.gemma3 with transformers 5.23 / peft 0.21.2 (Gemma3ForCausalLM).
+
+On tiny random models built by transformers' Gemma3TextConfig (fp32; 3 layers: sliding, full,
+sliding, window 5; head_dim 32 and query_pre_attn_scalar 24, so the attention scale differs from
+head_dim ** -0.5; the global RoPE linearly scaled; norms randomized around Gemma's zeros): logits
+within 1e-5 both ways (transformers save -> nanosft load, nanosft save -> transformers load), tied
+and untied, on a plain, a left-padded, a right-padded and a packed batch (every sequence longer
+than the window), in eval and in a training forward (nanosft's unpadded speed path); greedy
+generation with the KV cache token for token; quantize-while-loading bitwise equal to
+load-then-quantize and to transformers + bitsandbytes; "all-linear" naming peft's modules; a LoRA
+adapter trained 3 steps by one library loading in the other with logits within 1e-5; the bf16
+embedding scale and norms bitwise; transformers-4 rope spelling read as transformers reads it. A
+negative control shows the per-layer-type RoPE matters. Hermetic: tmp folders, no downloads.
+Helpers come from test_families.py (same folder).
+Run: python -m pytest -q -s tests/parity/test_family_gemma3.py
+"""
+
+import peft
+import pytest
+import torch
+import transformers
+from test_families import (BASE, PAD, QLORA, TOL, V, left_padded_batch, packed_row,
+                           randomize_vectors, train_a_few_steps)
+from tiny import one_thread  # noqa: F401 (an autouse fixture)
+
+from nanosft.families import config_from_dict, from_config
+from nanosft.families.gemma3 import Gemma3Config
+from nanosft.model import CausalLM
+from nanosft.nf4 import BitsAndBytesConfig, quantize_model
+from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
+
+WINDOW = 5
+GEMMA3 = {**BASE, "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24,
+          "sliding_window": WINDOW,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                              "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                 "rope_theta": 1_000_000.0}}}
+VARIANTS = {"gemma3": GEMMA3, "gemma3-untied": {**GEMMA3, "tie_word_embeddings": False},
+            # sqrt(48) rounds in bf16 (sqrt(64) would not); 48 is no NF4 row width on CPU
+            "gemma3-hidden48": {**GEMMA3, "hidden_size": 48}}
+
+
+def hf_folder(tmp_path, name="gemma3"):
+    """A random transformers Gemma3ForCausalLM, saved to tmp_path / "hf"."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(**VARIANTS[name])
+    hf = randomize_vectors(transformers.AutoModelForCausalLM.from_config(config)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    return hf, tmp_path / "hf"
+
+
+def both_ways(tmp_path, name):
+    """[(transformers, nanosft)] with the weights made on each side and loaded on the other."""
+    hf, folder = hf_folder(tmp_path, name)
+    ours = CausalLM.from_pretrained(folder).eval()
+    theirs = randomize_vectors(from_config(config_from_dict(hf.config.to_dict()))).eval()
+    theirs.save_pretrained(tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(back) is type(hf) and type(ours).__name__ == type(hf).__name__
+    assert back.config.rope_parameters == hf.config.rope_parameters
+    assert back.config.layer_types == hf.config.layer_types
+    return [(hf, ours), (back, theirs)]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-untied"])
+def test_logits_match_transformers_both_ways(name, tmp_path):
+    x = torch.randint(3, V, (2, 16))
+    padded, mask = left_padded_batch()
+    packed, pos = packed_row()
+    right = (torch.arange(16) < 11).long().expand(2, 16)
+    worst = 0.0
+    for hf, ours in both_ways(tmp_path, name):
+        with torch.no_grad():
+            pairs = [(hf(x).logits, ours(x).logits)]
+            real = mask.bool()  # padded queries are never read
+            pairs.append((hf(padded, attention_mask=mask).logits[real],
+                          ours(padded, attention_mask=mask).logits[real]))
+            # use_cache=False: transformers reads packed documents only without a cache
+            want_packed = hf(packed, position_ids=pos, use_cache=False).logits
+            pairs.append((want_packed, ours(packed, position_ids=pos).logits))
+            want_right = hf(x, attention_mask=right).logits
+        ours.train()  # a training forward: nanosft's unpadded speed path
+        pairs.append((want_packed, ours(packed, position_ids=pos).logits.detach()))
+        got_right = ours(x, attention_mask=right).logits.detach()
+        pairs.append((want_right[right.bool()], got_right[right.bool()]))
+        ours.eval()
+        for want, got in pairs:
+            torch.testing.assert_close(got, want, **TOL)
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"\n[{name}] max |logit diff| = {worst:.3e}")
+
+
+def test_negative_control_one_rope_for_all_layers_changes_the_logits(tmp_path):
+    hf, folder = hf_folder(tmp_path)
+    ours = CausalLM.from_pretrained(folder).eval()
+    x = torch.randint(3, V, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf(x).logits, **TOL)
+        rope = ours.config.rope_parameters  # the bug: the global RoPE in the sliding layers too
+        rope["sliding_attention"] = rope["full_attention"]
+        assert (ours(x).logits - hf(x).logits).abs().max() > 1e-3
+
+
+def test_greedy_generation_is_token_identical(tmp_path):
+    hf, folder = hf_folder(tmp_path)
+    ours = CausalLM.from_pretrained(folder).eval()
+    prompt = torch.randint(3, V, (1, 8))  # the cache outgrows the window after the prompt
+    want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    assert ours.generate(prompt, max_new_tokens=20).tolist() == want.tolist()
+    padded, mask = left_padded_batch()
+    want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                       pad_token_id=PAD)
+    assert ours.generate(padded, attention_mask=mask, max_new_tokens=20).tolist() == want.tolist()
+
+
+def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(tmp_path):
+    _, folder = hf_folder(tmp_path)
+    streamed = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
+    loaded = quantize_model(CausalLM.from_pretrained(folder), compute_dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, device_map="cpu",
+        quantization_config=transformers.BitsAndBytesConfig(**QLORA))
+    ours = streamed.state_dict()
+    for other in (loaded.state_dict(), ref.state_dict()):
+        assert sorted(ours) == sorted(other)
+        for key in other:
+            torch.testing.assert_close(ours[key], other[key], rtol=0, atol=0, msg=key)
+    x = torch.randint(3, V, (2, 9))
+    with torch.no_grad():  # train mode: nanosft's eval-mode CPU 4-bit path is off
+        torch.testing.assert_close(streamed.train()(x).logits, ref.train()(x).logits, **TOL)
+
+
+def test_all_linear_targets_the_modules_peft_targets(tmp_path):
+    hf, folder = hf_folder(tmp_path)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
+    ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    names = [n for n, _ in got.named_parameters() if "lora_" in n]
+    assert names and names == [n for n, _ in ref.named_parameters() if "lora_" in n]
+
+
+def test_trained_lora_adapters_move_both_ways(tmp_path):
+    hf, folder = hf_folder(tmp_path)
+    x = torch.randint(3, V, (2, 12))
+    batch = {"input_ids": x, "labels": x}
+    config = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+    torch.manual_seed(1)
+    ours = train_a_few_steps(get_peft_model(CausalLM.from_pretrained(folder),
+                                            LoraConfig(**config)), batch)
+    ours.save_pretrained(tmp_path / "ours_adapter")
+    theirs = train_a_few_steps(peft.get_peft_model(
+        hf, peft.LoraConfig(task_type="CAUSAL_LM", **config)), batch)
+    theirs.save_pretrained(tmp_path / "peft_adapter")
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    peft_loads_ours = peft.PeftModel.from_pretrained(fresh, tmp_path / "ours_adapter")
+    ours_loads_peft = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
+                                                           tmp_path / "peft_adapter")
+    with torch.no_grad():
+        want, got = ours(x).logits, peft_loads_ours(x).logits
+        torch.testing.assert_close(got, want, **TOL)
+        diff = (got - want).abs().max().item()
+        want, got = theirs(x).logits, ours_loads_peft(x).logits
+        torch.testing.assert_close(got, want, **TOL)
+    print(f"\n[gemma3] adapter max |logit diff| = {max(diff, (got - want).abs().max().item()):.3e}")
+
+
+def test_transformers4_rope_spelling_reads_as_transformers_reads_it():
+    old = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    want = transformers.Gemma3TextConfig(**BASE, **old).rope_parameters
+    got = config_from_dict({"model_type": "gemma3_text", **BASE, **old}).rope_parameters
+    assert got == want
+    legacy = {**old, "rope_scaling": {"type": "linear", "factor": 8.0}}  # "type": older still
+    assert config_from_dict({"model_type": "gemma3_text", **BASE, **legacy}).rope_parameters == want
+    assert Gemma3Config().rope_parameters == transformers.Gemma3TextConfig().rope_parameters
+
+
+def test_refused_model_type_names_gemma3_text():
+    with pytest.raises(ValueError, match="gemma3_text"):
+        config_from_dict({"model_type": "gpt2"})
+
+
+def test_bf16_embedding_scale_and_norms_match_transformers_bitwise(tmp_path):
+    _, folder = hf_folder(tmp_path, "gemma3-hidden48")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    x = torch.randint(3, V, (2, 16))
+    with torch.no_grad():  # sqrt(48) rounds in bf16: scaled in bf16, as transformers does
+        h = hf.model.embed_tokens(x)
+        torch.testing.assert_close(ours.model.embed_tokens(x), h, rtol=0, atol=0)
+        torch.testing.assert_close(ours.model.norm(h), hf.model.norm(h), rtol=0, atol=0)

@@ -1,0 +1,194 @@
+"""Parity of nanosft.families.phi3 with transformers 5.23 / peft 0.21.2: Phi-3 / Phi-4-mini.
+
+Two tiny random models built by transformers' Phi3Config (fp32, norms randomized): "partial" has
+partial_rotary_factor 0.5, default RoPE and a 5-token sliding window; "longrope" has Phi-4-mini's
+0.75 with LongRoPE short/long factors and original_max_position_embeddings 12, so the 16-token
+batches take the long factors and the 12-token ones (and the packed row, positions < 7) the short.
+Compared: logits within 1e-5 both load directions (plain, left-padded, packed with position_ids);
+greedy generation with the KV cache token for token, and each step's logits within 1e-5 where the
+longrope run crosses 12 and transformers re-encodes the cache; quantize-while-loading bitwise equal
+to load-then-quantize and to transformers + bitsandbytes;
+target_modules="all-linear" naming peft's modules (qkv_proj, o_proj, gate_up_proj, down_proj); a
+LoRA on the fused qkv_proj / gate_up_proj trained 3 steps by one library loading in the other.
+Negative controls: short factors past 12, and a cache kept past 12, change the logits.
+Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
+Run: python -m pytest -q -s tests/parity/test_family_phi3.py
+"""
+
+import peft
+import pytest
+import torch
+import transformers
+from test_families import (BASE, PAD, QLORA, TOL, V, left_padded_batch, packed_row,
+                           randomize_vectors, train_a_few_steps)
+
+from nanosft import generation
+from nanosft.families import config_from_dict, from_config
+from nanosft.model import CausalLM
+from nanosft.nf4 import BitsAndBytesConfig, quantize_model
+from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
+
+OLD_LEN = 12  # original_max_position_embeddings of the longrope model
+
+
+def longrope(n):
+    g = torch.Generator().manual_seed(2)
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": (1 + torch.rand(n, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(n, generator=g)).tolist()}
+
+
+CONFIGS = {  # head_dim 16: "partial" turns 8 dims of each head, "longrope" 12 (6 frequencies)
+    "partial": {"partial_rotary_factor": 0.5, "sliding_window": 5},
+    "longrope": {"max_position_embeddings": 64, "original_max_position_embeddings": OLD_LEN,
+                 "rope_parameters": longrope(6)},
+}
+
+
+def hf_folder(name, tmp_path):
+    """A random transformers Phi-3 model, saved to tmp_path / "hf"."""
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**{**BASE, **CONFIGS[name]})
+    hf = randomize_vectors(transformers.AutoModelForCausalLM.from_config(config)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    return hf, tmp_path / "hf"
+
+
+def both_ways(name, tmp_path):
+    """[(transformers, nanosft)] with the weights made on each side and loaded on the other."""
+    hf, folder = hf_folder(name, tmp_path)
+    ours = CausalLM.from_pretrained(folder).eval()
+    theirs = randomize_vectors(from_config(config_from_dict(hf.config.to_dict()))).eval()
+    theirs.save_pretrained(tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(back) is type(hf) and type(ours).__name__ == "Phi3ForCausalLM"
+    assert back.config.rope_parameters == hf.config.rope_parameters
+    return [(hf, ours), (back, theirs)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers_both_ways(name, tmp_path):
+    x = torch.randint(3, V, (2, 16))  # 16 > OLD_LEN: longrope's long factors
+    padded, mask = left_padded_batch()  # 12 == OLD_LEN: short factors
+    packed, pos = packed_row()
+    worst = 0.0
+    for hf, ours in both_ways(name, tmp_path):
+        with torch.no_grad():
+            pairs = [(hf(x).logits, ours(x).logits), (hf(x[:, :9]).logits, ours(x[:, :9]).logits)]
+            real = mask.bool()  # padded queries are never read
+            pairs.append((hf(padded, attention_mask=mask).logits[real],
+                          ours(padded, attention_mask=mask).logits[real]))
+            pairs.append((hf(packed, position_ids=pos, use_cache=False).logits,
+                          ours(packed, position_ids=pos).logits))
+        ours.train()  # nanosft's unpadded speed path
+        pairs.append((pairs[-1][0], ours(packed, position_ids=pos).logits.detach()))
+        ours.eval()
+        for want, got in pairs:
+            torch.testing.assert_close(got, want, **TOL)
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"\n[phi3-{name}] max |logit diff| = {worst:.3e}")
+
+
+def test_negative_control_long_factors_change_the_logits(tmp_path):
+    hf, folder = hf_folder("longrope", tmp_path)
+    ours = CausalLM.from_pretrained(folder).eval()
+    x = torch.randint(3, V, (1, 16))
+    rope = ours.config.rope_scaling
+    with torch.no_grad():
+        want = hf(x).logits
+        rope["long_factor"] = rope["short_factor"]  # the bug: short factors past OLD_LEN
+        diff = (ours(x).logits - want).abs().max().item()
+    assert diff > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generation_is_token_identical(name, tmp_path):
+    hf, folder = hf_folder(name, tmp_path)
+    ours = CausalLM.from_pretrained(folder).eval()
+    prompt = torch.randint(3, V, (1, 8))  # 8 + 20 crosses OLD_LEN
+    want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    assert ours.generate(prompt, max_new_tokens=20).tolist() == want.tolist()
+    padded, mask = left_padded_batch()
+    want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=10,
+                       pad_token_id=PAD)
+    assert ours.generate(padded, attention_mask=mask, max_new_tokens=10).tolist() == want.tolist()
+
+
+def step_logits(model, run):
+    """run()'s ids and the last-position logits of each of its forwards, (B, steps, V)."""
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out[:, -1]))
+    ids = run()
+    hook.remove()
+    return ids, torch.stack(seen, 1)
+
+
+def test_longrope_generation_re_encodes_the_cache_past_the_original_length(tmp_path):
+    hf, folder = hf_folder("longrope", tmp_path)
+    ours = CausalLM.from_pretrained(folder).eval()
+    prompt = torch.randint(3, V, (1, 8))
+    out = hf.generate(prompt, do_sample=False, max_new_tokens=10, pad_token_id=PAD,
+                      output_logits=True, return_dict_in_generate=True)
+    want = torch.stack(out.logits, 1)
+    ids, got = step_logits(ours, lambda: ours.generate(prompt, max_new_tokens=10))
+    assert ids.tolist() == out.sequences.tolist()
+    torch.testing.assert_close(got, want, **TOL)
+    # negative control: keeping the short-factor cache past OLD_LEN (no re-encoding)
+    _, kept = step_logits(ours, lambda: generation.generate(ours, prompt, max_new_tokens=10))
+    crossing = OLD_LEN + 1 - prompt.shape[1]  # the step that sees OLD_LEN + 1 ids
+    assert (kept - want)[:, :crossing].abs().max() < 1e-5
+    assert (kept - want)[:, crossing:].abs().max() > 1e-4
+    print(f"\n[phi3] generation step-logit max diff = {(got - want).abs().max().item():.3e}")
+
+
+def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(tmp_path):
+    _, folder = hf_folder("longrope", tmp_path)
+    streamed = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
+    loaded = quantize_model(CausalLM.from_pretrained(folder), compute_dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, device_map="cpu",
+        quantization_config=transformers.BitsAndBytesConfig(**QLORA))
+    ours = streamed.state_dict()
+    assert any("qkv_proj.weight.absmax" in k for k in ours)  # the fused linears are 4-bit too
+    for other in (loaded.state_dict(), ref.state_dict()):
+        assert sorted(ours) == sorted(other)
+        for key in other:
+            torch.testing.assert_close(ours[key], other[key], rtol=0, atol=0, msg=key)
+    x = torch.randint(3, V, (2, 16))
+    with torch.no_grad():  # train mode: nanosft's eval-mode CPU 4-bit path is off
+        torch.testing.assert_close(streamed.train()(x).logits, ref.train()(x).logits, **TOL)
+
+
+def test_all_linear_targets_the_modules_peft_targets(tmp_path):
+    hf, folder = hf_folder("partial", tmp_path)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
+    ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    names = [n for n, _ in got.named_parameters() if "lora_" in n]
+    assert names == [n for n, _ in ref.named_parameters() if "lora_" in n]
+    assert {n.split(".")[-4] for n in names} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
+def test_trained_lora_adapters_on_fused_projections_move_both_ways(tmp_path):
+    hf, folder = hf_folder("longrope", tmp_path)
+    x = torch.randint(3, V, (2, 16))
+    batch = {"input_ids": x, "labels": x}
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj", "gate_up_proj"]}
+    torch.manual_seed(1)
+    ours = train_a_few_steps(get_peft_model(CausalLM.from_pretrained(folder),
+                                            LoraConfig(**config)), batch)
+    ours.save_pretrained(tmp_path / "ours_adapter")
+    theirs = train_a_few_steps(peft.get_peft_model(
+        hf, peft.LoraConfig(task_type="CAUSAL_LM", **config)), batch)
+    theirs.save_pretrained(tmp_path / "peft_adapter")
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    peft_loads_ours = peft.PeftModel.from_pretrained(fresh, tmp_path / "ours_adapter")
+    ours_loads_peft = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
+                                                           tmp_path / "peft_adapter")
+    with torch.no_grad():
+        want, got = ours(x).logits, peft_loads_ours(x).logits
+        torch.testing.assert_close(got, want, **TOL)
+        diff = (got - want).abs().max().item()
+        want, got = theirs(x).logits, ours_loads_peft(x).logits
+        torch.testing.assert_close(got, want, **TOL)
+    print(f"\n[phi3] adapter max |logit diff| = {max(diff, (got - want).abs().max().item()):.3e}")
