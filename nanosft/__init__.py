@@ -21,6 +21,7 @@ _LAZY_NAMES = {
     "TrainingArguments": "nanosft.args",
     "SFTTrainer": "nanosft.sft",
     "Trainer": "nanosft.trainer",
+    "TrainerCallback": "nanosft.trainer_callback",
     "LoraConfig": "nanosft.peft",
     "get_peft_model": "nanosft.peft",
 }

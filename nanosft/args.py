@@ -3,11 +3,13 @@
 Field names and defaults follow transformers 5.23 `TrainingArguments` and TRL 1.16 `SFTConfig`, so
 a config written for one reads the same in the other (walkthrough 1 and 2.3: num_train_epochs,
 gradient_accumulation_steps, max_steps; guide: optimizers and schedulers). Only the fields nanosft
-acts on exist; a wrong value fails in `__post_init__` with the field, the value and the fix.
+acts on exist; a wrong value fails in `__post_init__` with the field, the value and the fix. Every
+other field of the reference classes is refused by name with its reason (NOT_SUPPORTED below).
 """
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -28,6 +30,94 @@ REPORT_TO = ("none", "tensorboard")
 # Fields whose value may arrive as a JSON string (command line, JSON config), as in transformers.
 DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
                "activation_checkpointing_kwargs")
+
+
+_HUB = "pushing to the Hugging Face Hub is out of scope (upload output_dir yourself)"
+_TRACKIO = "Trackio logging is out of scope (report_to takes \"none\" or \"tensorboard\")"
+_DDP = "not implemented yet (nanosft's DistributedDataParallel uses torch's defaults)"
+_LOADER = "not implemented yet (the DataLoader takes only dataloader_num_workers)"
+_LOGGING = "transformers' logging levels are out of scope (nanosft logs from the main process)"
+_SCRIPTS = "read by example scripts, not by the Trainer (transformers' neither); drop it"
+# Each transformers 5.23 TrainingArguments field nanosft does not act on: {name: (reference
+# default, reason)}. tests/test_unsupported_args.py checks the table against transformers' fields.
+TRAINING_ARGS_NOT_SUPPORTED = {
+    # out of scope: the Hub, trackers, other launchers and kernels
+    "push_to_hub": (False, _HUB), "hub_model_id": (None, _HUB),
+    "hub_strategy": ("every_save", _HUB), "hub_token": (None, _HUB),
+    "hub_private_repo": (None, _HUB), "hub_always_push": (False, _HUB),
+    "hub_revision": (None, _HUB),
+    "project": ("huggingface", _TRACKIO), "trackio_space_id": (None, _TRACKIO),
+    "trackio_bucket_id": (None, _TRACKIO), "trackio_static_space_id": (None, _TRACKIO),
+    "deepspeed": (None, "DeepSpeed is out of scope (nanosft shards with FSDP2: fsdp=...)"),
+    "accelerator_config": (None, "nanosft does not run on accelerate (no Accelerator to set up)"),
+    "parallelism_config": (None, "accelerate's ParallelismConfig is out of scope (use fsdp=...)"),
+    "debug": ("", "TPU metrics and the underflow/overflow debugger are out of scope"),
+    "use_liger_kernel": (False, "Liger kernels are out of scope (the fused LM-head loss is "
+                                "nanosft's own speed path)"),
+    "liger_kernel_config": (None, "Liger kernels are out of scope"),
+    "optim_target_modules": (None, "GaLore / APOLLO optimizers are out of scope"),
+    "local_rank": (-1, "torch.distributed.launch is out of scope; torchrun sets LOCAL_RANK"),
+    # not implemented yet: speed, memory and robustness switches
+    "tf32": (None, "not implemented yet (set torch.backends.cuda.matmul.allow_tf32 yourself)"),
+    "torch_compile_backend": (None, "not implemented yet (torch_compile uses the default)"),
+    "torch_compile_mode": (None, "not implemented yet (torch_compile uses the default)"),
+    "neftune_noise_alpha": (None, "NEFTune embedding noise is not implemented yet"),
+    "torch_empty_cache_steps": (None, "not implemented yet (the CUDA cache is never emptied)"),
+    "enable_jit_checkpoint": (False, "checkpointing on SIGTERM is not implemented yet"),
+    "full_determinism": (False, "not implemented yet (seed seeds the RNGs only)"),
+    "ddp_find_unused_parameters": (None, _DDP), "ddp_bucket_cap_mb": (None, _DDP),
+    "ddp_broadcast_buffers": (None, _DDP), "ddp_static_graph": (None, _DDP),
+    "save_on_each_node": (False, "not implemented yet (the main process saves)"),
+    "log_level": ("passive", _LOGGING), "log_level_replica": ("warning", _LOGGING),
+    "log_on_each_node": (True, _LOGGING),
+    "dataloader_pin_memory": (True, _LOADER), "dataloader_persistent_workers": (False, _LOADER),
+    "dataloader_prefetch_factor": (None, _LOADER), "dataloader_in_order": (True, _LOADER),
+    "dataloader_multiprocessing_context": (None, _LOADER),
+    # not implemented yet: evaluation variants
+    "bf16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
+    "fp16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
+    "eval_delay": (0, "not implemented yet (eval_strategy starts at step 0)"),
+    "eval_do_concat_batches": (True, "not implemented yet (predictions are always concatenated)"),
+    "eval_use_gather_object": (False, "not implemented yet (predictions are not gathered across "
+                                      "ranks)"),
+    "prediction_loss_only": (False, "not implemented yet (no compute_metrics: loss only)"),
+    "label_names": (None, "not implemented yet (the labels are the batch's \"labels\")"),
+    "use_cache": (False, "not implemented yet (training runs without the KV cache)"),
+    "restore_callback_states_from_checkpoint": (False, "not implemented yet"),
+    # not read by transformers' Trainer either
+    "do_train": (False, _SCRIPTS), "do_eval": (False, _SCRIPTS), "do_predict": (False, _SCRIPTS),
+}
+# The same for the fields TRL 1.16's SFTConfig adds.
+SFT_CONFIG_NOT_SUPPORTED = {
+    "dataset_num_proc": (None, "not implemented yet (the dataset is prepared in one process)"),
+    "dataset_kwargs": (None, "not implemented yet (pass rows with input_ids to skip preparation)"),
+    "activation_offloading": (False, "not implemented yet (gradient_checkpointing saves memory)"),
+    "router_aux_loss_coef": (None, "Mixture-of-Experts models are out of scope"),
+    "trust_remote_code": (False, "out of scope: nanosft runs its own model code, never a repo's"),
+}
+
+
+def _refuses(not_supported):
+    """Class decorator over @dataclass: its __init__ refuses a field of `not_supported` by name
+    with the reason. The reference default changes nothing and is dropped silently, so a config
+    that spells out reference fields at their defaults still loads."""
+    def wrap(cls):
+        dataclass_init = cls.__init__
+
+        @functools.wraps(dataclass_init)
+        def __init__(self, *args, **kwargs):
+            for name in [k for k in kwargs if k in not_supported]:
+                default, reason = not_supported[name]
+                value = kwargs.pop(name)
+                if value != default:
+                    raise ValueError(f"{cls.__name__}({name}={value!r}): not supported by "
+                                     f"nanosft: {reason}")
+            dataclass_init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls.not_supported = not_supported  # from_dict leaves these keys to __init__'s message
+        return cls
+    return wrap
 
 
 def _fail(field_name, value, fix):
@@ -52,6 +142,7 @@ def _check_steps(field_name, value):
     return int(value) if value >= 1 else value
 
 
+@_refuses(TRAINING_ARGS_NOT_SUPPORTED)
 @dataclass
 class TrainingArguments:
     """Settings of one training run (batching, optimiser, schedule, logging, saving, precision).
@@ -357,7 +448,7 @@ class TrainingArguments:
         Mirrors: transformers HfArgumentParser.parse_dict
         Differs: transformers' parse_dict raises on unknown keys without suggestions."""
         known = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in values if k not in known]
+        unknown = [k for k in values if k not in known and k not in cls.not_supported]
         if unknown:
             hints = []
             for key in unknown:
@@ -400,6 +491,7 @@ def _jsonable(value):
     return str(value)
 
 
+@_refuses({**TRAINING_ARGS_NOT_SUPPORTED, **SFT_CONFIG_NOT_SUPPORTED})
 @dataclass
 class SFTConfig(TrainingArguments):
     """TrainingArguments plus the dataset and loss settings of supervised fine-tuning.
@@ -431,6 +523,9 @@ class SFTConfig(TrainingArguments):
     # "chunked_nll" is TRL 1.16's deprecated alias of "nll"
     loss_type: str = "nll"
     eval_packing: bool | None = None  # None: as packing
+    # a .jinja / .j2 file whose template replaces the tokenizer's (TRL also takes a tokenizer folder
+    # or Hub id, cloning its template, tokens and EOS into model and tokenizer; refused here)
+    chat_template_path: str | None = None
     # from_pretrained keywords (dtype, quantization_config, device_map, revision) for a model id
     model_init_kwargs: dict | str | None = None
 

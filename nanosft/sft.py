@@ -83,7 +83,7 @@ def _dataset_name(dataset, default):
 
 def _load_model_and_tokenizer(model, args, quantization_config, processing_class):
     """A model id (folder or Hub-cache id) -> (model, its tokenizer unless one was passed), loaded
-    with args.model_init_kwargs plus quantization_config.
+    with args.model_init_kwargs (dtype float32 unless given) plus quantization_config.
     Mirrors: trl SFTTrainer.__init__ (the model-id branch)"""
     if not isinstance(model, (str, os.PathLike)):
         if quantization_config is not None or args.model_init_kwargs is not None:
@@ -94,6 +94,7 @@ def _load_model_and_tokenizer(model, args, quantization_config, processing_class
     from nanosft.io.auto import AutoModelForCausalLM, AutoTokenizer  # product layer: loaders
 
     init_kwargs = dict(args.model_init_kwargs or {})
+    init_kwargs.setdefault("dtype", "float32")  # TRL's default, not transformers 5's "auto"
     if quantization_config is not None:
         if "quantization_config" in init_kwargs:
             raise ValueError("SFTTrainer: quantization_config is set both as a trainer argument "
@@ -104,6 +105,20 @@ def _load_model_and_tokenizer(model, args, quantization_config, processing_class
         processing_class = AutoTokenizer.from_pretrained(
             os.fspath(model), revision=init_kwargs.get("revision"))
     return loaded, processing_class
+
+
+def _read_chat_template_path(path, tokenizer) -> None:
+    """A .jinja / .j2 file's text replaces tokenizer.chat_template (in place, as TRL does).
+    Mirrors: trl SFTTrainer.__init__ (args.chat_template_path)
+    Differs: TRL's other branch (clone_chat_template from a tokenizer folder or Hub id: adds its
+    tokens, copies its EOS, resizes the embeddings to a multiple of 64) is refused."""
+    if not (os.path.isfile(path) and path.endswith((".jinja", ".j2"))):
+        raise ValueError(f"SFTConfig(chat_template_path={path!r}): nanosft takes a .jinja or .j2 "
+                         "template file; cloning a tokenizer folder's template (TRL's "
+                         "clone_chat_template) is not implemented yet. Pass its "
+                         "chat_template.jinja.")
+    with open(path, encoding="utf-8") as f:
+        tokenizer.chat_template = f.read()
 
 
 def _formatted(dataset, formatting_func, max_steps):
@@ -175,6 +190,8 @@ class SFTTrainer(Trainer):
         if processing_class is None:
             raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained("
                              "model_dir), or the model as a folder / Hub id to load both.")
+        if args.chat_template_path is not None:
+            _read_chat_template_path(args.chat_template_path, processing_class)
         if args.loss_type == "dft" and compute_loss_func is not None:
             raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
                              "compute_loss_func or use loss_type='nll'.")

@@ -4,7 +4,11 @@ Compared: the two signatures (names, order, defaults); then, on the tiny Llama a
 test_trainer_parity (weights copied, CPU, fp32), the per-step losses of a run given
 `optimizers=(optimizer, scheduler)`, `optimizer_cls_and_kwargs`, `compute_loss_func`, and (on
 SFTTrainer with LoRA) `callbacks` and `compute_loss_func`, each against the reference library's
-Trainer given the same argument, at the existing tests' tolerance (atol 1e-5). Refusals: model_init
+Trainer given the same argument, at the existing tests' tolerance (atol 1e-5). SFTTrainer given a
+model folder (processing_class=None; model_init_kwargs with a dtype or none: TRL's float32 default
+over a bf16 folder) and `quantization_config=` (NF4 QLoRA): the loaded tokenizer's rows and the
+per-step losses equal TRL's on the same folder (atol 1e-5). `chat_template_path` (.jinja / .j2):
+the tokenized chat rows equal TRL's; a folder is refused by name. Refusals: model_init
 and the both-optimizer conflict name the argument. Negative control: the optimizer_cls_and_kwargs
 run differs from the default-AdamW run. Hermetic: no downloads.
 Run: python -m pytest -q tests/parity/test_trainer_signature.py
@@ -18,12 +22,14 @@ import pytest
 import torch
 import transformers
 import trl
-from test_trainer_parity import (COMMON, make_models, make_rows, train_logs,
+from test_trainer_parity import (COMMON, CONFIG, make_models, make_rows, train_logs,
                                  wordlevel_tokenizers)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft import nf4
+from nanosft.nf4 import BitsAndBytesConfig
 from nanosft.peft import LoraConfig
 from nanosft.sft import SFTTrainer
 from nanosft.trainer import Trainer
@@ -178,3 +184,102 @@ def test_formatting_func_rows_match_trl(tmp_path):
         SFTTrainer(make_models()[1], SFTConfig(str(tmp_path / "pc"), **sft), train_dataset=pairs,
                    processing_class=our_tok,
                    formatting_func=lambda row: f"{row['prompt']} {row['completion']}")
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% if not loop.last %} "
+                 "{% endif %}{% endfor %}{{ eos_token }}")
+CHAT_ROWS = [{"messages": [{"role": "user", "content": f"t{2 + n} t{3 + n}"},
+                           {"role": "assistant", "content": f"t{40 + n} t{41 + n} t{42 + n}"}]}
+             for n in range(6)]
+
+
+@pytest.mark.parametrize("suffix", [".jinja", ".j2"])
+def test_chat_template_path_rows_match_trl(tmp_path, suffix):
+    path = tmp_path / f"template{suffix}"
+    path.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    ref_model, our_model = make_models()
+    ref_tok, our_tok = wordlevel_tokenizers()  # neither has a chat template of its own
+    sft = {**SHORT, "gradient_checkpointing": False, "max_length": None,
+           "chat_template_path": str(path)}
+    ref = trl.SFTTrainer(model=ref_model, args=trl.SFTConfig(str(tmp_path / "ref"), **sft),
+                         train_dataset=datasets.Dataset.from_list(CHAT_ROWS),
+                         processing_class=ref_tok)
+    ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **sft), train_dataset=CHAT_ROWS,
+                      processing_class=our_tok)
+    assert our_tok.chat_template == ref_tok.chat_template == CHAT_TEMPLATE  # replaced in place
+    assert [r["input_ids"] for r in ours.train_dataset] == ref.train_dataset["input_ids"]
+    # the rows are the template's: t2 t3 t40 t41 t42 </s> for the first
+    assert ours.train_dataset[0]["input_ids"] == [2, 3, 40, 41, 42, 1]
+
+
+def test_chat_template_path_folder_is_refused(tmp_path):
+    _, our_model = make_models()
+    _, our_tok = wordlevel_tokenizers()
+    args = SFTConfig(str(tmp_path / "ours"), chat_template_path=str(tmp_path))
+    with pytest.raises(ValueError, match="chat_template_path=.*clone_chat_template"):
+        SFTTrainer(our_model, args, train_dataset=CHAT_ROWS, processing_class=our_tok)
+
+
+def _save_tiny_folder(folder, dtype, **config):
+    torch.manual_seed(0)
+    ref_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **config}))
+    ref_tok, _ = wordlevel_tokenizers()
+    ref_model.to(dtype).save_pretrained(folder)
+    ref_tok.save_pretrained(folder)
+    return str(folder)
+
+
+# None: TRL loads in float32 (not transformers 5's "auto", which would read bf16 here)
+@pytest.mark.parametrize("model_init_kwargs", [{"dtype": "float32"}, None],
+                         ids=["dtype", "default"])
+def test_model_id_folder_matches_trl(tmp_path, model_init_kwargs):
+    folder = _save_tiny_folder(tmp_path / "tiny", torch.bfloat16)
+    sft = {**SHORT, "gradient_checkpointing": False, "max_length": None,
+           "model_init_kwargs": model_init_kwargs}
+    rows = make_rows()
+    ref = trl.SFTTrainer(model=folder, args=trl.SFTConfig(str(tmp_path / "ref"), **sft),
+                         train_dataset=datasets.Dataset.from_list(rows), processing_class=None)
+    ours = SFTTrainer(model=folder, args=SFTConfig(str(tmp_path / "ours"), **sft),
+                      train_dataset=rows, processing_class=None)
+    assert ours.model.model.embed_tokens.weight.dtype == torch.float32
+    assert ours.processing_class.eos_token == ref.processing_class.eos_token == "</s>"
+    assert [r["input_ids"] for r in ours.train_dataset] == ref.train_dataset["input_ids"]
+    ours_losses = [h["loss"] for h in train_logs(ours)]
+    ref_losses = [h["loss"] for h in train_logs(ref)]
+    assert len(ours_losses) == len(ref_losses) == 8
+    torch.testing.assert_close(ours_losses, ref_losses, rtol=0, atol=1e-5)
+
+
+def test_quantization_config_argument_matches_trl(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    # 64 wide: nanosft quantizes in_features that are multiples of the 64-value NF4 block
+    folder = _save_tiny_folder(tmp_path / "tiny", torch.float32, hidden_size=64,
+                               intermediate_size=128)
+    options = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+               "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": torch.float32}
+    sft = {**SHORT, "gradient_checkpointing": False, "max_length": None, "bf16": False,
+           "model_init_kwargs": {"dtype": "float32"}}
+    rows = make_rows()
+    ref = trl.SFTTrainer(model=folder, args=trl.SFTConfig(str(tmp_path / "ref"), **sft),
+                         train_dataset=datasets.Dataset.from_list(rows),
+                         peft_config=peft.LoraConfig(**LORA),
+                         quantization_config=transformers.BitsAndBytesConfig(**options))
+    ours = SFTTrainer(model=folder, args=SFTConfig(str(tmp_path / "ours"), **sft),
+                      train_dataset=rows, peft_config=LoraConfig(**LORA),
+                      quantization_config=BitsAndBytesConfig(**options))
+    assert nf4.is_quantized(ours.model)
+    assert any(type(m).__name__ == "Linear4bit" for m in ref.model.modules())
+    ref_params = dict(ref.model.named_parameters())
+    with torch.no_grad():  # the same starting adapters whatever each library's RNG draws
+        for name, param in ours.model.named_parameters():
+            if param.requires_grad:
+                assert param.dtype == ref_params[name].dtype  # QLoRA: bf16 adapters in both
+                param.copy_(ref_params[name])
+    ours_losses = [h["loss"] for h in train_logs(ours)]
+    ref_losses = [h["loss"] for h in train_logs(ref)]
+    assert len(ours_losses) == len(ref_losses) == 8
+    torch.testing.assert_close(ours_losses, ref_losses, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="both as a trainer argument"):
+        SFTTrainer(model=folder, args=SFTConfig(str(tmp_path / "both"), model_init_kwargs={
+            "quantization_config": BitsAndBytesConfig(**options)}), train_dataset=rows,
+                   quantization_config=BitsAndBytesConfig(**options))
