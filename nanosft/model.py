@@ -6,7 +6,8 @@ grouped-query SDPA attention, SwiGLU, then `CausalLM`. Beside it: configuration.
 loss.py (the causal-LM loss, whole or in lm_head tiles), masking.py (attention masks, packed
 rows), generation.py (decoding with the (k, v) cache), hub.py (safetensors files;
 `from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
-Other families (Qwen2, Qwen3, SmolLM3, sliding windows) subclass these pieces in nanosft.families.
+Other families (qwen2, qwen3, smollm3, mistral with a window, gemma3_text, phi3) subclass these
+pieces in nanosft.families.
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         KV = config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim, bias = H, KV, D, config.attention_bias
         self.layer_idx = layer_idx  # transformers' name; a family's layer types read it
-        self.scaling = D**-0.5  # Gemma 3 would use query_pre_attn_scalar**-0.5
+        self.scaling = D**-0.5  # Gemma 3: query_pre_attn_scalar**-0.5 (families/gemma3.py)
         self.q_proj = nn.Linear(C, H * D, bias=bias)
         self.k_proj, self.v_proj = nn.Linear(C, KV * D, bias=bias), nn.Linear(C, KV * D, bias=bias)
         self.o_proj = nn.Linear(H * D, C, bias=bias)

@@ -7,7 +7,8 @@ counted here with torch.autograd.graph.saved_tensors_hooks, with and without che
 formula equals bitsandbytes' QuantState tensors; MemoryTracker reports what transformers'
 TrainerMemoryTracker reports on the same allocations; for each family (Qwen3, SmolLM3, Gemma 3,
 Mistral / Qwen2 with windows, Phi-3) the parameter list equals the real model's names and shapes
-(Phi-3: bytes only) and the full fine-tuning row its bytes. Tiny models (hidden 64), CPU, seeded.
+(Phi-3: the fused qkv_proj / gate_up_proj, and the LoRA and NF4 rows of a QLoRA run on them) and
+the full fine-tuning row its bytes. Tiny models (hidden 64), CPU, seeded.
 Run: timeout 900 python -m pytest -q tests/test_memory.py
 """
 
@@ -273,8 +274,7 @@ def _family_model(config_class_name):
 def test_family_parameter_bytes_equal_the_real_model(name):
     model = _family_model(name)
     real = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    if name != "Phi3Config":  # Phi-3's fused qkv_proj / gate_up_proj: same numel, other names
-        assert dict(memory.parameter_shapes(model.config)) == real
+    assert dict(memory.parameter_shapes(model.config)) == real  # Phi-3: fused qkv / gate_up
     ledger = memory.estimate_memory(model.config, memory.MemoryPlan(full=True, max_length=T))
     assert ledger.rows["trainable parameters"] == sum(p.numel() * 4 for p in model.parameters())
     if name == "Qwen3Config":  # negative control: the ledger without q_norm / k_norm is short
@@ -285,3 +285,19 @@ def test_family_parameter_bytes_equal_the_real_model(name):
         as_llama = memory.estimate_memory(llama, memory.MemoryPlan(full=True, max_length=T))
         short = ledger.rows["trainable parameters"] - as_llama.rows["trainable parameters"]
         assert short == 2 * L * D * 4  # fp32 bytes of the (D,) q_norm and k_norm of L layers
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["qkv_proj"]])
+def test_phi3_qlora_rows_use_the_fused_linears(targets):
+    model = _family_model("Phi3Config")
+    nf4.quantize_model(model)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    _cast_trainable_to_bf16(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model)
+    plan = memory.MemoryPlan(load_in_4bit=True, r=4, target_modules=targets, max_length=T)
+    ledger = memory.estimate_memory(model.config, plan)
+    assert ledger.rows["base weights (frozen)"] == _storages(frozen)
+    assert ledger.rows["trainable parameters"] == _storages(trainable)
+    with pytest.raises(ValueError, match="no default for model_type='phi3'"):
+        memory.estimate_memory(model.config, memory.MemoryPlan(load_in_4bit=True))

@@ -16,8 +16,8 @@ from nanosft.memory.activations import head_saved_bytes, layer_saved_bytes
 from nanosft.memory.measure import (  # noqa: F401 (measuring tools, re-exported)
     MemoryTracker, PeakMemory, count_saved_tensors, cpu_memory, cpu_peak_reset, unique_bytes)
 from nanosft.memory.plan import (  # noqa: F401 (the plan and shapes, re-exported)
-    DTYPE_BYTES, LAYER_LINEARS, OPTIMIZERS, MemoryPlan, _fail, lora_targets, nf4_quantizable,
-    parameter_shapes)
+    DTYPE_BYTES, LAYER_LINEARS, OPTIMIZERS, MemoryPlan, _fail, layer_linears, lora_targets,
+    nf4_quantizable, parameter_shapes)
 
 MiB = 2**20
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' optimizer states in fp32
@@ -99,7 +99,7 @@ def estimate_memory(config, plan, device_type="cpu"):
     targets = lora_targets(config, plan)
     if not plan.full and not targets:
         _fail("target_modules", plan.target_modules,
-              f"it matches none of {', '.join(LAYER_LINEARS)}")
+              f"it matches none of {', '.join(layer_linears(config))}")
     ab = DTYPE_BYTES[plan.adapter_dtype]
     base = trainable = grads = optim = 0
     any_8bit = False
@@ -107,7 +107,7 @@ def estimate_memory(config, plan, device_type="cpu"):
     for name, shape in parameter_shapes(config):
         numel = math.prod(shape)
         lin = name.split(".")[-2]
-        quant = (plan.load_in_4bit and lin in LAYER_LINEARS and name.endswith("weight")
+        quant = (plan.load_in_4bit and lin in layer_linears(config) and name.endswith("weight")
                  and nf4_quantizable(shape, device_type))
         n_quant += quant
         if quant:  # FSDP shards the packed (numel / 2, 1) codes

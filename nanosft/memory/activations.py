@@ -7,7 +7,7 @@ lm_head and loss. nanosft.memory sums them into the ledger's activations row.
 Paper: activation recomputation 1604.06174.
 """
 
-from nanosft.memory.plan import DTYPE_BYTES, LAYER_LINEARS, lora_targets, nf4_quantizable
+from nanosft.memory.plan import DTYPE_BYTES, FUSED, LAYER_LINEARS, lora_targets, nf4_quantizable
 
 
 class _Saved:
@@ -71,7 +71,9 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
            for lin in LAYER_LINEARS}
     ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4,
-           "targets": lora_targets(config, plan)}
+           # Phi-3's fused qkv_proj / gate_up_proj counted as their parts (one input, same bytes;
+           # a LoRA on the fused linear saves one lora_A output where this counts two or three)
+           "targets": {part for t in lora_targets(config, plan) for part in FUSED.get(t, (t,))}}
     saved = _Saved()
     # the first layer's input needs no grad unless the embedding trains
     rg = plan.full or not first

@@ -13,6 +13,11 @@ import re
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd")
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3 keeps q/k/v and gate/up fused in one linear each (transformers Phi3Attention / Phi3MLP):
+# its own names, which LoRA targets and NF4 quantizes as one weight.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_TYPES = ("phi3",)
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 # Families whose attention normalizes each head of q and k (a (D,) weight each) before RoPE, and
 # those with Gemma's two extra norms around the feed-forward block.
 QK_NORM_TYPES = ("qwen3", "gemma3_text")
@@ -63,22 +68,30 @@ class MemoryPlan:
         return "bfloat16" if self.load_in_4bit else self.dtype
 
 
+def layer_linears(config):
+    """Short names of one decoder layer's linears: Llama's seven, or Phi-3's four (fused)."""
+    if config.model_type in FUSED_TYPES:
+        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return LAYER_LINEARS
+
+
 def parameter_shapes(config):
     """(name, shape) of every parameter under transformers' names; a tied lm_head once. Llama's,
-    plus the per-head q/k norms (Qwen3, Gemma 3) and Gemma 3's feed-forward norms.
+    plus the per-head q/k norms (Qwen3, Gemma 3), Gemma 3's feed-forward norms and Phi-3's fused
+    qkv_proj ((H + 2 KV) * D, C) and gate_up_proj (2 I, C).
     Mirrors: transformers LlamaForCausalLM.state_dict keys (Qwen3, Gemma3ForCausalLM)"""
     C, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
     H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out = {"q_proj": H * D, "k_proj": KV * D, "v_proj": KV * D, "o_proj": C, "gate_proj": I,
-           "up_proj": I, "down_proj": C}
+           "up_proj": I, "down_proj": C, "qkv_proj": (H + 2 * KV) * D, "gate_up_proj": 2 * I}
     inp = {"q_proj": C, "k_proj": C, "v_proj": C, "o_proj": H * D, "gate_proj": C, "up_proj": C,
-           "down_proj": I}
+           "down_proj": I, "qkv_proj": C, "gate_up_proj": C}
     shapes = [("model.embed_tokens.weight", (V, C))]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes.append((p + "input_layernorm.weight", (C,)))
-        for lin in LAYER_LINEARS:
-            block = "self_attn." if lin in LAYER_LINEARS[:4] else "mlp."
+        for lin in layer_linears(config):
+            block = "self_attn." if lin in ATTN_LINEARS else "mlp."
             shapes.append((p + block + lin + ".weight", (out[lin], inp[lin])))
             bias = config.mlp_bias if block == "mlp." else config.attention_bias
             if bias and not (lin == "o_proj" and config.model_type == "qwen2"):
@@ -102,14 +115,18 @@ def lora_targets(config, plan):
 
     if plan.full:
         return set()
+    linears = layer_linears(config)
     target = plan.target_modules
     if target is None:
+        if config.model_type not in DEFAULT_TARGET_MODULES:
+            _fail("target_modules", None, f"there is no default for model_type="
+                  f"{config.model_type!r}; set target_modules (e.g. all-linear)")
         target = DEFAULT_TARGET_MODULES[config.model_type]
     if isinstance(target, str) and target.lower() == "all-linear":
-        return set(LAYER_LINEARS)
+        return set(linears)
     if isinstance(target, str):
-        return {lin for lin in LAYER_LINEARS if re.fullmatch(target, f"model.layers.0.x.{lin}")}
-    return {lin for lin in LAYER_LINEARS if any(t == lin or t.endswith("." + lin) for t in target)}
+        return {lin for lin in linears if re.fullmatch(target, f"model.layers.0.x.{lin}")}
+    return {lin for lin in linears if any(t == lin or t.endswith("." + lin) for t in target)}
 
 
 def nf4_quantizable(shape, device_type):

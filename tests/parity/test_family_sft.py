@@ -1,6 +1,7 @@
 """QLoRA SFT per step, nanosft SFTTrainer against TRL SFTTrainer + peft + bitsandbytes, for the
 families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (layers without
-RoPE) and Mistral with a sliding window shorter than the rows.
+RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, and Phi-3 (partial RoPE;
+all-linear targets the fused qkv_proj and gate_up_proj).
 
 Per family: one tiny random model built by transformers' own config class (norms randomized so
 a q_norm / k_norm mix-up shows) saved to a folder; each stack loads that folder in 4-bit (NF4,
@@ -40,6 +41,10 @@ FAMILIES = {  # name: (transformers config class, overrides)
     "qwen3": (transformers.Qwen3Config, {"head_dim": 32}),
     "smollm3": (transformers.SmolLM3Config, {"no_rope_layer_interval": 2}),
     "mistral-window": (transformers.MistralConfig, {"sliding_window": WINDOW}),
+    "qwen2-window": (transformers.Qwen2Config,  # layer 0 full attention, layer 1 windowed
+                     {"use_sliding_window": True, "sliding_window": WINDOW,
+                      "max_window_layers": 1}),
+    "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5}),
 }
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
          "bnb_4bit_compute_dtype": torch.float32}
