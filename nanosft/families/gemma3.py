@@ -17,8 +17,7 @@ from torch import nn
 
 from nanosft.configuration import ModelConfig
 from nanosft.families.qwen3 import Qwen3Attention
-from nanosft.model import MLP, CausalLM, DecoderLayer, DecoderModel, rope_inv_freq
-from nanosft.reference import fast_path
+from nanosft.model import MLP, CausalLM, DecoderLayer, DecoderModel, RMSNorm, rope_inv_freq
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_THETA = {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
@@ -105,20 +104,13 @@ class Gemma3Config(ModelConfig):
         return d
 
 
-class Gemma3RMSNorm(nn.Module):
+class Gemma3RMSNorm(RMSNorm):
     """RMSNorm times (1 + weight), all in fp32, then cast (Llama: weight times the cast).
     Weights are built as zeros. Mirrors: transformers Gemma3RMSNorm"""
 
     def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.zeros(hidden_size)), eps
-
-    def forward(self, x):
-        """x / rms(x) * (1 + weight) over the last dim, (..., C) -> (..., C)."""
-        recomputed = fast_path("recomputed")  # speed path: backward keeps only x (nanosft.fast)
-        if recomputed is not None:
-            return recomputed(self._normalize, x)
-        return self._normalize(x)
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
 
     def _normalize(self, x):
         x32 = x.float()

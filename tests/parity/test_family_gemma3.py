@@ -19,15 +19,15 @@ import peft
 import pytest
 import torch
 import transformers
-from test_families import (BASE, PAD, QLORA, TOL, V, left_padded_batch, packed_row,
-                           randomize_vectors, train_a_few_steps)
+from test_families import (BASE, PAD, QLORA, TOL, V, assert_adapters_move_both_ways,
+                           left_padded_batch, packed_row, randomize_vectors)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.families import config_from_dict, from_config
 from nanosft.families.gemma3 import Gemma3Config
 from nanosft.model import CausalLM
 from nanosft.nf4 import BitsAndBytesConfig, quantize_model
-from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
+from nanosft.peft import LoraConfig, get_peft_model
 
 WINDOW = 5
 GEMMA3 = {**BASE, "num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24,
@@ -143,26 +143,7 @@ def test_all_linear_targets_the_modules_peft_targets(tmp_path):
 def test_trained_lora_adapters_move_both_ways(tmp_path):
     hf, folder = hf_folder(tmp_path)
     x = torch.randint(3, V, (2, 12))
-    batch = {"input_ids": x, "labels": x}
-    config = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-    torch.manual_seed(1)
-    ours = train_a_few_steps(get_peft_model(CausalLM.from_pretrained(folder),
-                                            LoraConfig(**config)), batch)
-    ours.save_pretrained(tmp_path / "ours_adapter")
-    theirs = train_a_few_steps(peft.get_peft_model(
-        hf, peft.LoraConfig(task_type="CAUSAL_LM", **config)), batch)
-    theirs.save_pretrained(tmp_path / "peft_adapter")
-    fresh = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    peft_loads_ours = peft.PeftModel.from_pretrained(fresh, tmp_path / "ours_adapter")
-    ours_loads_peft = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
-                                                           tmp_path / "peft_adapter")
-    with torch.no_grad():
-        want, got = ours(x).logits, peft_loads_ours(x).logits
-        torch.testing.assert_close(got, want, **TOL)
-        diff = (got - want).abs().max().item()
-        want, got = theirs(x).logits, ours_loads_peft(x).logits
-        torch.testing.assert_close(got, want, **TOL)
-    print(f"\n[gemma3] adapter max |logit diff| = {max(diff, (got - want).abs().max().item()):.3e}")
+    assert_adapters_move_both_ways(hf, folder, tmp_path, x, "all-linear", "gemma3")
 
 
 def test_transformers4_rope_spelling_reads_as_transformers_reads_it():
