@@ -177,8 +177,11 @@ def peft_config_from_dict(d, source="adapter config"):
 
 # ----------------------------------------------------------------------------- target modules
 
+# peft's defaults for the model types nanosft loads; peft has none for phi3 and smollm3, so
+# those need target_modules, as in peft
 DEFAULT_TARGET_MODULES = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"],
-                          "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"]}
+                          "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"],
+                          "gemma3_text": ["q_proj", "v_proj"]}
 
 _LINEAR = (nn.Linear, Linear4bit)  # the layers a LoraLinear wraps
 

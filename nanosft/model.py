@@ -155,11 +155,11 @@ class MLP(nn.Module):
         """(B, T, C) -> (B, T, I) -> (B, T, C)."""
         recomputed = fast_path("recomputed")  # speed path: the silu is recomputed in backward
         if recomputed is not None:
-            return self.down_proj(recomputed(self._swiglu, self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self._swiglu(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(recomputed(self._glu, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self._glu(self.gate_proj(x), self.up_proj(x)))
 
-    def _swiglu(self, gate, up):
-        return F.silu(gate) * up
+    def _glu(self, gate, up):
+        return F.silu(gate) * up  # the families with another activation override this
 
 
 class DecoderLayer(nn.Module):

@@ -7,10 +7,13 @@ counted here with torch.autograd.graph.saved_tensors_hooks, with and without che
 formula equals bitsandbytes' QuantState tensors; MemoryTracker reports what transformers'
 TrainerMemoryTracker reports on the same allocations; for each family (Qwen3, SmolLM3, Gemma 3,
 Mistral / Qwen2 with windows, Phi-3) the parameter list equals the real model's names and shapes
-(Phi-3: the fused qkv_proj / gate_up_proj, and the LoRA and NF4 rows of a QLoRA run on them) and
-the full fine-tuning row its bytes. Tiny models (hidden 64), CPU, seeded.
+(Phi-3: the fused qkv_proj / gate_up_proj, and the LoRA and NF4 rows of a QLoRA run on them), the
+full fine-tuning row its bytes, and the activations row the bytes its layers save (q/k norms,
+Gemma's four norms, the fused outputs, the sliding-window mask). Tiny models (hidden 64), CPU, seeded.
 Run: timeout 900 python -m pytest -q tests/test_memory.py
 """
+
+import dataclasses
 
 import bitsandbytes.functional as bnbF
 import pytest
@@ -301,3 +304,38 @@ def test_phi3_qlora_rows_use_the_fused_linears(targets):
     assert ledger.rows["trainable parameters"] == _storages(trainable)
     with pytest.raises(ValueError, match="no default for model_type='phi3'"):
         memory.estimate_memory(model.config, memory.MemoryPlan(load_in_4bit=True))
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_family_activation_row_equals_the_saved_bytes(name, method):
+    """Each family's extra saves are predicted: q/k norm inputs (Qwen3, Gemma 3), Gemma's two
+    extra norm inputs, Phi-3's fused outputs (v keeps the whole qkv output alive) and its o_proj
+    input copy, the (T, T) mask of a sliding layer. Full fine-tuning within 1% (SmolLM3's RoPE
+    tables are counted for a layer without RoPE: 0.8%); LoRA / QLoRA within 5%: both measure the
+    first layer's input, which the ledger leaves out for a frozen embedding (N * C bytes)."""
+    torch.manual_seed(0)
+    model = _family_model(name)
+    config, rows = model.config, 32  # T = 32 > the 5-token window
+    if method == "qlora":
+        nf4.quantize_model(model)
+    if method != "full":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    if method == "qlora":
+        _cast_trainable_to_bf16(model)
+    model.train()
+    ids = torch.randint(0, 128, (B, rows), generator=torch.Generator().manual_seed(0))
+    measured = _saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    plan = memory.MemoryPlan(full=method == "full", load_in_4bit=method == "qlora", r=4,
+                             target_modules=None if method == "full" else "all-linear",
+                             per_device_train_batch_size=B, max_length=rows)
+    predict = memory.estimate_memory
+    logprobs = B * rows * 128 * 4  # the logits row's share of the saves
+    predicted = predict(config, plan).rows["activations (saved for backward)"] + logprobs
+    assert abs(predicted - measured) <= (0.01 if method == "full" else 0.05) * measured
+    if method == "full" and name in ("Gemma3TextConfig", "Phi3Config"):  # negative control:
+        # the same config read as Llama's layers
+        as_llama = ModelConfig.from_dict({**config.to_dict(), "model_type": "llama"})
+        blind = predict(as_llama, dataclasses.replace(plan, target_modules="all-linear"))
+        assert abs(blind.rows["activations (saved for backward)"] + logprobs - measured) > (
+            0.05 * measured)

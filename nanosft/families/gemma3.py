@@ -154,9 +154,8 @@ class Gemma3MLP(MLP):
     """GeGLU: down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)) (Llama: silu).
     Mirrors: transformers Gemma3MLP"""
 
-    def forward(self, x):
-        """(B, T, C) -> (B, T, I) -> (B, T, C)."""
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+    def _glu(self, gate, up):
+        return F.gelu(gate, approximate="tanh") * up  # Llama: F.silu(gate) * up
 
 
 class Gemma3DecoderLayer(DecoderLayer):

@@ -139,8 +139,8 @@ class Phi3MLP(MLP):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         recomputed = fast_path("recomputed")  # speed path: the silu is recomputed in backward
         if recomputed is not None:
-            return self.down_proj(recomputed(self._swiglu, gate, up))
-        return self.down_proj(self._swiglu(gate, up))
+            return self.down_proj(recomputed(self._glu, gate, up))
+        return self.down_proj(self._glu(gate, up))
 
 
 class Phi3DecoderLayer(DecoderLayer):

@@ -139,8 +139,8 @@ def estimate_memory(config, plan, device_type="cpu"):
     if any_8bit and plan.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         optim += 2 * 256 * 4  # the signed and unsigned dynamic maps, shared by every 8-bit state
     L = config.num_hidden_layers
-    per_layer = [layer_saved_bytes(config, plan, first=i == 0, device_type=device_type)
-                 for i in range(L)]
+    per_layer = [layer_saved_bytes(config, plan, first=i == 0, device_type=device_type,
+                                   layer_idx=i) for i in range(L)]
     head, logprob_bytes = head_saved_bytes(config, plan)
     N = plan.per_device_train_batch_size * plan.max_length
     layer_input = N * config.hidden_size * wd

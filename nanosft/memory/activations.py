@@ -7,7 +7,10 @@ lm_head and loss. nanosft.memory sums them into the ledger's activations row.
 Paper: activation recomputation 1604.06174.
 """
 
-from nanosft.memory.plan import DTYPE_BYTES, FUSED, LAYER_LINEARS, lora_targets, nf4_quantizable
+from nanosft.memory.plan import (
+    DTYPE_BYTES, FFN_NORM_TYPES, FUSED_TYPES, QK_NORM_TYPES, layer_linears, lora_targets,
+    nf4_quantizable,
+)
 
 
 class _Saved:
@@ -58,28 +61,46 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
     return rg_in or trains_base or has_lora
 
 
-def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
+def _sliding_window(config, layer_idx):
+    types = getattr(config, "layer_types", None)
+    if types and types[layer_idx] == "sliding_attention":
+        return config.sliding_window
+    return None
+
+
+def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0):
     """Bytes one decoder layer saves for backward, by tensor (shared ones once), no checkpointing.
-    Mirrors: autograd's saves in transformers LlamaDecoderLayer
-    Assumes flash / memory-efficient SDPA (no (T, T) matrix), as nanosft's causal batches use."""
+    Mirrors: autograd's saves in transformers LlamaDecoderLayer (and the families' layers)
+    Assumes flash / memory-efficient SDPA (no (T, T) scores), as nanosft's causal batches use: a
+    sliding window then saves no bytes of scores, and costs its layer one (T, T) mask."""
     C, I, T = config.hidden_size, config.intermediate_size, plan.max_length
     H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     B = plan.per_device_train_batch_size
     N, wd = B * T, DTYPE_BYTES[plan.dtype]
     ad = 2 if plan.bf16 else None
+    fused = config.model_type in FUSED_TYPES  # Phi-3: qkv_proj and gate_up_proj
     in_features = {"o_proj": H * D, "down_proj": I}
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
-           for lin in LAYER_LINEARS}
+           for lin in layer_linears(config)}
     ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4,
-           # Phi-3's fused qkv_proj / gate_up_proj counted as their parts (one input, same bytes;
-           # a LoRA on the fused linear saves one lora_A output where this counts two or three)
-           "targets": {part for t in lora_targets(config, plan) for part in FUSED.get(t, (t,))}}
+           "targets": lora_targets(config, plan)}
+
+    def out_bytes(lin):  # a float base computes in the autocast dtype; a 4-bit one returns x's
+        return (ad or wd) if (plan.full or not nf4[lin]) else wd
+
     saved = _Saved()
     # the first layer's input needs no grad unless the embedding trains
     rg = plan.full or not first
     n_rg = _norm(saved, "input_layernorm", N, C, rg, plan.full, wd)
-    q_rg, k_rg, v_rg = (_linear(saved, ctx, lin, "normed_1", wd, C, o, n_rg)
-                        for lin, o in (("q_proj", H * D), ("k_proj", KV * D), ("v_proj", KV * D)))
+    if fused:  # one linear; q, k, v are views of its (N, (H + 2 KV) D) output
+        q_rg = k_rg = v_rg = _linear(saved, ctx, "qkv_proj", "normed_1", wd, C, (H + 2 * KV) * D,
+                                     n_rg)
+    else:
+        q_rg, k_rg, v_rg = (_linear(saved, ctx, lin, "normed_1", wd, C, o, n_rg) for lin, o in
+                            (("q_proj", H * D), ("k_proj", KV * D), ("v_proj", KV * D)))
+    if config.model_type in QK_NORM_TYPES:  # q_norm, k_norm keep their inputs, as RMSNorm does
+        _norm(saved, "q_norm", N * H, D, q_rg, plan.full, out_bytes("q_proj"))
+        _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out_bytes("k_proj"))
     attn_rg = q_rg or k_rg or v_rg
     s = ad or wd  # SDPA works in the autocast dtype, else in the stream's
     if attn_rg:
@@ -87,19 +108,37 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu"):
             saved.add("rope_cos_sin", 2 * T * D, wd)  # shared by every layer, counted in the first
         saved.add("sdpa.q", N * H * D, s)
         saved.add("sdpa.k", N * KV * D, s)
-        saved.add("sdpa.v", N * KV * D, s)
+        # v is not copied on its way to SDPA: with qkv fused, it keeps the whole output alive
+        saved.add("sdpa.v", N * ((H + 2 * KV) if fused else KV) * D, s)
         saved.add("sdpa.out", N * H * D, s)
         saved.add("sdpa.logsumexp", B * H * T, 4)
-    o_rg = _linear(saved, ctx, "o_proj", "sdpa.out", s, H * D, C, attn_rg)
+        window = _sliding_window(config, layer_idx)
+        if window is not None and T > window:  # full rows: one (1, 1, T, T) mask, in SDPA's dtype
+            saved.add("sdpa.window_mask", T * T, s)
+    # SDPA's output is laid out as its q: (B, T, H, D) in memory when q is a transposed view, so
+    # o_proj reads it as is; Phi-3's partial RoPE concatenates q (B, H, T, D), and o_proj's
+    # (B, T, H * D) input is then a copy
+    o_input = "o_proj.input" if fused else "sdpa.out"
+    o_rg = _linear(saved, ctx, "o_proj", o_input, s, H * D, C, attn_rg)
     h_rg = rg or o_rg
-    n2_rg = _norm(saved, "post_attention_layernorm", N, C, h_rg, plan.full, wd)
-    g_rg = _linear(saved, ctx, "gate_proj", "normed_2", wd, C, I, n2_rg)
-    u_rg = _linear(saved, ctx, "up_proj", "normed_2", wd, C, I, n2_rg)
-    g = (ad or wd) if (plan.full or not nf4["gate_proj"]) else wd  # 4-bit: returns its input dtype
-    if g_rg or u_rg:  # silu(gate) * up is recomputed in backward from its two inputs
+    if config.model_type in FFN_NORM_TYPES:  # Gemma 3 norms the attention output before the add
+        _norm(saved, "post_attention_layernorm", N, C, o_rg, plan.full, out_bytes("o_proj"))
+        n2_rg = _norm(saved, "pre_feedforward_layernorm", N, C, h_rg, plan.full, wd)
+    else:
+        n2_rg = _norm(saved, "post_attention_layernorm", N, C, h_rg, plan.full, wd)
+    if fused:
+        g_rg = u_rg = _linear(saved, ctx, "gate_up_proj", "normed_2", wd, C, 2 * I, n2_rg)
+        g = out_bytes("gate_up_proj")
+    else:
+        g_rg = _linear(saved, ctx, "gate_proj", "normed_2", wd, C, I, n2_rg)
+        u_rg = _linear(saved, ctx, "up_proj", "normed_2", wd, C, I, n2_rg)
+        g = out_bytes("gate_proj")
+    if g_rg or u_rg:  # act(gate) * up is recomputed in backward from its two inputs
         saved.add("mlp.gate_out", N * I, g)
         saved.add("mlp.up_out", N * I, g)
-    _linear(saved, ctx, "down_proj", "mlp.act_product", g, I, C, g_rg or u_rg)
+    d_rg = _linear(saved, ctx, "down_proj", "mlp.act_product", g, I, C, g_rg or u_rg)
+    if config.model_type in FFN_NORM_TYPES:  # ... and the feed-forward output too
+        _norm(saved, "post_feedforward_layernorm", N, C, d_rg, plan.full, out_bytes("down_proj"))
     return saved.bytes
 
 

@@ -17,8 +17,10 @@ import peft
 import pytest
 import torch
 import transformers
+from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
-from nanosft.families import config_from_dict, from_config
+from nanosft.adapter_files import DEFAULT_TARGET_MODULES
+from nanosft.families import config_from_dict, from_config, supported_model_types
 from nanosft.model import CausalLM
 from nanosft.nf4 import BitsAndBytesConfig, quantize_model
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
@@ -167,6 +169,22 @@ def test_all_linear_targets_the_modules_peft_targets(name, tmp_path):
     got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names and names == [n for n, _ in ref.named_parameters() if "lora_" in n]
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_default_target_modules_are_peft_defaults(model_type):
+    """target_modules=None: nanosft wraps what peft's table names for each model_type nanosft
+    loads, and where peft has no entry (phi3, smollm3) both refuse rather than guess."""
+    want = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    assert DEFAULT_TARGET_MODULES.get(model_type) == (None if want is None else list(want))
+
+
+def test_no_default_target_modules_is_refused_as_peft_refuses(tmp_path):
+    hf, folder = hf_folder("smollm3", tmp_path)
+    with pytest.raises(ValueError, match="target_modules"):
+        peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM"))
+    with pytest.raises(ValueError, match="no default target_modules for model_type='smollm3'"):
+        get_peft_model(CausalLM.from_pretrained(folder), LoraConfig())
 
 
 def train_a_few_steps(model, batch):
