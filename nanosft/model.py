@@ -11,7 +11,6 @@ pieces in nanosft.families.
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -130,15 +129,19 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
-        # enable_gqa: query head j reads kv head j // (H // KV), as transformers' repeat_kv.
-        sdpa = functools.partial(F.scaled_dot_product_attention, scale=self.scaling,
-                                 enable_gqa=self.num_kv_heads != self.num_heads)
         if isinstance(mask, list):  # document lengths of one packed row: causal inside each
             docs = zip(*(t.split(mask, dim=2) for t in (q, k, v)))
-            y = torch.cat([sdpa(*qkv, is_causal=True) for qkv in docs], 2)
+            y = torch.cat([self.sdpa(*qkv, is_causal=True) for qkv in docs], 2)
         else:
-            y = sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and past is None and T > 1)
+            y = self.sdpa(q, k, v, mask, is_causal=mask is None and past is None and T > 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+    def sdpa(self, q, k, v, mask=None, is_causal=False):
+        """Scaled dot-product attention at this layer's scale: (B, H, T, D) out."""
+        # enable_gqa: query head j reads kv head j // (H // KV), as transformers' repeat_kv.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              scale=self.scaling,
+                                              enable_gqa=self.num_kv_heads != self.num_heads)
 
 
 class MLP(nn.Module):

@@ -105,7 +105,7 @@ def test_logits_match_transformers_both_ways(name, tmp_path):
             pairs.append((hf(packed, position_ids=pos, use_cache=False).logits,
                           ours(packed, position_ids=pos).logits))
             want_right = hf(x, attention_mask=(torch.arange(16) < 11).long().expand(2, 16)).logits
-        # a training forward: nanosft's unpadded speed path (documents > window: a dense mask)
+        # a training forward: nanosft's unpadded speed path (documents > window: one mask each)
         ours.train()
         pairs.append((hf(packed, position_ids=pos, use_cache=False).logits.detach(),
                       ours(packed, position_ids=pos).logits.detach()))
