@@ -246,8 +246,11 @@ def assistant_char_spans(tokenizer, messages):
         turn = tokenizer.render_chat(messages[: i + 1])
         if not (full.startswith(head) and full.startswith(turn)):
             raise ValueError(f"the chat template does not render messages[:{i}] as a prefix of the "
-                             "whole chat, so assistant turns cannot be located; use a "
-                             "prefix-preserving template")
+                             "whole chat (Qwen3's drops the reasoning of earlier turns), so "
+                             "assistant turns cannot be located; set chat_template_path to a "
+                             "prefix-preserving template with {% generation %} markers (TRL "
+                             "swaps in its trl/chat_templates/*_training.jinja, e.g. "
+                             "qwen3_training.jinja)")
         spans.append((len(head), len(turn)))  # the turn's text incl. its end-of-turn token
     return spans
 

@@ -9,7 +9,8 @@ TrainerMemoryTracker reports on the same allocations; for each family (Qwen3, Sm
 Mistral / Qwen2 with windows, Phi-3) the parameter list equals the real model's names and shapes
 (Phi-3: the fused qkv_proj / gate_up_proj, and the LoRA and NF4 rows of a QLoRA run on them), the
 full fine-tuning row its bytes, and the activations row the bytes its layers save (q/k norms,
-Gemma's four norms, the fused outputs, the sliding-window mask). Tiny models (hidden 64), CPU, seeded.
+Gemma's four norms, the fused outputs, the sliding-window mask). Tiny models (hidden 64), CPU,
+seeded.
 Run: timeout 900 python -m pytest -q tests/test_memory.py
 """
 

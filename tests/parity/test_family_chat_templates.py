@@ -144,3 +144,17 @@ def test_gemma3_official_template_masks_by_prefixes_equal_trl(tmp_path):
     rows = prepare_dataset(examples, ours, assistant_only_loss=True)
     assert [{k: r[k] for k in ("input_ids", "labels")} for r in rows] == trl_labels(
         theirs, examples, tmp_path)
+
+
+def test_qwen3_official_template_is_refused_with_the_training_template_as_the_fix(tmp_path):
+    # Qwen3's template drops earlier turns' reasoning, so no prefix renders inside the whole chat:
+    # TRL swaps in qwen3_training.jinja; nanosft refuses and names it. With that file as the
+    # template (chat_template_path), nanosft's labels equal TRL's from the official template.
+    official, theirs = folder_with("qwen3", "qwen3.jinja", tmp_path)
+    examples = [{"messages": chat} for chat in CHATS]
+    with pytest.raises(ValueError, match="chat_template_path.*qwen3_training.jinja"):
+        prepare_dataset(examples, official, assistant_only_loss=True)
+    training, _ = folder_with("qwen3", "qwen3_training.jinja", tmp_path)
+    rows = prepare_dataset(examples, training, assistant_only_loss=True)
+    assert [{k: r[k] for k in ("input_ids", "labels")} for r in rows] == trl_labels(
+        theirs, examples, tmp_path)
