@@ -1,7 +1,8 @@
 """QLoRA SFT per step, nanosft SFTTrainer against TRL SFTTrainer + peft + bitsandbytes, for the
 families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (layers without
-RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, and Phi-3 (partial RoPE;
-all-linear targets the fused qkv_proj and gate_up_proj).
+RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, Phi-3 (partial RoPE;
+all-linear targets the fused qkv_proj and gate_up_proj) and Gemma 3 (a sliding and a full layer,
+(1 + w) norms around zero, the sublayer outputs normed).
 
 Per family: one tiny random model built by transformers' own config class (norms randomized so
 a q_norm / k_norm mix-up shows) saved to a folder; each stack loads that folder in 4-bit (NF4,
@@ -9,8 +10,11 @@ double quant, fp32 compute, as TRL's QLoRA recipe minus bf16); the same LoRA con
 all-linear, the same starting adapters (copied from TRL's into ours; TRL then casts both to bf16),
 the same pre-tokenized rows, seed and arguments. Compared for each of 3 optimizer steps: loss,
 grad_norm and learning_rate at atol 1e-5, the tolerance of the Llama parity in
-test_trainer_parity.py. Hermetic: CPU, no downloads (a WordLevel tokenizer built in memory); `-s`
-prints the largest loss difference.
+test_trainer_parity.py, except Gemma 3's loss after step 1 (LOSS_ATOL_AFTER_STEP_1 says why).
+And every LoRA gradient of the first step's micro-batches (right padding, -100 prompts, rows
+longer than the window) with fp32 adapters, B non-zero, at atol 5e-7: the gradients the loss
+trajectory reaches only through bf16 rounding and Adam. Hermetic: CPU, no downloads (a WordLevel
+tokenizer built in memory); `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_sft.py
 """
 
@@ -45,6 +49,9 @@ FAMILIES = {  # name: (transformers config class, overrides)
                      {"use_sliding_window": True, "sliding_window": WINDOW,
                       "max_window_layers": 1}),
     "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5}),
+    "gemma3_text": (transformers.Gemma3TextConfig,
+                    {"head_dim": 16, "sliding_window": WINDOW,
+                     "layer_types": ["sliding_attention", "full_attention"]}),
 }
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
          "bnb_4bit_compute_dtype": torch.float32}
@@ -55,6 +62,18 @@ ARGS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max
         "optim": "adamw_torch", "seed": 11, "report_to": "none", "disable_tqdm": True,
         "gradient_checkpointing": False, "max_length": None}
 KEYS = ("loss", "grad_norm", "learning_rate")
+# Gemma 3's loss after step 1: both stacks train the same bf16 adapters, and a last-bit fp32
+# difference (nanosft's fused LM head and unpadded attention against TRL's chunked log-probs and
+# padded SDPA; <1e-7 in the gradients, test_lora_gradients_match_peft) flips the bf16 rounding of
+# a few gradients (3 of 8,192 at step 1); Adam turns them into one-ulp bf16 weight differences (6
+# after step 2), and those six alone move the step-3 loss by 1.1e-5 (with the weights made equal
+# the step-3 losses agree within 1e-7). TRL against itself (attn_implementation "sdpa" vs "eager",
+# same adapters) drifts as far on this model: 8.6e-6 at step 3, 3.0e-5 with both layers full
+# attention. A Gemma bug shows far above 5e-5: the window one key wider 2.4e-2 at step 1, the
+# local layer on the global RoPE 1.9e-3, one layer's gradient 0.1% off 1.7e-4 at step 2.
+# Step 1 (the adapters still equal) keeps 1e-5.
+LOSS_ATOL_AFTER_STEP_1 = {"gemma3_text": 5e-5}
+GRAD_ATOL = 5e-7  # fp32 adapters: measured at most 9.7e-8 over these families (gradients ~0.1)
 
 
 def make_rows(n=12, seed=2):
@@ -84,7 +103,8 @@ def hf_folder(name, tmp_path):
     config_class, overrides = FAMILIES[name]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config_class(**{**BASE, **overrides}))
-    with torch.no_grad():  # norms are built as ones: a q_norm / k_norm mix-up would not show
+    # norms are built as ones (Gemma's (1 + w): zeros): a q_norm / k_norm mix-up would not show
+    with torch.no_grad():
         for p in hf.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -97,8 +117,9 @@ def train_logs(trainer):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_qlora_sft_losses_match_trl(name, tmp_path):
+def trainers(name, tmp_path):
+    """(TRL's, nanosft's) SFTTrainer on the family's 4-bit model, with the same starting adapters
+    whatever RNG draws each library's init makes (B is zero in both)."""
     folder = hf_folder(name, tmp_path)
     rows = make_rows()
     ref_tok, our_tok = wordlevel_tokenizers()
@@ -112,7 +133,6 @@ def test_qlora_sft_losses_match_trl(name, tmp_path):
                          processing_class=ref_tok, peft_config=peft.LoraConfig(**LORA))
     ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **ARGS), train_dataset=rows,
                       processing_class=our_tok, peft_config=LoraConfig(**LORA))
-    # the same starting adapters whatever RNG draws each library's init makes (B is zero in both)
     ref_params = dict(ref.model.named_parameters())
     trainable = {n: p for n, p in ours.model.named_parameters() if p.requires_grad}
     assert sorted(trainable) == sorted(n for n, p in ref_params.items() if p.requires_grad)
@@ -120,13 +140,53 @@ def test_qlora_sft_losses_match_trl(name, tmp_path):
         for n, p in trainable.items():
             assert p.dtype == ref_params[n].dtype == torch.bfloat16  # TRL's QLoRA adapter cast
             p.copy_(ref_params[n])
+    return ref, ours
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_qlora_sft_losses_match_trl(name, tmp_path):
+    ref, ours = trainers(name, tmp_path)
     ref_logs, our_logs = train_logs(ref), train_logs(ours)
     assert [h["step"] for h in our_logs] == [h["step"] for h in ref_logs] == [1, 2, 3]
     for a, b in zip(our_logs, ref_logs):
         for key in KEYS:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5,
+            atol = 1e-5
+            if key == "loss" and a["step"] > 1:
+                atol = LOSS_ATOL_AFTER_STEP_1.get(name, atol)
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol,
                                        msg=f"{name} step {a['step']} {key}")
     assert our_logs[-1]["loss"] != our_logs[0]["loss"]  # the adapters moved: the steps differ
     worst = {key: max(abs(a[key] - b[key]) for a, b in zip(our_logs, ref_logs)) for key in KEYS}
     print(f"\n[{name}] QLoRA SFT, 3 steps: max |diff| " +
           ", ".join(f"{key} {value:.2e}" for key, value in worst.items()))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_lora_gradients_match_peft(name, tmp_path):
+    """Every LoRA gradient of the first optimizer step's micro-batches, each trainer's own
+    compute_loss and backward, with the same random fp32 adapters (B non-zero, so every adapter
+    has a gradient): fp32, so a difference shows as itself, not as a flipped bf16 rounding."""
+    ref, ours = trainers(name, tmp_path)
+    ref_params = dict(ref.model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in ours.model.named_parameters():
+            if p.requires_grad:
+                p.data = torch.randn(p.shape, generator=g) * 0.05
+                ref_params[n].data = p.data.clone()
+    batches = zip(ref.get_train_dataloader(), ours.get_train_dataloader())
+    worst = 0.0
+    for _, (ref_batch, our_batch) in zip(range(ARGS["gradient_accumulation_steps"]), batches):
+        assert all(torch.equal(ref_batch[k], our_batch[k]) for k in ref_batch)
+        num_items = (ref_batch["labels"][:, 1:] != -100).sum()
+        grads = []
+        for trainer, batch in ((ref, ref_batch), (ours, our_batch)):
+            model = trainer.model.train()
+            model.zero_grad(set_to_none=True)
+            trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items).backward()
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        theirs, mine = grads
+        for n, grad in theirs.items():
+            torch.testing.assert_close(mine[n], grad, rtol=0, atol=GRAD_ATOL, msg=f"{name} {n}")
+            worst = max(worst, float((mine[n] - grad).abs().max()))
+    print(f"\n[{name}] LoRA gradients, fp32 adapters: max |diff| {worst:.2e}")
