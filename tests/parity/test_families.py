@@ -143,9 +143,10 @@ def test_greedy_generation_is_token_identical(name, tmp_path):
     assert ours.generate(padded, attention_mask=mask, max_new_tokens=20).tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "smollm3", "qwen2-window"])
-def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(name, tmp_path):
-    _, folder = hf_folder(name, tmp_path)
+def assert_quantize_while_loading_matches(folder, x):
+    """The folder quantized while loading equals load-then-quantize and transformers +
+    bitsandbytes bitwise (every key), and its logits on x equal transformers' within TOL.
+    Returns the streamed state dict."""
     streamed = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
     loaded = quantize_model(CausalLM.from_pretrained(folder), compute_dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -156,9 +157,15 @@ def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(n
         assert sorted(ours) == sorted(other)
         for key in other:
             torch.testing.assert_close(ours[key], other[key], rtol=0, atol=0, msg=key)
-    x = torch.randint(3, V, (2, 9))
     with torch.no_grad():  # train mode: nanosft's eval-mode CPU 4-bit path is off
         torch.testing.assert_close(streamed.train()(x).logits, ref.train()(x).logits, **TOL)
+    return ours
+
+
+@pytest.mark.parametrize("name", ["qwen3", "smollm3", "qwen2-window"])
+def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(name, tmp_path):
+    _, folder = hf_folder(name, tmp_path)
+    assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))
 
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm3"])

@@ -19,14 +19,14 @@ import peft
 import pytest
 import torch
 import transformers
-from test_families import (BASE, PAD, QLORA, TOL, V, assert_adapters_move_both_ways,
-                           left_padded_batch, packed_row, randomize_vectors)
+from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
+                           assert_quantize_while_loading_matches, left_padded_batch, packed_row,
+                           randomize_vectors)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.families import config_from_dict, from_config
 from nanosft.families.gemma3 import Gemma3Config
 from nanosft.model import CausalLM
-from nanosft.nf4 import BitsAndBytesConfig, quantize_model
 from nanosft.peft import LoraConfig, get_peft_model
 
 WINDOW = 5
@@ -116,19 +116,7 @@ def test_greedy_generation_is_token_identical(tmp_path):
 
 def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(tmp_path):
     _, folder = hf_folder(tmp_path)
-    streamed = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
-    loaded = quantize_model(CausalLM.from_pretrained(folder), compute_dtype=torch.float32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, device_map="cpu",
-        quantization_config=transformers.BitsAndBytesConfig(**QLORA))
-    ours = streamed.state_dict()
-    for other in (loaded.state_dict(), ref.state_dict()):
-        assert sorted(ours) == sorted(other)
-        for key in other:
-            torch.testing.assert_close(ours[key], other[key], rtol=0, atol=0, msg=key)
-    x = torch.randint(3, V, (2, 9))
-    with torch.no_grad():  # train mode: nanosft's eval-mode CPU 4-bit path is off
-        torch.testing.assert_close(streamed.train()(x).logits, ref.train()(x).logits, **TOL)
+    assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))
 
 
 def test_all_linear_targets_the_modules_peft_targets(tmp_path):

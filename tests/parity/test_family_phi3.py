@@ -19,13 +19,13 @@ import peft
 import pytest
 import torch
 import transformers
-from test_families import (BASE, PAD, QLORA, TOL, V, assert_adapters_move_both_ways,
-                           left_padded_batch, packed_row, randomize_vectors)
+from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
+                           assert_quantize_while_loading_matches, left_padded_batch, packed_row,
+                           randomize_vectors)
 
 from nanosft import generation
 from nanosft.families import config_from_dict, from_config
 from nanosft.model import CausalLM
-from nanosft.nf4 import BitsAndBytesConfig, quantize_model
 from nanosft.peft import LoraConfig, get_peft_model
 
 OLD_LEN = 12  # original_max_position_embeddings of the longrope model
@@ -143,20 +143,8 @@ def test_longrope_generation_re_encodes_the_cache_past_the_original_length(tmp_p
 
 def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(tmp_path):
     _, folder = hf_folder("longrope", tmp_path)
-    streamed = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
-    loaded = quantize_model(CausalLM.from_pretrained(folder), compute_dtype=torch.float32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, device_map="cpu",
-        quantization_config=transformers.BitsAndBytesConfig(**QLORA))
-    ours = streamed.state_dict()
+    ours = assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 16)))
     assert any("qkv_proj.weight.absmax" in k for k in ours)  # the fused linears are 4-bit too
-    for other in (loaded.state_dict(), ref.state_dict()):
-        assert sorted(ours) == sorted(other)
-        for key in other:
-            torch.testing.assert_close(ours[key], other[key], rtol=0, atol=0, msg=key)
-    x = torch.randint(3, V, (2, 16))
-    with torch.no_grad():  # train mode: nanosft's eval-mode CPU 4-bit path is off
-        torch.testing.assert_close(streamed.train()(x).logits, ref.train()(x).logits, **TOL)
 
 
 def test_all_linear_targets_the_modules_peft_targets(tmp_path):
