@@ -58,22 +58,33 @@ def randomize_vectors(model):
 def hf_folder(name, tmp_path):
     """A random transformers model of the family, saved to tmp_path / "hf"."""
     config_class, overrides = FAMILIES[name]
+    return save_random(config_class(**{**BASE, **overrides}), tmp_path)
+
+
+def save_random(config, tmp_path):
+    """(model, folder): a seeded random transformers model of `config`, vectors randomized,
+    saved to tmp_path / "hf"."""
     torch.manual_seed(0)
-    hf = randomize_vectors(transformers.AutoModelForCausalLM.from_config(
-        config_class(**{**BASE, **overrides}))).eval()
+    hf = randomize_vectors(transformers.AutoModelForCausalLM.from_config(config)).eval()
     hf.save_pretrained(tmp_path / "hf")
     return hf, tmp_path / "hf"
 
 
-def both_ways(name, tmp_path):
-    """[(transformers, nanosft)] with the weights made on each side and loaded on the other."""
-    hf, folder = hf_folder(name, tmp_path)
+def models_both_ways(hf, folder, tmp_path):
+    """[(transformers, nanosft)] with the weights made on each side and loaded on the other;
+    the config read back by transformers keeps its RoPE and layer types."""
     ours = CausalLM.from_pretrained(folder).eval()
     theirs = randomize_vectors(from_config(config_from_dict(hf.config.to_dict()))).eval()
     theirs.save_pretrained(tmp_path / "ours")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert type(back) is type(hf) and type(ours).__name__ == type(hf).__name__
+    assert back.config.rope_parameters == hf.config.rope_parameters
+    assert getattr(back.config, "layer_types", None) == getattr(hf.config, "layer_types", None)
     return [(hf, ours), (back, theirs)]
+
+
+def both_ways(name, tmp_path):
+    return models_both_ways(*hf_folder(name, tmp_path), tmp_path)
 
 
 def left_padded_batch():

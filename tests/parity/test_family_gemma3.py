@@ -20,11 +20,11 @@ import pytest
 import torch
 import transformers
 from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
-                           assert_quantize_while_loading_matches, left_padded_batch, packed_row,
-                           randomize_vectors)
+                           assert_quantize_while_loading_matches, left_padded_batch,
+                           models_both_ways, packed_row, save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.families import config_from_dict, from_config
+from nanosft.families import config_from_dict
 from nanosft.families.gemma3 import Gemma3Config
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model
@@ -43,24 +43,11 @@ VARIANTS = {"gemma3": GEMMA3, "gemma3-untied": {**GEMMA3, "tie_word_embeddings":
 
 def hf_folder(tmp_path, name="gemma3"):
     """A random transformers Gemma3ForCausalLM, saved to tmp_path / "hf"."""
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(**VARIANTS[name])
-    hf = randomize_vectors(transformers.AutoModelForCausalLM.from_config(config)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    return hf, tmp_path / "hf"
+    return save_random(transformers.Gemma3TextConfig(**VARIANTS[name]), tmp_path)
 
 
 def both_ways(tmp_path, name):
-    """[(transformers, nanosft)] with the weights made on each side and loaded on the other."""
-    hf, folder = hf_folder(tmp_path, name)
-    ours = CausalLM.from_pretrained(folder).eval()
-    theirs = randomize_vectors(from_config(config_from_dict(hf.config.to_dict()))).eval()
-    theirs.save_pretrained(tmp_path / "ours")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    assert type(back) is type(hf) and type(ours).__name__ == type(hf).__name__
-    assert back.config.rope_parameters == hf.config.rope_parameters
-    assert back.config.layer_types == hf.config.layer_types
-    return [(hf, ours), (back, theirs)]
+    return models_both_ways(*hf_folder(tmp_path, name), tmp_path)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma3-untied"])

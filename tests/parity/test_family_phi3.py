@@ -20,11 +20,10 @@ import pytest
 import torch
 import transformers
 from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
-                           assert_quantize_while_loading_matches, left_padded_batch, packed_row,
-                           randomize_vectors)
+                           assert_quantize_while_loading_matches, left_padded_batch,
+                           models_both_ways, packed_row, save_random)
 
 from nanosft import generation
-from nanosft.families import config_from_dict, from_config
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 
@@ -47,23 +46,11 @@ CONFIGS = {  # head_dim 16: "partial" turns 8 dims of each head, "longrope" 12 (
 
 def hf_folder(name, tmp_path):
     """A random transformers Phi-3 model, saved to tmp_path / "hf"."""
-    torch.manual_seed(0)
-    config = transformers.Phi3Config(**{**BASE, **CONFIGS[name]})
-    hf = randomize_vectors(transformers.AutoModelForCausalLM.from_config(config)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    return hf, tmp_path / "hf"
+    return save_random(transformers.Phi3Config(**{**BASE, **CONFIGS[name]}), tmp_path)
 
 
 def both_ways(name, tmp_path):
-    """[(transformers, nanosft)] with the weights made on each side and loaded on the other."""
-    hf, folder = hf_folder(name, tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
-    theirs = randomize_vectors(from_config(config_from_dict(hf.config.to_dict()))).eval()
-    theirs.save_pretrained(tmp_path / "ours")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    assert type(back) is type(hf) and type(ours).__name__ == "Phi3ForCausalLM"
-    assert back.config.rope_parameters == hf.config.rope_parameters
-    return [(hf, ours), (back, theirs)]
+    return models_both_ways(*hf_folder(name, tmp_path), tmp_path)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
