@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanosft.reference import fast_path
+
 logger = logging.getLogger(__name__)
 
 
@@ -220,7 +222,9 @@ class Linear4bit(nn.Module):
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias.data = bias.data.to(x.dtype)  # bnb casts the stored bias in place, so do we
-        out = _bnb().matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state)
+        # speed path (nanosft.fast.nf4; off in reference mode): the same kernel, no fresh buffer
+        matmul_4bit = fast_path("matmul_4bit") or _bnb().matmul_4bit
+        out = matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state)
         return out.to(inp_dtype)
 
     def _apply(self, fn, *args, **kwargs):

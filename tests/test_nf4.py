@@ -324,3 +324,92 @@ def test_importing_the_library_does_not_import_bitsandbytes():
             "assert 'bitsandbytes' in sys.modules  # control: a 4-bit layer does import it\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- the speed path
+
+
+def _fwd_bwd(matmul, layer, x, autocast):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = matmul(x, layer.weight, bias=layer.bias, quant_state=layer.quant_state)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
+    return y, x.grad
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float32, True)])
+def test_fast_matmul_4bit_equals_bitsandbytes_bit_for_bit(dtype, autocast):
+    """nanosft.fast.nf4.matmul_4bit runs bitsandbytes' own CPU kernel into a reused buffer: the
+    output and the input gradient equal bnb.matmul_4bit's exactly (fp32, bf16, under autocast)."""
+    import bitsandbytes
+
+    from nanosft.fast.nf4 import matmul_4bit
+
+    torch.manual_seed(0)
+    w = (torch.randn(192, 128) * 0.05).to(dtype)
+    layer = Linear4bit(128, 192, compute_dtype=dtype, weight=w)  # double quant (the default)
+    layer.bias = nn.Parameter(torch.randn(192).to(dtype), requires_grad=False)
+    x = torch.randn(3, 5, 128).to(dtype)
+    y_ref, g_ref = _fwd_bwd(bitsandbytes.matmul_4bit, layer, x, autocast)
+    y, g = _fwd_bwd(matmul_4bit, layer, x, autocast)
+    assert y.dtype == y_ref.dtype
+    torch.testing.assert_close(y, y_ref, **EXACT)
+    torch.testing.assert_close(g, g_ref, **EXACT)
+
+
+def test_fast_matmul_4bit_dequantizes_into_one_reused_buffer_and_decodes_absmax_once(
+        monkeypatch):
+    """No weight-sized allocation per call (the cause of the page faults): every dequantize of
+    layers of equal size lands in the same workspace; the double-quantized absmax is decoded once
+    per forward and kept for backward, where bitsandbytes decodes it twice. Negative control:
+    bnb's own call returns a new tensor each time, decoding the absmax each time."""
+    import bitsandbytes
+
+    from nanosft.fast import nf4 as fast_nf4
+
+    def absmax_decodes(run):  # calls of bitsandbytes' blockwise (8-bit absmax) dequantize op
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+        return sum(e.count for e in prof.key_averages()
+                   if e.key == "bitsandbytes::dequantize_blockwise")
+
+    torch.manual_seed(0)
+    layers = [Linear4bit(128, 256, bias=False, weight=torch.randn(256, 128)) for _ in range(2)]
+    layers.append(Linear4bit(256, 128, bias=False, weight=torch.randn(128, 256)))  # same numel
+    ptrs = set()
+    real_kernel = fast_nf4.dequantize_into_workspace
+
+    def spy(*args):
+        out = real_kernel(*args)
+        ptrs.add(out.data_ptr())
+        return out
+
+    monkeypatch.setattr(fast_nf4, "dequantize_into_workspace", spy)
+    x = torch.randn(4, 128, requires_grad=True)
+
+    def step():
+        layers[2](layers[1](torch.relu(layers[0](x)))).sum().backward()
+
+    assert absmax_decodes(step) == 3  # one absmax decode per layer and micro-batch
+    assert len(ptrs) == 1  # 3 forwards + 3 backwards, one buffer
+    qs = layers[0].quant_state
+    assert absmax_decodes(lambda: bitsandbytes.matmul_4bit(  # bnb: in forward and in backward
+        x, layers[0].weight, quant_state=qs).sum().backward()) == 2
+    a, b = (bnbF.dequantize_4bit(layers[0].weight, layers[0].quant_state) for _ in range(2))
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_linear4bit_fast_mode_equals_reference_mode():
+    """The seam in Linear4bit.forward: the speed path on and off give the same bits."""
+    from nanosft.reference import reference_mode
+
+    torch.manual_seed(0)
+    layer = Linear4bit.from_linear(nn.Linear(128, 64), compute_dtype=torch.float32)
+    x = torch.randn(2, 3, 128)
+    results = []
+    for reference in (True, False):
+        with reference_mode(reference):
+            results.append(_fwd_bwd(lambda x, w, **kw: layer(x), layer, x, autocast=False))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **EXACT)

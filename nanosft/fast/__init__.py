@@ -6,6 +6,8 @@ None in reference mode (NANOSFT_REFERENCE=1). Each is tested equal to reference 
 from nanosft.fast import unpad
 from nanosft.fast.lm_head import fused_lm_head_outputs
 from nanosft.fast.lora import bf16_adapter_linear, lora_addmm
+from nanosft.fast.nf4 import matmul_4bit
 from nanosft.fast.recompute import recomputed
 
-__all__ = ["bf16_adapter_linear", "fused_lm_head_outputs", "lora_addmm", "recomputed", "unpad"]
+__all__ = ["bf16_adapter_linear", "fused_lm_head_outputs", "lora_addmm", "matmul_4bit",
+           "recomputed", "unpad"]
