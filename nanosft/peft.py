@@ -24,6 +24,7 @@ from nanosft.adapter_files import (  # noqa: F401
 from nanosft.lora import (  # noqa: F401
     LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
 from nanosft.nf4 import is_quantized
+from nanosft.reference import fast_path
 
 # ----------------------------------------------------------------------------- LoRA injection
 
@@ -44,6 +45,8 @@ def inject_adapter(model, config, adapter_name="default"):
                            use_rslora=config.use_rslora, use_dora=config.use_dora,
                            init_lora_weights=config.init_lora_weights)
         _replace_module(model, name, layer)
+    # speed path (off in reference mode): q/k/v and gate/up LoRA A run as one GEMM each
+    (fast_path("link_shared_inputs") or (lambda model: None))(model)
 
 
 def mark_only_adapters_as_trainable(model, config, adapter_name="default"):

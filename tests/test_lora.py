@@ -342,15 +342,122 @@ def test_adapters_use_the_fp32_gemm_only_for_bf16_on_a_cpu_without_a_bf16_kernel
     import nanosft.fast.lora as lora
 
     calls = []
-    real_apply = lora.Bf16LinearInFp32.apply
+    real_apply, real_product = lora.Bf16LinearInFp32.apply, lora._bf16_product_in_fp32
     monkeypatch.setattr(lora.Bf16LinearInFp32, "apply",
                         lambda *args: calls.append(1) or real_apply(*args))
+    monkeypatch.setattr(lora, "_bf16_product_in_fp32",
+                        lambda *args: calls.append(1) or real_product(*args))
     layer = LoraLinear(make_base("4bit"), r=R)
     x = torch.randn(2, 3, IN)
-    cases = ((False, torch.bfloat16, 2), (True, torch.bfloat16, 0), (False, torch.float32, 0))
+    # lora_A through Bf16LinearInFp32 (1); lora_B's product, its input and weight gradients
+    # through fp32 GEMMs in nanosft.fast.lora.LowRankAdd (3)
+    cases = ((False, torch.bfloat16, 4), (True, torch.bfloat16, 0), (False, torch.float32, 0))
     for has_kernel, adapter_dtype, expected in cases:
         monkeypatch.setattr(lora, "_has_bf16_gemm", lambda: has_kernel)
         layer.lora_A.to(adapter_dtype), layer.lora_B.to(adapter_dtype)
         calls.clear()
         layer(x).sum().backward()
-        assert len(calls) == expected, (has_kernel, adapter_dtype)  # lora_A and lora_B
+        assert len(calls) == expected, (has_kernel, adapter_dtype)
+
+
+# ------------------------------------------------------------------------ the adapter speed path
+
+
+class SharedInput(nn.Module):
+    """q/k/v over one input (as model.Attention calls them), LoRA on a 4-bit or float base."""
+
+    def __init__(self, kind, adapter_dtype, scaling_alpha):
+        super().__init__()
+        torch.manual_seed(0)
+        for name, out in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+            base = nn.Linear(IN, out)
+            base = (Linear4bit.from_linear(base) if kind == "4bit" else base).requires_grad_(False)
+            layer = LoraLinear(base, r=R, lora_alpha=scaling_alpha)
+            randomize_B(layer)
+            layer.lora_A.to(adapter_dtype), layer.lora_B.to(adapter_dtype)
+            setattr(self, name, layer)
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def _run_shared(module, x, reference):
+    """Outputs, x's gradient and every adapter gradient, in reference mode or with speed paths."""
+    from nanosft.reference import reference_mode
+
+    module.zero_grad()
+    x = x.clone().requires_grad_()
+    with reference_mode(reference):
+        outs = module(x)
+    g = torch.Generator().manual_seed(1)
+    sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return outs, x.grad, grads
+
+
+def _count_a_gemms(module, x, monkeypatch):
+    import nanosft.fast.lora as fast_lora
+
+    shapes = []
+    real = fast_lora._linear
+    monkeypatch.setattr(fast_lora, "_linear", lambda a, w, d: shapes.append(tuple(w.shape))
+                        or real(a, w, d))
+    module(x)
+    return [s for s in shapes if s[1] == IN]  # A weights are (r, in)
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+def test_shared_input_lora_a_is_one_gemm_equal_to_reference_mode_fp32(kind, monkeypatch):
+    """q/k/v linked as one group: one (3r, in) A GEMM (not three (r, in) ones), and outputs, x's
+    gradient and every A and B gradient equal reference mode's separate products within 1e-6 of
+    each tensor's largest value (fp32: the same sums in another order). Scaling 1.5: not a power
+    of two. Negative control: unlinked layers run three A GEMMs."""
+    from nanosft.fast.lora import link_shared_inputs
+
+    module = SharedInput(kind, torch.float32, scaling_alpha=6)
+    x = torch.randn(2, 5, IN)
+    assert _count_a_gemms(module, x, monkeypatch) == [(R, IN)] * 3
+    link_shared_inputs(module)
+    assert _count_a_gemms(module, x, monkeypatch) == [(3 * R, IN)]
+    ref, fast = _run_shared(module, x, True), _run_shared(module, x, False)
+
+    def close(a, b, msg=None):  # 1e-6 of the tensor's scale (gradients here reach ~10)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * b.abs().max().item(), msg=msg)
+
+    for a, b in zip(fast[0], ref[0]):
+        close(a, b)
+    close(fast[1], ref[1])
+    assert fast[2].keys() == ref[2].keys() and len(ref[2]) == 6
+    for name, g in ref[2].items():
+        close(fast[2][name], g, msg=name)
+
+
+@pytest.mark.parametrize("kind,alpha", [("float", 8), ("4bit", 8), ("4bit", 6)])
+def test_shared_input_bf16_adapters_equal_reference_mode_to_bf16_rounding(kind, alpha,
+                                                                           monkeypatch):
+    """TRL's QLoRA recipe (fp32 base output, bf16 adapters, scaling 2; and 1.5, not folded): x cast
+    once, one A GEMM, the scaling folded into the add, no clone. Outputs bit-equal to reference
+    mode; A and B gradients within 1 bf16 ulp of each value (the bound the tests above hold
+    torch's own bf16 GEMMs to); x's gradient within two bf16 roundings (2^-7) of the adapters'
+    share of it, sum_i |g_i| |A_i|: the three A gradients are now summed inside one GEMM and
+    rounded once, not rounded each and summed in fp32."""
+    from nanosft.fast.lora import link_shared_inputs
+
+    module = SharedInput(kind, torch.bfloat16, scaling_alpha=alpha)
+    link_shared_inputs(module)
+    x = torch.randn(2, 5, IN)
+    assert _count_a_gemms(module, x, monkeypatch) == [(3 * R, IN)]
+    ref, fast = _run_shared(module, x, True), _run_shared(module, x, False)
+    for a, b in zip(fast[0], ref[0]):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, **EXACT)
+    for name, g in ref[2].items():
+        assert g.dtype == torch.bfloat16
+        assert ((fast[2][name].float() - g.float()).abs() <= _bf16_ulp(g.float())).all(), name
+    share = 0
+    gen = torch.Generator().manual_seed(1)
+    for layer, out in zip((module.q_proj, module.k_proj, module.v_proj), ref[0]):
+        g_out = torch.randn(out.shape, generator=gen)
+        g_ax = g_out.abs() @ layer.lora_B["default"].weight.float().abs() * layer.scaling["default"]
+        share = share + g_ax @ layer.lora_A["default"].weight.float().abs()
+    assert ((fast[1] - ref[1]).abs() <= 2**-7 * share + 1e-7).all()

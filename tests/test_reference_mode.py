@@ -30,18 +30,31 @@ from nanosft.tokenizer import Tokenizer
 
 PACKAGE = os.path.dirname(nanosft.__file__)
 # the mirrored statements that a default (fast) step does not execute, per run
+ADAPTER_LOOP = {  # nanosft.fast.lora.add_lora adds every plain-LoRA adapter in place of the loop
+    "for active_adapter in self.active_adapters:  #",
+    "lora_A = self.lora_A[active_adapter]",
+    "scaling = self.scaling[active_adapter]",
+    "requires_conversion = not torch.is_autocast_enabled()\n"
+    "            if requires_conversion:\n"
+    "                expected_dtype = result.dtype\n"
+    "                x = self._cast_input_dtype(x, lora_A.weight.dtype)\n            if not",
+    "output = lora_B(lora_A(dropout(x))) * scaling",
+    "result = result + output\n            else",
+    "return result.to(torch_result_dtype)",
+}
 FAST_PATH_REPLACES = {
     "lora": {
         "tr_loss = tr_loss + tr_loss_step",  # the nan/inf filter runs as one torch.where
         "outputs = model(**inputs)\n",  # SFTTrainer.compute_loss asks for the fused LM head
         'loss = outputs["loss"]',
-        "output = lora_B(lora_A(dropout(x))) * scaling",  # fp32 adapters: one addmm
-        "result = result + output\n            else",
+        *ADAPTER_LOOP,  # fp32 adapters: one addmm each, q/k/v and gate/up A as one GEMM
     },
-    "qlora": {  # bf16 adapters take the walkthrough's line
+    "qlora": {  # bf16 adapters: x cast once per shared input, no defensive clone
         "tr_loss = tr_loss + tr_loss_step",
         "outputs = model(**inputs)\n",
         'loss = outputs["loss"]',
+        "result = result.clone()",
+        *ADAPTER_LOOP,
     },
 }
 

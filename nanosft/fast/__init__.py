@@ -5,9 +5,9 @@ None in reference mode (NANOSFT_REFERENCE=1). Each is tested equal to reference 
 
 from nanosft.fast import unpad
 from nanosft.fast.lm_head import fused_lm_head_outputs
-from nanosft.fast.lora import bf16_adapter_linear, lora_addmm
+from nanosft.fast.lora import add_lora, bf16_adapter_linear, link_shared_inputs, lora_addmm
 from nanosft.fast.nf4 import matmul_4bit
 from nanosft.fast.recompute import recomputed
 
-__all__ = ["bf16_adapter_linear", "fused_lm_head_outputs", "lora_addmm", "matmul_4bit",
-           "recomputed", "unpad"]
+__all__ = ["add_lora", "bf16_adapter_linear", "fused_lm_head_outputs", "link_shared_inputs",
+           "lora_addmm", "matmul_4bit", "recomputed", "unpad"]
