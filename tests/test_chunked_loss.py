@@ -225,3 +225,32 @@ def test_a_head_with_a_bias_takes_the_checkpointed_tiles_and_gives_the_same_loss
     torch.testing.assert_close(ours, full, rtol=0, atol=1e-6)
     for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(full, params)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_bf16_autocast_casts_a_frozen_head_once_and_reuses_one_bf16_product_buffer():
+    """Under bf16 autocast a frozen head's (V, C) weight is cast once for all tiles (it was cast
+    twice a tile: the logits and E_p[w]), and every tile's (n, V) bf16 product and p's bf16 copy
+    land in one buffer: no vocabulary-sized allocation per tile. Loss and dh are unchanged (the
+    test above compares them with the full-logits path)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.weight_casts, self.fresh_products = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == (V, C):
+                self.weight_casts += 1
+            if func is torch.ops.aten.mm.default and args[1].shape[-1] == V:
+                self.fresh_products += 1  # mm without out=: a new (n, V) tensor
+            return func(*args, **kwargs)
+
+    hidden, head, labels = _inputs()
+    head.weight.requires_grad_(False)
+    with Casts() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_causal_lm_loss(hidden, head, labels, chunk_size=7)
+    loss.backward()
+    tiles = -(-int((labels[:, 1:] != -100).sum()) // 7)
+    assert tiles > 10 and mode.weight_casts == 1 and mode.fresh_products == 0

@@ -22,11 +22,12 @@ def _compute_dtype(h, weight):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
-def _tile_logits(h, weight, dtype, out=None):
-    """(n, C) @ (V, C)^T -> (n, V) fp32 logits, multiplied in `dtype` as lm_head(h) would be."""
+def _tile_logits(h, weight, dtype, out=None, low=None):
+    """(n, C) @ (V, C)^T -> (n, V) fp32 logits, multiplied in `dtype` as lm_head(h) would be;
+    `low`: an (n, V) buffer in `dtype` for the product (else a fresh one)."""
     if dtype == torch.float32:
         return torch.mm(h.float(), weight.float().t(), out=out)
-    logits = torch.mm(h.to(dtype), weight.to(dtype).t())
+    logits = torch.mm(h.to(dtype), weight.to(dtype).t(), out=low)
     return logits.float() if out is None else out.copy_(logits)
 
 
@@ -38,11 +39,14 @@ class TileLogProbs(torch.autograd.Function):
     d log p / dh = w[target] - E_p[w], (n, C); a trainable head recomputes its tile (as trl)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, workspace):
+    def forward(ctx, h, weight, targets, workspace, low=None):
+        # low: None, or an (n, V) buffer in the multiply's dtype when that is not fp32 (bf16
+        # autocast), reused by every tile for the product and for p's cast
         ctx.set_materialize_grads(False)
         n, dtype = h.shape[0], _compute_dtype(h, weight)
+        low = None if low is None else low[:n]
         with torch.autocast(h.device.type, enabled=False):
-            logits = _tile_logits(h, weight, dtype, out=workspace[0][:n])  # (n, V)
+            logits = _tile_logits(h, weight, dtype, out=workspace[0][:n], low=low)  # (n, V)
             target_logit = logits.gather(1, targets[:, None]).squeeze(1)
             is_top1 = logits.argmax(1) == targets  # argmax is the first maximum, as trl's test
             peak = logits.amax(1, keepdim=True)
@@ -56,7 +60,8 @@ class TileLogProbs(torch.autograd.Function):
                 ctx.save_for_backward(h, weight, targets, log_z)
                 ctx.workspace = workspace  # the tiles' backward runs one after another too
             elif needs_h:  # frozen head: the whole gradient is a per-token scale of this (n, C)
-                expected_w = torch.mm(p.to(dtype), weight.to(dtype)).float() / z[:, None]
+                p_low = p.to(dtype) if low is None or dtype == p.dtype else low.copy_(p)
+                expected_w = torch.mm(p_low, weight.to(dtype)).float() / z[:, None]
                 ctx.save_for_backward(weight[targets].float() - expected_w)
         ctx.dtype, ctx.h_dtype, ctx.needs_weight = dtype, h.dtype, needs_weight
         ctx.mark_non_differentiable(entropy, is_top1)
@@ -65,11 +70,11 @@ class TileLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs, *_):
         if grad_log_probs is None:
-            return None, None, None, None
+            return None, None, None, None, None
         if not ctx.needs_weight:
             (direction,) = ctx.saved_tensors
             grad_h = grad_log_probs[:, None] * direction  # d/dh of g * log p
-            return grad_h.to(ctx.h_dtype), None, None, None
+            return grad_h.to(ctx.h_dtype), None, None, None, None
         h, weight, targets, log_z = ctx.saved_tensors
         dtype, n = ctx.dtype, h.shape[0]
         with torch.autocast(h.device.type, enabled=False):
@@ -81,7 +86,7 @@ class TileLogProbs(torch.autograd.Function):
             grad_logits = grad_logits.to(dtype)
             grad_h = torch.mm(grad_logits, weight.to(dtype)).to(h.dtype)
             grad_weight = torch.mm(grad_logits.t(), h.to(dtype)).to(weight.dtype)
-        return grad_h, grad_weight, None, None
+        return grad_h, grad_weight, None, None, None
 
 
 def _tile_token_stats(lm_head, h, targets):
@@ -109,10 +114,17 @@ def fused_lm_head_outputs(hidden, lm_head, labels, chunk_size=LOSS_CHUNK_SIZE):
     pairs = list(zip(h.split(chunk_size), y.split(chunk_size)))
     if type(lm_head) is nn.Linear and lm_head.bias is None:
         # two (chunk, V) fp32 buffers shared by the tiles: fresh ones would fault in their pages
-        # on every tile (48 MiB each at V = 49,152)
+        # on every tile (48 MiB each at V = 49,152); under bf16 autocast a third in bf16, and a
+        # frozen head's weight cast once for all tiles (not twice a tile: 54 MiB a cast)
         rows = min(chunk_size, max(len(y), 1))
-        workspace = torch.empty(2, rows, lm_head.out_features, device=h.device)
-        tiles = [TileLogProbs.apply(hc, lm_head.weight, yc, workspace) for hc, yc in pairs]
+        weight, V = lm_head.weight, lm_head.out_features
+        workspace = torch.empty(2, rows, V, device=h.device)
+        dtype, low = _compute_dtype(h, weight), None
+        if dtype != torch.float32:
+            low = torch.empty(rows, V, device=h.device, dtype=dtype)
+            if not weight.requires_grad:
+                weight = weight.detach().to(dtype)
+        tiles = [TileLogProbs.apply(hc, weight, yc, workspace, low) for hc, yc in pairs]
     else:
         tiles = [checkpoint(_tile_token_stats, lm_head, hc, yc, use_reentrant=False)
                  for hc, yc in pairs]
