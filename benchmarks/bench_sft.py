@@ -9,8 +9,9 @@ train() and the largest per-step loss difference. A plain PyTorch loop gives the
 floor.
 Papers: LoRA 2106.09685, QLoRA 2305.14314, DoRA 2402.09353.
 Run: python benchmarks/bench_sft.py --sizes small,medium --steps 12 --reps 2   (--quick: ~1 minute)
-Real size (SmolLM2-135M's shapes, fp32 and bf16, LoRA / QLoRA / full):
-     python benchmarks/bench_sft.py --real --steps 3 --warmup 1 --reps 2
+Real size (SmolLM2-135M's shapes, fp32 and bf16, LoRA / QLoRA / full, best of 3, plus NF4
+dequantize per call against bitsandbytes direct):
+     python benchmarks/bench_sft.py --real --steps 3 --warmup 1
 """
 
 import argparse
@@ -983,7 +984,8 @@ def replace_section(path, section):
     return old[:start] + section.rstrip("\n") + old[end:]
 
 
-def render_real(results, calibration, fx, info, command, started, finished, notes=""):
+def render_real(results, calibration, fx, info, command, started, finished, notes="",
+                dequantize=()):
     """The real-size section of RESULTS.md: machine, set-up, calibration and the table."""
     name = f"real-size-{fx.opts.device}"
     c = fx.hf_config
@@ -1008,6 +1010,9 @@ def render_real(results, calibration, fx, info, command, started, finished, note
         "Matmul calibration at the model's own GEMM shapes (torch.mm, best of 3): "
         + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in calibration.items()) + ".", "",
         real_table(results, calibration), "",
+        *(["NF4 dequantize per call (the first MLP weight, double quant, blocksize 64; best of "
+           "200 interleaved calls; page faults from getrusage; the speed path's time includes "
+           "decoding the absmax, as a forward does):", *dequantize, ""] if dequantize else []),
         "GFLOP/s: model FLOPs, 6N per token for full fine-tuning and 4N for a frozen base (plus 6 "
         "per LoRA weight), plus causal attention, over the timed steps; % matmul: that rate over "
         "the calibration of the case's dtype. vs own fp32: nanosft bf16 over nanosft fp32 tok/s. "
@@ -1076,6 +1081,62 @@ def render_results(rows, bare, info_before, info_after, command, opts, started, 
     if notes:
         lines += ["", notes]
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- dequantize per call
+def _minor_faults():
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def dequantize_per_call(weight, dtype=torch.float32, calls=200):
+    """One NF4 weight (double quant, blocksize 64) dequantized, interleaved, best of `calls`:
+    bitsandbytes.functional.dequantize_4bit called directly (a new tensor each call) against
+    nanosft's speed path as a forward runs it (the absmax decoded, bitsandbytes' CPU kernel into
+    the reused workspace; nanosft.fast.nf4). Returns {path: (best ms, page faults per call)}, plus
+    "equal": both give the same bits. CPU only."""
+    import bitsandbytes.functional as bnbF
+
+    from nanosft.fast import nf4 as fast_nf4
+    from nanosft.nf4 import Linear4bit
+
+    out_f, in_f = weight.shape
+    layer = Linear4bit(in_f, out_f, bias=False, compute_dtype=dtype, weight=weight.to(dtype))
+    qs, packed = layer.quant_state, layer.weight.data.view(-1, 1)
+
+    def nanosft_call():
+        return fast_nf4.dequantize_into_workspace(packed, qs, fast_nf4.decoded_absmax(qs), dtype)
+
+    paths = {"bitsandbytes": lambda: bnbF.dequantize_4bit(layer.weight.data, qs),
+             "nanosft": nanosft_call}
+    equal = torch.equal(paths["bitsandbytes"](), paths["nanosft"]())
+    best, faults = dict.fromkeys(paths, float("inf")), dict.fromkeys(paths, 0)
+    for _ in range(calls):
+        for name, call in paths.items():
+            f0, t0 = _minor_faults(), time.perf_counter()
+            out = call()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            faults[name] += _minor_faults() - f0
+            del out
+    result = {name: (best[name] * 1e3, faults[name] / calls) for name in paths}
+    result["equal"] = equal
+    return result
+
+
+def dequantize_lines(fx, dtypes, calls=200):
+    """The RESULTS.md lines: per-call dequantize of the first MLP weight (intermediate x hidden),
+    nanosft against bitsandbytes direct, in each compute dtype of the run."""
+    weight = fx.state_dict["model.layers.0.mlp.gate_proj.weight"]
+    lines = []
+    for name in dtypes:
+        r = dequantize_per_call(weight, REAL_DTYPES[name], calls)
+        (b_ms, b_pf), (n_ms, n_pf) = r["bitsandbytes"], r["nanosft"]
+        lines.append(f"- {name}, {tuple(weight.shape)}: nanosft {n_ms:.3f} ms ({n_pf:.0f} page "
+                     f"faults a call), bitsandbytes.functional.dequantize_4bit direct {b_ms:.3f} "
+                     f"ms ({b_pf:.0f}); nanosft / bitsandbytes {n_ms / b_ms:.2f}; same bits: "
+                     f"{'yes' if r['equal'] else 'NO'}")
+    return lines
 
 
 # ----------------------------------------------------------------------------- the real-size case
@@ -1175,7 +1236,8 @@ def parse_args(argv=None):
         "--steps", type=int, default=10, help="timed optimizer steps per run (after warmup)"
     )
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=None,
+                   help="repetitions, best (real size) or median kept (default 2; --real: 3)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument(
@@ -1210,6 +1272,8 @@ def parse_args(argv=None):
                    help=f"the real-size case ({REAL_SIZE} shapes): "
                         "LoRA, QLoRA, full in fp32 and bf16")
     p.add_argument("--real-modes", default=",".join(REAL_MODES), help="modes of the real-size case")
+    p.add_argument("--real-layers", type=int, default=None,
+                   help="decoder layers of the real-size model (default 30; fewer: a smoke run)")
     p.add_argument("--real-dtypes", default=",".join(REAL_DTYPES),
                    help="fp32,bf16 (drop bf16 on a CPU without bf16 units: it is emulated there)")
     return p.parse_args(argv)
@@ -1218,6 +1282,7 @@ def parse_args(argv=None):
 def main(argv=None):
     """Run the interleaved benchmark (or one profile); write RESULTS.md after every repetition."""
     args = parse_args(argv)
+    args.reps = args.reps or (3 if args.real else 2)
     if args.quick:
         args.sizes, args.steps, args.warmup, args.reps = "small", 3, 1, 1
         args.extras = "gc,bf16,padfree" if args.extras == ",".join(EXTRAS) else args.extras
@@ -1258,18 +1323,25 @@ def main(argv=None):
             out = args.out or default_out
             modes = [m for m in args.real_modes.split(",") if m]
             only = set(args.stacks.split(",")) if args.stacks else None
+            dtypes = tuple(d for d in args.real_dtypes.split(",") if d)
+            if args.real_layers:
+                SIZES[REAL_SIZE] = {**SIZES[REAL_SIZE], "num_hidden_layers": args.real_layers}
+            dequantize = []
 
             def report_real(results, calibration, fx, final=False):
+                if final and args.device == "cpu" and "qlora" in modes:
+                    dequantize.extend(dequantize_lines(fx, dtypes))
                 text = render_real(results, calibration, fx, info_before, command, started,
                                    time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                                   "" if final else "PARTIAL: the run was still going.")
+                                   "" if final else "PARTIAL: the run was still going.",
+                                   dequantize)
                 write_results(out, replace_section(out, text))
 
-            dtypes = tuple(d for d in args.real_dtypes.split(",") if d)
             results, calibration, fx = run_real(opts, args.reps, workdir, modes, only,
                                                 report_real, dtypes=dtypes)
             report_real(results, calibration, fx, final=True)
             print(real_table(results, calibration, modes))
+            print("\n".join(dequantize))
             print(f"wrote {out}")
             return
         cases = build_cases(modes, extras)

@@ -153,3 +153,23 @@ def test_results_sections_survive_each_other(tmp_path):
     text = path.read_text()
     assert text.startswith("# main v2") and text.count("<!-- section: real-size-cpu -->") == 1
     assert "B" in text and "main v1" not in text
+
+
+def test_dequantize_per_call_compares_the_same_bits_with_bitsandbytes_direct():
+    """--real's dequantize row: nanosft's speed path and bitsandbytes.functional.dequantize_4bit
+    on one NF4 weight give the same bits, and each gets a time and a page-fault count; the
+    RESULTS.md line says so. A tiny weight and 3 calls: no timing is asserted."""
+    torch.manual_seed(0)
+    weight = torch.randn(128, 64) * 0.02
+    result = bench.dequantize_per_call(weight, calls=3)
+    assert result["equal"] is True
+    for path in ("bitsandbytes", "nanosft"):
+        ms, faults = result[path]
+        assert ms > 0 and faults >= 0
+
+    class Fx:
+        state_dict = {"model.layers.0.mlp.gate_proj.weight": weight}
+
+    lines = bench.dequantize_lines(Fx(), ["fp32", "bf16"], calls=3)
+    assert len(lines) == 2 and all("same bits: yes" in line for line in lines)
+    assert lines[0].startswith("- fp32, (128, 64): nanosft ")
