@@ -1,0 +1,170 @@
+"""Parity of P-tuning and prefix tuning (walkthrough 2.6's prompt-learning branches) with peft.
+
+Compared, on a tiny GQA Llama with the same weights and the same seed, nanosft against peft 0.21.2:
+parameter names and bit-identical initial encoder weights (MLP and LSTM P-tuning; prefix tuning
+with and without prefix_projection, init_weights="zero"); print_trainable_parameters; logits, loss
+and every encoder gradient of one training forward/backward (fp32, 1e-5), with the speed paths on
+and in reference mode; prefix tuning with explicit position_ids (peft shifts them by
+num_virtual_tokens); adapter files both ways (adapter_config.json key for key, the one
+`prompt_embeddings` tensor, and the logits of each side loading the other's folder). A negative
+control shows the logit comparison sees a missing prefix. Hermetic: transformers'
+LlamaForCausalLM is built in-process and its state_dict loaded into nanosft's CausalLM; temp
+folders only.
+Run: python -m pytest -q tests/parity/test_prompt_learning_parity.py
+"""
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from nanosft.peft import (PeftModelForCausalLM, PrefixTuningConfig, PromptEncoderConfig,
+                          get_peft_model)
+from nanosft.reference import reference_mode
+
+# 4 query heads over 2 KV heads: prefix tuning must size its keys by the KV heads
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32, the same ops in the same order
+N_VIRTUAL = 3
+CASES = {
+    "p_tuning_mlp": ("PromptEncoderConfig", {"encoder_reparameterization_type": "MLP"}),
+    "p_tuning_lstm": ("PromptEncoderConfig", {"encoder_reparameterization_type": "LSTM",
+                                              "encoder_hidden_size": 16}),
+    "prefix": ("PrefixTuningConfig", {}),
+    "prefix_projection": ("PrefixTuningConfig", {"prefix_projection": True,
+                                                 "encoder_hidden_size": 24}),
+    "prefix_zero": ("PrefixTuningConfig", {"init_weights": "zero"}),
+}
+OURS = {"PromptEncoderConfig": PromptEncoderConfig, "PrefixTuningConfig": PrefixTuningConfig}
+
+
+def _bases():
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    from nanosft.model import CausalLM, ModelConfig
+
+    ours = CausalLM(ModelConfig(**TINY))
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours
+
+
+def _pair(case):
+    kind, kwargs = CASES[case]
+    hf, ours = _bases()
+    torch.manual_seed(42)
+    ref = peft.get_peft_model(hf, getattr(peft, kind)(task_type="CAUSAL_LM",
+                                                      num_virtual_tokens=N_VIRTUAL, **kwargs))
+    torch.manual_seed(42)  # the same draws in the same order: bit-identical encoders
+    got = get_peft_model(ours, OURS[kind](num_virtual_tokens=N_VIRTUAL, **kwargs))
+    return ref, got
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 5:] = 0  # right padding on row 1
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[0, :2] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _real(logits, attention_mask):
+    """The real positions of the logits: prepended prompts come first (P-tuning), a prefix adds no
+    position (prefix tuning). Pad positions are zero on nanosft's unpadded training path."""
+    n = logits.shape[1] - attention_mask.shape[1]
+    return logits[:, n:][attention_mask.bool()]
+
+
+def _nudge(model, amount):
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(amount)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["speed_paths", "reference_mode"])
+@pytest.mark.parametrize("case", CASES)
+def test_names_init_logits_loss_grads_equal_peft(case, reference, capsys):
+    ref, got = _pair(case)
+    ref_params, got_params = dict(ref.named_parameters()), dict(got.named_parameters())
+    assert list(n for n in got_params if n.startswith("prompt_encoder")) == [
+        n for n in ref_params if n.startswith("prompt_encoder")]
+    assert sorted(got_params) == sorted(ref_params)
+    for name, p in ref_params.items():
+        assert torch.equal(got_params[name], p), name
+        assert got_params[name].requires_grad == p.requires_grad, name
+    ref.print_trainable_parameters()
+    got.print_trainable_parameters()
+    theirs, ours = capsys.readouterr().out.splitlines()
+    assert ours == theirs
+    if case == "prefix_zero":
+        _nudge(ref, 0.1), _nudge(got, 0.1)  # a zero prefix would hide a key/value mix-up
+    batch = _batch()
+    ref.train(), got.train()
+    out_ref = ref(**batch)
+    with reference_mode(reference):
+        out_got = got(**batch)
+    out_ref.loss.backward()
+    out_got.loss.backward()
+    extra = N_VIRTUAL if CASES[case][0] == "PromptEncoderConfig" else 0
+    assert out_got.logits.shape == (2, extra + 7, TINY["vocab_size"])
+    torch.testing.assert_close(_real(out_got.logits, batch["attention_mask"]),
+                               _real(out_ref.logits, batch["attention_mask"]), **TOL)
+    torch.testing.assert_close(out_got.loss, out_ref.loss, **TOL)
+    trained = [n for n, p in got_params.items() if p.requires_grad]
+    assert trained and all(n.startswith("prompt_encoder.default.") for n in trained)
+    for name in trained:
+        torch.testing.assert_close(got_params[name].grad, ref_params[name].grad, **TOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", ["prefix", "prefix_projection"])
+def test_prefix_position_ids_shift_by_num_virtual_tokens_as_peft(case):
+    ref, got = _pair(case)
+    batch = _batch()
+    batch["position_ids"] = torch.arange(7).expand(2, 7)  # peft adds num_virtual_tokens to them
+    ref.eval(), got.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got(**batch).logits, ref(**batch).logits, **TOL)
+        # the same logits as without position_ids: the cache's n positions come first either way
+        del batch["position_ids"]
+        torch.testing.assert_close(got(**batch).logits, ref(**batch).logits, **TOL)
+
+
+def test_negative_control_missing_prefix_is_detected():
+    ref, got = _pair("prefix")
+    batch = _batch()
+    with torch.no_grad():
+        without_prefix = got.get_base_model()(**batch).logits
+        assert not torch.allclose(without_prefix, ref.eval()(**batch).logits, **TOL)
+
+
+@pytest.mark.parametrize("case", ["p_tuning_lstm", "prefix", "prefix_projection"])
+def test_adapter_files_move_both_ways(case, tmp_path):
+    ref, got = _pair(case)
+    _nudge(ref, 0.05)  # the two adapters differ, so a mixed-up load is caught
+    got.save_pretrained(tmp_path / "ours")
+    ref.save_pretrained(tmp_path / "peft")
+    ours_cfg = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    peft_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert ours_cfg == peft_cfg
+    ours_w = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    peft_w = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert list(ours_w) == list(peft_w) == ["prompt_embeddings"]
+    assert ours_w["prompt_embeddings"].shape == peft_w["prompt_embeddings"].shape
+    batch = _batch()
+    hf, ours = _bases()
+    got.eval(), ref.eval()
+    with torch.no_grad():
+        peft_loads_ours = peft.PeftModel.from_pretrained(hf, tmp_path / "ours")
+        torch.testing.assert_close(_real(peft_loads_ours(**batch).logits, batch["attention_mask"]),
+                                   _real(got(**batch).logits, batch["attention_mask"]), **TOL)
+        ours_loads_peft = PeftModelForCausalLM.from_pretrained(ours, tmp_path / "peft")
+        assert not any(p.requires_grad for p in ours_loads_peft.parameters())
+        torch.testing.assert_close(_real(ours_loads_peft(**batch).logits, batch["attention_mask"]),
+                                   _real(ref(**batch).logits, batch["attention_mask"]), **TOL)
