@@ -460,7 +460,11 @@ def save_model(model, processing_class, output_dir, checkpoints_dir=None) -> Non
         tmp = os.path.join(output_dir, TEMP_PREFIX + "save_model")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _unwrap(model).save_pretrained(tmp, state_dict=state_dict)
+            if hasattr(_unwrap(model), "save_pretrained"):
+                _unwrap(model).save_pretrained(tmp, state_dict=state_dict)
+            else:  # "Trainer.model is not a PreTrainedModel, only saving its state dict"
+                os.makedirs(tmp)
+                save_model_weights(model, tmp, state_dict)
             if hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(tmp)
             _fsync_tree(tmp)
