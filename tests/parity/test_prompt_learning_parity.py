@@ -6,8 +6,10 @@ with and without prefix_projection, init_weights="zero"); print_trainable_parame
 and every encoder gradient of one training forward/backward (fp32, 1e-5), with the speed paths on
 and in reference mode; prefix tuning with explicit position_ids (peft shifts them by
 num_virtual_tokens); adapter files both ways (adapter_config.json key for key, the one
-`prompt_embeddings` tensor, and the logits of each side loading the other's folder). A negative
-control shows the logit comparison sees a missing prefix. Hermetic: transformers'
+`prompt_embeddings` tensor, and the logits of each side loading the other's folder); SFTTrainer
+with each against TRL's SFTTrainer + peft (every step's loss, grad_norm, entropy, token accuracy,
+num_tokens; test_trainer_parity's rows, tokenizer and arguments). A negative control shows the
+logit comparison sees a missing prefix. Hermetic: transformers'
 LlamaForCausalLM is built in-process and its state_dict loaded into nanosft's CausalLM; temp
 folders only.
 Run: python -m pytest -q tests/parity/test_prompt_learning_parity.py
@@ -15,15 +17,21 @@ Run: python -m pytest -q tests/parity/test_prompt_learning_parity.py
 
 import json
 
+import datasets
 import peft
 import pytest
 import torch
 import transformers
+import trl
 from safetensors.torch import load_file
+from test_trainer_parity import COMMON, make_models, make_rows, train_logs, wordlevel_tokenizers
+from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
+from nanosft.args import SFTConfig
 from nanosft.peft import (PeftModelForCausalLM, PrefixTuningConfig, PromptEncoderConfig,
                           get_peft_model)
 from nanosft.reference import reference_mode
+from nanosft.sft import SFTTrainer
 
 # 4 query heads over 2 KV heads: prefix tuning must size its keys by the KV heads
 TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -168,3 +176,29 @@ def test_adapter_files_move_both_ways(case, tmp_path):
         assert not any(p.requires_grad for p in ours_loads_peft.parameters())
         torch.testing.assert_close(_real(ours_loads_peft(**batch).logits, batch["attention_mask"]),
                                    _real(ref(**batch).logits, batch["attention_mask"]), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["PromptEncoderConfig", "PrefixTuningConfig"])
+def test_sft_trainer_with_p_tuning_and_prefix_tuning_matches_trl(tmp_path, kind):
+    rows = make_rows()
+    ref_model, our_model = make_models()
+    ref_tok, our_tok = wordlevel_tokenizers()
+    sft = {**COMMON, "gradient_checkpointing": False, "max_length": None, "num_train_epochs": 3}
+    kwargs = {"num_virtual_tokens": N_VIRTUAL, "encoder_hidden_size": 16,
+              **({"prefix_projection": True} if kind == "PrefixTuningConfig" else {})}
+    ref = trl.SFTTrainer(model=ref_model, args=trl.SFTConfig(str(tmp_path / "ref"), **sft),
+                         train_dataset=datasets.Dataset.from_list(rows), processing_class=ref_tok,
+                         peft_config=getattr(peft, kind)(task_type="CAUSAL_LM", **kwargs))
+    ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **sft), train_dataset=rows,
+                      processing_class=our_tok, peft_config=OURS[kind](**kwargs))
+    ref_params = dict(ref.model.named_parameters())
+    with torch.no_grad():  # the same encoder, whatever each library's init drew
+        for name, param in ours.model.named_parameters():
+            if param.requires_grad:
+                param.copy_(ref_params[name])
+    our_logs, ref_logs = train_logs(ours), train_logs(ref)
+    assert len(our_logs) == len(ref_logs) == 9
+    for a, b in zip(our_logs, ref_logs):
+        for key in ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy"):
+            torch.testing.assert_close(a[key], b[key], **TOL, msg=f"step {a['step']} {key}")
+        assert a["num_tokens"] == b["num_tokens"]
