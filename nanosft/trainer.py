@@ -11,6 +11,7 @@ entry point (nanosft.parallel.wrap_model) and the checkpoint files (nanosft.io.c
 import contextlib
 import math
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -183,6 +184,9 @@ class Trainer:
             num_items_in_batch = count_num_items_in_batch(batch_samples,
                                                           self._loss_shifts_labels).to(device)
         except (TypeError, AttributeError):  # labels that are not a tensor: nothing to count
+            warnings.warn("get_batch_samples: the batch's labels are not a tensor, so "
+                          "num_items_in_batch is not counted; each micro-batch's loss is the "
+                          "model's own (as transformers does).")
             return batch_samples, None
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             num_items_in_batch = distributed.all_reduce_sum(num_items_in_batch)

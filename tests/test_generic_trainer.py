@@ -65,3 +65,29 @@ def test_causal_lm_on_inputs_embeds_trains_and_throughput_steps_aside_once(tmp_p
     assert out.count("ThroughputCallback steps aside: its batches have no input_ids "
                      "(keys: inputs_embeds, labels)") == 1
     assert all("train_tokens_per_second" not in h for h in trainer.state.log_history)
+
+
+class ListLabels(nn.Module):
+    """Takes **kwargs (so the Trainer would count num_items_in_batch) but its labels are a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, labels=None, **kwargs):
+        assert "num_items_in_batch" not in kwargs  # nothing was counted, so nothing is passed
+        return (((x * self.w - torch.tensor(labels)) ** 2).mean(),)
+
+
+def test_labels_that_cannot_be_counted_train_with_a_warning(tmp_path):
+    rows = [{"x": float(i), "labels": 2.0 * i} for i in range(4)]
+
+    def collate(features):
+        return {"x": torch.tensor([f["x"] for f in features]),
+                "labels": [f["labels"] for f in features]}
+
+    trainer = Trainer(ListLabels(), TrainingArguments(str(tmp_path), **ARGS), train_dataset=rows,
+                      data_collator=collate)
+    with pytest.warns(UserWarning, match="labels are not a tensor, so num_items_in_batch"):
+        trainer.train()
+    assert trainer.state.global_step == 2
