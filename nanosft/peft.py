@@ -95,8 +95,8 @@ def prepare_prompt_learning_config(config, model):
     if config.peft_type == "PREFIX_TUNING":
         config.token_dim = base.head_dim * base.num_key_value_heads
         config.num_attention_heads = base.num_key_value_heads
-    if getattr(config, "encoder_hidden_size", 0) is None:
-        config.encoder_hidden_size = config.token_dim
+    if hasattr(config, "encoder_hidden_size") and config.encoder_hidden_size is None:
+        config.encoder_hidden_size = config.token_dim  # P-tuning's and prefix tuning's MLPs
     return config
 
 

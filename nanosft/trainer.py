@@ -37,9 +37,10 @@ from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # 
 
 
 class Trainer:
-    """Training loop for a causal LM (or its PEFT wrapper): train, evaluate, save, resume.
+    """Training loop for any nn.Module whose forward returns a loss (a causal LM, its PEFT wrapper,
+    a classifier, ...): train, evaluate, save, resume.
     Walkthrough 1, 2.2 - 2.5 | Mirrors: transformers Trainer (5.23), accelerate DDP/autocast/scaler
-    Differs: no hyperparameter search, DeepSpeed, DataParallel, apex; causal LMs only."""
+    Differs: no hyperparameter search, DeepSpeed, DataParallel, apex."""
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, model_init=None,
