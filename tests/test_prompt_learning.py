@@ -12,6 +12,7 @@ import enum
 
 import pytest
 import torch
+from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.peft import (PeftModelForCausalLM, PrefixTuningConfig, PromptEncoderConfig,
@@ -125,3 +126,36 @@ def test_refusals_trainable_load_and_prefix_with_checkpointing(tmp_path):
     base.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="PREFIX_TUNING does not work with gradient checkpointing"):
         get_peft_model(base, PrefixTuningConfig(num_virtual_tokens=2))
+
+
+@pytest.mark.parametrize("config", [
+    PromptEncoderConfig(num_virtual_tokens=2, encoder_reparameterization_type="LSTM",
+                        encoder_hidden_size=8),
+    PrefixTuningConfig(num_virtual_tokens=2, prefix_projection=True)], ids=["lstm", "prefix"])
+def test_resumed_run_restores_the_whole_encoder(tmp_path, config):
+    from nanosft.args import TrainingArguments
+    from nanosft.collator import DataCollatorForLanguageModeling
+    from nanosft.trainer import Trainer
+
+    g = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": torch.randint(1, 96, (6,), generator=g).tolist()} for _ in range(8)]
+    args = {"per_device_train_batch_size": 2, "num_train_epochs": 1, "learning_rate": 1e-2,
+            "save_steps": 2, "report_to": "none", "disable_tqdm": True, "use_cpu": True}
+
+    def trainer(folder):
+        model = get_peft_model(_model(), config)  # a fresh encoder: the checkpoint must set it
+        return Trainer(model, TrainingArguments(str(tmp_path / folder), **args),
+                       train_dataset=rows,
+                       data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+
+    whole = trainer("run")
+    whole.train()
+    resumed = trainer("run")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    for (name, p), q in zip(whole.model.prompt_encoder.named_parameters(),
+                            resumed.model.prompt_encoder.parameters()):
+        assert torch.equal(p, q), name
+    # a checkpoint without the encoder's weights (its adapter file holds only the output): refused
+    (tmp_path / "run" / "checkpoint-2" / "prompt_encoder.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no prompt_encoder.safetensors"):
+        trainer("run").train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
