@@ -581,7 +581,7 @@ class Trainer:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict:
         """Mean eval loss (each batch's loss weighted by its size), compute_metrics' metrics,
         perplexity, speed; logged. A dict of named sets: one evaluation each, eval_<name>_loss.
-        Mirrors: Trainer.evaluate | Differs: adds perplexity; SFTTrainer.log adds TRL's
+        Mirrors: Trainer.evaluate | Differs: adds perplexity (causal LMs); SFTTrainer.log adds TRL's
         eval_mean_token_accuracy. ignore_keys has nothing to drop (outputs: loss, logits)."""
         eval_dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(eval_dataset, dict):
@@ -602,8 +602,9 @@ class Trainer:
         else:
             metrics, examples, batches = self.evaluation_loop(dataloader, metric_key_prefix)
             eval_loss = metrics[f"{metric_key_prefix}_loss"]
-        metrics.update({f"{metric_key_prefix}_perplexity": math.exp(min(eval_loss, 700.0)),
-                        **speed_metrics(metric_key_prefix, start_time, examples, batches)})
+        if self._loss_shifts_labels:  # a language model's loss: per-token cross-entropy
+            metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(eval_loss, 700.0))
+        metrics.update(speed_metrics(metric_key_prefix, start_time, examples, batches))
         self.log(metrics)  # still in eval mode, so SFTTrainer.log adds its eval_ metrics
         model.train(was_training)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
