@@ -3,8 +3,10 @@
 Compared against what the methods mean, written out here: a prefix made of the cache of n real
 tokens gives the logits those tokens would have led to (positions, mask and key/value layout all
 right at once); P-tuning's prompts are the MLP of the embedding rows, prepended. Plus the configs'
-errors, round trips and refusals (trainable prompt-learning loads, prefix tuning + gradient
-checkpointing). The same checks against peft itself: tests/parity/test_prompt_learning_parity.py.
+errors, round trips and refusals (trainable prompt-learning loads, prefix tuning on a checkpointed
+base); a resumed P-tuning / projected-prefix run restores the whole encoder; prefix tuning trained
+with gradient checkpointing (switched on by the Trainer) logs what it logs without.
+The same checks against peft itself: tests/parity/test_prompt_learning_parity.py.
 Hermetic: a 2-layer model built in-process. Run: python -m pytest -q tests/test_prompt_learning.py
 """
 
@@ -159,3 +161,28 @@ def test_resumed_run_restores_the_whole_encoder(tmp_path, config):
     (tmp_path / "run" / "checkpoint-2" / "prompt_encoder.safetensors").unlink()
     with pytest.raises(ValueError, match="has no prompt_encoder.safetensors"):
         trainer("run").train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+
+
+def test_prefix_tuning_under_gradient_checkpointing_equals_without(tmp_path):
+    # enabled by the Trainer after wrapping: the prefix is a tuple of tensors, not a cache object
+    # that a recomputed layer would append to twice (TRL + peft fail here with a size mismatch)
+    from nanosft.args import TrainingArguments
+    from nanosft.collator import DataCollatorForLanguageModeling
+    from nanosft.trainer import Trainer
+
+    g = torch.Generator().manual_seed(4)
+    rows = [{"input_ids": torch.randint(1, 96, (6,), generator=g).tolist()} for _ in range(6)]
+    runs = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = get_peft_model(_model(), PrefixTuningConfig(num_virtual_tokens=2))
+        args = TrainingArguments(str(tmp_path / str(checkpointing)), per_device_train_batch_size=2,
+                                 num_train_epochs=1, logging_steps=1, report_to="none",
+                                 disable_tqdm=True, use_cpu=True, save_strategy="no",
+                                 gradient_checkpointing=checkpointing)
+        trainer = Trainer(model, args, train_dataset=rows,
+                          data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+        trainer.train()
+        assert model.get_base_model().is_gradient_checkpointing == checkpointing
+        runs.append([(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h])
+    assert len(runs[0]) == 3 and runs[0] == runs[1]
