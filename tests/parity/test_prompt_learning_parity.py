@@ -1,15 +1,15 @@
-"""Parity of P-tuning and prefix tuning (walkthrough 2.6's prompt-learning branches) with peft.
+"""Parity of walkthrough 2.6's prompt-learning branches (prompt tuning, P-tuning, prefix tuning).
 
 Compared, on a tiny GQA Llama with the same weights and the same seed, nanosft against peft 0.21.2:
-parameter names and bit-identical initial encoder weights (MLP and LSTM P-tuning; prefix tuning
-with and without prefix_projection, init_weights="zero"); print_trainable_parameters; logits, loss
-and every encoder gradient of one training forward/backward (fp32, 1e-5), with the speed paths on
-and in reference mode; prefix tuning with explicit position_ids (peft shifts them by
+parameter names and bit-identical initial encoder weights (prompt tuning; MLP and LSTM P-tuning;
+prefix tuning with and without prefix_projection, init_weights="zero"); print_trainable_parameters;
+logits, loss and every encoder gradient of one training forward/backward (fp32, 1e-5), with the
+speed paths on and in reference mode; prefix tuning with explicit position_ids (peft shifts them by
 num_virtual_tokens); adapter files both ways (adapter_config.json key for key, the one
 `prompt_embeddings` tensor, and the logits of each side loading the other's folder); SFTTrainer
-with each against TRL's SFTTrainer + peft (every step's loss, grad_norm, entropy, token accuracy,
-num_tokens; test_trainer_parity's rows, tokenizer and arguments). A negative control shows the
-logit comparison sees a missing prefix. Hermetic: transformers'
+with P-tuning and prefix tuning against TRL's SFTTrainer + peft (every step's loss, grad_norm,
+entropy, token accuracy, num_tokens; test_trainer_parity's rows, tokenizer and arguments). A
+negative control shows the logit comparison sees a missing prefix. Hermetic: transformers'
 LlamaForCausalLM is built in-process and its state_dict loaded into nanosft's CausalLM; temp
 folders only.
 Run: python -m pytest -q tests/parity/test_prompt_learning_parity.py
@@ -29,7 +29,7 @@ from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.args import SFTConfig
 from nanosft.peft import (PeftModelForCausalLM, PrefixTuningConfig, PromptEncoderConfig,
-                          get_peft_model)
+                          PromptTuningConfig, get_peft_model)
 from nanosft.reference import reference_mode
 from nanosft.sft import SFTTrainer
 
@@ -39,6 +39,7 @@ TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hid
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32, the same ops in the same order
 N_VIRTUAL = 3
 CASES = {
+    "prompt_tuning": ("PromptTuningConfig", {}),  # also tests/parity/test_peft_parity.py
     "p_tuning_mlp": ("PromptEncoderConfig", {"encoder_reparameterization_type": "MLP"}),
     "p_tuning_lstm": ("PromptEncoderConfig", {"encoder_reparameterization_type": "LSTM",
                                               "encoder_hidden_size": 16}),
@@ -47,7 +48,8 @@ CASES = {
                                                  "encoder_hidden_size": 24}),
     "prefix_zero": ("PrefixTuningConfig", {"init_weights": "zero"}),
 }
-OURS = {"PromptEncoderConfig": PromptEncoderConfig, "PrefixTuningConfig": PrefixTuningConfig}
+OURS = {"PromptTuningConfig": PromptTuningConfig, "PromptEncoderConfig": PromptEncoderConfig,
+        "PrefixTuningConfig": PrefixTuningConfig}
 
 
 def _bases():
@@ -119,7 +121,7 @@ def test_names_init_logits_loss_grads_equal_peft(case, reference, capsys):
         out_got = got(**batch)
     out_ref.loss.backward()
     out_got.loss.backward()
-    extra = N_VIRTUAL if CASES[case][0] == "PromptEncoderConfig" else 0
+    extra = 0 if CASES[case][0] == "PrefixTuningConfig" else N_VIRTUAL  # prompts are prepended
     assert out_got.logits.shape == (2, extra + 7, TINY["vocab_size"])
     torch.testing.assert_close(_real(out_got.logits, batch["attention_mask"]),
                                _real(out_ref.logits, batch["attention_mask"]), **TOL)
