@@ -8,10 +8,11 @@ speed paths on and in reference mode; prefix tuning with explicit position_ids (
 num_virtual_tokens); adapter files both ways (adapter_config.json key for key, the one
 `prompt_embeddings` tensor, and the logits of each side loading the other's folder); SFTTrainer
 with P-tuning and prefix tuning against TRL's SFTTrainer + peft (every step's loss, grad_norm,
-entropy, token accuracy, num_tokens; test_trainer_parity's rows, tokenizer and arguments). A
-negative control shows the logit comparison sees a missing prefix. Hermetic: transformers'
-LlamaForCausalLM is built in-process and its state_dict loaded into nanosft's CausalLM; temp
-folders only.
+entropy, token accuracy, num_tokens; test_trainer_parity's rows, tokenizer and arguments);
+P-tuning and prefix tuning logits on every model family of test_families (sliding windows,
+no-RoPE layers, q/k norms). A negative control shows the logit comparison sees a missing
+prefix. Hermetic: transformers' models are built in-process (their state_dicts loaded into
+nanosft's CausalLM, or saved to a temp folder and read back); nothing is downloaded.
 Run: python -m pytest -q tests/parity/test_prompt_learning_parity.py
 """
 
@@ -24,6 +25,7 @@ import torch
 import transformers
 import trl
 from safetensors.torch import load_file
+from test_families import FAMILIES, hf_folder
 from test_trainer_parity import COMMON, make_models, make_rows, train_logs, wordlevel_tokenizers
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
@@ -204,3 +206,27 @@ def test_sft_trainer_with_p_tuning_and_prefix_tuning_matches_trl(tmp_path, kind)
         for key in ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy"):
             torch.testing.assert_close(a[key], b[key], **TOL, msg=f"step {a['step']} {key}")
         assert a["num_tokens"] == b["num_tokens"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_p_tuning_and_prefix_tuning_logits_on_the_model_families(name, tmp_path):
+    from nanosft.model import CausalLM
+
+    hf, folder = hf_folder(name, tmp_path)
+    ours = CausalLM.from_pretrained(folder).eval()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(3, 128, (2, 12), generator=g)  # 3 + 12 tokens: past the windows of 5
+    mask = torch.ones_like(x)
+    mask[1, 9:] = 0
+    for kind in ("PromptEncoderConfig", "PrefixTuningConfig"):
+        torch.manual_seed(1)
+        ref = peft.get_peft_model(hf, getattr(peft, kind)(task_type="CAUSAL_LM",
+                                                          num_virtual_tokens=N_VIRTUAL))
+        torch.manual_seed(1)
+        got = get_peft_model(ours, OURS[kind](num_virtual_tokens=N_VIRTUAL))
+        with torch.no_grad():
+            theirs = ref(input_ids=x, attention_mask=mask)
+            mine = got(input_ids=x, attention_mask=mask)
+        torch.testing.assert_close(_real(mine.logits, mask), _real(theirs.logits, mask), **TOL,
+                                   msg=lambda m, kind=kind: f"{kind}: {m}")
+        hf, ours = ref.get_base_model(), got.get_base_model()  # prompt learning wraps, not injects
