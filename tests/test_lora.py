@@ -461,3 +461,26 @@ def test_shared_input_bf16_adapters_equal_reference_mode_to_bf16_rounding(kind, 
         g_ax = g_out.abs() @ layer.lora_B["default"].weight.float().abs() * layer.scaling["default"]
         share = share + g_ax @ layer.lora_A["default"].weight.float().abs()
     assert ((fast[1] - ref[1]).abs() <= 2**-7 * share + 1e-7).all()
+
+
+def test_a_shared_product_is_taken_only_for_the_very_same_unchanged_input():
+    """The parts q_proj's GEMM computed for k/v are used only if k/v get that same tensor, not
+    modified since: another tensor, or the same one changed in place, runs its own A GEMM and
+    gives reference mode's output. Negative control: a stale part would be the old input's."""
+    from nanosft.fast.lora import link_shared_inputs
+    from nanosft.reference import reference_mode
+
+    module = SharedInput("float", torch.float32, scaling_alpha=8)
+    link_shared_inputs(module)
+    x, other = torch.randn(2, 5, IN), torch.randn(2, 5, IN)
+    with torch.no_grad():
+        with reference_mode():
+            expected_other, expected_shifted = module.k_proj(other), module.v_proj(x + 1)
+            stale = module.v_proj(x)
+        module.q_proj(x)  # computes the k and v parts for x
+        got_other = module.k_proj(other)
+        x.add_(1)  # in place: x's version moves on
+        got_shifted = module.v_proj(x)
+    torch.testing.assert_close(got_other, expected_other, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_shifted, expected_shifted, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got_shifted, stale)

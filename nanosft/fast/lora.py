@@ -93,7 +93,8 @@ def lora_addmm(result, x, lora_A, lora_B, dropout, scaling):
 # take their columns. link_shared_inputs names the groups once, at injection.
 SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _groups = weakref.WeakKeyDictionary()  # layer -> tuple of weakrefs to its group, itself included
-_pending = threading.local()  # .entry: (x, x._version, dtype, {id(layer): (B, T, r) product})
+# .entry: (x, x._version, dtype, {id(layer): (weakref to it, its (..., r) product)})
+_pending = threading.local()
 
 
 def link_shared_inputs(model):
@@ -132,8 +133,10 @@ def _a_product(layer, name, x, dtype):
     ran it on this very x, else one GEMM for every member of the group (this layer's part kept)."""
     entry = getattr(_pending, "entry", None)
     if entry is not None and entry[0] is x and entry[1] == x._version and entry[2] == dtype:
-        product = entry[3].pop(id(layer), None)
-        if product is not None:
+        owner, product = entry[3].pop(id(layer), (None, None))
+        if not entry[3]:
+            _pending.entry = None  # the last member took its part: let x and the graph go
+        if owner is not None and owner() is layer:
             return product
     group = [ref() for ref in _groups.get(layer, ())]
     group = [m for m in group if m is not None and _single_adapter(m) == name
@@ -142,8 +145,8 @@ def _a_product(layer, name, x, dtype):
         return _linear(x, layer.lora_A[name].weight, dtype)
     weight = torch.cat([m.lora_A[name].weight.to(dtype) for m in group])  # (sum r, in)
     products = _linear(x, weight, dtype).split([m.r[name] for m in group], dim=-1)
-    mine = {id(m): p for m, p in zip(group, products)}
-    product = mine.pop(id(layer))
+    mine = {id(m): (weakref.ref(m), p) for m, p in zip(group, products)}
+    product = mine.pop(id(layer))[1]
     _pending.entry = (x, x._version, dtype, mine)
     return product
 
