@@ -484,3 +484,32 @@ def test_a_shared_product_is_taken_only_for_the_very_same_unchanged_input():
     torch.testing.assert_close(got_other, expected_other, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_shifted, expected_shifted, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(got_shifted, stale)
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_speed_path_under_bf16_autocast_equals_reference_mode_bit_for_bit(kind, adapter_dtype):
+    """bf16=True (CPU autocast) over a bf16 float base or a 4-bit base computing in fp32, with
+    fp32 or bf16 adapters, one layer: output, x's gradient and the adapter gradients equal
+    reference mode's exactly (the multiply's dtype is autocast's, asked before the speed path
+    switches autocast off; fp32 adapters there keep the walkthrough's lines)."""
+    from nanosft.reference import reference_mode
+
+    torch.manual_seed(0)
+    base = nn.Linear(IN, OUT)
+    base = Linear4bit.from_linear(base) if kind == "4bit" else base.to(torch.bfloat16)
+    layer = LoraLinear(base.requires_grad_(False), r=R, lora_alpha=2 * R)
+    randomize_B(layer)
+    layer.lora_A.to(adapter_dtype), layer.lora_B.to(adapter_dtype)
+    x0, g = torch.randn(2, 5, IN), torch.randn(2, 5, OUT)
+    results = []
+    for reference in (True, False):
+        layer.zero_grad()
+        x = x0.clone().requires_grad_()
+        with reference_mode(reference), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        (y.float() * g).sum().backward()
+        results.append([y, x.grad, layer.lora_A["default"].weight.grad,
+                        layer.lora_B["default"].weight.grad])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **EXACT)

@@ -219,20 +219,22 @@ def add_lora(layer, x, result):
     if (not names or any(layer.use_dora[n] for n in names) or torch.is_autocast_enabled()
             or result.dtype not in (torch.float32, torch.bfloat16)):
         return None
+    # asked before autocast is switched off below; fp32 adapters under bf16 autocast keep the
+    # walkthrough's lines (their x gradient was not reproduced bit for bit here)
+    dtype = _compute_dtype(x, layer.lora_A[names[0]].weight)
+    if (dtype not in (torch.float32, torch.bfloat16) or dtype != layer.lora_A[names[0]].weight.dtype
+            or (dtype == torch.float32 and result.dtype != torch.float32)):
+        return None
     for name in names:
         A, B = layer.lora_A[name], layer.lora_B[name]
-        dtype = _compute_dtype(x, A.weight)
         if (A.bias is not None or B.bias is not None or A.weight.dtype != B.weight.dtype
                 or A.weight.dtype != layer.lora_A[names[0]].weight.dtype
-                or A.weight.dtype not in (torch.float32, torch.bfloat16)
-                or dtype not in (torch.float32, torch.bfloat16)
-                or (dtype == torch.float32 and result.dtype != torch.float32)):
+                or A.weight.dtype not in (torch.float32, torch.bfloat16)):
             return None
     with torch.autocast(x.device.type, enabled=False):
         for name in names:
             dropout, scaling = layer.lora_dropout[name], layer.scaling[name]
             weight_A = layer.lora_A[name].weight
-            dtype = _compute_dtype(x, weight_A)
             if isinstance(dropout, nn.Identity) and len(names) == 1:
                 ax = _a_product(layer, name, x, dtype)
             else:
