@@ -492,7 +492,7 @@ def test_speed_path_under_bf16_autocast_equals_reference_mode_bit_for_bit(kind, 
     """bf16=True (CPU autocast) over a bf16 float base or a 4-bit base computing in fp32, with
     fp32 or bf16 adapters, one layer: output, x's gradient and the adapter gradients equal
     reference mode's exactly (the multiply's dtype is autocast's, asked before the speed path
-    switches autocast off; fp32 adapters there keep the walkthrough's lines)."""
+    switches autocast off). x is an activation (not a leaf), as every layer input in a model."""
     from nanosft.reference import reference_mode
 
     torch.manual_seed(0)
@@ -505,11 +505,11 @@ def test_speed_path_under_bf16_autocast_equals_reference_mode_bit_for_bit(kind, 
     results = []
     for reference in (True, False):
         layer.zero_grad()
-        x = x0.clone().requires_grad_()
+        leaf = x0.clone().requires_grad_()
         with reference_mode(reference), torch.autocast("cpu", dtype=torch.bfloat16):
-            y = layer(x)
+            y = layer(leaf * 1)
         (y.float() * g).sum().backward()
-        results.append([y, x.grad, layer.lora_A["default"].weight.grad,
+        results.append([y, leaf.grad, layer.lora_A["default"].weight.grad,
                         layer.lora_B["default"].weight.grad])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **EXACT)

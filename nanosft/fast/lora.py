@@ -219,11 +219,14 @@ def add_lora(layer, x, result):
     if (not names or any(layer.use_dora[n] for n in names) or torch.is_autocast_enabled()
             or result.dtype not in (torch.float32, torch.bfloat16)):
         return None
-    # asked before autocast is switched off below; fp32 adapters under bf16 autocast keep the
-    # walkthrough's lines (their x gradient was not reproduced bit for bit here)
+    # asked before autocast is switched off below. Autocast reuses one cast of an input that is
+    # a leaf requiring grad for the base and lora_A (its gradients then meet in bf16): such an x
+    # keeps the walkthrough's lines; a layer's input inside a model is never one
     dtype = _compute_dtype(x, layer.lora_A[names[0]].weight)
-    if (dtype not in (torch.float32, torch.bfloat16) or dtype != layer.lora_A[names[0]].weight.dtype
-            or (dtype == torch.float32 and result.dtype != torch.float32)):
+    if (dtype not in (torch.float32, torch.bfloat16)
+            or (dtype == torch.float32 and result.dtype != torch.float32)
+            or (dtype != x.dtype and x.is_leaf and x.requires_grad
+                and torch.is_autocast_enabled(x.device.type))):
         return None
     for name in names:
         A, B = layer.lora_A[name], layer.lora_B[name]
