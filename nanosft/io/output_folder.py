@@ -10,10 +10,12 @@ the wrong one. nanosft refuses, as transformers 4's example scripts did (`overwr
 
 import contextlib
 import datetime
+import errno
 import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import time
 import warnings
@@ -286,6 +288,32 @@ def _describe_holder(fd) -> str:
     return ", ".join(shown)
 
 
+def _open_lock_file(path, output_dir, command_line):
+    """Open (or create) the lock file itself, never what a symlink of that name points to: a
+    copied or shared folder may hold a link to a file this run must not truncate. Anything but a
+    plain file there is refused with what it is and the fix."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o666)  # mode: what the umask gives, as open()
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        raise IsADirectoryError(errno.EISDIR, "not a plain file")
+    except OSError as e:
+        flag = "--output_dir" if command_line else "output_dir"
+        if os.path.islink(path):
+            what = f"a symlink (to {os.readlink(path)}), which this run will not write through"
+        elif os.path.isdir(path):
+            what = "a folder, not a plain file"
+        elif os.path.exists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            what = "not a plain file"
+        else:
+            what = f"a file that cannot be opened for writing ({(e.strerror or str(e)).lower()})"
+        raise ValueError(f"{flag} {output_dir}: the run lock {path} is {what}, so this run stopped "
+                         f"before writing anything. Remove {path} (no run is using it unless one "
+                         f"is running now), or pick another {flag}.") from None
+
+
 def lock_output_dir(output_dir, command_line=False):
     """Take output_dir's run lock (an OS advisory lock, flock, on output_dir/.nanosft.lock holding
     this run's pid, host and start time); nested takes in one process share it. The OS drops it
@@ -301,7 +329,7 @@ def lock_output_dir(output_dir, command_line=False):
         return None
     path = os.path.join(key, LOCK_NAME)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # mode: what the umask gives, as open()
+        fd = _open_lock_file(path, output_dir, command_line)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -314,7 +342,7 @@ def lock_output_dir(output_dir, command_line=False):
                              f"ends, or pick another {flag}.") from None
         # the holder we waited on may have removed the file as it released it: lock the new one
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
                 break
         except FileNotFoundError:
             pass
