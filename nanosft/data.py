@@ -9,6 +9,7 @@ append EOS, tokenize (chat template for conversations), completion / assistant m
 """
 
 import bisect
+import itertools
 import json
 import logging
 import os
@@ -114,11 +115,27 @@ def read_dataset_file(path):
     return _read_jsonl(path)
 
 
+def head_of_stream(source, max_steps, max_examples, name="train_dataset"):
+    """An iterable without a length (a generator, a datasets.IterableDataset) -> a list of its first
+    `max_examples` rows, all that max_steps can train on, so an endless stream starts training;
+    any other source is returned as it is. Mirrors: the IterableDataset TRL streams with max_steps
+    Differs: those rows are read at the start, not as the steps go."""
+    if isinstance(source, (str, os.PathLike, Mapping, list)) or hasattr(source, "__len__") \
+            or not hasattr(source, "__iter__"):
+        return source
+    if max_steps is None or max_steps <= 0:
+        raise ValueError(f"{name} is an iterable without a length (an IterableDataset?), so the "
+                         "number of training steps is unknown; fix: set max_steps, e.g. "
+                         "SFTConfig(max_steps=500) or --max_steps 500")
+    return list(itertools.islice(source, max_examples))
+
+
 def to_example_list(source, name="the dataset", max_steps=None):
     """(examples, where-strings) from a path, a list, any sequence of dicts (a datasets.Dataset,
     not imported) or an iterable of dicts (an IterableDataset: then max_steps > 0 is required).
     Mirrors: the datasets TRL accepts as train_dataset / eval_dataset
-    Differs: an iterable is read into memory at the start; TRL streams it."""
+    Differs: an iterable is read whole here (SFTTrainer first cuts a train stream with
+    head_of_stream); TRL streams it."""
     if isinstance(source, (str, os.PathLike)):
         examples, wheres = read_dataset_file(source)
         name = os.fspath(source)

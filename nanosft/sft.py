@@ -17,7 +17,7 @@ import torch
 from nanosft import distributed, nf4
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.data import load_examples, prepare_dataset, to_example_list
+from nanosft.data import head_of_stream, load_examples, prepare_dataset, to_example_list
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
 from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
@@ -135,6 +135,16 @@ def _formatted(dataset, formatting_func, max_steps):
     return [{**row, "text": formatting_func(row)} for row in rows]
 
 
+def _rows_trained_on(args):
+    """The most raw examples max_steps steps can use: one per row of each batch on each rank, or,
+    when packing, up to max_length of them per packed row (each holds at least one token)."""
+    rows = (args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * args.world_size)
+    if args.packing:
+        return None if args.max_length is None else rows * args.max_length
+    return rows
+
+
 def dft_loss(logits, labels, num_items_in_batch=None):
     """DFT (arXiv 2508.05629): each supervised token's -log p weighted by p itself (detached),
     summed, over num_items_in_batch (None: the batch's supervised tokens). logits (B, T, V).
@@ -213,6 +223,7 @@ class SFTTrainer(Trainer):
                              "or bfd packing.")
         # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
         train_name = _dataset_name(train_dataset, "train_dataset")
+        train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
         train_dataset = load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
                                       args.dataset_text_field, args.max_steps,
                                       name="train_dataset")

@@ -11,12 +11,15 @@ CPU, one thread, files under tmp_path, no network.
 Run: python -m pytest -q tests/test_hostile_surfaces.py
 """
 
-import os
+import itertools
 
 import pytest
 from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
+from nanosft.args import SFTConfig
 from nanosft.io import output_folder
+from nanosft.sft import SFTTrainer
+from nanosft.tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------- the run lock
 
@@ -39,3 +42,37 @@ def test_a_lock_that_is_a_folder_is_refused_by_name(tmp_path):
     (out / output_folder.LOCK_NAME).mkdir(parents=True)
     with pytest.raises(ValueError, match="is a folder, not a plain file"):
         output_folder.lock_output_dir(str(out), command_line=True)
+
+
+# ----------------------------------------------------------------------------- an endless stream
+
+SUMS = [{"prompt": f"{a} plus {a} is", "completion": f" {2 * a}."} for a in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.train([r["prompt"] + r["completion"] for r in SUMS] * 3, vocab_size=300)
+
+
+def sft_config(tmp_path, **overrides):
+    kwargs = {"output_dir": str(tmp_path / "out"), "max_steps": 2, "use_cpu": True, "bf16": False,
+              "per_device_train_batch_size": 2, "gradient_checkpointing": False,
+              "report_to": "none", "disable_tqdm": True, "save_strategy": "no",
+              "learning_rate": 1e-2}
+    return SFTConfig(**{**kwargs, **overrides})
+
+
+def test_an_endless_generator_trains_max_steps_reading_only_what_they_use(tokenizer, tmp_path):
+    drawn = []
+
+    def endless():
+        for i in itertools.count():
+            drawn.append(i)
+            assert i < 1000, "read on past the rows max_steps trains on"  # (endless otherwise)
+            yield SUMS[i % len(SUMS)]
+
+    config = sft_config(tmp_path, gradient_accumulation_steps=2)
+    trainer = SFTTrainer(tiny_model(0, vocab_size=len(tokenizer)), args=config,
+                         train_dataset=endless(), processing_class=tokenizer)
+    assert trainer.train().global_step == 2
+    assert len(drawn) == 2 * 2 * 2  # max_steps x batch x accumulation: the rows trained on
