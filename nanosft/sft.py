@@ -121,6 +121,23 @@ def _read_chat_template_path(path, tokenizer) -> None:
         tokenizer.chat_template = f.read()
 
 
+def _check_argument_types(processing_class, peft_config, formatting_func) -> None:
+    """Refuse, naming the argument, what TRL would take to a later, unrelated failure: a path as
+    processing_class, a dict as peft_config, a formatting_func that is not callable."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        raise TypeError(f"SFTTrainer: processing_class={os.fspath(processing_class)!r} is a path; "
+                        "pass the tokenizer itself, processing_class=Tokenizer.from_pretrained("
+                        "path) (AutoTokenizer under transformers), or leave it None to load the "
+                        "one beside a model folder.")
+    if peft_config is not None and not hasattr(peft_config, "peft_type"):
+        raise TypeError(f"SFTTrainer: peft_config must be a peft config such as LoraConfig, got "
+                        f"{type(peft_config).__name__}; pass LoraConfig(**your_dict) (as TRL, "
+                        "which also refuses a plain dict).")
+    if formatting_func is not None and not callable(formatting_func):
+        raise TypeError(f"SFTTrainer: formatting_func must be a function row -> text, got "
+                        f"{type(formatting_func).__name__}.")
+
+
 def _formatted(dataset, formatting_func, max_steps):
     """Each row plus "text" = formatting_func(row), or the dataset untouched when there is no
     formatting_func or it is already tokenized. Mirrors: trl SFTTrainer._prepare_dataset"""
@@ -132,7 +149,13 @@ def _formatted(dataset, formatting_func, max_steps):
         warnings.warn(f"SFTTrainer: {name} is already tokenized (input_ids), so formatting_func "
                       "is not applied (as in TRL).", stacklevel=3)
         return rows
-    return [{**row, "text": formatting_func(row)} for row in rows]
+    formatted = [{**row, "text": formatting_func(row)} for row in rows]
+    for i, row in enumerate(formatted):
+        if not isinstance(row["text"], str):
+            raise TypeError(f"SFTTrainer: formatting_func returned {type(row['text']).__name__} "
+                            f"for {name}'s example {i}, not a string; make it return the "
+                            "example's text (e.g. a missing `return`).")
+    return formatted
 
 
 def _rows_trained_on(args):
@@ -187,6 +210,7 @@ class SFTTrainer(Trainer):
                  optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, formatting_func=None):
         args = _as_sft_config(args, model)
+        _check_argument_types(processing_class, peft_config, formatting_func)
         if data_collator is not None and not callable(data_collator):
             raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
                             f"must be callable, got {type(data_collator).__name__}; pass "

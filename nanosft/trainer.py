@@ -25,7 +25,8 @@ from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, Trai
                                       TrainerState)
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
                                    EvalPrediction, autocast_context, build_dataloader,
-                                   check_trainer_arguments, convert_outputs_to_fp32,
+                                   check_trainer_arguments, checked_metrics,
+                                   convert_outputs_to_fp32,
                                    count_num_items_in_batch, denumpify_detensorize,
                                    evaluation_loop, pad_and_concatenate,
                                    find_executable_batch_size, label_smoothed_loss,
@@ -50,7 +51,7 @@ class Trainer:
         callbacks; optimizers (optimizer, scheduler); optimizer_cls_and_kwargs (class, kwargs);
         preprocess_logits_for_metrics(logits, labels)."""
         check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs,
-                                compute_metrics, args)
+                                compute_metrics, args, callbacks)
         self.args = args if args is not None else TrainingArguments()
         self._memory_tracker = MemoryTracker(self.args.skip_memory_metrics)
         self._memory_tracker.start("init")  # "memory metrics - must set up as early as possible"
@@ -619,7 +620,7 @@ class Trainer:
         if not args.batch_eval_metrics:
             metrics = self.compute_metrics(self._eval_prediction(
                 {key: pad_and_concatenate(chunks) for key, chunks in kept.items()}))
-        metrics = denumpify_detensorize(metrics)
+        metrics = denumpify_detensorize(checked_metrics(metrics, metric_key_prefix))
         losses = pad_and_concatenate(kept["losses"])
         finite = np.isfinite(losses)
         if args.logging_nan_inf_filter and finite.any():

@@ -14,12 +14,15 @@ Run: python -m pytest -q tests/test_hostile_surfaces.py
 import itertools
 
 import pytest
+import torch
 from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
 from nanosft.args import SFTConfig
 from nanosft.io import output_folder
+from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
+from nanosft.trainer_callback import TrainerCallback
 
 # ----------------------------------------------------------------------------- the run lock
 
@@ -76,3 +79,55 @@ def test_an_endless_generator_trains_max_steps_reading_only_what_they_use(tokeni
                          train_dataset=endless(), processing_class=tokenizer)
     assert trainer.train().global_step == 2
     assert len(drawn) == 2 * 2 * 2  # max_steps x batch x accumulation: the rows trained on
+
+
+# ----------------------------------------------------------------------------- misused arguments
+
+def _sft(tokenizer, tmp_path, **kwargs):
+    model = kwargs.pop("model", None) or tiny_model(0, vocab_size=len(tokenizer))
+    kwargs.setdefault("processing_class", tokenizer)
+    return SFTTrainer(model, args=sft_config(tmp_path), train_dataset=SUMS, **kwargs)
+
+
+def test_an_optimizer_built_before_the_lora_wrap_is_refused(tokenizer, tmp_path):
+    model = tiny_model(0, vocab_size=len(tokenizer))
+    early = torch.optim.AdamW(model.parameters())  # then SFTTrainer wraps LoRA: new parameters
+    with pytest.raises(ValueError, match="holds none of the model's .* trainable parameters"):
+        _sft(tokenizer, tmp_path, model=model, optimizers=(early, None),
+             peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    other = torch.optim.AdamW(tiny_model(1).parameters())
+    with pytest.raises(ValueError, match="get_peft_model"):
+        _sft(tokenizer, tmp_path, optimizers=(other, None))
+
+
+def test_an_optimizer_over_the_wrapped_model_trains(tokenizer, tmp_path):
+    model = get_peft_model(tiny_model(0, vocab_size=len(tokenizer)),
+                           LoraConfig(r=4, target_modules=["q_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    trainer = _sft(tokenizer, tmp_path, model=model, optimizers=(optimizer, None))
+    trainer.train()
+    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"optimizers": (object(), None)}, TypeError, "optimizers[0] must be a torch.optim.Optimizer"),
+    ({"optimizers": None}, TypeError, "optimizers must be a pair"),
+    ({"callbacks": TrainerCallback()}, TypeError, "callbacks must be a list"),
+    ({"callbacks": ["ProgressCallback"]}, TypeError, "callbacks holds a str"),
+    ({"processing_class": "some/tokenizer"}, TypeError, "Tokenizer.from_pretrained(path)"),
+    ({"peft_config": {"r": 8}}, TypeError, "LoraConfig(**your_dict)"),
+    ({"formatting_func": "text"}, TypeError, "formatting_func must be a function"),
+    ({"formatting_func": lambda row: None}, TypeError, "formatting_func returned NoneType"),
+], ids=["optimizer_object", "optimizers_none", "callbacks_one", "callbacks_str",
+        "processing_class_str", "peft_config_dict", "formatting_func_str",
+        "formatting_func_none"])
+def test_a_misused_trl_argument_is_named(kwargs, error, words, tokenizer, tmp_path):
+    with pytest.raises(error) as caught:
+        _sft(tokenizer, tmp_path, **kwargs)
+    assert words in str(caught.value)
+
+
+def test_compute_metrics_returning_none_is_named(tokenizer, tmp_path):
+    trainer = _sft(tokenizer, tmp_path, eval_dataset=SUMS[:2], compute_metrics=lambda pred: None)
+    with pytest.raises(TypeError, match="compute_metrics returned NoneType, not a dict"):
+        trainer.evaluate()
