@@ -12,12 +12,14 @@ Run: python -m pytest -q tests/test_hostile_surfaces.py
 """
 
 import itertools
+import json
 
 import pytest
 import torch
 from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
 from nanosft.args import SFTConfig
+from nanosft.configuration import ModelConfig
 from nanosft.io import output_folder
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import SFTTrainer
@@ -131,3 +133,59 @@ def test_compute_metrics_returning_none_is_named(tokenizer, tmp_path):
     trainer = _sft(tokenizer, tmp_path, eval_dataset=SUMS[:2], compute_metrics=lambda pred: None)
     with pytest.raises(TypeError, match="compute_metrics returned NoneType, not a dict"):
         trainer.evaluate()
+
+
+# ----------------------------------------------------------------------------- family configs
+
+SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+TWO = ["sliding_attention", "full_attention"]
+CONFIG_CASES = {
+    # name: (config.json fields, words the error holds)
+    "gemma3_window_0": ({"model_type": "gemma3_text", "sliding_window": 0},
+                        ["sliding_window=0", "positive integer"]),
+    "mistral_window_negative": ({"model_type": "mistral", "sliding_window": -4},
+                                ["sliding_window=-4"]),
+    "qwen2_window_0": ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 0,
+                        "max_window_layers": 1}, ["sliding_window=0"]),
+    "llama_theta_0": ({"rope_theta": 0.0}, ["rope_theta=0.0", "positive number"]),
+    "qwen3_theta_negative": ({"model_type": "qwen3", "rope_parameters":
+                              {"rope_type": "default", "rope_theta": -1.0}}, ["rope_theta=-1.0"]),
+    "gemma3_local_theta_0": ({"model_type": "gemma3_text", "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+        ["rope_parameters['sliding_attention']", "rope_theta=0"]),
+    "gemma3_layer_types_short": ({"model_type": "gemma3_text", "layer_types": TWO[:1]},
+                                 ["layer_types has 1 entries", "num_hidden_layers=2"]),
+    "gemma3_layer_type_unknown": ({"model_type": "gemma3_text",
+                                   "layer_types": ["sliding_attention", "linear_attention"]},
+                                  ["linear_attention", "full_attention"]),
+    "qwen2_layer_types_short": ({"model_type": "qwen2", "layer_types": ["full_attention"]},
+                                ["layer_types has 1 entries"]),
+    "smollm3_no_rope_short": ({"model_type": "smollm3", "no_rope_layers": [1]},
+                              ["no_rope_layers has 1 entries"]),
+    "linear_rope_without_factor": ({"rope_scaling": {"rope_type": "linear"}},
+                                   ["rope_type='linear'", "'factor'"]),
+    "phi3_partial_rotary_2": ({"model_type": "phi3", "pad_token_id": 0, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2}},
+        ["partial_rotary_factor=2", "(0, 1]"]),
+    "rms_norm_eps_string": ({"rms_norm_eps": "1e-6"}, ["rms_norm_eps='1e-6'", "positive number"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_CASES))
+def test_a_family_config_value_no_model_can_use_is_named_at_load(name, tmp_path):
+    fields, words = CONFIG_CASES[name]
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL, **fields}))
+    with pytest.raises(ValueError) as caught:
+        ModelConfig.from_pretrained(str(tmp_path))
+    for word in [str(tmp_path / "config.json"), *words]:
+        assert word in str(caught.value), str(caught.value)
+
+
+def test_the_family_configs_checked_still_load_with_sound_values(tmp_path):
+    for fields in ({"model_type": "gemma3_text", "sliding_window": 4, "layer_types": TWO},
+                   {"model_type": "smollm3", "no_rope_layers": [1, 0]},
+                   {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}):
+        (tmp_path / "config.json").write_text(json.dumps({**SMALL, **fields}))
+        assert ModelConfig.from_pretrained(str(tmp_path)).num_hidden_layers == 2
