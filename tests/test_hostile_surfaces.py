@@ -13,6 +13,8 @@ Run: python -m pytest -q tests/test_hostile_surfaces.py
 
 import itertools
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -20,7 +22,9 @@ from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fi
 
 from nanosft.args import SFTConfig
 from nanosft.configuration import ModelConfig
+from nanosft.cli import demo, main
 from nanosft.io import output_folder
+from nanosft.io.checkpoint import save_model
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
@@ -51,6 +55,7 @@ def test_a_lock_that_is_a_folder_is_refused_by_name(tmp_path):
 
 # ----------------------------------------------------------------------------- an endless stream
 
+DEFAULT = demo.DEFAULT_DIR
 SUMS = [{"prompt": f"{a} plus {a} is", "completion": f" {2 * a}."} for a in range(8)]
 
 
@@ -189,3 +194,74 @@ def test_the_family_configs_checked_still_load_with_sound_values(tmp_path):
                    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}):
         (tmp_path / "config.json").write_text(json.dumps({**SMALL, **fields}))
         assert ModelConfig.from_pretrained(str(tmp_path)).num_hidden_layers == 2
+
+
+# ----------------------------------------------------------------------------- the final save
+
+class Terminated(Exception):
+    pass
+
+
+def _adapter_model(tokenizer, seed):
+    model = get_peft_model(tiny_model(0, vocab_size=len(tokenizer)),
+                           LoraConfig(r=4, target_modules=["q_proj"]))
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_()
+    return model
+
+
+def _signal_at_rename(monkeypatch, out, number, act):
+    """os.replace calls `act()` just before its `number`-th rename of a finished file into `out`
+    (another process's SIGTERM, or the machine going down)."""
+    original, calls = os.replace, []
+
+    def replace(src, dst, **kwargs):
+        if os.path.dirname(os.fspath(dst)) == str(out):
+            calls.append(src)
+            if len(calls) == number:
+                act()
+        return original(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_sigterm_between_the_final_renames_waits_until_all_files_are_in(
+        tokenizer, tmp_path, monkeypatch):
+    out, expected = tmp_path / "out", tmp_path / "expected"
+    save_model(_adapter_model(tokenizer, 1), tokenizer, str(out))  # the save before
+    new = _adapter_model(tokenizer, 2)
+    save_model(new, tokenizer, str(expected))
+
+    def raise_terminated(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        _signal_at_rename(monkeypatch, out, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        with pytest.raises(Terminated):  # delivered, once the files are in
+            save_model(new, tokenizer, str(out))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert {name: (out / name).read_bytes() for name in os.listdir(expected)} == \
+        {name: (expected / name).read_bytes() for name in os.listdir(expected)}
+    assert not (out / output_folder.FINAL_SAVE_MARKER).exists()
+
+
+def test_a_final_save_killed_between_renames_is_not_loaded(tokenizer, tmp_path, monkeypatch,
+                                                           capsys):
+    out = tmp_path / "out"
+    save_model(_adapter_model(tokenizer, 1), tokenizer, str(out))
+
+    def machine_down():
+        raise SystemExit("killed")  # nothing after this point of the save runs
+
+    _signal_at_rename(monkeypatch, out, 2, machine_down)
+    with pytest.raises(SystemExit):
+        save_model(_adapter_model(tokenizer, 2), tokenizer, str(out))
+    monkeypatch.undo()
+    code = main(["generate", "--model", DEFAULT, "--adapter", str(out), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "final save was interrupted" in err and "--resume_from_checkpoint" in err

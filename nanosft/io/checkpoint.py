@@ -15,6 +15,8 @@ import json
 import os
 import random
 import shutil
+import signal
+import threading
 import warnings
 
 import numpy as np
@@ -29,6 +31,7 @@ from nanosft.io.output_folder import (  # noqa: F401 (finding and rotating check
     ADAPTER_CONFIG_NAME,
     check_output_dir,
     ADAPTER_WEIGHTS_NAME,
+    FINAL_SAVE_MARKER,
     PREFIX_CHECKPOINT_DIR,
     TEMP_PREFIX,
     TRAINER_STATE_NAME,
@@ -446,6 +449,42 @@ def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
     return state, epochs_trained, steps_trained_in_current_epoch
 
 
+@contextlib.contextmanager
+def _signals_deferred(signums=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+    """Hold SIGTERM, Ctrl-C and SIGHUP until the block ends, then deliver the first one that came
+    (its own handler, or the default: the process ends). Main thread only: elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
+def _move_final_files(tmp, output_dir):
+    """Rename each file of `tmp` over its namesake in output_dir as one step: a signal waits until
+    all are in, and a marker file, present only between the first rename and the last, lets the
+    loaders refuse the mix a SIGKILL or power loss in between would leave."""
+    marker = os.path.join(output_dir, FINAL_SAVE_MARKER)
+    with _signals_deferred():
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write("".join(f"{name}\n" for name in sorted(os.listdir(tmp))))
+            os.fsync(f.fileno())
+        _fsync_dir(output_dir)
+        for name in sorted(os.listdir(tmp)):  # renames: they need no space
+            os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+        _fsync_dir(output_dir)
+        os.remove(marker)
+        _fsync_dir(output_dir)
+
+
 def save_model(model, processing_class, output_dir, checkpoints_dir=None) -> None:
     """The final model (a PEFT model: its adapter only) and the tokenizer in output_dir; every
     rank calls it (FSDP: the shards are gathered), rank 0 writes the one-process files: all of
@@ -464,9 +503,7 @@ def save_model(model, processing_class, output_dir, checkpoints_dir=None) -> Non
             if hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(tmp)
             _fsync_tree(tmp)
-            for name in sorted(os.listdir(tmp)):  # renames: they need no space
-                os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
-            _fsync_dir(output_dir)
+            _move_final_files(tmp, output_dir)
         except (OSError, RuntimeError, SafetensorError) as e:
             raise OSError(getattr(e, "errno", None) or errno.EIO,
                           _final_save_failed(output_dir, checkpoints_dir, e)) from e

@@ -31,6 +31,8 @@ WEIGHTS_NAME = "model.safetensors"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 METRICS_NAME = "metrics.jsonl"
+# in output_dir while the final save moves its files in; left there only by a kill in between
+FINAL_SAVE_MARKER = ".nanosft-final-save"
 SAVED_WEIGHTS = (WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)
 SAVED_SUBFOLDERS = ("adapter", "model")  # where `nanosft demo` saves its adapter or model
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -126,6 +128,19 @@ def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None)
     return deleted
 
 
+def interrupted_final_save(folder, flag="--adapter"):
+    """The error for a folder whose final save was killed while moving its files in (some new, some
+    from the save before: a mix no loader should take), else None."""
+    marker = os.path.join(folder, FINAL_SAVE_MARKER)
+    if not os.path.exists(marker):
+        return None
+    return (f"{flag} {folder}: its final save was interrupted while moving its files in "
+            f"({marker} is still there), so its weights, config and tokenizer files may come from "
+            "two different saves and were not loaded. Run the same training again resuming from "
+            "its last checkpoint (--resume_from_checkpoint) to write the final save whole, or "
+            "load one of its checkpoint-<step> folders.")
+
+
 # ----------------------------------------------------------------------------- another run's folder
 def find_previous_run(output_dir) -> list[str]:
     """Entries of `output_dir` that show another run: checkpoint folders (complete or partial)
@@ -134,7 +149,8 @@ def find_previous_run(output_dir) -> list[str]:
         return []
     found = [os.path.basename(c) for c in sorted_checkpoints(output_dir)]
     found += partial_checkpoints(output_dir)
-    found += [name for name in SAVED_WEIGHTS if os.path.isfile(os.path.join(output_dir, name))]
+    found += [name for name in (*SAVED_WEIGHTS, FINAL_SAVE_MARKER)
+              if os.path.isfile(os.path.join(output_dir, name))]
     for sub in SAVED_SUBFOLDERS:
         inside = [n for n in SAVED_WEIGHTS if os.path.isfile(os.path.join(output_dir, sub, n))]
         found += [f"{sub}/{n}" for n in inside]
