@@ -93,7 +93,8 @@ def test_an_endless_generator_trains_max_steps_reading_only_what_they_use(tokeni
 def _sft(tokenizer, tmp_path, **kwargs):
     model = kwargs.pop("model", None) or tiny_model(0, vocab_size=len(tokenizer))
     kwargs.setdefault("processing_class", tokenizer)
-    return SFTTrainer(model, args=sft_config(tmp_path), train_dataset=SUMS, **kwargs)
+    kwargs.setdefault("args", sft_config(tmp_path))
+    return SFTTrainer(model, train_dataset=SUMS, **kwargs)
 
 
 def test_an_optimizer_built_before_the_lora_wrap_is_refused(tokenizer, tmp_path):
@@ -265,3 +266,18 @@ def test_a_final_save_killed_between_renames_is_not_loaded(tokenizer, tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "final save was interrupted" in err and "--resume_from_checkpoint" in err
+
+
+# ----------------------------------------------------------------------------- a killed run's log
+
+def test_a_killed_runs_metrics_are_set_aside_not_appended_to(tokenizer, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    old_log = "".join(json.dumps({"loss": 9.0, "step": s}) + "\n" for s in (1, 2))
+    (out / "metrics.jsonl").write_text(old_log)  # a run killed before its first checkpoint
+    with pytest.warns(UserWarning, match="moved to .*metrics.1.jsonl"):
+        _sft(tokenizer, tmp_path, args=sft_config(tmp_path, logging_steps=1)).train()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps == [1, 2]  # this run's, once each (before: 1, 2, 1, 2)
+    assert (out / "metrics.1.jsonl").read_text() == old_log

@@ -191,9 +191,28 @@ def clear_previous_run(output_dir) -> list[str]:
     return removed
 
 
+def set_aside_old_metrics(output_dir):
+    """A fresh run's log starts empty: a metrics.jsonl left by a run that saved nothing (killed
+    before its first checkpoint) is renamed metrics.<n>.jsonl (the first free n), never appended
+    to. Returns the new name, or None when there was none."""
+    path = os.path.join(output_dir, METRICS_NAME)
+    if not os.path.isfile(path):
+        return None
+    stem, ext = os.path.splitext(METRICS_NAME)
+    n = 1
+    while os.path.exists(os.path.join(output_dir, f"{stem}.{n}{ext}")):
+        n += 1
+    kept = os.path.join(output_dir, f"{stem}.{n}{ext}")
+    os.replace(path, kept)
+    warnings.warn(f"{path} was left by an earlier run that saved no checkpoint; it was moved to "
+                  f"{kept} so this run's log holds this run's steps only", stacklevel=3)
+    return kept
+
+
 def check_output_dir(args, resuming: bool) -> None:
     """Before a run writes anything: a fresh run refuses an output_dir holding another run, unless
-    overwrite_output_dir, which first removes that run's checkpoints. Rank 0 decides; every rank
+    overwrite_output_dir, which first removes that run's checkpoints; a log left by a run that saved
+    nothing is set aside. Rank 0 decides; every rank
     gets its answer. Mirrors: transformers 4 overwrite_output_dir
     Differs: transformers 5.23 removed overwrite_output_dir and writes into any folder."""
     if resuming:
@@ -207,6 +226,8 @@ def check_output_dir(args, resuming: bool) -> None:
             clear_previous_run(args.output_dir)
         else:
             refusal = output_dir_refusal(args.output_dir)
+            if refusal is None:
+                set_aside_old_metrics(args.output_dir)
     refused = torch.tensor(float(refusal is not None), device=args.device)
     if distributed.all_reduce_sum(refused).item() > 0:
         raise ValueError(refusal or f"output_dir {args.output_dir} holds another run (rank 0 "
