@@ -429,6 +429,36 @@ def _check_tokens_to_train(rows, name):
                        "completion); they add nothing to the loss", name, empty, len(rows))
 
 
+def _answer_start(row, example, fmt, tokenizer):
+    """Index of a tokenized row's first completion / assistant token (None: plain text)."""
+    for mask in ("completion_mask", "assistant_masks"):
+        if mask in row:
+            return row[mask].index(1) if 1 in row[mask] else len(row[mask])
+    if fmt != "conversational":
+        return None
+    roles = [m["role"] for m in example["messages"]]
+    if "assistant" not in roles:
+        return len(row["input_ids"])
+    # the chat up to the first assistant turn, with its header: where the first answer starts
+    return len(tokenizer.apply_chat_template(example["messages"][:roles.index("assistant")],
+                                             add_generation_prompt=True))
+
+
+def _warn_answers_cut(rows, examples, fmt, tokenizer, max_length, masked, name):
+    """Count rows whose every completion / assistant token lies past max_length but which still
+    train (their loss is not limited to the answer, so the cut leaves the prompt as the target)."""
+    if masked or max_length is None or fmt in ("tokenized", "language_modeling"):
+        return  # masked rows lose every label and _drop_fully_masked drops them, saying so
+    cut = sum(len(row["input_ids"]) > max_length
+              and _answer_start(row, example, fmt, tokenizer) >= max_length
+              for row, example in zip(rows, examples))
+    if cut:
+        logger.warning("%s: %d of %d examples lose every completion or assistant token to "
+                       "max_length=%d (the answer comes last), so they train on their prompt "
+                       "alone; raise max_length, or set completion_only_loss / "
+                       "assistant_only_loss to drop them", name, cut, len(rows), max_length)
+
+
 def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, packing_strategy="bfd",
                     completion_only_loss=None, assistant_only_loss=False, dataset_text_field="text",
                     eos_token=None, name=None):
@@ -455,6 +485,10 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
                                  "reply")
     if completion_only_loss is None:
         completion_only_loss = fmt.endswith("prompt_completion")
+    if not packing or packing_strategy == "bfd":  # those cut a row at max_length
+        _warn_answers_cut(rows, examples, fmt, tokenizer, max_length,
+                          assistant_only_loss or completion_only_loss and fmt != "conversational",
+                          name)
     if "labels" not in rows[0]:
         names = (["completion_mask"] if completion_only_loss else []) + ["assistant_masks"]
         for row in rows:

@@ -228,6 +228,24 @@ def test_chat_rows_cut_by_max_length_are_dropped_with_a_count(tmp_path, capsys, 
     assert f"{data}: dropped 1 of 2 examples with no trainable token" in caplog.text
 
 
+@pytest.mark.parametrize("long, short", [
+    ({"messages": [{"role": "user", "content": "word " * 200},
+                   {"role": "assistant", "content": "yes"}]},
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}),
+    ({"prompt": "word " * 200, "completion": " yes"}, {"prompt": "hi", "completion": " yes"}),
+], ids=["chat", "prompt_completion"])
+def test_rows_whose_answer_max_length_cuts_off_are_counted(long, short, caplog):
+    from nanosft.data import prepare_dataset
+    from nanosft.tokenizer import Tokenizer
+
+    with caplog.at_level(logging.WARNING):  # the loss on every token: the cut rows still train
+        rows = prepare_dataset([long, short], Tokenizer.from_pretrained(DEFAULT), max_length=32,
+                               completion_only_loss=False, name="d.jsonl")
+    assert len(rows) == 2
+    assert ("d.jsonl: 1 of 2 examples lose every completion or assistant token to max_length=32"
+            in caplog.text), caplog.text
+
+
 # ----------------------------------------------------------------------------- flags
 
 def _train(tmp_path, *extra):
