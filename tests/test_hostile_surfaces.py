@@ -20,7 +20,8 @@ import pytest
 import torch
 from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
-from nanosft.args import SFTConfig
+from nanosft.args import SFTConfig, TrainingArguments
+from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.configuration import ModelConfig
 from nanosft.cli import demo, main
 from nanosft.io import output_folder
@@ -28,6 +29,7 @@ from nanosft.io.checkpoint import save_model
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
+from nanosft.trainer import Trainer
 from nanosft.trainer_callback import TrainerCallback
 
 # ----------------------------------------------------------------------------- the run lock
@@ -281,3 +283,25 @@ def test_a_killed_runs_metrics_are_set_aside_not_appended_to(tokenizer, tmp_path
              if '"loss"' in line]
     assert steps == [1, 2]  # this run's, once each (before: 1, 2, 1, 2)
     assert (out / "metrics.1.jsonl").read_text() == old_log
+
+
+# ----------------------------------------------------------------------------- resume
+
+def _trainer(out, **overrides):
+    kwargs = {"output_dir": str(out), "per_device_train_batch_size": 2, "max_steps": 1,
+              "save_steps": 1, "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True,
+              "report_to": "none"}
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(1, 64, (4, 6), generator=g).tolist()]
+    return Trainer(tiny_model(), TrainingArguments(**{**kwargs, **overrides}),
+                   train_dataset=rows, data_collator=DataCollatorForLanguageModeling(0))
+
+
+def test_resuming_with_another_optimizer_names_both(tmp_path):
+    _trainer(tmp_path / "out").train()
+    resumed = _trainer(tmp_path / "out", max_steps=2, optim="sgd")
+    with pytest.raises(ValueError, match="optimizer.pt was saved by another optimizer") as caught:
+        resumed.train(resume_from_checkpoint=True)
+    assert "optim='adamw_torch'" in str(caught.value)
+    assert "--optim adamw_torch" in str(caught.value)

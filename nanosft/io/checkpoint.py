@@ -392,6 +392,29 @@ def _read_trainer_state(path):
     return state
 
 
+def _check_same_optimizer(checkpoint_dir, path, state, optimizer) -> None:
+    """Refuse optimizer.pt of another kind of optimizer (its param groups name other
+    hyperparameters): torch would load it, and the first step would fail on a missing key
+    ('momentum') or run on the wrong ones."""
+    saved = [group for group in state.get("param_groups", ()) if isinstance(group, dict)]
+    if not saved:
+        return
+    saved_keys = set(saved[0]) - {"params"}
+    keys = set(optimizer.param_groups[0]) - {"params"}
+    if not (saved_keys - keys and keys - saved_keys):  # one side's extra keys: a torch version
+        return
+    try:
+        was = _read_json(os.path.join(checkpoint_dir, TRAINING_ARGS_NAME)).get("optim")
+    except (OSError, ValueError, AttributeError):
+        was = None
+    said = f"optim={was!r}, " if was else ""
+    raise ValueError(f"{path} was saved by another optimizer ({said}hyperparameters "
+                     f"{sorted(saved_keys - keys)[:4]} that this run's {type(optimizer).__name__} "
+                     "has not), so it cannot be resumed with it. Resume with the optimizer the "
+                     f"checkpoint was trained with ({'--optim ' + was if was else '--optim'}, "
+                     "optim= in Python), or start a fresh run.")
+
+
 def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0,
                     world_size=1) -> dict:
     """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the state.
@@ -412,6 +435,8 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
         if obj is None or not os.path.isfile(path):
             continue
         state = _load_or_explain(path, read_pt)
+        if obj is optimizer:
+            _check_same_optimizer(checkpoint_dir, path, state, optimizer)
         if obj is optimizer and sharded:  # one-process layout -> this rank's shards
             state = fsdp.shard_optimizer_state_dict(state, optimizer)
         try:
