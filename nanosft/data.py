@@ -32,6 +32,24 @@ FORMATS = ("language_modeling", "prompt_completion", "conversational",
 COLUMNAR = {".parquet": "parquet", ".csv": "csv"}  # read through `datasets` (a `data` extra)
 
 
+def _too_deep(where):
+    return ValueError(f"{where}: JSON nested deeper than the reader can follow (Python's recursion "
+                      "limit); fix: flatten the row (an example is a few fields of text or "
+                      "messages)")
+
+
+def _check_text(value, where):
+    """Refuse a lone UTF-16 surrogate ("\\ud800" in JSON decodes to one): it is not text, and the
+    tokenizer would fail far from the line that holds it."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = error.object[error.start:error.end].encode("unicode_escape").decode()
+        raise ValueError(f"{where}: holds a lone UTF-16 surrogate ({bad}), which is not a "
+                         "character; fix: remove it, or write the whole surrogate pair (or the "
+                         "character itself)") from None
+
+
 def _read_jsonl(path):
     """One JSON object per line (blank lines skipped); returns (examples, where-strings)."""
     examples, wheres = [], []
@@ -50,6 +68,10 @@ def _read_jsonl(path):
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}, line {n}: not valid JSON ({error.msg}, column "
                                  f"{error.colno}); fix: write one JSON object per line") from None
+            except RecursionError:
+                raise _too_deep(f"{path}, line {n}") from None
+            if "\\ud" in line.lower():  # an escaped surrogate: is it one of a pair?
+                _check_text(example, f"{path}, line {n}")
             if not isinstance(example, dict):
                 raise TypeError(f"{path}, line {n}: expected a JSON object such as "
                                 f'{{"text": "..."}}, got a {type(example).__name__}')
@@ -71,10 +93,13 @@ def _read_json_array(path):
             raise ValueError(f"{path}: not valid JSON ({error.msg}, line {error.lineno} column "
                              f"{error.colno}); fix: a .json dataset is one array of objects, "
                              "[{...}, {...}], or JSON Lines (one object per line)") from None
+        except RecursionError:
+            raise _too_deep(path) from None
     if not isinstance(examples, list):
         raise TypeError(f"{path}: expected a JSON array of examples, got a "
                         f"{type(examples).__name__}; fix: write [{{...}}, {{...}}], or one "
                         "object per line as JSON Lines")
+    _check_text(examples, path)
     return examples, [f"{path}, item {i}" for i in range(len(examples))]
 
 
@@ -98,12 +123,27 @@ def _read_columnar(path, kind):
     return examples, [f"{path}, row {i}" for i in range(len(examples))]
 
 
+def check_data_path(path, flag=None):
+    """A data path that can be read: a file, or a pipe / FIFO / device read as JSON Lines; a
+    folder or a missing path is refused, naming `flag` (a command-line flag) when given."""
+    name = f"{flag} {path}" if flag else os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{name} is a folder; give one .jsonl, .json, .parquet or .csv file of "
+                         "examples (a folder written by datasets' save_to_disk: load it in Python "
+                         "with datasets.load_from_disk and pass the Dataset as train_dataset)")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{name}: no such file; give a JSONL file with one example per line "
+            '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}), '
+            "or a .json array, .parquet or .csv file")
+
+
 def read_dataset_file(path):
     """Rows of a .jsonl, .json (array or JSON Lines), .parquet or .csv file; others read as JSONL.
     Mirrors: datasets load_dataset("json" | "parquet" | "csv", data_files=path)"""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file; give a .jsonl, .json, .parquet or .csv "
-                                "file of examples")
+    check_data_path(path)
+    if not os.path.isfile(path):  # a pipe, FIFO or device (`<(zcat d.jsonl.gz)`): read once
+        return _read_jsonl(path)
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix in COLUMNAR:
         return _read_columnar(path, COLUMNAR[suffix])

@@ -190,8 +190,31 @@ def _chat_cut_by_max_length(tmp_path):
     return path, [str(path), "all 1 examples", "raise max_length"]
 
 
+def _lone_surrogate(tmp_path):
+    path = tmp_path / "surrogate.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "half of a pair: \\ud800"}\n')
+    return path, [str(path), "line 2", "lone UTF-16 surrogate", "\\ud800"]
+
+
+def _deep_json(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    return path, [str(path), "line 1", "nested deeper", "flatten"]
+
+
+def _dev_null(tmp_path):
+    return Path(os.devnull), [os.devnull, "the dataset is empty"]
+
+
+def _a_folder(tmp_path):
+    (tmp_path / "saved").mkdir()
+    return tmp_path / "saved", ["--data", "is a folder", "datasets.load_from_disk"]
+
+
 DATA_CASES = {"ragged_csv": _ragged_csv, "csv_completion_numbers": _number_csv,
               "not_utf8": _not_utf8, "every_text_empty": _all_empty,
+              "lone_surrogate": _lone_surrogate, "json_100000_deep": _deep_json,
+              "dev_null": _dev_null, "a_folder": _a_folder,
               "chat_cut_by_max_length_loses_every_assistant_token": _chat_cut_by_max_length}
 
 
@@ -362,6 +385,41 @@ def test_ctrl_c_before_any_checkpoint_says_nothing_was_saved(tmp_path, capsys, m
     assert_clean_failure(code, output, 130, "no checkpoint was saved")
 
 
+def test_ctrl_c_while_the_flags_load_exits_130_without_a_traceback(capsys, monkeypatch):
+    from nanosft import cli
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt  # the train flags import torch: seconds long
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert_clean_failure(*run(["train", "--help"], capsys), 130, "interrupted (Ctrl-C) while "
+                         "starting", "nothing was run")
+
+
+def test_data_from_a_fifo_is_read_as_json_lines(tmp_path):
+    import threading
+
+    from nanosft.data import read_dataset_file
+
+    fifo = tmp_path / "rows"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text(json.dumps(TEXT_ROWS[0]) + "\n"))
+    writer.start()
+    examples, wheres = read_dataset_file(str(fifo))  # before: "no such file"
+    writer.join()
+    assert examples == TEXT_ROWS[:1] and wheres == [f"{fifo}, line 1 (example 0)"]
+
+
+@pytest.mark.parametrize("where", ["a_file", "unwritable"])
+def test_merge_onto_a_file_or_an_unwritable_place_names_out(where, tmp_path, capsys):
+    out = {"a_file": tmp_path / "merged", "unwritable": Path("/proc/nanosft-merged")}[where]
+    if where == "a_file":
+        out.write_text("not a folder")
+    words = {"a_file": "is a file, not a folder", "unwritable": "cannot be written"}[where]
+    argv = ["merge", "--model", DEFAULT, "--adapter", DEFAULT, "--out", out]
+    assert_clean_failure(*run(argv, capsys), 2, f"--out {out}", words)
+
+
 # ----------------------------------------------------------------------------- the backstop
 
 def test_unexpected_error_type_gets_the_paragraph_and_the_debug_hint(capsys, monkeypatch):
@@ -373,6 +431,9 @@ def test_unexpected_error_type_gets_the_paragraph_and_the_debug_hint(capsys, mon
     monkeypatch.setattr(cli, "run_memory", broken)
     assert_clean_failure(*run(["memory", "--model", DEFAULT], capsys), 2, "KeyError",
                          "rope_theta", "NANOSFT_DEBUG=1")
+    for off in ("0", "false", ""):  # NANOSFT_DEBUG=0 means off
+        monkeypatch.setenv("NANOSFT_DEBUG", off)
+        assert_clean_failure(*run(["memory", "--model", DEFAULT], capsys), 2, "KeyError")
     monkeypatch.setenv("NANOSFT_DEBUG", "1")
     with pytest.raises(KeyError):  # the traceback, when asked for
         main(["memory", "--model", str(DEFAULT)])

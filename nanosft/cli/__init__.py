@@ -178,6 +178,7 @@ def run_train(args):
 def _train(args, sft_config, peft_config):
     """run_train's body, inside the output_dir lock: checks, load, train, save, summary."""
     from nanosft import distributed
+    from nanosft.data import check_data_path
     from nanosft.io import preflight
     from nanosft.sft import SFTTrainer
 
@@ -188,11 +189,8 @@ def _train(args, sft_config, peft_config):
     preflight.check_metric_name(sft_config.metric_for_best_model,
                                 preflight.known_eval_metrics(SFTTrainer), command_line=True)
     for flag, path in (("--data", args.data), ("--eval_data", args.eval_data)):
-        if isinstance(path, str) and not os.path.isfile(path):  # not a --dataset_name Dataset
-            raise FileNotFoundError(
-                f"{flag} {path}: no such file; give a JSONL file with one example per line "
-                '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}), '
-                "or a .json array, .parquet or .csv file")
+        if isinstance(path, str):  # not a --dataset_name Dataset
+            check_data_path(path, flag)
     model = load_model(args.model, load_in_4bit=args.qlora, device=sft_config.device,
                        dtype=args.model_dtype, quantization_config=args.quantization_config)
     model.train()
@@ -295,22 +293,34 @@ def run_chat(args):
 def run_merge(args):
     """Fold the adapter into the full-precision base and write a Hugging Face folder transformers
     loads. Mirrors: peft merge_and_unload + save_pretrained"""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise FileExistsError(f"--out {args.out} is a file, not a folder; give a new folder "
+                              "(nothing is overwritten)")
     if os.path.exists(args.out) and os.listdir(args.out):
         raise FileExistsError(f"--out {args.out} exists and is not empty; give a new folder "
                               "(nothing is overwritten)")
-    model = load_model(args.model, args.adapter).merge_and_unload()
     parent = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".merge-")
+    try:  # the temp folder beside --out, made before the model loads: can --out be written?
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=".merge-")
+    except OSError as e:
+        raise OSError(e.errno, f"--out {args.out} cannot be written ({(e.strerror or str(e))} "
+                               f"in {parent}); give a folder you can write to") from e
     try:
         from nanosft.io.hub import default_mode
 
+        model = load_model(args.model, args.adapter).merge_and_unload()
         os.chmod(tmp, default_mode(folder=True))  # mkdtemp makes 0700; as mkdir would instead
-        model.save_pretrained(tmp)
-        load_tokenizer(args.model).save_pretrained(tmp)
-        if os.path.isdir(args.out):
-            os.rmdir(args.out)  # empty, checked above
-        os.replace(tmp, args.out)
+        try:
+            model.save_pretrained(tmp)
+            load_tokenizer(args.model).save_pretrained(tmp)
+            if os.path.isdir(args.out):
+                os.rmdir(args.out)  # empty, checked above
+            os.replace(tmp, args.out)
+        except OSError as e:
+            raise OSError(e.errno, f"--out {args.out}: writing the merged model failed "
+                                   f"({e.strerror or e}); nothing was left there. Free space or "
+                                   "pick another --out") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"merged {args.adapter} into {args.model}: {args.out}")
@@ -457,6 +467,12 @@ def build_parser(train_fields=True):
     return parser
 
 
+def _debug() -> bool:
+    """NANOSFT_DEBUG set to anything but empty, 0, false, no or off: show tracebacks."""
+    return os.environ.get("NANOSFT_DEBUG", "").strip().lower() not in ("", "0", "false", "no",
+                                                                        "off")
+
+
 def _fail(command, message) -> int:
     print(f"nanosft {command}: error: {message}", file=sys.stderr)
     return 2
@@ -518,8 +534,15 @@ def main(argv=None):
     # bitsandbytes warns at import time about an optional CPU kernel package; not the user's concern
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     argv = _join_negative_numbers(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(train_fields=_command(argv) == "train")
-    args, unknown = parser.parse_known_args(argv)
+    try:  # the train flags import torch: seconds in which Ctrl-C may come
+        parser = build_parser(train_fields=_command(argv) == "train")
+        args, unknown = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        if _debug():
+            raise
+        print(f"\nnanosft {_command(argv) or ''}: interrupted (Ctrl-C) while starting; nothing "
+              "was run", file=sys.stderr)
+        return 130
     if unknown:
         flag = unknown[0].split("=")[0]
         close = difflib.get_close_matches(flag, args.known_flags, n=1)
@@ -531,25 +554,25 @@ def main(argv=None):
     try:
         return args.run(args) or 0
     except (OSError, ValueError, TypeError) as error:  # what a user's paths, files and values cause
-        if os.environ.get("NANOSFT_DEBUG"):
+        if _debug():
             raise
         message = " ".join(str(error).split())  # one paragraph
         return _fail(args.command, f"{message} (NANOSFT_DEBUG=1 shows the traceback)")
     except KeyboardInterrupt:
-        if os.environ.get("NANOSFT_DEBUG"):
+        if _debug():
             raise
         print(f"\nnanosft {args.command}: interrupted (Ctrl-C); {_interrupt_summary(args)}",
               file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports it
     except _template_errors() as error:  # raise_exception(...) or an undefined name in it
-        if os.environ.get("NANOSFT_DEBUG"):
+        if _debug():
             raise
         message = " ".join(str(error).split())
         return _fail(args.command, f"the chat template of --model stopped: {message}; fix the "
                                    "template (chat_template.jinja) or the messages "
                                    "(NANOSFT_DEBUG=1 shows the traceback)")
     except (KeyError, RuntimeError) as error:  # the backstop: no traceback
-        if os.environ.get("NANOSFT_DEBUG"):
+        if _debug():
             raise
         message = " ".join(str(error).split())
         return _fail(args.command, f"{type(error).__name__}: {message}. Check the files and flags "
