@@ -24,7 +24,7 @@ from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.configuration import ModelConfig
 from nanosft.cli import demo, main
-from nanosft.io import output_folder
+from nanosft.io import output_folder, preflight
 from nanosft.io.checkpoint import save_model
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import SFTTrainer
@@ -305,3 +305,22 @@ def test_resuming_with_another_optimizer_names_both(tmp_path):
         resumed.train(resume_from_checkpoint=True)
     assert "optim='adamw_torch'" in str(caught.value)
     assert "--optim adamw_torch" in str(caught.value)
+
+
+# ----------------------------------------------------------------------------- named eval sets
+
+def test_best_model_metric_of_named_eval_sets_is_checked_against_their_keys(tokenizer, tmp_path):
+    named = {"a": SUMS[:2], "b": SUMS[2:4]}
+
+    def trainer(metric):
+        args = sft_config(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                          save_steps=1, load_best_model_at_end=True, metric_for_best_model=metric)
+        return _sft(tokenizer, tmp_path, args=args, eval_dataset=named)
+
+    known = preflight.known_eval_metrics(trainer("eval_a_loss"))
+    assert set(known) == set(trainer("eval_a_loss").evaluate()) - {"epoch"}  # as evaluate
+    with pytest.raises(ValueError, match="will not produce 'eval_loss'.*eval_a_loss"):
+        trainer("loss").train()  # before: accepted, then failed at the first evaluation
+    out = trainer("a_loss")
+    out.train()
+    assert out.state.best_metric is not None
