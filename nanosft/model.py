@@ -343,8 +343,11 @@ class CausalLM(nn.Module):
             self._input_grad_hook = self.model.embed_tokens.register_forward_hook(hook)
 
     def num_parameters(self, only_trainable=False):
-        """Parameter count, tied weights once. Mirrors: ModuleUtilsMixin.num_parameters"""
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+        """Parameter count, tied weights once; a packed NF4 weight (uint8, two 4-bit values a byte)
+        counts its values, as transformers counts Params4bit twice.
+        Mirrors: ModuleUtilsMixin.num_parameters"""
+        return sum(p.numel() * (2 if p.dtype == torch.uint8 else 1) for p in self.parameters()
+                   if p.requires_grad or not only_trainable)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype=None, quantization_config=None, device_map=None,

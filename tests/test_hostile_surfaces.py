@@ -324,3 +324,27 @@ def test_best_model_metric_of_named_eval_sets_is_checked_against_their_keys(toke
     out = trainer("a_loss")
     out.train()
     assert out.state.best_metric is not None
+
+
+# ----------------------------------------------------------------------------- a second demo
+
+def test_the_demo_replaces_its_own_earlier_result(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["demo", "--output_dir", str(out), "--steps", "1", "--device", "cpu"]
+    assert main(argv) == 0
+    (out / "adapter" / "stale.txt").write_text("from the first demo")
+    assert main([*argv, "--full"]) == 0  # before: refused, naming overwrite_output_dir
+    assert "replacing the earlier demo run" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["model"]
+    assert json.loads((out / demo.SUMMARY_FILE).read_text())["mode"] == "full"
+
+
+def test_the_refusal_names_a_switch_scripts_under_both_stacks_can_use(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _trainer(out).train()
+    with pytest.raises(ValueError) as caught:
+        _trainer(out).train()
+    assert f"{output_folder.OVERWRITE_ENV}=1" in str(caught.value)
+    monkeypatch.setenv(output_folder.OVERWRITE_ENV, "1")  # TrainingArguments unchanged
+    assert _trainer(out, max_steps=2).train().global_step == 2
+    assert output_folder.get_last_checkpoint(str(out)).endswith("checkpoint-2")

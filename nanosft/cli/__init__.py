@@ -222,7 +222,8 @@ def _check_output_dir(sft_config):
 
     sft_config.resume_from_checkpoint = output_folder.resolve_resume_checkpoint(
         sft_config.resume_from_checkpoint, sft_config.output_dir, command_line=True)
-    if sft_config.resume_from_checkpoint is None and not sft_config.overwrite_output_dir:
+    if sft_config.resume_from_checkpoint is None and \
+            not output_folder.overwrite_requested(sft_config):
         refusal = output_folder.output_dir_refusal(sft_config.output_dir, command_line=True)
         if refusal:
             raise ValueError(refusal)

@@ -157,6 +157,16 @@ def find_previous_run(output_dir) -> list[str]:
     return found
 
 
+OVERWRITE_ENV = "NANOSFT_OVERWRITE_OUTPUT_DIR"  # =1: overwrite_output_dir, set outside a script
+
+
+def overwrite_requested(args) -> bool:
+    """overwrite_output_dir=True, or NANOSFT_OVERWRITE_OUTPUT_DIR=1 in the environment: the way a
+    script that also runs under transformers 5 (which has no overwrite_output_dir) asks for it."""
+    env = os.environ.get(OVERWRITE_ENV, "").strip().lower()
+    return bool(getattr(args, "overwrite_output_dir", False)) or env in ("1", "true", "yes")
+
+
 def output_dir_refusal(output_dir, command_line=False, can_resume=True):
     """The error when `output_dir` holds another run, else None: names the folder, what it holds
     and the choices the caller can pass. Mirrors: transformers 4 examples' overwrite_output_dir"""
@@ -166,13 +176,14 @@ def output_dir_refusal(output_dir, command_line=False, can_resume=True):
     shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
     if command_line:
         resume, new = "--resume_from_checkpoint", "--output_dir"
-        overwrite = "--overwrite_output_dir"
+        overwrite = f"pass --overwrite_output_dir (or set {OVERWRITE_ENV}=1)"
     else:
         resume, new = "resume_from_checkpoint=True", "output_dir"
-        overwrite = "overwrite_output_dir=True"
+        overwrite = (f"set {OVERWRITE_ENV}=1 in the environment (the script stays as it is, and "
+                     "runs under transformers too) or pass overwrite_output_dir=True (nanosft "
+                     "only: transformers 5 has no such argument)")
     choices = [f"resume it ({resume})"] if can_resume else []
-    choices += [f"pick a new {new}",
-                f"or pass {overwrite} to remove its checkpoints and replace it"]
+    choices += [f"pick a new {new}", f"or {overwrite} to remove its checkpoints and replace it"]
     return (f"output_dir {output_dir} holds another run ({shown}); a fresh run there would replace "
             f"its results, so nothing was written. Choose: {'; '.join(choices)}.")
 
@@ -216,13 +227,13 @@ def check_output_dir(args, resuming: bool) -> None:
     gets its answer. Mirrors: transformers 4 overwrite_output_dir
     Differs: transformers 5.23 removed overwrite_output_dir and writes into any folder."""
     if resuming:
-        if args.overwrite_output_dir:
+        if args.overwrite_output_dir:  # the argument only: the variable may be set for all runs
             raise ValueError("overwrite_output_dir=True would remove the checkpoints that "
                              "resume_from_checkpoint resumes from; drop one of the two.")
         return
     refusal = None
     if distributed.is_main_process():
-        if args.overwrite_output_dir:
+        if overwrite_requested(args):
             clear_previous_run(args.output_dir)
         else:
             refusal = output_dir_refusal(args.output_dir)
