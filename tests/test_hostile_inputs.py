@@ -283,6 +283,36 @@ def test_fsdp_in_one_process_names_the_torchrun_command(tmp_path, capsys, monkey
                          "--fsdp", "torchrun --nproc_per_node 2 -m nanosft train")
 
 
+def test_a_csv_without_datasets_installed_is_one_paragraph(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    data = tmp_path / "d.csv"
+    data.write_text("text\nhello there\n")
+    assert_clean_failure(*run(_train(tmp_path, "--data", data), capsys), 2, str(data),
+                         'pip install "nanosft[data]"')
+
+
+def test_an_abbreviated_flag_suggests_what_it_abbreviates(tmp_path, capsys):
+    code, output = run(_train(tmp_path, "--lr", "1e-3"), capsys)
+    assert_clean_failure(code, output, 2, "'--lr'", "did you mean --learning_rate or --lora_r?")
+
+
+def test_memory_fsdp_reads_as_train_fsdp_and_ranks_are_nproc_per_node(capsys):
+    assert_clean_failure(*run(["memory", "--model", DEFAULT, "--fsdp", "2"], capsys), 2,
+                         "--fsdp 2", "--nproc_per_node 2")
+    code, output = run(["memory", "--model", DEFAULT, "--fsdp", "true", "--nproc_per_node", "4"],
+                       capsys)
+    assert code == 0 and "per rank of 4" in output
+
+
+def test_train_help_says_the_default_mode_and_where_fields_come_from(capsys):
+    code, output = run(["train", "--help"], capsys)
+    assert code == 0
+    assert "The default is LoRA on the float base" in " ".join(output.split())
+    assert "SFTConfig" in output and "LoraConfig" in output
+
+
 def test_negative_learning_rate_reaches_validation_not_argparse(tmp_path, capsys):
     code, output = run(_train(tmp_path, "--learning_rate", "-1e-3"), capsys)
     assert_clean_failure(code, output, 2, "learning_rate=-0.001")

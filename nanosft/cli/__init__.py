@@ -330,6 +330,25 @@ def run_merge(args):
 
 # ----------------------------------------------------------------------------- memory
 
+def _fsdp_ranks(fsdp, nproc_per_node) -> int:
+    """The ranks `memory --fsdp VALUE [--nproc_per_node N]` shards over: --fsdp reads as train's
+    (true, full_shard, shard_grad_op, false); the count is torchrun's --nproc_per_node."""
+    value = str(fsdp).strip().lower()
+    if value.isdigit():
+        raise ValueError(f"--fsdp {fsdp}: --fsdp takes what `nanosft train --fsdp` takes (true, "
+                         "full_shard, false); give the number of ranks as --nproc_per_node "
+                         f"{fsdp}, e.g. `nanosft memory --model M --fsdp true --nproc_per_node "
+                         f"{fsdp}`")
+    if value in ("", "false", "no", "0", "none"):
+        return 1
+    if value not in ("true", "yes", "full_shard", "shard_grad_op"):
+        raise ValueError(f"--fsdp {fsdp}: use true, full_shard, shard_grad_op or false")
+    ranks = 2 if nproc_per_node is None else nproc_per_node
+    if ranks < 1:
+        raise ValueError(f"--nproc_per_node {ranks}: give a positive number of ranks")
+    return ranks
+
+
 def run_memory(args):
     """Print the memory ledger of a run on --model's config.json (no weights are read).
     Mirrors: `accelerate estimate-memory` (which stops at weights and Adam)"""
@@ -340,13 +359,14 @@ def run_memory(args):
     if args.full and (args.dora or len(chosen) > 1):
         raise ValueError(f"--{' and --'.join(chosen + ['dora'] * args.dora)} cannot be combined: "
                          "--full trains every weight; pick --full, --lora, --dora or --qlora")
+    ranks = _fsdp_ranks(args.fsdp, args.nproc_per_node)
     config = ModelConfig.from_pretrained(resolve_folder("--model", args.model))
     plan = memory.MemoryPlan(
         full=args.full, load_in_4bit=args.qlora or not (args.full or args.lora or args.dora),
         use_dora=args.dora, r=args.r, target_modules=args.target_modules, dtype=args.dtype,
         per_device_train_batch_size=args.per_device_train_batch_size, max_length=args.max_length,
         gradient_checkpointing=args.gradient_checkpointing, optim=args.optim, bf16=args.bf16,
-        fsdp=args.fsdp)
+        fsdp=ranks)
     ledger = memory.estimate_memory(config, plan, device_type=args.device)
     kind = "full" if plan.full else ("Q" if plan.load_in_4bit else "") + ("DoRA" if plan.use_dora
                                                                            else "LoRA")
@@ -401,6 +421,12 @@ def build_parser(train_fields=True):
     demo.set_defaults(run=run_demo)
 
     train = add_parser("train", help="SFT of your model (folder or Hub id) on your data",
+                       description="Supervised fine-tuning of --model on --data. The default is "
+                       "LoRA on the float base (peft's LoraConfig defaults); --qlora quantizes the "
+                       "base to NF4 first, --full trains every weight. Every other flag is a field "
+                       "of SFTConfig (TRL's, with transformers' TrainingArguments) or LoraConfig "
+                       "(peft's), under the same name and default: their documentation describes "
+                       "each.",
                        usage="nanosft train --model DIR_OR_ID --data FILE --output_dir DIR "
                              "[--config FILE.json] [--qlora | --full | --prompt_tuning] [--dora] "
                              "[--trace] [--<field> VALUE ...]")
@@ -452,9 +478,13 @@ def build_parser(train_fields=True):
         mem.add_argument(f"--{flag}", action="store_true", help=text)
     flag_bool = value_parser("flag", bool)
     numbers = (("per_device_train_batch_size", int, 8), ("max_length", int, 1024), ("r", int, 8),
-               ("fsdp", int, 1), ("optim", str, "adamw_torch_fused"), ("dtype", str, "float32"))
+               ("optim", str, "adamw_torch_fused"), ("dtype", str, "float32"))
     for flag, kind, default in numbers:
         mem.add_argument(f"--{flag}", type=kind, default=default, help=f"default: {default}")
+    mem.add_argument("--fsdp", default="false", metavar="VALUE",
+                     help="as `train --fsdp`: true / full_shard shards over --nproc_per_node ranks")
+    mem.add_argument("--nproc_per_node", type=int, default=None,
+                     help="the ranks torchrun would start (default 2 with --fsdp)")
     for flag in ("gradient_checkpointing", "bf16"):  # SFTConfig's defaults: both on
         mem.add_argument(f"--{flag}", type=flag_bool, nargs="?", const=True, default=True,
                          metavar="BOOL", help="default: true (as SFTConfig)")
@@ -524,6 +554,15 @@ def _is_negative_number(word):
     return word.startswith("-")
 
 
+def _close_flags(flag, known) -> list:
+    """Flags a mistyped one may mean: those it abbreviates by initials (--lr: --learning_rate,
+    --lora_r), else the closest spelling."""
+    typed = flag.lstrip("-").lower()
+    initials = [k for k in known if k.startswith("--") and len(typed) > 1
+                and "".join(w[:1] for w in k[2:].split("_")) == typed]
+    return initials[:3] or difflib.get_close_matches(flag, known, n=1)
+
+
 def _command(argv):
     """The sub-command named in argv (its first word that is not a flag), or None."""
     return next((word for word in argv if not word.startswith("-")), None)
@@ -546,15 +585,16 @@ def main(argv=None):
         return 130
     if unknown:
         flag = unknown[0].split("=")[0]
-        close = difflib.get_close_matches(flag, args.known_flags, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        close = _close_flags(flag, args.known_flags)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         return _fail(args.command, f"unrecognized argument {unknown[0]!r}{hint}; "
                                    f"`nanosft {args.command} --help` lists the flags.")
     if getattr(args, "trace", False) or os.environ.get("NANOSFT_TRACE", "") not in ("", "0"):
         _trace().enable_trace()
     try:
         return args.run(args) or 0
-    except (OSError, ValueError, TypeError) as error:  # what a user's paths, files and values cause
+    except (OSError, ValueError, TypeError, ImportError) as error:  # a user's paths, files,
+        # values and missing optional packages (datasets for .csv / .parquet)
         if _debug():
             raise
         message = " ".join(str(error).split())  # one paragraph
