@@ -487,8 +487,8 @@ def _signals_deferred(signums=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, handler in previous.items():  # None: a handler set outside Python
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
         if caught:
             signal.raise_signal(caught[0])
 
