@@ -39,10 +39,18 @@ def _too_deep(where):
 
 
 def _check_text(value, where):
-    """Refuse a lone UTF-16 surrogate ("\\ud800" in JSON decodes to one): it is not text, and the
-    tokenizer would fail far from the line that holds it."""
+    """Refuse a lone UTF-16 surrogate ("\\ud800" in JSON decodes to one; Python strings may hold
+    one too): it is not text, and the tokenizer would fail far from the row that holds it."""
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_text(item, where)
+        return
+    if not isinstance(value, str):
+        return
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError as error:
         bad = error.object[error.start:error.end].encode("unicode_escape").decode()
         raise ValueError(f"{where}: holds a lone UTF-16 surrogate ({bad}), which is not a "
@@ -70,8 +78,6 @@ def _read_jsonl(path):
                                  f"{error.colno}); fix: write one JSON object per line") from None
             except RecursionError:
                 raise _too_deep(f"{path}, line {n}") from None
-            if "\\ud" in line.lower():  # an escaped surrogate: is it one of a pair?
-                _check_text(example, f"{path}, line {n}")
             if not isinstance(example, dict):
                 raise TypeError(f"{path}, line {n}: expected a JSON object such as "
                                 f'{{"text": "..."}}, got a {type(example).__name__}')
@@ -99,7 +105,6 @@ def _read_json_array(path):
         raise TypeError(f"{path}: expected a JSON array of examples, got a "
                         f"{type(examples).__name__}; fix: write [{{...}}, {{...}}], or one "
                         "object per line as JSON Lines")
-    _check_text(examples, path)
     return examples, [f"{path}, item {i}" for i in range(len(examples))]
 
 
@@ -228,6 +233,8 @@ def dataset_format(example, dataset_text_field="text"):
 
 def _check_field(example, field, kind):
     value = example[field]
+    if kind in ("str", "messages"):
+        _check_text(value, f"field {field!r}")
     if kind == "str" and not isinstance(value, str):
         raise TypeError(f"field {field!r} must be a string, got {type(value).__name__} {value!r}; "
                         "fix: write it as "

@@ -23,6 +23,7 @@ from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fi
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.configuration import ModelConfig
+from nanosft.data import load_examples
 from nanosft.cli import demo, main
 from nanosft.io import output_folder, preflight
 from nanosft.io.checkpoint import save_model
@@ -348,3 +349,12 @@ def test_the_refusal_names_a_switch_scripts_under_both_stacks_can_use(tmp_path, 
     monkeypatch.setenv(output_folder.OVERWRITE_ENV, "1")  # TrainingArguments unchanged
     assert _trainer(out, max_steps=2).train().global_step == 2
     assert output_folder.get_last_checkpoint(str(out)).endswith("checkpoint-2")
+
+
+def test_a_lone_surrogate_in_python_rows_is_named_by_example_and_field():
+    chat = {"messages": [{"role": "user", "content": "hi \ud800"},
+                         {"role": "assistant", "content": "yes"}]}
+    with pytest.raises(ValueError, match=r"example 0: field 'messages'.*lone UTF-16 surrogate"):
+        load_examples([chat])  # before: "TextInputSequence must be str" from the tokenizer
+    with pytest.raises(ValueError, match=r"example 1: field 'text': .*\(\\udc80\)"):
+        load_examples([{"text": "fine"}, {"text": "half \udc80"}])
