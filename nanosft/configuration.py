@@ -8,6 +8,7 @@ what the hand-written model does not implement (other rope types, activations). 
 """
 
 import os
+import sys
 from dataclasses import dataclass, fields
 
 # Llama and Mistral without a window: the same decoder (the other families: nanosft.families)
@@ -52,7 +53,7 @@ def check_fields(config) -> None:
         _require(_is_number(theta) and theta > 0, f"config: {where} rope_theta={theta!r} must be "
                  "a positive number (RoPE's base, e.g. 10000.0); fix config.json")
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "longrope"):  # linear, llama3, dynamic, yarn scale by factor
+        if kind in ("linear", "dynamic", "yarn", "llama3"):  # the ones that scale by factor
             factor = rope.get("factor")
             _require(_is_number(factor) and factor > 0, f"config: {where} rope_type={kind!r} "
                      f"needs a positive 'factor' (got {factor!r}); add it to config.json, or set "
@@ -72,9 +73,12 @@ def check_fields(config) -> None:
     if isinstance(types, list):
         _require(len(types) == n, f"config: layer_types has {len(types)} entries but "
                  f"num_hidden_layers={n}; give one per layer in config.json")
-        unknown = sorted({str(t) for t in types} - set(config.LAYER_TYPES))
+        # the class's LAYER_TYPES, and its family module's where that names them
+        module = sys.modules.get(type(config).__module__)
+        kinds = list(dict.fromkeys([*config.LAYER_TYPES, *getattr(module, "LAYER_TYPES", ())]))
+        unknown = sorted({str(t) for t in types} - set(kinds))
         _require(not unknown, f"config: layer_types holds {unknown}, which "
-                 f"{type(config).__name__} does not build; use {list(config.LAYER_TYPES)}")
+                 f"{type(config).__name__} does not build; use {kinds}")
     no_rope = getattr(config, "no_rope_layers", None)
     if isinstance(no_rope, list):
         _require(len(no_rope) == n, f"config: no_rope_layers has {len(no_rope)} entries but "
