@@ -358,3 +358,13 @@ def test_a_lone_surrogate_in_python_rows_is_named_by_example_and_field():
         load_examples([chat])  # before: "TextInputSequence must be str" from the tokenizer
     with pytest.raises(ValueError, match=r"example 1: field 'text': .*\(\\udc80\)"):
         load_examples([{"text": "fine"}, {"text": "half \udc80"}])
+
+
+def test_the_python_loaders_refuse_a_half_moved_final_save_too(tmp_path):
+    from nanosft.io.auto import AutoModelForCausalLM, PeftModel
+
+    (tmp_path / output_folder.FINAL_SAVE_MARKER).write_text("adapter_config.json\n")
+    with pytest.raises(ValueError, match="final save was interrupted"):
+        PeftModel.from_pretrained(tiny_model(), str(tmp_path))
+    with pytest.raises(ValueError, match="final save was interrupted"):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path))

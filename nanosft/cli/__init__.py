@@ -40,13 +40,8 @@ def resolve_folder(flag, name):
     """The local folder of --model / --adapter: the folder itself or the Hub id's cached snapshot.
     Mirrors: transformers cached_files (a repo id or a path)"""
     from nanosft.io import hub
-    from nanosft.io.output_folder import interrupted_final_save
 
-    folder = hub.resolve_pretrained_path(name, what=flag)
-    problem = interrupted_final_save(folder, flag)
-    if problem:
-        raise ValueError(problem)
-    return folder
+    return hub.resolve_pretrained_path(name, what=flag)  # refuses a half-moved final save too
 
 
 def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu", dtype=None,
