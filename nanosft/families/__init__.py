@@ -13,6 +13,7 @@ from nanosft.families.mistral import MistralConfig, MistralForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from nanosft.families.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from nanosft.families.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from nanosft.families.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from nanosft.model import CausalLM
 
@@ -23,7 +24,15 @@ FAMILIES = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_5_text": (Qwen3_5Config, Qwen3_5ForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+}
+
+# model_type -> why it is refused (the families' blocks it would need are not built here)
+REFUSED = {
+    "qwen3_5_moe": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 model",
+    "qwen3_5_moe_text": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 "
+                        "model",
 }
 
 
@@ -36,6 +45,9 @@ def config_from_dict(d):
     """The config a config.json dict asks for: a family's where it has one, else ModelConfig.
     Mirrors: transformers AutoConfig.for_model (CONFIG_MAPPING by model_type)"""
     model_type = d.get("model_type", "llama") if isinstance(d, dict) else None
+    if model_type in REFUSED:
+        raise ValueError(f"config: model_type={model_type!r} is not supported: "
+                         f"{REFUSED[model_type]}")
     if model_type is not None and model_type not in supported_model_types():
         raise ValueError(f"config: model_type={model_type!r} is not supported; use one of "
                          f"{supported_model_types()}")
