@@ -89,13 +89,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=CHUNK_SIZE, initial_stat
 
 def causal_conv1d(x, weight, bias=None, state=None):
     """Depthwise causal conv over time then SiLU: x (B, D, T), weight (D, 1, K); `state` (B, D,
-    K - 1) holds the inputs before x (zeros: a sequence start). -> (B, D, T), new state.
+    K - 1) holds the inputs before x (None: a sequence start, zeros). -> (B, D, T), new state.
     Mirrors: transformers causal_conv1d_fn, causal_conv1d_update (activation silu)"""
     K = weight.shape[-1]
-    if state is None:
-        state = x.new_zeros(x.shape[0], x.shape[1], K - 1)
-    full = torch.cat((state.to(x.dtype), x), dim=-1)  # (B, D, K - 1 + T)
-    y = F.conv1d(full.to(weight.dtype), weight, bias, groups=x.shape[1])
+    if state is None:  # zero padding on the left (conv1d's own: same rounding as transformers)
+        y = F.conv1d(x.to(weight.dtype), weight, bias, padding=K - 1, groups=x.shape[1])
+        y, full = y[..., :x.shape[-1]], F.pad(x, (K - 1, 0))
+    else:
+        full = torch.cat((state.to(x.dtype), x), dim=-1)  # (B, D, K - 1 + T)
+        y = F.conv1d(full.to(weight.dtype), weight, bias, groups=x.shape[1])
     return F.silu(y).to(x.dtype), full[..., full.shape[-1] - (K - 1):]
 
 
