@@ -9,6 +9,7 @@ right one; model.py itself stays the Llama decoder.
 
 from nanosft.configuration import ARCHITECTURES, ModelConfig
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from nanosft.families.lfm2 import Lfm2Config, Lfm2ForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
@@ -20,6 +21,7 @@ from nanosft.model import CausalLM
 # model_type -> (config class, model class); llama (and mistral without a window) are model.py's
 FAMILIES = {
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
+    "lfm2": (Lfm2Config, Lfm2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),

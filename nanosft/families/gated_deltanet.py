@@ -7,12 +7,15 @@ reads what S predicts for its key, and writes back beta_t times the error (the d
 runs it a chunk of tokens at a time with matrices (training), equal up to rounding. Before the
 rule a causal depthwise conv1d (a short window of the last K tokens, its state cached too) mixes
 q, k, v; after it a gated RMSNorm. Packed rows reset the state and the conv window at each
-document start (`documents`). Papers: DeltaNet 2406.06484, Gated DeltaNet 2412.06464.
+document start (hybrid.run_documents). Papers: DeltaNet 2406.06484, Gated DeltaNet 2412.06464.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanosft.families.hybrid import run_documents
+from nanosft.families.short_conv import causal_conv1d
 
 CHUNK_SIZE = 64  # benchmarks/bench_linear_attention.py: flat from 32 to 128 on a CPU
 
@@ -87,30 +90,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=CHUNK_SIZE, initial_stat
     return o.transpose(1, 2).contiguous().to(dtype), S
 
 
-def causal_conv1d(x, weight, bias=None, state=None):
-    """Depthwise causal conv over time then SiLU: x (B, D, T), weight (D, 1, K); `state` (B, D,
-    K - 1) holds the inputs before x (None: a sequence start, zeros). -> (B, D, T), new state.
-    Mirrors: transformers causal_conv1d_fn, causal_conv1d_update (activation silu)"""
-    K = weight.shape[-1]
-    if state is None:  # zero padding on the left (conv1d's own: same rounding as transformers)
-        y = F.conv1d(x.to(weight.dtype), weight, bias, padding=K - 1, groups=x.shape[1])
-        y, full = y[..., :x.shape[-1]], F.pad(x, (K - 1, 0))
-    else:
-        full = torch.cat((state.to(x.dtype), x), dim=-1)  # (B, D, K - 1 + T)
-        y = F.conv1d(full.to(weight.dtype), weight, bias, groups=x.shape[1])
-    return F.silu(y).to(x.dtype), full[..., full.shape[-1] - (K - 1):]
-
-
-def run_documents(fn, docs, *tensors):
-    """fn over each document of each row alone (fresh state, fresh conv window): tensors are
-    (B, T, ...) with the time dim 1, `docs` the per-row document lengths; outputs joined back."""
-    rows = []
-    for b, lengths in enumerate(docs):
-        parts = zip(*(t[b:b + 1].split(lengths, dim=1) for t in tensors))
-        rows.append(torch.cat([fn(*p) for p in parts], dim=1))
-    return torch.cat(rows, dim=0)
-
-
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output (in fp32, weight times the cast), then times silu(gate).
     Mirrors: transformers Qwen3_5RMSNormGated"""
@@ -163,7 +142,8 @@ class GatedDeltaNet(nn.Module):
         Hv) -> (B, T, Hv, Dv) and the (conv state, recurrent state) after it."""
         B, T, _ = qkv.shape
         conv_state, state = (None, None) if past is None else past
-        x, conv_state = causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight, None, conv_state)
+        x, conv_state = causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight, None, conv_state,
+                                      activation=F.silu)
         q, k, v = x.transpose(1, 2).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q, k = q.reshape(B, T, -1, self.head_k_dim), k.reshape(B, T, -1, self.head_k_dim)
         v = v.reshape(B, T, -1, self.head_v_dim)

@@ -35,6 +35,16 @@ def recurrent_mask(attention_mask, position_ids, T, past_len):
     return None if keep is None and docs is None else (keep, docs)
 
 
+def run_documents(fn, docs, *tensors):
+    """fn over each document of each row alone (fresh state, fresh conv window): tensors are
+    (B, T, ...) with time at dim 1, `docs` the per-row document lengths; outputs joined back."""
+    rows = []
+    for b, lengths in enumerate(docs):
+        parts = zip(*(t[b:b + 1].split(lengths, dim=1) for t in tensors))
+        rows.append(torch.cat([fn(*p) for p in parts], dim=1))
+    return torch.cat(rows, dim=0)
+
+
 class HybridModel(DecoderModel):
     """DecoderModel whose layers are of the types in config.layer_types; the recurrent ones get
     recurrent_mask's (keep, docs) and cache a state. Mirrors: transformers Qwen3_5TextModel,

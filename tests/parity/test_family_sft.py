@@ -3,7 +3,7 @@ families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (l
 RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, Phi-3 (partial RoPE;
 all-linear targets the fused qkv_proj and gate_up_proj), Gemma 3 (a sliding and a full layer,
 (1 + w) norms around zero, the sublayer outputs normed) and Qwen3.5 (a Gated DeltaNet layer and a
-gated full-attention layer).
+gated full-attention layer) and LFM2 (a gated short-convolution layer and an attention layer).
 
 Per family: one tiny random model built by transformers' own config class (norms randomized so
 a q_norm / k_norm mix-up shows) saved to a folder; each stack loads that folder in 4-bit (NF4,
@@ -59,6 +59,9 @@ FAMILIES = {  # name: (transformers config class, overrides)
                      {"head_dim": 32, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                       "layer_types": ["linear_attention", "full_attention"]}),
+    # a short-convolution layer then an attention layer; MLP width 2/3 * 192 = 128
+    "lfm2": (transformers.Lfm2Config, {"intermediate_size": 192, "block_multiple_of": 64,
+                                       "layer_types": ["conv", "full_attention"]}),
 }
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
          "bnb_4bit_compute_dtype": torch.float32}
