@@ -9,6 +9,7 @@ right one; model.py itself stays the Llama decoder.
 
 from nanosft.configuration import ARCHITECTURES, ModelConfig
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from nanosft.families.gemma4 import Gemma4Config, Gemma4ForCausalLM
 from nanosft.families.lfm2 import Lfm2Config, Lfm2ForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
@@ -21,6 +22,7 @@ from nanosft.model import CausalLM
 # model_type -> (config class, model class); llama (and mistral without a window) are model.py's
 FAMILIES = {
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
+    "gemma4_text": (Gemma4Config, Gemma4ForCausalLM),
     "lfm2": (Lfm2Config, Lfm2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
