@@ -356,7 +356,7 @@ class CausalLM(nn.Module):
         Differs: keys and shapes must match exactly, all checked from the file headers before any
         weight is read; device_map is one device. tp_plan="auto" (under torchrun) splits the
         decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
-        from nanosft.families import causal_lm_class
+        from nanosft.families import causal_lm_class, text_model_index
         from nanosft.io import hub
 
         config = ModelConfig.from_pretrained(model_dir)  # or a family's: Qwen2, Qwen3, ...
@@ -365,6 +365,7 @@ class CausalLM(nn.Module):
         if quantization_config is not None:
             quantization_config = nf4.BitsAndBytesConfig.from_any(quantization_config)
         index = hub.safetensors_index(model_dir)  # headers only: names, dtypes, shapes, offsets
+        index = text_model_index(config, index)  # a multimodal folder: its language model's keys
         with torch.device("meta"):  # no random init of weights about to be replaced
             model = causal_lm_class(config, cls)(config)
         expected = model.state_dict()

@@ -39,6 +39,25 @@ REFUSED = {
                         "model",
 }
 
+# a multimodal model_type whose folder holds a text model of a family: (its model_type, the prefix
+# of its keys in the checkpoint); the other towers' weights are not read. The model loaded is the
+# text model (its model_type, peft's defaults and adapter keys are the text model's)
+TEXT_MODELS = {
+    "qwen3_5": ("qwen3_5_text", "model.language_model."),
+    "gemma4": ("gemma4_text", "model.language_model."),
+}
+
+
+def text_model_index(config, index):
+    """The checkpoint index under the text model's keys (model.language_model.X -> model.X, the
+    other towers dropped) when config came from a multimodal folder; else index unchanged.
+    Mirrors: transformers conversion_mapping PrefixChange (qwen3_5_text)"""
+    prefix = getattr(config, "checkpoint_prefix", None)
+    if prefix is None:
+        return index
+    return {("model." + k[len(prefix):] if k.startswith(prefix) else k): info
+            for k, info in index.items() if k.startswith(prefix) or k == "lm_head.weight"}
+
 
 def supported_model_types():
     """Every model_type CausalLM.from_pretrained loads."""
@@ -52,6 +71,13 @@ def config_from_dict(d):
     if model_type in REFUSED:
         raise ValueError(f"config: model_type={model_type!r} is not supported: "
                          f"{REFUSED[model_type]}")
+    if model_type in TEXT_MODELS:  # the language model inside a multimodal folder
+        text_type, prefix = TEXT_MODELS[model_type]
+        text = d.get("text_config") or {}
+        config = config_from_dict({"tie_word_embeddings": d.get("tie_word_embeddings", False),
+                                   **text, "model_type": text_type})
+        config.checkpoint_prefix = prefix
+        return config
     if model_type is not None and model_type not in supported_model_types():
         raise ValueError(f"config: model_type={model_type!r} is not supported; use one of "
                          f"{supported_model_types()}")

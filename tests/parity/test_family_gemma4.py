@@ -12,7 +12,8 @@ unpadded speed path, packed and right-padded); greedy generation with the cache 
 (the shared layers read the producers' cache); quantize-while-loading bitwise equal to
 load-then-quantize and transformers + bitsandbytes; "all-linear" naming peft's modules; a LoRA
 adapter trained 3 steps by one library loading in the other; layer_scalar loaded as a buffer, not
-a trainable parameter; the MoE block refused by name. Hermetic: tmp folders, no downloads.
+a trainable parameter; the MoE block refused by name; a multimodal gemma4 folder loading its text
+model with transformers' logits. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_gemma4.py
 """
@@ -127,3 +128,22 @@ def test_moe_block_is_refused_by_name():
     with pytest.raises(ValueError, match="enable_moe_block"):
         config_from_dict({"model_type": "gemma4_text", **GEMMA4, "enable_moe_block": True,
                           "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32})
+
+
+def test_multimodal_gemma4_folder_loads_its_language_model(tmp_path):
+    """model_type gemma4 (Gemma 4's released checkpoints: vision and audio towers beside the
+    language model, keys model.language_model.*): nanosft loads the text model, with the logits
+    of transformers' AutoModelForCausalLM (Gemma4ForConditionalGeneration) on text."""
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+              "position_embedding_size": 64}
+    config = transformers.Gemma4Config(text_config=GEMMA4, vision_config=vision,
+                                       audio_config=None)
+    torch.manual_seed(0)
+    transformers.Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path / "vlm")
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
+    ours = CausalLM.from_pretrained(tmp_path / "vlm").eval()
+    assert type(ours).__name__ == "Gemma4ForCausalLM"
+    x = torch.randint(3, V, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, want(input_ids=x).logits, **TOL)

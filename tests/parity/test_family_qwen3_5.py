@@ -13,7 +13,9 @@ document start, so its packed row is not the reference: a negative control shows
 generation with the cache token for token; quantize-while-loading bitwise equal to
 load-then-quantize and transformers + bitsandbytes; "all-linear" and the named targets
 (linear_attn.in_proj_qkv, in_proj_z, out_proj, ...) wrapping what peft wraps; a trained adapter
-moving both ways; the MoE variant refused by name. Hermetic: tmp folders, no downloads.
+moving both ways; the MoE variant refused by name; a multimodal qwen3_5 folder (vision tower
+beside the language model) loading its text model as transformers does. Hermetic: tmp folders,
+no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_qwen3_5.py
 """
@@ -158,3 +160,20 @@ def test_cached_steps_equal_one_forward(tmp_path):
             out = ours(x[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
             got.append(out.logits)
     torch.testing.assert_close(torch.cat(got, dim=1), want, **TOL)
+
+
+def test_multimodal_qwen3_5_folder_loads_its_language_model(tmp_path):
+    """model_type qwen3_5 (Qwen3.5's released checkpoints: a vision tower beside the language
+    model, keys model.language_model.*): nanosft loads the text model, as transformers'
+    AutoModelForCausalLM does, with equal logits; the vision weights are not read."""
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+              "out_hidden_size": 64}
+    config = transformers.Qwen3_5Config(text_config=QWEN3_5, vision_config=vision)
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path / "vlm")
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
+    ours = CausalLM.from_pretrained(tmp_path / "vlm").eval()
+    assert type(ours).__name__ == type(want).__name__ == "Qwen3_5ForCausalLM"
+    x = torch.randint(3, V, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, want(x).logits, **TOL)
