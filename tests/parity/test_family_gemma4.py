@@ -13,7 +13,8 @@ unpadded speed path, packed and right-padded); greedy generation with the cache 
 load-then-quantize and transformers + bitsandbytes; "all-linear" naming peft's modules; a LoRA
 adapter trained 3 steps by one library loading in the other; layer_scalar loaded as a buffer, not
 a trainable parameter; the MoE block refused by name; a multimodal gemma4 folder loading its text
-model with transformers' logits. Hermetic: tmp folders, no downloads.
+model with transformers' logits; gradient checkpointing giving the plain backward's gradients.
+Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_gemma4.py
 """
@@ -147,3 +148,22 @@ def test_multimodal_gemma4_folder_loads_its_language_model(tmp_path):
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, want(input_ids=x).logits, **TOL)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    """Checkpointed layers (recomputed in backward, their cache entries and masks passed again)
+    give the gradients of the plain backward, on a right-padded batch."""
+    _, folder = hf_folder(tmp_path)
+    x = torch.randint(3, V, (2, 20))
+    mask = (torch.arange(20) < torch.tensor([[20], [15]])).long()
+    grads = []
+    for checkpointing in (False, True):
+        ours = CausalLM.from_pretrained(folder).train()
+        if checkpointing:
+            ours.gradient_checkpointing_enable()
+        labels = x.masked_fill(mask == 0, -100)
+        ours(input_ids=x, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
+    assert sorted(grads[0]) == sorted(grads[1])
+    for n, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][n], grad, rtol=0, atol=1e-6, msg=n)

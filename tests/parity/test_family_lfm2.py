@@ -9,7 +9,8 @@ transformers run on each document alone (transformers' conv window runs across a
 a negative control shows it); the conv window cache stepped token by token equal to one forward;
 greedy generation token for token; quantize-while-loading bitwise equal to load-then-quantize and
 transformers + bitsandbytes; "all-linear" and LFM2's own names (in_proj, out_proj, w1, w2, w3, ...)
-wrapping what peft wraps; a trained adapter moving both ways. Hermetic: tmp folders, no downloads.
+wrapping what peft wraps; a trained adapter moving both ways; gradient checkpointing giving the
+plain backward's gradients. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_lfm2.py
 """
@@ -121,3 +122,22 @@ def test_trained_lora_adapters_move_both_ways(tmp_path):
     hf, folder = hf_folder(tmp_path)
     x = torch.randint(3, V, (2, 12))
     assert_adapters_move_both_ways(hf, folder, tmp_path, x, TARGETS, "lfm2")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    """Checkpointed layers (recomputed in backward, their cache entries and masks passed again)
+    give the gradients of the plain backward, on a right-padded batch."""
+    _, folder = hf_folder(tmp_path)
+    x = torch.randint(3, V, (2, 20))
+    mask = (torch.arange(20) < torch.tensor([[20], [15]])).long()
+    grads = []
+    for checkpointing in (False, True):
+        ours = CausalLM.from_pretrained(folder).train()
+        if checkpointing:
+            ours.gradient_checkpointing_enable()
+        labels = x.masked_fill(mask == 0, -100)
+        ours(input_ids=x, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
+    assert sorted(grads[0]) == sorted(grads[1])
+    for n, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][n], grad, rtol=0, atol=1e-6, msg=n)
