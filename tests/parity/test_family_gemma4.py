@@ -13,8 +13,8 @@ unpadded speed path, packed and right-padded); greedy generation with the cache 
 load-then-quantize and transformers + bitsandbytes; "all-linear" naming peft's modules; a LoRA
 adapter trained 3 steps by one library loading in the other; layer_scalar loaded as a buffer, not
 a trainable parameter; the MoE block refused by name; a multimodal gemma4 folder loading its text
-model with transformers' logits; gradient checkpointing giving the plain backward's gradients.
-Hermetic: tmp folders, no downloads.
+model with transformers' logits; gradient checkpointing giving the plain backward's gradients;
+bf16 logits bit for bit. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_gemma4.py
 """
@@ -167,3 +167,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     assert sorted(grads[0]) == sorted(grads[1])
     for n, grad in grads[0].items():
         torch.testing.assert_close(grads[1][n], grad, rtol=0, atol=1e-6, msg=n)
+
+
+def test_bf16_logits_equal_transformers_bitwise(tmp_path):
+    """Loaded in bfloat16, the same casts in the same places: logits bit for bit."""
+    _, folder = hf_folder(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    x = torch.randint(3, V, (2, 80))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)

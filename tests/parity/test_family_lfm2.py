@@ -10,7 +10,7 @@ a negative control shows it); the conv window cache stepped token by token equal
 greedy generation token for token; quantize-while-loading bitwise equal to load-then-quantize and
 transformers + bitsandbytes; "all-linear" and LFM2's own names (in_proj, out_proj, w1, w2, w3, ...)
 wrapping what peft wraps; a trained adapter moving both ways; gradient checkpointing giving the
-plain backward's gradients. Hermetic: tmp folders, no downloads.
+plain backward's gradients; bf16 logits bit for bit. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_lfm2.py
 """
@@ -141,3 +141,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     assert sorted(grads[0]) == sorted(grads[1])
     for n, grad in grads[0].items():
         torch.testing.assert_close(grads[1][n], grad, rtol=0, atol=1e-6, msg=n)
+
+
+def test_bf16_logits_equal_transformers_bitwise(tmp_path):
+    """Loaded in bfloat16, the same casts in the same places: logits bit for bit."""
+    _, folder = hf_folder(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    x = torch.randint(3, V, (2, 80))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)
