@@ -39,6 +39,9 @@ QWEN3_5 = {**BASE, "num_hidden_layers": 4, "head_dim": 32, "linear_key_head_dim"
            "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
 TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj",
            "v_proj", "o_proj"]
+# a regex as Qwen3.5 fine-tuning scripts write it (vision tower excluded)
+REGEX_TARGETS = (r"^(?!.*visual).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+                 r"|in_proj_qkv|in_proj_z|out_proj)$")
 
 
 def hf_folder(tmp_path):
@@ -123,7 +126,8 @@ def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(t
     assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))
 
 
-@pytest.mark.parametrize("target_modules", ["all-linear", TARGETS])
+@pytest.mark.parametrize("target_modules", ["all-linear", TARGETS, ["linear_attn.in_proj_qkv"],
+                                            REGEX_TARGETS])
 def test_lora_targets_the_modules_peft_targets(target_modules, tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": target_modules}
