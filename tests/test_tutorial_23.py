@@ -3,7 +3,8 @@ attention, the delta rule, the gated delta rule, Qwen3.5's Gated DeltaNet layer)
 
 Compared: exit code 0 (the script asserts each step's two forms equal within 1e-5: softmax by hand
 vs SDPA, linear attention's (T, T) form vs its (D, D) state, the delta rule's correction form vs
-its product form, the gated rule by hand vs nanosft's recurrent form vs transformers' torch
+its product form, the gated rule's token loop vs its chunked form by hand (a triangular solve per
+chunk) vs nanosft's recurrent form vs transformers' torch
 implementations, recurrent vs chunked for chunk sizes 2, 4, 8, Qwen3.5's layer vs transformers', a
 packed row vs its documents alone), then the printed figures: every "max difference" line at most
 1e-5 and each expected one present; the sequential-step counts T / C worked out here; the delta
@@ -36,6 +37,7 @@ def test_tutorial_23_every_step_matches(out):
                 "(Q K^T * causal) V vs the state S updated once a token",
                 "correction form vs (I - beta k k^T) S + beta k v^T",
                 "by hand vs nanosft recurrent_gated_delta_rule",
+                f"by hand: recurrent ({T} steps) vs chunked ({T // 4} steps of 4)",
                 "nanosft recurrent vs transformers torch_recurrent_gated_delta_rule",
                 "nanosft chunked vs transformers torch_chunk_gated_delta_rule",
                 "Qwen3.5 linear_attn layer: nanosft vs transformers",

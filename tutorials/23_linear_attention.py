@@ -15,7 +15,8 @@ You should see:
     largest difference of at most 1e-5 between its two forms;
   - the delta rule reading back the value it wrote (error ~1e-6, rounding) where linear
     attention reads back a mixture of every write (error ~1);
-  - recurrent vs chunked for chunk sizes 2, 4 and 8 (T sequential steps vs T / C), and both
+  - the chunked form by hand (a triangular solve per chunk) equal to the token loop; nanosft's
+    recurrent vs chunked for chunk sizes 2, 4 and 8 (T sequential steps vs T / C), and both
     against transformers' torch_recurrent_gated_delta_rule / torch_chunk_gated_delta_rule;
   - "Qwen3.5 linear_attn layer: nanosft vs transformers" at most 1e-5, then
     "OK: linear attention checked against transformers".
@@ -109,6 +110,23 @@ for t in range(T):
     S = S + torch.outer(k[t], beta[t] * (v[t] - k[t] @ S))  # then the delta write
     o_gated.append(q_scaled[t] @ S)
 o_gated = torch.stack(o_gated)
+# the chunked form by hand, C tokens at a time: inside a chunk the T sequential writes become
+# one triangular solve; only the state crosses chunk borders (T / C sequential steps)
+C = 4
+S = torch.zeros(D, D)
+o_chunked = []
+for c in range(0, T, C):
+    qc, kc, vc, bc = q_scaled[c:c + C], k[c:c + C], v[c:c + C], beta[c:c + C, None]
+    G = decay[c:c + C].cumsum(0)  # log decay from the chunk start, (C,)
+    gamma = (G[:, None] - G[None, :]).exp() * torch.ones(C, C).tril()  # decay from s to t
+    A = (bc * (kc @ kc.T) * gamma).tril(-1)  # how write s < t changes what t must correct
+    # the corrections U of all C tokens at once: (I + A) U = beta V - beta e^G K S
+    U = torch.linalg.solve_triangular(torch.eye(C) + A, bc * vc - bc * G.exp()[:, None] * kc @ S,
+                                      upper=False)
+    o_chunked.append(G.exp()[:, None] * qc @ S + (qc @ kc.T * gamma) @ U)  # old state + chunk
+    S = G[-1].exp() * S + (kc * (G[-1] - G).exp()[:, None]).T @ U  # the state at the chunk end
+report(f"by hand: recurrent ({T} steps) vs chunked ({T // C} steps of {C})", o_gated,
+       torch.cat(o_chunked))
 # nanosft's forms take (B, T, H, D) (and do the l2 norms and the scale themselves)
 args = (q[None, :, None], k[None, :, None], v[None, :, None], decay[None, :, None],
         beta[None, :, None])
