@@ -74,8 +74,8 @@ def config_from_dict(d):
     if model_type in TEXT_MODELS:  # the language model inside a multimodal folder
         text_type, prefix = TEXT_MODELS[model_type]
         text = d.get("text_config") or {}
-        config = config_from_dict({"tie_word_embeddings": d.get("tie_word_embeddings", False),
-                                   **text, "model_type": text_type})
+        outer = {k: d[k] for k in ("tie_word_embeddings", "dtype", "torch_dtype") if k in d}
+        config = config_from_dict({**outer, **text, "model_type": text_type})
         config.checkpoint_prefix = prefix
         return config
     if model_type is not None and model_type not in supported_model_types():
