@@ -8,7 +8,7 @@ second embedding table, num_hidden_layers slices of hidden_size_per_layer_input 
 with a projection of the embeddings and fed to each layer through a gated residual. The last
 num_kv_shared_layers layers reuse the keys and values of the last earlier layer of their type
 (no k_proj, v_proj of their own). Each layer's output is multiplied by its `layer_scalar`.
-Refused: the MoE block (`enable_moe_block`) and bidirectional attention.
+Refused: the MoE block (`enable_moe_block`) and bidirectional attention over text ("all").
 """
 
 from dataclasses import dataclass, replace
@@ -36,7 +36,7 @@ DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_0
 class Gemma4Config(ModelConfig):
     """ModelConfig plus Gemma 4's text fields, with Gemma4TextConfig's defaults.
     Mirrors: transformers Gemma4TextConfig
-    Differs: enable_moe_block and use_bidirectional_attention are refused."""
+    Differs: enable_moe_block and use_bidirectional_attention="all" are refused."""
 
     ARCHITECTURES = {"gemma4_text": "Gemma4ForCausalLM"}
     model_type: str = "gemma4_text"
@@ -77,9 +77,10 @@ class Gemma4Config(ModelConfig):
         if self.enable_moe_block:
             raise ValueError("config: enable_moe_block=true (Gemma 4's MoE variant) is not "
                              "supported; load a dense Gemma 4 model")
-        if self.use_bidirectional_attention is not None:
+        if self.use_bidirectional_attention not in (None, "vision"):  # "vision": text is causal
             raise ValueError(f"config: use_bidirectional_attention="
-                             f"{self.use_bidirectional_attention!r} is not supported (causal only)")
+                             f"{self.use_bidirectional_attention!r} is not supported: nanosft's "
+                             "text model is causal (null or 'vision', which is causal on text)")
         if self.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"config: hidden_activation={self.hidden_activation!r} is not "
                              "supported; Gemma 4 uses 'gelu_pytorch_tanh'")

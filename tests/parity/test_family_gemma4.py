@@ -6,15 +6,15 @@ layers on proportional RoPE; norms randomized, each layer_scalar set to 1 + 0.1 
 per-layer inputs (64 per layer) and the last two layers reading the keys and values of layers 1
 and 2; "gemma4-k-eq-v" with values from k_proj in the full layers (one kv head there), double-wide
 MLPs in the shared layers, logits soft-capped at 3; "gemma4-plain" with neither per-layer inputs
-nor shared layers. Logits within 1e-5 both
+nor shared layers, use_bidirectional_attention "vision" (causal on text). Logits within 1e-5 both
 ways on a plain, a left-padded and a packed batch, in eval and in a training forward (nanosft's
 unpadded speed path, packed and right-padded); greedy generation with the cache token for token
 (the shared layers read the producers' cache); quantize-while-loading bitwise equal to
 load-then-quantize and transformers + bitsandbytes; "all-linear" naming peft's modules; a LoRA
 adapter trained 3 steps by one library loading in the other; layer_scalar loaded as a buffer, not
-a trainable parameter; the MoE block refused by name; a multimodal gemma4 folder loading its text
-model with transformers' logits; gradient checkpointing giving the plain backward's gradients;
-bf16 logits bit for bit. Hermetic: tmp folders, no downloads.
+a trainable parameter; the MoE block and bidirectional text attention refused by name; a
+multimodal gemma4 folder loading its text model with transformers' logits; gradient checkpointing
+giving the plain backward's gradients; bf16 logits bit for bit. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_gemma4.py
 """
@@ -41,8 +41,9 @@ VARIANTS = {"gemma4": GEMMA4,
             "gemma4-k-eq-v": {**GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
                               "use_double_wide_mlp": True, "final_logit_softcapping": 3.0},
             # transformers' KV-shared path needs the per-layer inputs: none here, no sharing
+            # use_bidirectional_attention "vision" (Gemma 4's larger checkpoints): causal on text
             "gemma4-plain": {**GEMMA4, "hidden_size_per_layer_input": 0,
-                             "num_kv_shared_layers": 0}}
+                             "num_kv_shared_layers": 0, "use_bidirectional_attention": "vision"}}
 
 
 def hf_folder(tmp_path, name="gemma4"):
@@ -125,10 +126,13 @@ def test_layer_scalar_loads_as_a_buffer(tmp_path):
         [1 + 0.1 * i for i in range(5)])
 
 
-def test_moe_block_is_refused_by_name():
+def test_moe_block_and_bidirectional_text_are_refused_by_name():
     with pytest.raises(ValueError, match="enable_moe_block"):
         config_from_dict({"model_type": "gemma4_text", **GEMMA4, "enable_moe_block": True,
                           "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32})
+    with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
+        config_from_dict({"model_type": "gemma4_text", **GEMMA4,
+                          "use_bidirectional_attention": "all"})
 
 
 def test_multimodal_gemma4_folder_loads_its_language_model(tmp_path):
