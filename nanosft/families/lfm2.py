@@ -60,6 +60,16 @@ class Lfm2Config(ModelConfig):
                              f"{self.num_hidden_layers} layers one of {LAYER_TYPES}, at least "
                              "one full_attention; fix config.json")
 
+    @classmethod
+    def from_dict(cls, d):
+        """ModelConfig.from_dict, reading LFM2's older names block_ff_dim (intermediate_size) and
+        tie_embedding (tie_word_embeddings) as transformers does.
+        Mirrors: transformers Lfm2Config.__post_init__"""
+        if isinstance(d, dict):
+            aliases = {"block_ff_dim": "intermediate_size", "tie_embedding": "tie_word_embeddings"}
+            d = {**d, **{new: d[old] for old, new in aliases.items() if old in d}}
+        return super().from_dict(d)
+
     def to_dict(self):
         """ModelConfig.to_dict under LFM2's names (norm_eps; no hidden_act)."""
         d = super().to_dict()

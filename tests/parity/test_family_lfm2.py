@@ -10,7 +10,8 @@ a negative control shows it); the conv window cache stepped token by token equal
 greedy generation token for token; quantize-while-loading bitwise equal to load-then-quantize and
 transformers + bitsandbytes; "all-linear" and LFM2's own names (in_proj, out_proj, w1, w2, w3, ...)
 wrapping what peft wraps; a trained adapter moving both ways; gradient checkpointing giving the
-plain backward's gradients; bf16 logits bit for bit. Hermetic: tmp folders, no downloads.
+plain backward's gradients; bf16 logits bit for bit; block_ff_dim and tie_embedding (older
+config names) read as transformers reads them. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_lfm2.py
 """
@@ -24,6 +25,7 @@ from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
                            models_both_ways, save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
+from nanosft.families import config_from_dict
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 
@@ -151,3 +153,13 @@ def test_bf16_logits_equal_transformers_bitwise(tmp_path):
     x = torch.randint(3, V, (2, 80))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)
+
+
+def test_older_config_names_read_as_transformers_reads_them():
+    old = {**LFM2, "block_ff_dim": 192, "tie_embedding": False}
+    del old["tie_word_embeddings"]
+    want = transformers.Lfm2Config(**old)
+    got = config_from_dict({"model_type": "lfm2", **old})
+    assert (got.intermediate_size, got.tie_word_embeddings) == (want.intermediate_size,
+                                                                want.tie_word_embeddings)
+    assert (got.intermediate_size, got.tie_word_embeddings) == (192, False)
