@@ -48,10 +48,18 @@ TEXT_MODELS = {
 }
 
 
+# model_type -> key prefixes a checkpoint may hold that the model never reads (Qwen3.5's
+# multi-token-prediction head)
+IGNORED_KEYS = {"qwen3_5_text": ("mtp.",)}
+
+
 def text_model_index(config, index):
     """The checkpoint index under the text model's keys (model.language_model.X -> model.X, the
-    other towers dropped) when config came from a multimodal folder; else index unchanged.
-    Mirrors: transformers conversion_mapping PrefixChange (qwen3_5_text)"""
+    other towers dropped) when config came from a multimodal folder, less the keys the family
+    ignores. Mirrors: transformers conversion_mapping PrefixChange (qwen3_5_text),
+    _keys_to_ignore_on_load_unexpected"""
+    ignored = IGNORED_KEYS.get(config.model_type, ())
+    index = {k: info for k, info in index.items() if not k.startswith(ignored)}
     prefix = getattr(config, "checkpoint_prefix", None)
     if prefix is None:
         return index

@@ -210,3 +210,19 @@ def test_bf16_logits_equal_transformers_bitwise(tmp_path):
     x = torch.randint(3, V, (2, 80))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)
+
+
+def test_multi_token_prediction_weights_are_not_read(tmp_path):
+    """Released Qwen3.5 checkpoints carry an mtp.* head: transformers ignores it on load, so
+    does nanosft (the logits equal transformers' on the same folder)."""
+    from safetensors.torch import load_file, save_file
+
+    hf, folder = hf_folder(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    want = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = CausalLM.from_pretrained(folder).eval()
+    x = torch.randint(3, V, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, want(x).logits, **TOL)
