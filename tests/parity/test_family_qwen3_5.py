@@ -15,7 +15,8 @@ load-then-quantize and transformers + bitsandbytes; "all-linear" and the named t
 (linear_attn.in_proj_qkv, in_proj_z, out_proj, ...) wrapping what peft wraps; a trained adapter
 moving both ways; the MoE variant refused by name; a multimodal qwen3_5 folder (vision tower
 beside the language model) loading its text model as transformers does; gradient checkpointing
-giving the plain backward's gradients; bf16 logits bit for bit. Hermetic: tmp folders, no downloads.
+giving the plain backward's gradients; bf16 logits bit for bit; a checkpoint's mtp.* weights
+left unread, as transformers leaves them. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_qwen3_5.py
 """
