@@ -291,6 +291,13 @@ class Gemma4Model(DecoderModel):
         if input_ids is None:
             raise ValueError("Gemma 4 needs input_ids: its per-layer inputs are looked up by "
                              "token id (inputs_embeds alone is not supported)")
+        c = self.config
+        if past_key_values and torch.is_tensor(past_key_values[0]) and (
+                c.num_kv_shared_layers or len({c.layer_config(i) for i in range(len(self.layers))})
+                > 1):  # peft's prefixes: one (2, B, KV, n, D) tensor per layer, all alike
+            raise ValueError("prefix tuning is not supported for this gemma4_text model: its "
+                             "layers share keys and values or differ in head_dim / kv heads; use "
+                             "LoRA")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         B, T, C = h.shape
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0

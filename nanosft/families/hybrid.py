@@ -67,6 +67,12 @@ class HybridModel(DecoderModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         B, T = h.shape[:2]
+        if past_key_values and any(torch.is_tensor(past_key_values[i]) for i, t in
+                                   enumerate(self.config.layer_types) if t in RECURRENT):
+            raise ValueError(f"prefix tuning is not supported for {self.config.model_type}: its "
+                             f"{'/'.join(sorted(set(self.config.layer_types) & set(RECURRENT)))} "
+                             "layers keep a state, not keys and values a prefix could extend; "
+                             "use LoRA, prompt tuning or P-tuning")
         past_len = self.past_length(past_key_values)
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + T, device=h.device)[None]

@@ -14,7 +14,8 @@ load-then-quantize and transformers + bitsandbytes; "all-linear" naming peft's m
 adapter trained 3 steps by one library loading in the other; layer_scalar loaded as a buffer, not
 a trainable parameter; the MoE block and bidirectional text attention refused by name; a
 multimodal gemma4 folder loading its text model with transformers' logits; gradient checkpointing
-giving the plain backward's gradients; bf16 logits bit for bit. Hermetic: tmp folders, no downloads.
+giving the plain backward's gradients; bf16 logits bit for bit; prefix tuning refused where layers
+share keys and values. Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_gemma4.py
 """
@@ -181,3 +182,13 @@ def test_bf16_logits_equal_transformers_bitwise(tmp_path):
     x = torch.randint(3, V, (2, 80))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)
+
+
+def test_prefix_tuning_is_refused_where_layers_share_or_differ(tmp_path):
+    from nanosft.peft import PrefixTuningConfig
+
+    _, folder = hf_folder(tmp_path)
+    model = get_peft_model(CausalLM.from_pretrained(folder),
+                           PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match="prefix tuning is not supported for this gemma4_text"):
+        model(torch.randint(3, V, (1, 6)))

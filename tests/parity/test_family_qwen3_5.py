@@ -16,7 +16,9 @@ load-then-quantize and transformers + bitsandbytes; "all-linear" and the named t
 moving both ways; the MoE variant refused by name; a multimodal qwen3_5 folder (vision tower
 beside the language model) loading its text model as transformers does; gradient checkpointing
 giving the plain backward's gradients; bf16 logits bit for bit; a checkpoint's mtp.* weights
-left unread, as transformers leaves them. Hermetic: tmp folders, no downloads.
+left unread, as transformers leaves them; prompt tuning equal to peft's; prefix tuning refused
+by name (the recurrent layers have no keys and values to prefix). Hermetic: tmp folders, no
+downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_qwen3_5.py
 """
@@ -227,3 +229,30 @@ def test_multi_token_prediction_weights_are_not_read(tmp_path):
     x = torch.randint(3, V, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, want(x).logits, **TOL)
+
+
+def test_prefix_tuning_is_refused_by_name(tmp_path):
+    """Gated DeltaNet layers keep a state, not keys and values a prefix could extend."""
+    from nanosft.peft import PrefixTuningConfig
+
+    _, folder = hf_folder(tmp_path)
+    model = get_peft_model(CausalLM.from_pretrained(folder),
+                           PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match="prefix tuning is not supported for qwen3_5_text"):
+        model(torch.randint(3, V, (1, 6)))
+
+
+def test_prompt_tuning_matches_peft(tmp_path):
+    """Prompt tuning prepends the prompts as embeddings: they run through the recurrent layers like
+    tokens, as in peft over transformers' model."""
+    from nanosft.peft import PromptTuningConfig
+
+    hf, folder = hf_folder(tmp_path)
+    config = {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}
+    theirs = peft.get_peft_model(hf, peft.PromptTuningConfig(**config))
+    ours = get_peft_model(CausalLM.from_pretrained(folder).eval(), PromptTuningConfig(**config))
+    x = torch.randint(3, V, (2, 10))
+    with torch.no_grad():
+        ours.prompt_encoder["default"].embedding.weight.copy_(
+            theirs.prompt_encoder["default"].embedding.weight)
+        torch.testing.assert_close(ours(x).logits, theirs(input_ids=x).logits, **TOL)
