@@ -52,13 +52,15 @@ class HybridModel(DecoderModel):
 
     norm_name = "norm"  # the final norm's attribute (LFM2: embedding_norm)
 
+    def attention_index(self):
+        """The index of the first attention layer."""
+        return next(i for i, t in enumerate(self.config.layer_types) if t not in RECURRENT)
+
     def past_length(self, past_key_values):
         """Tokens already in the cache: the key length of the first attention layer."""
         if not past_key_values:
             return 0
-        types = self.config.layer_types
-        i = next(i for i, t in enumerate(types) if t not in RECURRENT)
-        return past_key_values[i][0].shape[2]
+        return past_key_values[self.attention_index()][0].shape[2]
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 past_key_values=None, use_cache=False):
@@ -67,8 +69,8 @@ class HybridModel(DecoderModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         B, T = h.shape[:2]
-        if past_key_values and any(torch.is_tensor(past_key_values[i]) for i, t in
-                                   enumerate(self.config.layer_types) if t in RECURRENT):
+        # peft's prefixes: a (2, B, KV, n, D) tensor per layer (a cache holds (k, v) tuples)
+        if past_key_values and torch.is_tensor(past_key_values[self.attention_index()]):
             raise ValueError(f"prefix tuning is not supported for {self.config.model_type}: its "
                              f"{'/'.join(sorted(set(self.config.layer_types) & set(RECURRENT)))} "
                              "layers keep a state, not keys and values a prefix could extend; "
