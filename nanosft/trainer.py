@@ -21,8 +21,8 @@ from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
 from nanosft.reference import reference_mode_enabled
-from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, TrainerControl,
-                                      TrainerState)
+from nanosft.trainer_callback import (CallbackHandler, TrainerControl, TrainerState,
+                                      default_callbacks)
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
                                    EvalPrediction, autocast_context, build_dataloader,
                                    check_trainer_arguments, convert_outputs_to_fp32,
@@ -69,11 +69,10 @@ class Trainer:
         self.model_accepts_loss_kwargs = model_accepts_loss_kwargs(self.model)
         # fp16 needs loss scaling; bf16 has fp32's exponent range (guide: mixed precision)
         self.scaler = torch.amp.GradScaler(self.args.device.type) if self.args.fp16 else None
-        from nanosft.monitoring.callbacks import reporting_callbacks  # progress bar, logs, ...
-
-        default_callbacks = [DefaultFlowCallback(), *reporting_callbacks(self.args)]
-        self.callback_handler = CallbackHandler(default_callbacks + list(callbacks or []),
-                                                self.model, self.processing_class,
+        # DefaultFlowCallback, the progress bar, the reporting report_to asks for (not in reference
+        # mode), then the caller's
+        callbacks = default_callbacks(self.args) + list(callbacks or [])
+        self.callback_handler = CallbackHandler(callbacks, self.model, self.processing_class,
                                                 self.optimizer, self.lr_scheduler)
         self.state = TrainerState(is_world_process_zero=distributed.is_main_process())
         self.control = TrainerControl()

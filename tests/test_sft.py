@@ -145,7 +145,8 @@ def test_sft_loss_is_shifted_cross_entropy_over_num_items(tmp_path, tokenizer):
 
 def test_logs_carry_trl_metrics(tmp_path, tokenizer):
     trainer = SFTTrainer(
-        model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer
+        model_for(tokenizer), config(tmp_path, report_to="nanosft"), train_dataset=PAIRS,
+        processing_class=tokenizer
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -150,7 +150,7 @@ def write_summary(path, summary: dict) -> None:
 
 
 def demo_config(
-    output_dir, steps, mode, device, report_to="none", trace=False, overwrite_output_dir=False
+    output_dir, steps, mode, device, report_to="nanosft", trace=False, overwrite_output_dir=False
 ):
     """The SFTConfig of the demo: small batches, a high LoRA learning rate, assistant-only loss,
     no checkpoints.
@@ -219,7 +219,7 @@ def run(
     mode="qlora",
     device="cpu",
     steps=120,
-    report_to="none",
+    report_to="nanosft",
     trace=False,
     overwrite_output_dir=False,
 ):
@@ -284,7 +284,7 @@ def run(
         if plot
         else 'loss curve: pip install "nanosft[plot]" to draw loss.png'
     )
-    if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is not None:
+    if report_to in ("tensorboard", "all") and importlib.util.find_spec("tensorboard") is not None:
         print(f"TensorBoard events (written as it logged): {os.path.join(output_dir, 'runs')}")
     write_summary(
         os.path.join(output_dir, "demo_summary.json"),
@@ -296,7 +296,7 @@ def run(
             "train_seconds": round(train_seconds, 2),
             "total_seconds": round(time.time() - start, 2),
             "train_loss": result.training_loss,
-            "train_model_flops_per_second": result.metrics["train_model_flops_per_second"],
+            "train_model_flops_per_second": result.metrics.get("train_model_flops_per_second"),
             "mfu": result.metrics.get("mfu"),
         },
     )
