@@ -52,10 +52,11 @@ def _speed_path(name: str):
     return getattr(_fast, name)
 
 
-def fast_path(name: str):
+def fast_path(name: str, asked: bool = False):
     """The speed path `name` of nanosft.fast, or None in reference mode: the one door from the
-    teaching core to the speed paths (one statement in reference mode)."""
-    return None if _enabled else _speed_path(name)
+    teaching core to the speed paths (one statement in reference mode). asked=True: the caller
+    asked for this path by name (`fused_lm_head=True`), so reference mode gives it too."""
+    return None if _enabled and not asked else _speed_path(name)
 
 
 # the callbacks a Trainer keeps in reference mode (trainer_callback.default_callbacks): no

@@ -307,14 +307,14 @@ class SFTTrainer(Trainer):
                 if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                     loss = loss * self.args.world_size
         else:  # speed path (nanosft.fast.lm_head): no (B, T, V) logits
-            with self.compute_loss_context_manager():
-                outputs = model(**inputs, fused_lm_head=True)
-            per_token_loss = -outputs.log_probs  # zero on ignored positions
+            with self.compute_loss_context_manager():  # the model's loss: sum of -log p / tokens
+                outputs = model(**inputs, num_items_in_batch=num_items_in_batch, fused_lm_head=True)
+            loss = outputs.loss
             if self.args.loss_type == "dft":  # each token's NLL weighted by its p (no gradient)
-                per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
-            num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
-                          else num_items_in_batch)
-            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+                per_token_loss = -outputs.log_probs * outputs.log_probs.exp().detach()
+                num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
+                              else num_items_in_batch)
+                loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
             stats = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.sum(),
                                  outputs.is_top1.sum().float()])
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:

@@ -221,3 +221,22 @@ def test_switch_follows_environment_and_python(monkeypatch):
     finally:
         set_reference_mode(None)
     assert not reference_mode_enabled()
+
+
+def test_a_reference_mode_seam_is_one_statement():
+    # the switch is a cached flag: each fast_path call runs one statement of reference.py, and a
+    # 4-bit layer looks bitsandbytes up instead of running its import again on every call
+    from nanosft.nf4 import Linear4bit
+
+    layer = Linear4bit.from_linear(torch.nn.Linear(64, 64), compute_dtype=torch.float32)
+    x = torch.randn(2, 64)
+    layer(x)  # the first call may import
+    with reference_mode(True):
+        seen = executed_lines(lambda: layer(x))
+        calls = []
+        seen_switch = executed_lines(lambda: calls.append(fast_path("recomputed")))
+    source = open(os.path.join(PACKAGE, "nf4.py"), encoding="utf-8").read().splitlines()
+    ran = [source[n - 1].strip() for f, n in seen if f.endswith("nf4.py")]
+    assert ran and not any(line.startswith("import bitsandbytes") for line in ran)
+    assert calls == [None]
+    assert len([n for f, n in seen_switch if f.endswith("reference.py")]) == 1
