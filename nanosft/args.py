@@ -368,13 +368,13 @@ class TrainingArguments:
                   "bf16=True or leave both off")
 
     def _validate_fsdp(self):
+        if self.fsdp in (None, False, "", []):  # FSDP off: both fields stay as given, as in
+            return  # transformers, and the product layer's FSDP module stays unimported
         # transformers' normalisation (fsdp_ prefix stripped, legacy strings); unknown keys refused
         from nanosft.parallel.fsdp import check_fsdp_options, normalize_fsdp_config
 
-        config = normalize_fsdp_config(self.fsdp, self.fsdp_config)
-        if config is not None:  # FSDP off: both fields stay as given, as in transformers
-            self.fsdp, self.fsdp_config = True, config
-            check_fsdp_options(self)
+        self.fsdp, self.fsdp_config = True, normalize_fsdp_config(self.fsdp, self.fsdp_config)
+        check_fsdp_options(self)
 
     # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----
     @property
