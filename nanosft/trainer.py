@@ -215,6 +215,7 @@ class Trainer:
         from nanosft.parallel import wrap_model
 
         model = wrap_model(self.model, self.args)  # FSDP2 shards self.model in place
+        self.model_wrapped = model  # transformers' name: the outermost model (DDP, compile)
         if self.optimizer is None and self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs  # the two decay groups
             self.optimizer = optimizer_cls(get_parameter_groups(self.model, self.args.weight_decay),
