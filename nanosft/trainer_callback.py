@@ -275,9 +275,10 @@ class ProgressCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         if self.bar is not None and "loss" in logs:
+            speed = {"tok_s": logs.get("train_tokens_per_second"), "mfu": logs.get("mfu")}
             self.bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                  grad_norm=f"{logs.get('grad_norm', float('nan')):.3f}",
-                                 tok_s=logs.get("train_tokens_per_second"), mfu=logs.get("mfu"))
+                                 **{k: v for k, v in speed.items() if v is not None})
         from tqdm.auto import tqdm
 
         tqdm.write(str({k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}))
