@@ -335,9 +335,9 @@ class LoraLinear(nn.Module):
             return self.base_layer(x)
         result = self.base_layer(x)  # "result = self.base_layer(x, *args, **kwargs)"
         # speed path (nanosft.fast.lora; off in reference mode): the loop's sum without the clone
-        fused = (fast_path("add_lora") or (lambda *args: None))(self, x, result)
-        if fused is not None:
-            return fused
+        if (add_lora := fast_path("add_lora")) is not None:
+            if (fused := add_lora(self, x, result)) is not None:
+                return fused
         # peft's 4-bit layer casts back after every adapter; its float layer (lora.Linear) adds in
         # the adapters' dtype and casts once, at the end
         cast_each = isinstance(self.base_layer, Linear4bit)

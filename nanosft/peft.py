@@ -48,7 +48,8 @@ def inject_adapter(model, config, adapter_name="default"):
                            init_lora_weights=config.init_lora_weights)
         _replace_module(model, name, layer)
     # speed path (off in reference mode): q/k/v and gate/up LoRA A run as one GEMM each
-    (fast_path("link_shared_inputs") or (lambda model: None))(model)
+    if (link_shared_inputs := fast_path("link_shared_inputs")) is not None:
+        link_shared_inputs(model)
 
 
 def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
