@@ -26,7 +26,6 @@ from nanosft.lora import (  # noqa: F401
     LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
 from nanosft.nf4 import is_quantized
 from nanosft.prompt_learning import PrefixEncoder, PromptEmbedding, PromptEncoder
-from nanosft.reference import fast_path
 
 # ----------------------------------------------------------------------------- LoRA injection
 
@@ -47,9 +46,6 @@ def inject_adapter(model, config, adapter_name="default"):
                            use_rslora=config.use_rslora, use_dora=config.use_dora,
                            init_lora_weights=config.init_lora_weights)
         _replace_module(model, name, layer)
-    # speed path (off in reference mode): q/k/v and gate/up LoRA A run as one GEMM each
-    if (link_shared_inputs := fast_path("link_shared_inputs")) is not None:
-        link_shared_inputs(model)
 
 
 def mark_only_adapters_as_trainable(model, config, adapter_name="default"):

@@ -51,9 +51,9 @@ FAST_PATH_REPLACES = {
         "tr_loss = tr_loss + tr_loss_step",  # the nan/inf filter runs as one torch.where
         "outputs = model(**inputs)\n",  # SFTTrainer.compute_loss asks for the fused LM head
         'loss = outputs["loss"]',
-        *ADAPTER_LOOP,  # fp32 adapters: one addmm each, q/k/v and gate/up A as one GEMM
+        *ADAPTER_LOOP,  # fp32 adapters: B's product added by one addmm
     },
-    "qlora": {  # bf16 adapters: x cast once per shared input, no defensive clone
+    "qlora": {  # bf16 adapters: the scaling folded into the add, no defensive clone
         "tr_loss = tr_loss + tr_loss_step",
         "outputs = model(**inputs)\n",
         'loss = outputs["loss"]',

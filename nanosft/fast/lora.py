@@ -90,7 +90,8 @@ def lora_addmm(result, x, lora_A, lora_B, dropout, scaling):
 # ------------------------------------------------------------------------ the whole adapter sum
 # q/k/v (and gate/up) read the same input: their A products run as one GEMM over the concatenated
 # A weights, [A_q; A_k; A_v] (r_q + r_k + r_v, in), when the first of them is called; the others
-# take their columns. link_shared_inputs names the groups once, at injection.
+# take their columns. Opt-in: link_shared_inputs(model) after get_peft_model names the groups (x's
+# gradient then sums the members inside one GEMM: fp32 rounding, not autograd's order).
 SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _groups = weakref.WeakKeyDictionary()  # layer -> tuple of weakrefs to its group, itself included
 # .entry: (x, x._version, dtype, {id(layer): (weakref to it, its (..., r) product)})
@@ -211,10 +212,10 @@ def _add_term(result, ax, weight_B, scaling, dtype):
 
 
 def add_lora(layer, x, result):
-    """result + sum of the active adapters' lora_B(lora_A(x)) * scaling, what 2.7's loop adds for
-    plain LoRA adapters without dropout's randomness differing, with no defensive clone (nothing
-    here writes in place), x cast once and the A products of layers sharing x in one GEMM; None
-    where the walkthrough's lines must run (DoRA, CUDA autocast, fp32 adapters on a bf16 base)."""
+    """result + sum of the active adapters' lora_B(lora_A(dropout(x))) * scaling, what 2.7's loop
+    adds for plain LoRA adapters, with no defensive clone (nothing here writes in place) and, for
+    layers linked by link_shared_inputs, x cast once and their A products in one GEMM; None where
+    the walkthrough's lines must run (DoRA, CUDA autocast, fp32 adapters on a bf16 base)."""
     names = [n for n in layer.active_adapters if n in layer.lora_A]
     if (not names or any(layer.use_dora[n] for n in names) or torch.is_autocast_enabled()
             or result.dtype not in (torch.float32, torch.bfloat16)):

@@ -7,7 +7,6 @@ lm_head and loss. nanosft.memory sums them into the ledger's activations row.
 Paper: activation recomputation 1604.06174.
 """
 
-from nanosft.fast.lora import SHARED_INPUTS
 from nanosft.memory.plan import (
     DTYPE_BYTES, FFN_NORM_TYPES, FUSED_TYPES, QK_NORM_TYPES, layer_linears, lora_targets,
     nf4_quantizable,
@@ -47,16 +46,10 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
     if has_lora:
         ca = ad or DTYPE_BYTES[plan.adapter_dtype]
         r = plan.r
-        # q/k/v (gate/up) LoRA A as one GEMM (nanosft.fast.lora): one cast of the shared input,
-        # and the concatenated A weights (sum of r, in) saved for its backward
-        shared = not plan.use_dora and any(
-            lin in names and len(set(names) & set(ctx["targets"])) > 1 for names in SHARED_INPUTS)
         if ca == x_bytes:
             saved.add(x_name, N * in_f, x_bytes)  # lora_A reads the same input
-        else:  # one cast copy per adapter, or per shared input
-            saved.add(f"{x_name if shared else lin}.lora_input_cast", N * in_f, ca)
-        if shared:
-            saved.add(f"{lin}.lora_A_in_concatenation", r * in_f, ca)
+        else:
+            saved.add(f"{lin}.lora_input_cast", N * in_f, ca)  # one cast copy per adapter
         saved.add(f"{lin}.lora_A_out", N * r, ca)
         if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:
             saved.add(f"{lin}.lora_weight_cast", r * (in_f + out_f), ad)
