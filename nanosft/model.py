@@ -256,6 +256,9 @@ class CausalLM(nn.Module):
     # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
     accepts_loss_kwargs = True
     model_class = DecoderModel  # a model family's own (nanosft.families)
+    # a family whose files spell some weights otherwise (an MoE's per-expert keys, stacked here
+    # into 3-D parameters): model_index(index), merge(tensors, index), split(state_dict)
+    checkpoint_conversion = None
 
     def __init__(self, config):
         super().__init__()
@@ -370,8 +373,13 @@ class CausalLM(nn.Module):
         expected = model.state_dict()
         if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
             expected.pop("lm_head.weight"), index.pop("lm_head.weight", None)
-        hub.check_state_dict(index, expected, model_dir)
-        for key, tensor in hub.iter_tensors(index, dtype, device=device_map or "cpu"):
+        conversion = model.checkpoint_conversion  # None: file keys are the model's keys
+        hub.check_state_dict(index if conversion is None else conversion.model_index(index),
+                             expected, model_dir)
+        tensors = hub.iter_tensors(index, dtype, device=device_map or "cpu")
+        if conversion is not None:
+            tensors = conversion.merge(tensors, index)
+        for key, tensor in tensors:
             model._load_tensor(key, tensor, quantization_config)
             del tensor  # the next read must not overlap this one
         model.config.dtype = str(dtype).removeprefix("torch.")
@@ -403,6 +411,8 @@ class CausalLM(nn.Module):
         state_dict = self.state_dict() if state_dict is None else dict(state_dict)
         if self.config.tie_word_embeddings:
             state_dict.pop("lm_head.weight")  # loaders re-tie it to model.embed_tokens.weight
+        if self.checkpoint_conversion is not None:
+            state_dict = self.checkpoint_conversion.split(state_dict)
         hub.save_state_dict_to_hf(state_dict, save_directory, max_shard_size)
         self.config.dtype = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
         hub.write_json(self.config.to_dict(), os.path.join(save_directory, "config.json"))

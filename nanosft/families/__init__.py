@@ -13,6 +13,7 @@ from nanosft.families.mistral import MistralConfig, MistralForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from nanosft.families.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from nanosft.families.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from nanosft.families.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from nanosft.model import CausalLM
 
@@ -23,6 +24,7 @@ FAMILIES = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
 }
 

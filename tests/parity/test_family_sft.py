@@ -1,8 +1,10 @@
 """QLoRA SFT per step, nanosft SFTTrainer against TRL SFTTrainer + peft + bitsandbytes, for the
 families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (layers without
 RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, Phi-3 (partial RoPE;
-all-linear targets the fused qkv_proj and gate_up_proj) and Gemma 3 (a sliding and a full layer,
-(1 + w) norms around zero, the sublayer outputs normed).
+all-linear targets the fused qkv_proj and gate_up_proj), Gemma 3 (a sliding and a full layer,
+(1 + w) norms around zero, the sublayer outputs normed) and Qwen3-MoE (4 experts, top 2, LoRA on
+the attention; the load-balancing loss at router_aux_loss_coef 0.1 in the loss, divided by the 2
+accumulation steps as TRL does, and its logged aux_loss compared too).
 
 Per family: one tiny random model built by transformers' own config class (norms randomized so
 a q_norm / k_norm mix-up shows) saved to a folder; each stack loads that folder in 4-bit (NF4,
@@ -49,6 +51,11 @@ FAMILIES = {  # name: (transformers config class, overrides)
                      {"use_sliding_window": True, "sliding_window": WINDOW,
                       "max_window_layers": 1}),
     "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5}),
+    # 4 experts, top 2 renormalised; coef 0.1 so the load-balancing loss moves the loss
+    "qwen3_moe": (transformers.Qwen3MoeConfig,
+                  {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "norm_topk_prob": True,
+                   "router_aux_loss_coef": 0.1}),
     "gemma3_text": (transformers.Gemma3TextConfig,
                     {"head_dim": 16, "sliding_window": WINDOW,
                      "layer_types": ["sliding_attention", "full_attention"]}),
@@ -56,6 +63,8 @@ FAMILIES = {  # name: (transformers config class, overrides)
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
          "bnb_4bit_compute_dtype": torch.float32}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.0}
+# peft turns "all-linear" on an MoE into LoRA on the 3-D experts and the router too: attention here
+TARGETS = {"qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 ARGS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
         "learning_rate": 5e-3, "warmup_steps": 0, "max_grad_norm": 0.3, "logging_steps": 1,
         "save_strategy": "no", "use_cpu": True, "bf16": False, "fp16": False,
@@ -128,11 +137,13 @@ def trainers(name, tmp_path):
         quantization_config=transformers.BitsAndBytesConfig(**QLORA))
     our_model = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
     assert type(our_model).__name__ == type(ref_model).__name__ and is_quantized(our_model)
+    lora = {**LORA, "target_modules": TARGETS.get(name, LORA["target_modules"])}
     ref = trl.SFTTrainer(model=ref_model, args=trl.SFTConfig(str(tmp_path / "ref"), **ARGS),
                          train_dataset=datasets.Dataset.from_list(rows),
-                         processing_class=ref_tok, peft_config=peft.LoraConfig(**LORA))
+                         processing_class=ref_tok, peft_config=peft.LoraConfig(**lora))
     ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **ARGS), train_dataset=rows,
-                      processing_class=our_tok, peft_config=LoraConfig(**LORA))
+                      processing_class=our_tok, peft_config=LoraConfig(**lora))
+    assert ours.aux_loss_enabled == ref.aux_loss_enabled == (name == "qwen3_moe")
     ref_params = dict(ref.model.named_parameters())
     trainable = {n: p for n, p in ours.model.named_parameters() if p.requires_grad}
     assert sorted(trainable) == sorted(n for n, p in ref_params.items() if p.requires_grad)
@@ -149,7 +160,7 @@ def test_qlora_sft_losses_match_trl(name, tmp_path):
     ref_logs, our_logs = train_logs(ref), train_logs(ours)
     assert [h["step"] for h in our_logs] == [h["step"] for h in ref_logs] == [1, 2, 3]
     for a, b in zip(our_logs, ref_logs):
-        for key in KEYS:
+        for key in KEYS + (("aux_loss",) if name == "qwen3_moe" else ()):  # TRL logs it too
             atol = 1e-5
             if key == "loss" and a["step"] > 1:
                 atol = LOSS_ATOL_AFTER_STEP_1.get(name, atol)
@@ -181,6 +192,8 @@ def test_lora_gradients_match_peft(name, tmp_path):
         num_items = (ref_batch["labels"][:, 1:] != -100).sum()
         grads = []
         for trainer, batch in ((ref, ref_batch), (ours, our_batch)):
+            # the window's size, as the training loop sets it (MoE: aux_loss / steps)
+            trainer.current_gradient_accumulation_steps = ARGS["gradient_accumulation_steps"]
             model = trainer.model.train()
             model.zero_grad(set_to_none=True)
             trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items).backward()
