@@ -181,7 +181,7 @@ def peft_config_from_dict(d, source="adapter config"):
 # those need target_modules, as in peft
 DEFAULT_TARGET_MODULES = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"],
                           "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"],
-                          "gemma3_text": ["q_proj", "v_proj"]}
+                          "gemma3_text": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"]}
 
 _LINEAR = (nn.Linear, Linear4bit)  # the layers a LoraLinear wraps
 

@@ -8,8 +8,11 @@ right one; model.py itself stays the Llama decoder.
 """
 
 from nanosft.configuration import ARCHITECTURES, ModelConfig
+from nanosft.families.cohere2 import Cohere2Config, Cohere2ForCausalLM
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from nanosft.families.gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
+from nanosft.families.olmo3 import Olmo3Config, Olmo3ForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from nanosft.families.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -19,8 +22,11 @@ from nanosft.model import CausalLM
 
 # model_type -> (config class, model class); llama (and mistral without a window) are model.py's
 FAMILIES = {
+    "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
