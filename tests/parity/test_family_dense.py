@@ -110,3 +110,8 @@ def test_older_config_spellings_read_as_transformers_reads_them():
     olmo = {"model_type": "olmo3", **BASE, "rope_theta": 1234.0}
     assert config_from_dict(olmo).rope_parameters == transformers.Olmo3Config(
         **olmo).rope_parameters
+
+
+def test_nemotron_h_is_refused_by_name_naming_the_families_that_load():
+    with pytest.raises(ValueError, match=r"nemotron_h.*Mamba.*'qwen3_moe'"):
+        config_from_dict({"model_type": "nemotron_h", **BASE})
