@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanosft.adapter_files import linear_layer_names
+from nanosft.families.expert_lora import moe_target_conversion
 from nanosft.model import CausalLM, CausalLMOutput
 
 
@@ -210,6 +212,13 @@ class MoeCausalLM(CausalLM):
     Mirrors: transformers Qwen3MoeForCausalLM.forward"""
 
     checkpoint_conversion = PerExpertFiles
+
+    def convert_peft_config(self, config):
+        """A LoraConfig naming transformers-4's expert linears (or "all-linear") rewritten in place
+        to target the 3-D experts and the router, as peft does for this model type.
+        Mirrors: peft convert_peft_config_for_transformers"""
+        leaves = {name.rsplit(".", 1)[-1] for name in linear_layer_names(self)}
+        moe_target_conversion(config, self.config.model_type, leaves)
 
     def _init_weights(self, module):
         super()._init_weights(module)

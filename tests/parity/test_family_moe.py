@@ -9,20 +9,28 @@ packed with position_ids, and the unpadded training forward); the auxiliary load
 within 1e-6, and the router weights' gradient through it; greedy generation token for token;
 the checkpoint files: nanosft writes transformers' per-expert keys, and reads them into the 3-D
 parameters; quantize-while-loading bitwise equal to transformers + bitsandbytes (experts and router
-stay full precision in both). Negative control: dropping the renormalisation changes the logits.
+stay full precision in both). LoRA on the experts (peft 0.21's target_parameters, which peft turns
+"all-linear" into for this model type): the same parameter names, shapes, saved config (rank and
+alpha doubled on the fused gate_up_proj), logits and gradients as peft; adapters trained by one
+library load in the other, merge_and_unload keeps the logits; rank_pattern / alpha_pattern on
+modules as peft. Negative controls: dropping the renormalisation, and disabling the expert
+adapters, change the logits.
 Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_moe.py
 """
 
+import peft
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from test_families import (BASE, PAD, TOL, V, assert_quantize_while_loading_matches,
-                           left_padded_batch, models_both_ways, packed_row, save_random)
+from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
+                           assert_quantize_while_loading_matches, left_padded_batch,
+                           models_both_ways, packed_row, save_random)
 
 from nanosft.families.moe import load_balancing_loss
 from nanosft.model import CausalLM
+from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
 
 MOE = {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 CONFIGS = {
@@ -144,3 +152,76 @@ def test_quantize_while_loading_is_bitwise_transformers(tmp_path):
     ours = assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))
     assert ours["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float32
     assert any("q_proj.weight.absmax" in k for k in ours)
+
+
+def random_adapters(ref, ours):
+    """The same random LoRA weights (B non-zero) in peft's model and nanosft's."""
+    g = torch.Generator().manual_seed(0)
+    theirs = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                theirs[n].copy_(p)
+
+
+def test_all_linear_lora_on_experts_and_router_equals_peft(tmp_path):
+    """peft 0.21 turns "all-linear" on Qwen3-MoE into LoRA on the attention linears plus
+    target_parameters on gate_up_proj (rank and alpha doubled: gate and up fused), down_proj and
+    the router's gate.weight (nested ParamWrappers): the same names, shapes, saved config, logits
+    and every LoRA gradient."""
+    hf, folder = hf_folder("topk-norm", tmp_path)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
+    ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
+    assert shapes[0] == shapes[1]
+    assert ("base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.default.weight",
+            (4 * 4, 64)) in shapes[1]  # gate_up_proj: rank 2 r per expert, 4 experts, in C
+    want, got = ref.peft_config["default"], ours.active_peft_config
+    assert sorted(want.target_parameters) == got.target_parameters == [
+        "down_proj", "gate.weight", "gate_up_proj"]
+    assert sorted(want.target_modules) == got.target_modules
+    assert (want.rank_pattern, want.alpha_pattern) == (got.rank_pattern, got.alpha_pattern)
+    random_adapters(ref, ours)
+    x = torch.randint(3, V, (2, 12))
+    a, b = ref(x, labels=x), ours(x, labels=x)
+    torch.testing.assert_close(b.logits, a.logits, **TOL)
+    a.loss.backward()
+    b.loss.backward()
+    theirs = dict(ref.named_parameters())
+    worst = 0.0
+    for n, p in ours.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=1e-7, msg=n)
+            worst = max(worst, (p.grad - theirs[n].grad).abs().max().item())
+    print(f"\n[qwen3_moe] expert LoRA logits {(b.logits - a.logits).abs().max():.2e}, "
+          f"gradients {worst:.2e}")
+
+
+def test_expert_adapters_move_both_ways_and_merge(tmp_path):
+    hf, folder = hf_folder("topk-norm", tmp_path)
+    x = torch.randint(3, V, (2, 12))
+    assert_adapters_move_both_ways(hf, folder, tmp_path, x, "all-linear", "qwen3_moe experts")
+    ours = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
+                                                tmp_path / "peft_adapter")
+    with torch.no_grad():
+        want = ours(x).logits
+        with ours.disable_adapter():  # negative control: the expert adapters change the logits
+            assert (ours(x).logits - want).abs().max() > 1e-4
+        merged = ours.merge_and_unload()
+        assert type(merged.model.layers[0].mlp.experts).__name__ == "Experts"
+        torch.testing.assert_close(merged(x).logits, want, **TOL)
+
+
+def test_rank_and_alpha_patterns_apply_to_modules_as_in_peft(tmp_path):
+    hf, folder = hf_folder("window", tmp_path)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
+              "rank_pattern": {"q_proj": 4}, "alpha_pattern": {r"layers\.1\.self_attn\.v_proj": 16}}
+    ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
+    assert shapes[0] == shapes[1]
+    scalings = [{n: m.scaling["default"] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+                for model in (ref, ours)]
+    assert scalings[0] == scalings[1] and 8.0 in scalings[1].values()

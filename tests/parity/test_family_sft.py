@@ -2,8 +2,9 @@
 families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (layers without
 RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, Phi-3 (partial RoPE;
 all-linear targets the fused qkv_proj and gate_up_proj), Gemma 3 (a sliding and a full layer,
-(1 + w) norms around zero, the sublayer outputs normed) and Qwen3-MoE (4 experts, top 2, LoRA on
-the attention; the load-balancing loss at router_aux_loss_coef 0.1 in the loss, divided by the 2
+(1 + w) norms around zero, the sublayer outputs normed), OLMo 3, Cohere 2, GPT-NeoX and Qwen3-MoE
+(4 experts, top 2; all-linear is LoRA on the attention, the 3-D experts and the router, as peft
+rewrites it; the load-balancing loss at router_aux_loss_coef 0.1 in the loss, divided by the 2
 accumulation steps as TRL does, and its logged aux_loss compared too).
 
 Per family: one tiny random model built by transformers' own config class (norms randomized so
@@ -70,8 +71,6 @@ FAMILIES = {  # name: (transformers config class, overrides)
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
          "bnb_4bit_compute_dtype": torch.float32}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.0}
-# peft turns "all-linear" on an MoE into LoRA on the 3-D experts and the router too: attention here
-TARGETS = {"qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 ARGS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
         "learning_rate": 5e-3, "warmup_steps": 0, "max_grad_norm": 0.3, "logging_steps": 1,
         "save_strategy": "no", "use_cpu": True, "bf16": False, "fp16": False,
@@ -147,12 +146,11 @@ def trainers(name, tmp_path):
         quantization_config=transformers.BitsAndBytesConfig(**QLORA))
     our_model = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
     assert type(our_model).__name__ == type(ref_model).__name__ and is_quantized(our_model)
-    lora = {**LORA, "target_modules": TARGETS.get(name, LORA["target_modules"])}
     ref = trl.SFTTrainer(model=ref_model, args=trl.SFTConfig(str(tmp_path / "ref"), **ARGS),
                          train_dataset=datasets.Dataset.from_list(rows),
-                         processing_class=ref_tok, peft_config=peft.LoraConfig(**lora))
+                         processing_class=ref_tok, peft_config=peft.LoraConfig(**LORA))
     ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **ARGS), train_dataset=rows,
-                      processing_class=our_tok, peft_config=LoraConfig(**lora))
+                      processing_class=our_tok, peft_config=LoraConfig(**LORA))
     assert ours.aux_loss_enabled == ref.aux_loss_enabled == (name == "qwen3_moe")
     ref_params = dict(ref.model.named_parameters())
     trainable = {n: p for n, p in ours.model.named_parameters() if p.requires_grad}
