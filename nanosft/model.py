@@ -395,7 +395,9 @@ class CausalLM(nn.Module):
         module_name, _, leaf = key.rpartition(".")
         module = self.get_submodule(module_name)
         qc, tied = quantization_config, self.config.tie_word_embeddings
-        if (qc is not None and leaf == "weight" and type(module) is nn.Linear
+        if leaf in module._buffers:  # a buffer stays one, in the dtype it was built in
+            module._buffers[leaf] = tensor.to(module._buffers[leaf].dtype)
+        elif (qc is not None and leaf == "weight" and type(module) is nn.Linear
                 and qc.quantizes(module_name, tensor, tied_lm_head=tied)):
             parent, _, child = module_name.rpartition(".")
             setattr(self.get_submodule(parent), child, qc.quantize(tensor, module.bias))

@@ -10,6 +10,7 @@ right one; model.py itself stays the Llama decoder.
 from nanosft.configuration import ARCHITECTURES, ModelConfig
 from nanosft.families.cohere2 import Cohere2Config, Cohere2ForCausalLM
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from nanosft.families.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from nanosft.families.gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
 from nanosft.families.olmo3 import Olmo3Config, Olmo3ForCausalLM
@@ -24,6 +25,7 @@ from nanosft.model import CausalLM
 FAMILIES = {
     "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
     "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "olmo3": (Olmo3Config, Olmo3ForCausalLM),

@@ -240,12 +240,14 @@ class MoeCausalLM(CausalLM):
             output_router_logits = self.config.output_router_logits
         if not output_router_logits:
             return out
+        out.router_logits = router_logits
+        if not hasattr(self.config, "router_aux_loss_coef"):
+            return out  # GLM-4-MoE: transformers computes no auxiliary loss for it
         mask = attention_mask
         if mask is not None and len(router_logits[0]) != mask.numel():
             mask = None  # nanosft.fast.unpad ran the layers on the real tokens only
         out.aux_loss = load_balancing_loss(router_logits, self.config.num_experts,
                                            self.config.num_experts_per_tok, mask)
-        out.router_logits = router_logits
         if out.loss is not None:
             out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss
         return out

@@ -1,4 +1,5 @@
-"""Parity of nanosft.families.moe and qwen3_moe with transformers 5.23: Qwen3-MoE.
+"""Parity of nanosft.families.moe, qwen3_moe, glm4_moe and expert_lora with transformers 5.23 and
+peft 0.21.2: Qwen3-MoE and GLM-4-MoE.
 
 Tiny random models built by transformers' Qwen3MoeConfig (fp32, 2 layers, hidden 64, 4 experts,
 top 2; norms randomized): "topk-norm" renormalises the top-k weights, every layer sparse; "window"
@@ -14,7 +15,9 @@ stay full precision in both). LoRA on the experts (peft 0.21's target_parameters
 alpha doubled on the fused gate_up_proj), logits and gradients as peft; adapters trained by one
 library load in the other, merge_and_unload keeps the logits; rank_pattern / alpha_pattern on
 modules as peft. Negative controls: dropping the renormalisation, and disabling the expert
-adapters, change the logits.
+adapters, change the logits. GLM-4-MoE (sigmoid router whose correction bias picks the experts
+within the best of 2 groups, routed_scaling_factor 2.5, shared experts, a dense first layer,
+partial RoPE, q/k norms): logits both ways, generation, NF4 load bitwise, all-linear LoRA as peft.
 Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_moe.py
 """
@@ -225,3 +228,60 @@ def test_rank_and_alpha_patterns_apply_to_modules_as_in_peft(tmp_path):
     scalings = [{n: m.scaling["default"] for n, m in model.named_modules() if hasattr(m, "lora_A")}
                 for model in (ref, ours)]
     assert scalings[0] == scalings[1] and 8.0 in scalings[1].values()
+
+
+GLM = {**BASE, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+       "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "use_qk_norm": True,
+       "attention_bias": True}  # layer 0 dense (first_k_dense_replace 1), layer 1 MoE
+
+
+def glm_folder(tmp_path):
+    """A random GLM-4-MoE with a non-zero correction bias (it decides the choice)."""
+    hf, folder = save_random(transformers.Glm4MoeConfig(**GLM), tmp_path)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([.5, -.5, 0, .2]))
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+def test_glm4_moe_logits_generation_and_quantized_load_match_transformers(tmp_path):
+    """Sigmoid router with correction bias inside 1 of 2 groups, routed_scaling_factor 2.5,
+    shared experts, a dense first layer, partial RoPE, q/k norms: logits both ways (plain,
+    left-padded, packed, unpadded training forward), greedy generation, NF4 load bitwise."""
+    hf, folder = glm_folder(tmp_path)
+    x = torch.randint(3, V, (2, 16))
+    padded, mask = left_padded_batch()
+    packed, pos = packed_row()
+    worst = 0.0
+    for theirs, ours in models_both_ways(hf, folder, tmp_path):
+        with torch.no_grad():
+            pairs = [(theirs(x).logits, ours(x).logits),
+                     (theirs(padded, attention_mask=mask).logits[mask.bool()],
+                      ours(padded, attention_mask=mask).logits[mask.bool()]),
+                     (theirs(packed, position_ids=pos, use_cache=False).logits,
+                      ours(packed, position_ids=pos).logits)]
+        pairs.append((pairs[-1][0], ours.train()(packed, position_ids=pos).logits.detach()))
+        for want, got in pairs:
+            torch.testing.assert_close(got, want, **TOL)
+            worst = max(worst, (got - want).abs().max().item())
+    ours = CausalLM.from_pretrained(folder).eval()
+    assert any(n.endswith("e_score_correction_bias") for n, _ in ours.named_buffers())
+    want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                       pad_token_id=PAD)
+    assert ours.generate(padded, attention_mask=mask, max_new_tokens=12).tolist() == want.tolist()
+    assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))
+    print(f"\n[glm4_moe] max |logit diff| = {worst:.3e}")
+
+
+def test_glm4_moe_all_linear_lora_equals_peft(tmp_path):
+    """peft's rewrite for glm4_moe: experts and router by target_parameters; the shared experts'
+    and the dense layer's gate/up/down_proj then carry no LoRA (their names moved), as in peft."""
+    hf, folder = glm_folder(tmp_path)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
+    ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    names = [[n for n, _ in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
+    assert names[0] == names[1] and not any("shared_experts" in n for n in names[1])
+    random_adapters(ref, ours)
+    x = torch.randint(3, V, (2, 12))
+    torch.testing.assert_close(ours(x).logits, ref(x).logits, **TOL)

@@ -64,6 +64,10 @@ FAMILIES = {  # name: (transformers config class, overrides)
                   {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "norm_topk_prob": True,
                    "router_aux_loss_coef": 0.1}),
+    # sigmoid router with a correction bias, shared experts, layer 0 dense; no aux loss
+    "glm4_moe": (transformers.Glm4MoeConfig,
+                 {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
     "gemma3_text": (transformers.Gemma3TextConfig,
                     {"head_dim": 16, "sliding_window": WINDOW,
                      "layer_types": ["sliding_attention", "full_attention"]}),
