@@ -12,6 +12,7 @@ from nanosft.families.cohere2 import Cohere2Config, Cohere2ForCausalLM
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from nanosft.families.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from nanosft.families.gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM
+from nanosft.families.gpt_oss import GptOssConfig, GptOssForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
 from nanosft.families.olmo3 import Olmo3Config, Olmo3ForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
@@ -27,6 +28,7 @@ FAMILIES = {
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
     "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "olmo3": (Olmo3Config, Olmo3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),

@@ -95,7 +95,11 @@ class ParamWrapper(nn.Module):
         super().__init__()
         self.base_layer, self.parameter_name = base_layer, parameter_name
         shape = self.get_param().shape
-        if len(shape) == 3:  # (E, out, in) as F.linear reads each expert's slice
+        # (E, out, in) as F.linear reads each expert's slice; (E, in, out) where x @ W[e] does
+        self.is_transposed = getattr(self.get_base_layer(), "is_transposed", False)
+        if len(shape) == 3 and self.is_transposed:  # gpt-oss
+            self.num_experts, self.in_features, self.out_features = shape
+        elif len(shape) == 3:
             self.num_experts, self.out_features, self.in_features = shape
         else:
             self.num_experts, (self.out_features, self.in_features) = 1, shape
@@ -138,11 +142,13 @@ class ParamWrapper(nn.Module):
         self.disable_adapters = not enabled
 
     def get_delta_factors(self, adapter):
-        """(lhs (E, out, r), rhs (E, r, in), scaling): expert e's delta, scaling lhs[e] @ rhs[e].
+        """(lhs, rhs, scaling): expert e's delta is scaling lhs[e] @ rhs[e], W[e]'s shape.
         Mirrors: peft ParamWrapper.get_delta_factors"""
         A, B, E = self.lora_A[adapter].weight, self.lora_B[adapter].weight, self.num_experts
         rhs = A.reshape(E, -1, A.shape[-1])  # rows e r ... (e + 1) r
         lhs = B.reshape(B.shape[0], -1, E).permute(2, 0, 1)  # columns r_i E + e
+        if self.is_transposed:  # W[e] is (in, out): delta[e] = A_e^T B_e^T
+            lhs, rhs = rhs.transpose(-2, -1), lhs.transpose(-2, -1)
         dtype = self.get_param().dtype
         return lhs.to(dtype), rhs.to(dtype), self.scaling[adapter]
 

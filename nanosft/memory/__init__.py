@@ -24,7 +24,7 @@ BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' optimizer states
 BNB_OPTIM_BLOCKSIZE = 256  # one fp32 absmax per 256 values of an 8-bit optimizer state
 NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-level absmax values
 # families whose layers the ledger does not model yet (experts, parallel blocks, other norms)
-NOT_MODELLED = ("qwen3_moe", "glm4_moe", "olmo3", "cohere2", "gpt_neox")
+NOT_MODELLED = ("qwen3_moe", "glm4_moe", "gpt_oss", "olmo3", "cohere2", "gpt_neox")
 
 
 # ----------------------------------------------------------------------------- weights

@@ -1,5 +1,5 @@
-"""Parity of nanosft.families.moe, qwen3_moe, glm4_moe and expert_lora with transformers 5.23 and
-peft 0.21.2: Qwen3-MoE and GLM-4-MoE.
+"""Parity of nanosft.families.moe, qwen3_moe, glm4_moe, gpt_oss and expert_lora with transformers
+5.23 and peft 0.21.2: Qwen3-MoE, GLM-4-MoE and gpt-oss.
 
 Tiny random models built by transformers' Qwen3MoeConfig (fp32, 2 layers, hidden 64, 4 experts,
 top 2; norms randomized): "topk-norm" renormalises the top-k weights, every layer sparse; "window"
@@ -18,6 +18,9 @@ modules as peft. Negative controls: dropping the renormalisation, and disabling 
 adapters, change the logits. GLM-4-MoE (sigmoid router whose correction bias picks the experts
 within the best of 2 groups, routed_scaling_factor 2.5, shared experts, a dense first layer,
 partial RoPE, q/k norms): logits both ways, generation, NF4 load bitwise, all-linear LoRA as peft.
+gpt-oss (attention sinks, sliding and full layers, YaRN, biased router, transposed interleaved
+experts with the clamped SwiGLU): logits both ways, aux loss, generation, LoRA on the transposed
+experts as peft, NF4 load bitwise; negative controls: without sinks, without the clamp.
 Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_moe.py
 """
@@ -285,3 +288,85 @@ def test_glm4_moe_all_linear_lora_equals_peft(tmp_path):
     random_adapters(ref, ours)
     x = torch.randint(3, V, (2, 12))
     torch.testing.assert_close(ours(x).logits, ref(x).logits, **TOL)
+
+
+OSS = {**BASE, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+       "num_experts_per_tok": 2, "sliding_window": 5, "swiglu_limit": 0.05,  # the clamp bites
+       "max_position_embeddings": 512,
+       "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                           "truncate": False, "original_max_position_embeddings": 64,
+                           "rope_theta": 150000.0}}  # layer 0 sliding, layer 1 full
+
+
+def test_gpt_oss_logits_aux_loss_and_generation_match_transformers(tmp_path):
+    """Attention sinks (eager), a 5-token sliding layer then a full one, YaRN RoPE, biases,
+    router with a bias (softmax over the top 2 logits), transposed interleaved experts with the
+    clamped SwiGLU: logits both ways (plain, left-padded, the unpadded training forward with its
+    aux loss), greedy generation. A packed row is compared with transformers run on each document
+    alone: transformers' gpt_oss builds its mask without position_ids, so its eager attention lets
+    packed documents see each other (its flash-attention path separates them, as nanosft does)."""
+    hf, folder = save_random(transformers.GptOssConfig(**OSS), tmp_path)
+    x = torch.randint(3, V, (2, 16))
+    padded, mask = left_padded_batch()
+    packed, pos = packed_row()
+    right = (torch.arange(16) < 11).long().expand(2, 16)
+    labels = x.masked_fill(right == 0, -100)
+    worst = aux_worst = 0.0
+    for theirs, ours in models_both_ways(hf, folder, tmp_path):
+        with torch.no_grad():
+            alone = torch.cat([theirs(packed[:, s:e]).logits
+                               for s, e in ((0, 7), (7, 13), (13, 16))], 1)
+            pairs = [(theirs(x).logits, ours(x).logits),
+                     (theirs(padded, attention_mask=mask).logits[mask.bool()],
+                      ours(padded, attention_mask=mask).logits[mask.bool()]),
+                     (alone, ours(packed, position_ids=pos).logits)]
+            want = theirs(x, attention_mask=right, labels=labels, output_router_logits=True)
+        got = ours.train()(x, attention_mask=right, labels=labels, output_router_logits=True)
+        ours.eval()
+        pairs.append((want.logits[right.bool()], got.logits[right.bool()].detach()))
+        for w, g in pairs:
+            torch.testing.assert_close(g, w, **TOL)
+            worst = max(worst, (g - w).abs().max().item())
+        for w, g in ((want.aux_loss, got.aux_loss), (want.loss, got.loss)):
+            torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-6)
+            aux_worst = max(aux_worst, (g - w).abs().item())
+    ours = CausalLM.from_pretrained(folder).eval()
+    want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                       pad_token_id=PAD)
+    assert ours.generate(padded, attention_mask=mask, max_new_tokens=12).tolist() == want.tolist()
+    with torch.no_grad():  # negative controls: no sinks, no clamp
+        want = hf(x).logits
+        sinks = [layer.self_attn.sinks.data.clone() for layer in ours.model.layers]
+        for layer in ours.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # a sink nobody attends to: plain softmax
+        assert (ours(x).logits - want).abs().max() > 1e-3
+        for layer, s in zip(ours.model.layers, sinks):
+            layer.self_attn.sinks.copy_(s)
+            layer.mlp.experts.limit = 1e9
+        assert (ours(x).logits - want).abs().max() > 1e-3
+    print(f"\n[gpt_oss] max |logit diff| = {worst:.3e}, aux loss {aux_worst:.3e}")
+
+
+def test_gpt_oss_lora_on_transposed_experts_equals_peft(tmp_path):
+    """target_parameters on gpt-oss's (E, in, out) experts: peft does not swap in and out there;
+    the same names, shapes, logits and gradients; NF4 load bitwise with transformers."""
+    hf, folder = save_random(transformers.GptOssConfig(**OSS), tmp_path)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
+              "target_parameters": ["gate_up_proj", "down_proj"]}
+    ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
+    assert shapes[0] == shapes[1]
+    assert ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default.weight",
+            (2 * 4, 64)) in shapes[1]  # gate_up_proj (E, C, 2 I): in = C
+    random_adapters(ref, ours)
+    x = torch.randint(3, V, (2, 12))
+    a, b = ref(x, labels=x), ours(x, labels=x)
+    torch.testing.assert_close(b.logits, a.logits, **TOL)
+    a.loss.backward()
+    b.loss.backward()
+    theirs = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=1e-7, msg=n)
+    assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))

@@ -2,7 +2,8 @@
 families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (layers without
 RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, Phi-3 (partial RoPE;
 all-linear targets the fused qkv_proj and gate_up_proj), Gemma 3 (a sliding and a full layer,
-(1 + w) norms around zero, the sublayer outputs normed), OLMo 3, Cohere 2, GPT-NeoX and Qwen3-MoE
+(1 + w) norms around zero, the sublayer outputs normed), OLMo 3, Cohere 2, GPT-NeoX, GLM-4-MoE,
+gpt-oss (its aux loss too) and Qwen3-MoE
 (4 experts, top 2; all-linear is LoRA on the attention, the 3-D experts and the router, as peft
 rewrites it; the load-balancing loss at router_aux_loss_coef 0.1 in the loss, divided by the 2
 accumulation steps as TRL does, and its logged aux_loss compared too).
@@ -68,6 +69,10 @@ FAMILIES = {  # name: (transformers config class, overrides)
     "glm4_moe": (transformers.Glm4MoeConfig,
                  {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
+    # attention sinks, sliding then full layer, YaRN, clamped SwiGLU experts; aux loss on
+    "gpt_oss": (transformers.GptOssConfig,
+                {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "sliding_window": WINDOW, "swiglu_limit": 0.05}),
     "gemma3_text": (transformers.Gemma3TextConfig,
                     {"head_dim": 16, "sliding_window": WINDOW,
                      "layer_types": ["sliding_attention", "full_attention"]}),
@@ -81,6 +86,7 @@ ARGS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max
         "optim": "adamw_torch", "seed": 11, "report_to": "none", "disable_tqdm": True,
         "gradient_checkpointing": False, "max_length": None}
 KEYS = ("loss", "grad_norm", "learning_rate")
+AUX_LOSS = ("qwen3_moe", "gpt_oss")  # configs with router_aux_loss_coef: TRL adds and logs it
 # Gemma 3's loss after step 1: both stacks train the same bf16 adapters, and a last-bit fp32
 # difference (nanosft's fused LM head and unpadded attention against TRL's chunked log-probs and
 # padded SDPA; <1e-7 in the gradients, test_lora_gradients_match_peft) flips the bf16 rounding of
@@ -155,7 +161,7 @@ def trainers(name, tmp_path):
                          processing_class=ref_tok, peft_config=peft.LoraConfig(**LORA))
     ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **ARGS), train_dataset=rows,
                       processing_class=our_tok, peft_config=LoraConfig(**LORA))
-    assert ours.aux_loss_enabled == ref.aux_loss_enabled == (name == "qwen3_moe")
+    assert ours.aux_loss_enabled == ref.aux_loss_enabled == (name in AUX_LOSS)
     ref_params = dict(ref.model.named_parameters())
     trainable = {n: p for n, p in ours.model.named_parameters() if p.requires_grad}
     assert sorted(trainable) == sorted(n for n, p in ref_params.items() if p.requires_grad)
@@ -172,7 +178,7 @@ def test_qlora_sft_losses_match_trl(name, tmp_path):
     ref_logs, our_logs = train_logs(ref), train_logs(ours)
     assert [h["step"] for h in our_logs] == [h["step"] for h in ref_logs] == [1, 2, 3]
     for a, b in zip(our_logs, ref_logs):
-        for key in KEYS + (("aux_loss",) if name == "qwen3_moe" else ()):  # TRL logs it too
+        for key in KEYS + (("aux_loss",) if name in AUX_LOSS else ()):  # TRL logs it too
             atol = 1e-5
             if key == "loss" and a["step"] > 1:
                 atol = LOSS_ATOL_AFTER_STEP_1.get(name, atol)
