@@ -217,7 +217,7 @@ class GptOssMLP(SparseMoeBlock):
         B, T, C = h.shape
         x = h.reshape(-1, C)
         router_logits, top_k_weights, top_k_index = self.router(x)
-        self.router_logits = router_logits  # MoeCausalLM.forward collects it
+        self.keep(router_logits)
         return self.experts(x, top_k_index, top_k_weights).reshape(B, T, C)
 
 

@@ -86,15 +86,21 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.experts = Experts(config, config.moe_intermediate_size)
         self.gate = TopKRouter(config)
-        self.router_logits = None
+        self.router_logits = None  # a list while MoeCausalLM.forward collects, else None
 
     def forward(self, h):
         """(B, T, C) -> (B, T, C); every token independently."""
         B, T, C = h.shape
         x = h.reshape(-1, C)
         router_logits, top_k_weights, top_k_index = self.gate(x)
-        self.router_logits = router_logits  # (B * T, E): MoeCausalLM.forward collects it
+        self.keep(router_logits)
         return self.experts(x, top_k_index, top_k_weights).reshape(B, T, C)
+
+    def keep(self, router_logits):
+        """Hand (B * T, E) router logits to MoeCausalLM.forward, which set a list to collect them
+        (not a checkpointed layer's recompute in backward: the list is gone by then)."""
+        if self.router_logits is not None:
+            self.router_logits.append(router_logits)
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, attention_mask=None):
@@ -229,12 +235,16 @@ class MoeCausalLM(CausalLM):
                 fused_lm_head=False, output_router_logits=None, **kwargs):
         """CausalLM.forward, then the routers' logits of this forward and, when asked, the aux
         loss (over attention_mask's real tokens)."""
-        out = super().forward(input_ids, attention_mask, position_ids, inputs_embeds, labels,
-                              num_items_in_batch, past_key_values, use_cache, fused_lm_head)
         blocks = [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
-        router_logits = tuple(m.router_logits for m in blocks)
         for m in blocks:
-            m.router_logits = None  # no graph kept alive past this forward
+            m.router_logits = []
+        try:
+            out = super().forward(input_ids, attention_mask, position_ids, inputs_embeds, labels,
+                                  num_items_in_batch, past_key_values, use_cache, fused_lm_head)
+            router_logits = tuple(logits for m in blocks for logits in m.router_logits)
+        finally:
+            for m in blocks:
+                m.router_logits = None  # no graph kept alive past this forward
         out = MoeCausalLMOutput(**vars(out))
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits

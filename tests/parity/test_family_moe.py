@@ -88,6 +88,7 @@ def test_logits_and_aux_loss_match_transformers_both_ways(name, tmp_path):
 
 
 def test_aux_loss_gradient_reaches_the_router_as_in_transformers(tmp_path):
+    """The aux loss's gradient on each router weight, also with gradient checkpointing."""
     hf, folder = hf_folder("topk-norm", tmp_path)
     ours = CausalLM.from_pretrained(folder)
     padded, mask = left_padded_batch()
@@ -99,6 +100,14 @@ def test_aux_loss_gradient_reaches_the_router_as_in_transformers(tmp_path):
         torch.testing.assert_close(ours.model.layers[i].mlp.gate.weight.grad, want, rtol=0,
                                    atol=1e-7)
         assert want.abs().max() > 1e-4
+    # checkpointed layers: the same gradient, and the recompute in backward keeps no logits
+    want = [layer.mlp.gate.weight.grad.clone() for layer in ours.model.layers]
+    ours.zero_grad()
+    ours.gradient_checkpointing_enable()
+    ours.train()(padded, attention_mask=mask, output_router_logits=True).aux_loss.backward()
+    for layer, w in zip(ours.model.layers, want):
+        torch.testing.assert_close(layer.mlp.gate.weight.grad, w, rtol=0, atol=1e-7)
+        assert layer.mlp.router_logits is None
 
 
 def test_load_balancing_loss_equals_the_formula():
