@@ -204,12 +204,38 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
                       num_workers=args.dataloader_num_workers, generator=torch.Generator())
 
 
-def count_num_items_in_batch(batch_samples: list) -> torch.Tensor:
-    """Supervised tokens of a window: sum of (labels[..., 1:] != -100), since the model shifts
-    (position 0 is never a target).
+def count_num_items_in_batch(batch_samples: list, shift_labels=True) -> torch.Tensor:
+    """Supervised tokens of a window: sum of (labels[..., 1:] != -100) when the model shifts
+    (a causal LM: position 0 is never a target), else of (labels != -100).
     Guide: gradient accumulation | Mirrors: Trainer._get_num_items_in_batch"""
-    return sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:])
+    return sum((b["shift_labels"] if "shift_labels" in b else
+                b["labels"][..., 1:] if shift_labels else b["labels"])
                .ne(IGNORE_INDEX).sum() for b in batch_samples)
+
+
+def loss_shifts_labels(model) -> bool:
+    """Whether the model's loss shifts its labels (a causal LM), so position 0 is never counted.
+    Mirrors: Trainer.__init__ _loss_shifts_labels (loss_type ForCausalLM)"""
+    from nanosft.model import CausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return isinstance(base, CausalLM) or getattr(base, "loss_type", None) == "ForCausalLM"
+
+
+def find_batch_size(inputs):
+    """The first dimension of the first tensor in a batch (dict, list or tuple, searched in order),
+    or None. Mirrors: transformers trainer_pt_utils.find_batch_size"""
+    if isinstance(inputs, Mapping):
+        inputs = list(inputs.values())
+    if isinstance(inputs, (list, tuple)):
+        for value in inputs:
+            size = find_batch_size(value)
+            if size is not None:
+                return size
+        return None
+    if torch.is_tensor(inputs) or isinstance(inputs, np.ndarray):
+        return inputs.shape[0] if inputs.ndim >= 1 else None
+    return None
 
 
 def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=None) -> dict:
@@ -257,7 +283,7 @@ def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
     with torch.no_grad():
         for batch in dataloader:
             loss = compute_loss(model, prepare_inputs(batch))
-            size = len(batch["input_ids"])
+            size = find_batch_size(batch)
             totals += torch.cat([(loss.double() * size)[None], totals.new_tensor([size, 1.0])])
     loss_sum, examples, batches = distributed.all_reduce_sum(totals).tolist()
     return loss_sum / max(examples, 1), examples, batches

@@ -45,6 +45,9 @@ TRAINING_ARGS_NAME = "training_args.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 SCALER_NAME = "scaler.pt"
+# a prompt-learning encoder's own weights: the adapter file holds only its output (peft's format),
+# which cannot restore P-tuning's MLP / LSTM or a projected prefix when a run resumes
+PROMPT_ENCODER_NAME = "prompt_encoder.safetensors"
 
 
 # ----------------------------------------------------------------------------- small file helpers
@@ -179,12 +182,26 @@ def _dedupe_shared(state_dict):
     return tensors, tied
 
 
+def _trainable_prompt_encoder(model):
+    """The active prompt-learning encoder of a PEFT model while it trains, else None."""
+    encoders = getattr(model, "prompt_encoder", None)
+    if encoders is None:
+        return None
+    encoder = encoders[getattr(model, "active_adapter", "default")]
+    return encoder if any(p.requires_grad for p in encoder.parameters()) else None
+
+
 def save_model_weights(model, folder, state_dict=None):
-    """Write the adapter (PEFT format) of a LoRA model, else model.safetensors of the state dict
-    (`state_dict`: whole tensors gathered under FSDP). Mirrors: transformers Trainer.save_model"""
+    """Write the adapter (PEFT format) of a PEFT model, plus a trainable prompt encoder's weights,
+    else model.safetensors of the state dict (`state_dict`: whole tensors gathered under FSDP).
+    Mirrors: transformers Trainer.save_model | Differs: prompt_encoder.safetensors (resume)"""
     model = _unwrap(model)
     if _has_adapter(model):
         model.save_pretrained(folder, state_dict=state_dict)
+        encoder = _trainable_prompt_encoder(model)
+        if encoder is not None:
+            tensors = {k: v.detach().contiguous() for k, v in encoder.state_dict().items()}
+            save_file(tensors, os.path.join(folder, PROMPT_ENCODER_NAME), metadata={"format": "pt"})
         return
     tensors, tied = _dedupe_shared(model.state_dict() if state_dict is None else state_dict)
     metadata = {"format": "pt", "tied": json.dumps(tied)}
@@ -195,8 +212,19 @@ def load_model_weights(model, folder):
     """Copy what save_model_weights wrote into the live `model` in place; mismatches are errors.
     Mirrors: transformers Trainer._load_from_checkpoint"""
     model = _unwrap(model)
+    encoder = _trainable_prompt_encoder(model) if _has_adapter(model) else None
+    if encoder is not None:
+        encoder_path = os.path.join(folder, PROMPT_ENCODER_NAME)
+        if os.path.isfile(encoder_path):
+            encoder.load_state_dict(_load_or_explain(encoder_path, load_file))
+            return
+        if set(encoder.state_dict()) != {"embedding.weight"}:  # prompt tuning: output == table
+            raise ValueError(f"{folder} has no {PROMPT_ENCODER_NAME}: its adapter file holds only "
+                             "the prompt encoder's output, which cannot restore the encoder's "
+                             "MLP / LSTM / prefix projection; resume from a checkpoint written by "
+                             "this version, or start the run again.")
     if _has_adapter(model):
-        from nanosft.peft import set_peft_model_state_dict  # only LoRA models need it
+        from nanosft.peft import set_peft_model_state_dict  # only PEFT models need it
 
         path = os.path.join(folder, ADAPTER_WEIGHTS_NAME)
         state = _load_or_explain(path, load_file)
@@ -460,7 +488,11 @@ def save_model(model, processing_class, output_dir, checkpoints_dir=None) -> Non
         tmp = os.path.join(output_dir, TEMP_PREFIX + "save_model")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _unwrap(model).save_pretrained(tmp, state_dict=state_dict)
+            if hasattr(_unwrap(model), "save_pretrained"):
+                _unwrap(model).save_pretrained(tmp, state_dict=state_dict)
+            else:  # "Trainer.model is not a PreTrainedModel, only saving its state dict"
+                os.makedirs(tmp)
+                save_model_weights(model, tmp, state_dict)
             if hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(tmp)
             _fsync_tree(tmp)
