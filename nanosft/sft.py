@@ -17,7 +17,7 @@ import torch
 from nanosft import distributed, nf4
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.data import load_examples, prepare_dataset, to_example_list
+from nanosft.data import head_of_stream, load_examples, prepare_dataset, to_example_list
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
 from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
@@ -121,6 +121,23 @@ def _read_chat_template_path(path, tokenizer) -> None:
         tokenizer.chat_template = f.read()
 
 
+def _check_argument_types(processing_class, peft_config, formatting_func) -> None:
+    """Refuse, naming the argument, what TRL would take to a later, unrelated failure: a path as
+    processing_class, a dict as peft_config, a formatting_func that is not callable."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        raise TypeError(f"SFTTrainer: processing_class={os.fspath(processing_class)!r} is a path; "
+                        "pass the tokenizer itself, processing_class=Tokenizer.from_pretrained("
+                        "path) (AutoTokenizer under transformers), or leave it None to load the "
+                        "one beside a model folder.")
+    if peft_config is not None and not hasattr(peft_config, "peft_type"):
+        raise TypeError(f"SFTTrainer: peft_config must be a peft config such as LoraConfig, got "
+                        f"{type(peft_config).__name__}; pass LoraConfig(**your_dict) (as TRL, "
+                        "which also refuses a plain dict).")
+    if formatting_func is not None and not callable(formatting_func):
+        raise TypeError(f"SFTTrainer: formatting_func must be a function row -> text, got "
+                        f"{type(formatting_func).__name__}.")
+
+
 def _formatted(dataset, formatting_func, max_steps):
     """Each row plus "text" = formatting_func(row), or the dataset untouched when there is no
     formatting_func or it is already tokenized. Mirrors: trl SFTTrainer._prepare_dataset"""
@@ -132,7 +149,23 @@ def _formatted(dataset, formatting_func, max_steps):
         warnings.warn(f"SFTTrainer: {name} is already tokenized (input_ids), so formatting_func "
                       "is not applied (as in TRL).", stacklevel=3)
         return rows
-    return [{**row, "text": formatting_func(row)} for row in rows]
+    formatted = [{**row, "text": formatting_func(row)} for row in rows]
+    for i, row in enumerate(formatted):
+        if not isinstance(row["text"], str):
+            raise TypeError(f"SFTTrainer: formatting_func returned {type(row['text']).__name__} "
+                            f"for {name}'s example {i}, not a string; make it return the "
+                            "example's text (e.g. a missing `return`).")
+    return formatted
+
+
+def _rows_trained_on(args):
+    """The most raw examples max_steps steps can use: one per row of each batch on each rank, or,
+    when packing, up to max_length of them per packed row (each holds at least one token)."""
+    rows = (args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * args.world_size)
+    if args.packing:
+        return None if args.max_length is None else rows * args.max_length
+    return rows
 
 
 def dft_loss(logits, labels, num_items_in_batch=None):
@@ -159,6 +192,21 @@ def _check_token_ids_fit(model, tokenizer, rows) -> None:
                          "the tokenizer before training")
 
 
+def _check_arguments(args, data_collator, train_dataset, compute_loss_func) -> None:
+    """The arguments TRL refuses before it builds anything (a collator passed positionally in
+    train_dataset's place, no train_dataset, DFT with a loss function of one's own)."""
+    if data_collator is not None and not callable(data_collator):
+        raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
+                        f"must be callable, got {type(data_collator).__name__}; pass "
+                        "train_dataset= by keyword.")
+    if train_dataset is None:
+        raise ValueError("SFTTrainer: train_dataset is required (a JSONL path or a list of "
+                         "dicts).")
+    if args.loss_type == "dft" and compute_loss_func is not None:
+        raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
+                         "compute_loss_func or use loss_type='nll'.")
+
+
 class SFTTrainer(Trainer):
     """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL metrics.
     Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16)
@@ -176,71 +224,24 @@ class SFTTrainer(Trainer):
                  compute_metrics=None, callbacks=None, optimizers=(None, None),
                  optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, formatting_func=None):
-        args = _as_sft_config(args, model)
-        if data_collator is not None and not callable(data_collator):
-            raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
-                            f"must be callable, got {type(data_collator).__name__}; pass "
-                            "train_dataset= by keyword.")
-        if train_dataset is None:
-            raise ValueError("SFTTrainer: train_dataset is required (a JSONL path or a list of "
-                             "dicts).")
+        args = _as_sft_config(args, model)  # Args
+        _check_arguments(args, data_collator, train_dataset, compute_loss_func)
+        _check_argument_types(processing_class, peft_config, formatting_func)
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
-        model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
-                                                            processing_class)
-        if processing_class is None:
-            raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained("
-                             "model_dir), or the model as a folder / Hub id to load both.")
-        if args.chat_template_path is not None:
-            _read_chat_template_path(args.chat_template_path, processing_class)
-        if args.loss_type == "dft" and compute_loss_func is not None:
-            raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
-                             "compute_loss_func or use loss_type='nll'.")
-        if peft_config is not None:
-            if isinstance(model, PeftModelForCausalLM):
-                raise ValueError("SFTTrainer: the model is already a PeftModelForCausalLM; "
-                                 "merge_and_unload() it or drop peft_config.")
-            model = get_peft_model(model, peft_config)
-        is_peft = isinstance(model, PeftModelForCausalLM)
-        if is_peft and args.gradient_checkpointing:
-            model.enable_input_require_grads()  # checkpointed blocks need an input needing grad
-        if nf4.is_quantized(model):
-            _cast_trainable_to_bf16(model)
-
-        bfd_packing = args.packing and args.packing_strategy in ("bfd", "bfd_split")
-        self.padding_free = args.padding_free or bfd_packing
-        if self.padding_free and data_collator is not None:
-            raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
-                             "or bfd packing.")
-        # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
+        model, processing_class = self._create_model(model, args, quantization_config,
+                                                     processing_class)  # Model, Processing class
+        model = self._prepare_peft_model(model, args, peft_config)  # PEFT
+        # Dataset rows first: the data collator's completion_only_loss reads the first one
         train_name = _dataset_name(train_dataset, "train_dataset")
+        train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
         train_dataset = load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
                                       args.dataset_text_field, args.max_steps,
                                       name="train_dataset")
-        first = train_dataset[0]
-        self.completion_only_loss = args.completion_only_loss
-        if self.completion_only_loss is None:
-            self.completion_only_loss = "prompt" in first and "completion" in first
-        if self.completion_only_loss and formatting_func is not None:
-            raise ValueError("SFTTrainer: formatting_func turns rows into plain text, which has no "
-                             "completion to mask; set completion_only_loss=False, or format the "
-                             "data before passing it.")
-        if data_collator is None:
-            pad_token_id = _pad_token_id(args, processing_class)
-            base = model.get_base_model() if is_peft else model
-            if getattr(base, "config", None) is not None:
-                base.config.pad_token_id = pad_token_id
-            data_collator = DataCollatorForLanguageModeling(
-                pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
-                padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
-        train_dataset = self._prepare(train_dataset, processing_class, args, train_name)
-        _check_token_ids_fit(model, processing_class, train_dataset)
+        data_collator = self._create_data_collator(data_collator, model, processing_class, args,
+                                                   train_dataset[0], formatting_func)
         self._formatting_func = formatting_func
-        if isinstance(eval_dataset, dict):  # named sets: evaluate() reports eval_<name>_loss
-            eval_dataset = {name: self._prepare_eval(dataset, processing_class, args, name)
-                            for name, dataset in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = self._prepare_eval(eval_dataset, processing_class, args,
-                                              _dataset_name(eval_dataset, "eval_dataset"))
+        train_dataset, eval_dataset = self._prepare_datasets(
+            model, processing_class, args, train_dataset, train_name, eval_dataset)  # Dataset
 
         # TRL 1.16 passes optimizer_cls_and_kwargs by name; the walkthrough's call carries the
         # arguments it does not print in **super_init_kwargs
@@ -277,6 +278,75 @@ class SFTTrainer(Trainer):
             config.router_aux_loss_coef = self.router_aux_loss_coef
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._total_train_tokens = 0
+
+    def _create_model(self, model, args, quantization_config, processing_class):
+        """(model, processing_class): a model id loaded with its tokenizer, the chat template of
+        args.chat_template_path read in. Mirrors: trl SFTTrainer.__init__ ("# Model",
+        "# Processing class": create_model_from_path, AutoProcessor.from_pretrained)"""
+        model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
+                                                            processing_class)
+        if processing_class is None:
+            raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained("
+                             "model_dir), or the model as a folder / Hub id to load both.")
+        if args.chat_template_path is not None:
+            _read_chat_template_path(args.chat_template_path, processing_class)
+        return model, processing_class
+
+    def _prepare_peft_model(self, model, args, peft_config):
+        """get_peft_model when peft_config is given; input grads for gradient checkpointing; a
+        4-bit base's adapters cast to bf16. Mirrors: trl SFTTrainer.__init__ ("# PEFT")"""
+        if peft_config is not None:
+            if isinstance(model, PeftModelForCausalLM):
+                raise ValueError("SFTTrainer: the model is already a PeftModelForCausalLM; "
+                                 "merge_and_unload() it or drop peft_config.")
+            model = get_peft_model(model, peft_config)
+        if isinstance(model, PeftModelForCausalLM) and args.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed blocks need an input needing grad
+        if nf4.is_quantized(model):
+            _cast_trainable_to_bf16(model)
+        return model
+
+    def _create_data_collator(self, data_collator, model, processing_class, args, first,
+                              formatting_func):
+        """The caller's collator, or DataCollatorForLanguageModeling over the pad token; sets
+        padding_free and completion_only_loss (None: prompt-completion rows, read off `first`).
+        Mirrors: trl SFTTrainer.__init__ ("# Data collator")"""
+        bfd_packing = args.packing and args.packing_strategy in ("bfd", "bfd_split")
+        self.padding_free = args.padding_free or bfd_packing
+        if self.padding_free and data_collator is not None:
+            raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
+                             "or bfd packing.")
+        self.completion_only_loss = args.completion_only_loss
+        if self.completion_only_loss is None:
+            self.completion_only_loss = "prompt" in first and "completion" in first
+        if self.completion_only_loss and formatting_func is not None:
+            raise ValueError("SFTTrainer: formatting_func turns rows into plain text, which has no "
+                             "completion to mask; set completion_only_loss=False, or format the "
+                             "data before passing it.")
+        if data_collator is not None:
+            return data_collator
+        pad_token_id = _pad_token_id(args, processing_class)
+        base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
+        if getattr(base, "config", None) is not None:
+            base.config.pad_token_id = pad_token_id
+        return DataCollatorForLanguageModeling(
+            pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
+            padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
+
+    def _prepare_datasets(self, model, processing_class, args, train_dataset, train_name,
+                          eval_dataset):
+        """(train, eval) through _prepare (tokenize, label, truncate or pack), token ids checked
+        against the embedding; eval: one set or a dict of named sets.
+        Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset per set)"""
+        train_dataset = self._prepare(train_dataset, processing_class, args, train_name)
+        _check_token_ids_fit(model, processing_class, train_dataset)
+        if isinstance(eval_dataset, dict):  # named sets: evaluate() reports eval_<name>_loss
+            eval_dataset = {name: self._prepare_eval(dataset, processing_class, args, name)
+                            for name, dataset in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self._prepare_eval(eval_dataset, processing_class, args,
+                                              _dataset_name(eval_dataset, "eval_dataset"))
+        return train_dataset, eval_dataset
 
     def _prepare_eval(self, dataset, tokenizer, args, name):
         """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
@@ -323,14 +393,14 @@ class SFTTrainer(Trainer):
                 if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                     loss = loss * self.args.world_size
         else:  # speed path (nanosft.fast.lm_head): no (B, T, V) logits
-            with self.compute_loss_context_manager():
-                outputs = model(**inputs, fused_lm_head=True)
-            per_token_loss = -outputs.log_probs  # zero on ignored positions
+            with self.compute_loss_context_manager():  # the model's loss: sum of -log p / tokens
+                outputs = model(**inputs, num_items_in_batch=num_items_in_batch, fused_lm_head=True)
+            loss = outputs.loss
             if self.args.loss_type == "dft":  # each token's NLL weighted by its p (no gradient)
-                per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
-            num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
-                          else num_items_in_batch)
-            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+                per_token_loss = -outputs.log_probs * outputs.log_probs.exp().detach()
+                num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
+                              else num_items_in_batch)
+                loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
             stats = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.sum(),
                                  outputs.is_top1.sum().float()])
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:

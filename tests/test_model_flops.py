@@ -114,7 +114,8 @@ def rows(n=10, seed=0):
 
 def test_logs_carry_model_flops_per_second_and_mfu_over_the_passed_peak(tmp_path):
     peak = 3e9
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, logging_steps=1,
+    args = TrainingArguments(str(tmp_path), report_to="nanosft",
+                             per_device_train_batch_size=2, logging_steps=1,
                              gradient_accumulation_steps=1, num_train_epochs=1, use_cpu=True,
                              save_strategy="no", disable_tqdm=True, peak_flops=peak)
     trainer = Trainer(tiny_model(), args, train_dataset=rows(),
@@ -152,7 +153,8 @@ def test_logs_carry_model_flops_per_second_and_mfu_over_the_passed_peak(tmp_path
 
 def flops_of_run(output_dir, gradient_accumulation_steps):
     """(state.total_flos, this call's model FLOPs) of one epoch at per-device batch 2."""
-    args = TrainingArguments(output_dir, per_device_train_batch_size=2, num_train_epochs=1,
+    args = TrainingArguments(output_dir, report_to="nanosft",
+                             per_device_train_batch_size=2, num_train_epochs=1,
                              gradient_accumulation_steps=gradient_accumulation_steps,
                              logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True,
                              peak_flops=1e12)
@@ -189,7 +191,8 @@ def test_peak_is_calibrated_without_peak_flops_and_leaves_the_rng_alone(tmp_path
     rate = calibrate_matmul_flops(32)
     assert torch.equal(torch.get_rng_state(), state)  # dropout and init draw from it
     assert rate > 1e6  # FLOP/s: any CPU multiplies a (4096, 32) x (32, 32) product faster
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+    args = TrainingArguments(str(tmp_path), report_to="nanosft",
+                             per_device_train_batch_size=2, max_steps=2,
                              logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True)
     trainer = Trainer(tiny_model(), args, train_dataset=rows(4),
                       data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
@@ -216,3 +219,19 @@ def test_nanosft_train_prints_gflops_and_mfu(tmp_path, capsys):
     assert found, out[-2000:]
     gflops, mfu = float(found[1]), float(found[2])
     assert gflops > 0 and mfu == pytest.approx(100 * gflops / 200, abs=0.06)  # both printed rounded
+
+
+def test_a_calibration_taken_under_load_never_shows_mfu_above_100_percent(tmp_path, monkeypatch):
+    from nanosft.monitoring import callbacks
+
+    monkeypatch.setattr(callbacks, "calibrate_matmul_flops", lambda *a, **k: 1.0)  # cores busy
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                             logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(tiny_model(), args, train_dataset=rows(6),
+                      data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+    metrics = trainer.train().metrics
+    shown = [h["mfu"] for h in trainer.state.log_history if "mfu" in h] + [metrics["mfu"]]
+    assert len(shown) >= 4 and all(0 < mfu <= 1 for mfu in shown), shown  # before: ~1e9
+    callback = find_callback(trainer, ThroughputCallback)
+    assert callback.peak_flops >= metrics["train_model_flops_per_second"]
+    assert "read lower, under load" in callback.speed_summary(args, metrics)

@@ -48,7 +48,8 @@ def rows(n=8, seed=1):
 def make_trainer(output_dir, model=None, **overrides):
     kwargs = {"output_dir": str(output_dir), "per_device_train_batch_size": 2, "max_steps": 3,
               "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "steps", "save_steps": 1,
-              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3}
+              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3,
+              "report_to": "nanosft"}  # metrics.jsonl: the run's own file in output_dir
     kwargs.update(overrides)
     return Trainer(
         model if model is not None else tiny_model(),
@@ -243,7 +244,7 @@ def test_command_line_resume_spellings_mean_the_latest_checkpoint(tmp_path, spel
 
 def test_demo_refuses_an_output_dir_holding_another_run(tmp_path, capsys):
     out = tmp_path / "demo"
-    lora_model().save_pretrained(str(out / "adapter"))
+    lora_model().save_pretrained(str(out))  # a training run's adapter, not a demo's adapter/
     (out / "demo_summary.json").write_text("{}")
     before = tree_digest(out)
     assert cli.main(["demo", "--output_dir", str(out), "--steps", "1"]) == 2

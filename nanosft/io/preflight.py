@@ -39,9 +39,9 @@ def check_eval_data(eval_strategy, eval_dataset, command_line=False, eval_on_sta
 
 
 def known_eval_metrics(trainer) -> tuple | None:
-    """The eval_ keys `trainer`'s evaluate() returns (a trainer or its class), or None when they
-    cannot be known before an evaluation: a compute_metrics function or an overridden
-    evaluate / log may add any key."""
+    """The eval_ keys `trainer`'s evaluate() returns (a trainer or its class; eval_<name>_... per
+    set of a dict of eval sets), or None when they cannot be known before an evaluation: a
+    compute_metrics function or an overridden evaluate / log may add any key."""
     from nanosft.sft import SFTTrainer
     from nanosft.trainer import Trainer
 
@@ -50,11 +50,15 @@ def known_eval_metrics(trainer) -> tuple | None:
         return None
     if cls.evaluate is not Trainer.evaluate:
         return None
-    if cls.log is Trainer.log:
-        return TRAINER_EVAL_METRICS
-    if cls.log is SFTTrainer.log:
-        return TRAINER_EVAL_METRICS + SFT_EVAL_METRICS
-    return None
+    if cls.log not in (Trainer.log, SFTTrainer.log):
+        return None
+    # SFTTrainer.log adds TRL's token metrics as eval_<metric>, one set or several
+    extra = SFT_EVAL_METRICS if cls.log is SFTTrainer.log else ()
+    named = getattr(trainer, "eval_dataset", None)
+    if isinstance(named, dict):  # one evaluation per named set: eval_<name>_loss, ...
+        return tuple(f"eval_{name}_{key.removeprefix('eval_')}" for name in named
+                     for key in TRAINER_EVAL_METRICS) + extra
+    return TRAINER_EVAL_METRICS + extra
 
 
 def metric_key(name) -> str:
@@ -95,13 +99,17 @@ def check_eval_setup(trainer) -> None:
 
 
 @contextlib.contextmanager
-def guarded_run(trainer):
+def guarded_run(trainer, resume_from_checkpoint=None):
     """The `with` block around one Trainer.train(): what the run needs at its end is checked first
-    (eval data, metric_for_best_model), output_dir is writable and this run's alone (rank 0 holds
-    its lock to the end), and a collective waiting past ddp_timeout ends with a message."""
+    (train and eval data, metric_for_best_model), output_dir is writable and this run's alone
+    (rank 0 holds its lock to the end), and a collective waiting past ddp_timeout ends with a
+    message. Yields the checkpoint to resume (nanosft.io.checkpoint.resolve_and_check)."""
     from nanosft import distributed
+    from nanosft.io.checkpoint import resolve_and_check
     from nanosft.io.output_folder import hold_output_dir
 
+    if trainer.train_dataset is None:  # transformers' words, from get_train_dataloader
+        raise ValueError("Trainer: training requires a train_dataset.")
     check_eval_setup(trainer)
     with distributed.explain_timeout(trainer.args.ddp_timeout), hold_output_dir(trainer.args):
-        yield
+        yield resolve_and_check(trainer.args, trainer.model, resume_from_checkpoint)
