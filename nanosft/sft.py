@@ -406,24 +406,24 @@ class SFTTrainer(Trainer):
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages ranks
         if self.aux_loss_enabled:
-            loss = self._add_aux_loss(loss, outputs, fused, num_items_in_batch)
+            loss = self._add_aux_loss(loss, outputs, num_items_in_batch)
         self._record_metrics(mode, stats.detach(), inputs)
         if self.aux_loss_enabled:
             aux = distributed.all_reduce_sum(outputs.aux_loss.detach().float())
             self._metrics[mode]["aux_loss"].append(aux.item() / self.args.world_size)
         return (loss, outputs) if return_outputs else loss
 
-    def _add_aux_loss(self, loss, outputs, fused, num_items_in_batch):
+    def _add_aux_loss(self, loss, outputs, num_items_in_batch):
         """The loss plus router_aux_loss_coef * aux_loss, divided by the accumulation steps when
         num_items_in_batch normalises the loss (the aux loss is a per-micro-batch mean).
         Mirrors: trl SFTTrainer.compute_loss (weighted_aux_loss)
-        Differs: off the fused head the model's loss holds coef * aux_loss once (transformers'
+        Differs: the model's loss (fused head or not) holds coef * aux_loss once (transformers'
         forward, times world_size under average_tokens_across_devices), replaced here by TRL's."""
         if self.args.label_smoothing_factor != 0 or self.compute_loss_func is not None:
             return loss  # TRL adds none on these paths (the model saw no labels)
         weighted = self.router_aux_loss_coef * outputs.aux_loss
         steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-        if fused or self.args.loss_type == "dft":  # the model's loss was not used
+        if self.args.loss_type == "dft":  # the model's loss was replaced by the DFT loss
             return loss + weighted / steps
         scale = (self.args.world_size if self.args.average_tokens_across_devices
                  and num_items_in_batch is not None else 1)
