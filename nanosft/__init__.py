@@ -24,6 +24,9 @@ _LAZY_NAMES = {
     "TrainerCallback": "nanosft.trainer_callback",
     "LoraConfig": "nanosft.peft",
     "get_peft_model": "nanosft.peft",
+    "PromptTuningConfig": "nanosft.adapter_files",
+    "TaskType": "nanosft.adapter_files",
+    "prepare_model_for_kbit_training": "nanosft.lora",
 }
 __all__ = sorted(_LAZY_NAMES)
 

@@ -10,6 +10,7 @@ two files. Nothing here builds or runs a layer, so this module sits below peft.p
 """
 
 import dataclasses
+import enum
 import math
 import os
 import re
@@ -40,6 +41,17 @@ _HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "
              "ensure_weight_tying"}
 _PROMPT_UNUSED = {"auto_mapping": None, "modules_to_save": None, "revision": None,
                   "tokenizer_kwargs": None}
+
+
+class TaskType(str, enum.Enum):
+    """The task an adapter config is for; a str, so TaskType.CAUSAL_LM == "CAUSAL_LM" and it is
+    saved as that string. nanosft trains CAUSAL_LM adapters. Mirrors: peft TaskType"""
+    SEQ_CLS = "SEQ_CLS"
+    SEQ_2_SEQ_LM = "SEQ_2_SEQ_LM"
+    CAUSAL_LM = "CAUSAL_LM"
+    TOKEN_CLS = "TOKEN_CLS"
+    QUESTION_ANS = "QUESTION_ANS"
+    FEATURE_EXTRACTION = "FEATURE_EXTRACTION"
 
 
 def _check_unused(d, defaults, source):

@@ -18,13 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
+from nanosft.optim import BITSANDBYTES_OPTIMIZERS
+
 
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
     "warmup_stable_decay",
 )
-OPTIMIZER_NAMES = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd")
+OPTIMIZER_NAMES = ("adamw_torch_fused", "adamw_torch", "sgd", *BITSANDBYTES_OPTIMIZERS)
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 REPORT_TO = ("none", "tensorboard")
 # Fields whose value may arrive as a JSON string (command line, JSON config), as in transformers.

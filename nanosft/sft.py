@@ -81,6 +81,20 @@ def _dataset_name(dataset, default):
     return os.fspath(dataset) if isinstance(dataset, (str, os.PathLike)) else default
 
 
+def _tokenizer_of_built_model(model):
+    """The tokenizer beside the folder or Hub id a built model was loaded from (its name_or_path).
+    Mirrors: trl SFTTrainer.__init__ (AutoProcessor.from_pretrained(get_config_model_id(...)))"""
+    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
+    name = getattr(base, "name_or_path", None)
+    if not name:
+        raise ValueError("SFTTrainer: no processing_class, and the model was not loaded from a "
+                         "folder or Hub id (it has no name_or_path) to read the tokenizer from; "
+                         "fix: pass processing_class=AutoTokenizer.from_pretrained(model_dir)")
+    from nanosft.io.auto import AutoTokenizer  # product layer: loaders
+
+    return AutoTokenizer.from_pretrained(name)
+
+
 def _load_model_and_tokenizer(model, args, quantization_config, processing_class):
     """A model id (folder or Hub-cache id) -> (model, its tokenizer unless one was passed), loaded
     with args.model_init_kwargs (dtype float32 unless given) plus quantization_config.
@@ -90,6 +104,8 @@ def _load_model_and_tokenizer(model, args, quantization_config, processing_class
             warnings.warn("SFTTrainer: the model is already built, so quantization_config and "
                           "args.model_init_kwargs are not used (as in TRL); pass the model as a "
                           "folder or Hub id to load it with them.", stacklevel=3)
+        if processing_class is None:
+            processing_class = _tokenizer_of_built_model(model)
         return model, processing_class
     from nanosft.io.auto import AutoModelForCausalLM, AutoTokenizer  # product layer: loaders
 
@@ -159,6 +175,27 @@ def _check_token_ids_fit(model, tokenizer, rows) -> None:
                          "the tokenizer before training")
 
 
+def _aux_loss_enabled(model) -> bool:
+    """A Mixture-of-Experts config (output_router_logits) with a non-zero router_aux_loss_coef.
+    Mirrors: trl SFTTrainer.__init__ (self.aux_loss_enabled; args.router_aux_loss_coef is refused
+    by SFTConfig, so the config's coefficient counts)"""
+    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
+    config = getattr(base, "config", None)
+    return (hasattr(config, "output_router_logits")
+            and getattr(config, "router_aux_loss_coef", 0.0) != 0.0)
+
+
+def _add_model_tags(model, tags) -> None:
+    """Append `tags` to the base model's model_tags (a PeftModelForCausalLM shows the same list,
+    as peft forwards the attribute). Mirrors: transformers PreTrainedModel.add_model_tags"""
+    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
+    model_tags = getattr(base, "model_tags", None) or []
+    model_tags += [tag for tag in tags if tag not in model_tags]
+    base.model_tags = model_tags
+    if base is not model:
+        model.model_tags = model_tags
+
+
 class SFTTrainer(Trainer):
     """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL metrics.
     Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16)
@@ -170,6 +207,8 @@ class SFTTrainer(Trainer):
     compute_metrics; callbacks; optimizers; optimizer_cls_and_kwargs;
     preprocess_logits_for_metrics (the Trainer's, see Trainer.__init__); quantization_config (for a
     model id); peft_config (LoraConfig: wrap the model); formatting_func (row -> text)."""
+
+    _tag_names = ["trl", "sft"]  # TRL's tags on the model
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_loss_func=None,
@@ -187,9 +226,6 @@ class SFTTrainer(Trainer):
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
         model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
                                                             processing_class)
-        if processing_class is None:
-            raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained("
-                             "model_dir), or the model as a folder / Hub id to load both.")
         if args.chat_template_path is not None:
             _read_chat_template_path(args.chat_template_path, processing_class)
         if args.loss_type == "dft" and compute_loss_func is not None:
@@ -263,6 +299,8 @@ class SFTTrainer(Trainer):
         self._signature_columns = {"input_ids", "labels", "seq_lengths"}
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._total_train_tokens = 0
+        self.aux_loss_enabled = _aux_loss_enabled(self.model)
+        _add_model_tags(self.model, self._tag_names)
 
     def _prepare_eval(self, dataset, tokenizer, args, name):
         """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
