@@ -151,6 +151,53 @@ def to_example_list(source, name="the dataset", max_steps=None):
     return examples, wheres
 
 
+def is_conversational_from_value(example):
+    """A ShareGPT row: "conversations" is a list of {"from", "value"} messages.
+    Mirrors: trl is_conversational_from_value"""
+    messages = example.get("conversations")
+    return (isinstance(messages, list) and bool(messages) and isinstance(messages[0], Mapping)
+            and "from" in messages[0] and "value" in messages[0])
+
+
+def maybe_convert_to_chatml(example):
+    """A copy of the row with from/value messages as role/content and "conversations" renamed
+    "messages" (moved last, as datasets' map adds it). Roles are kept as written.
+    Mirrors: trl maybe_convert_to_chatml"""
+    example = dict(example)
+    for key in ("prompt", "completion", "chosen", "rejected", "messages", "conversations"):
+        if isinstance(example.get(key), list):
+            example[key] = [_chatml_message(m) if isinstance(m, Mapping) else m
+                            for m in example[key]]
+    if "conversations" in example:
+        example["messages"] = example.pop("conversations")
+    return example
+
+
+def _chatml_message(message):
+    renamed = {"from": "role", "value": "content"}
+    out = {renamed.get(k, k): v for k, v in message.items() if k not in renamed}
+    out.update({renamed[k]: message[k] for k in renamed if k in message})
+    return out
+
+
+def chat_template_kwargs(example):
+    """The chat-template variables of one row: its `tools` (a list, or a JSON string) plus its
+    `chat_template_kwargs` dict. Mirrors: trl SFTTrainer._prepare_dataset tokenize_fn"""
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"field 'tools' is a string but not JSON ({error.msg}, column "
+                             f"{error.colno}); fix: give a list of tool schemas or their JSON "
+                             "text") from None
+    extra = example.get("chat_template_kwargs") or {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"field 'chat_template_kwargs' must be a dict of template variables, got "
+                        f"{type(extra).__name__}")
+    return {"tools": tools, **extra}
+
+
 def dataset_format(example, dataset_text_field="text"):
     """Name an example's TRL format (one of FORMATS); raises if it has none of their fields.
     Mirrors: trl is_conversational and the branches of SFTTrainer tokenize_fn"""
@@ -204,6 +251,8 @@ def load_examples(source, dataset_text_field="text", max_steps=None, name="the d
     examples, wheres = to_example_list(source, name, max_steps)
     if "input_ids" in examples[0]:
         return examples  # already tokenized: TRL skips straight to labels, truncation, packing
+    if is_conversational_from_value(examples[0]):  # ShareGPT: "Converting ... to ChatML"
+        examples = [maybe_convert_to_chatml(example) for example in examples]
     formats = []
     for example, where in zip(examples, wheres):
         try:
@@ -229,12 +278,12 @@ def common_prefix_length(ids, other_ids):
     return n
 
 
-def assistant_char_spans(tokenizer, messages):
+def assistant_char_spans(tokenizer, messages, **template_kwargs):
     """Character span of each assistant turn in the rendered chat, found by rendering prefixes:
     turn i runs from len(render(messages[:i]) + generation prompt) to len(render(messages[:i+1])).
     Mirrors: transformers {% generation %} spans
     Differs: needs no template tags."""
-    full = tokenizer.render_chat(messages)
+    full = tokenizer.render_chat(messages, **template_kwargs)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -242,8 +291,8 @@ def assistant_char_spans(tokenizer, messages):
         if i == 0:
             raise ValueError("messages[0] is an assistant turn; assistant_only_loss needs a system "
                              "or user message before it to render the generation prompt")
-        head = tokenizer.render_chat(messages[:i], add_generation_prompt=True)
-        turn = tokenizer.render_chat(messages[: i + 1])
+        head = tokenizer.render_chat(messages[:i], add_generation_prompt=True, **template_kwargs)
+        turn = tokenizer.render_chat(messages[: i + 1], **template_kwargs)
         if not (full.startswith(head) and full.startswith(turn)):
             raise ValueError(f"the chat template does not render messages[:{i}] as a prefix of the "
                              "whole chat (Qwen3's drops the reasoning of earlier turns), so "
@@ -255,14 +304,15 @@ def assistant_char_spans(tokenizer, messages):
     return spans
 
 
-def assistant_token_mask(tokenizer, messages, input_ids):
+def assistant_token_mask(tokenizer, messages, input_ids, **template_kwargs):
     """1 on every token overlapping an assistant turn (content and `<|im_end|>`), else 0.
     Mirrors: transformers apply_chat_template(return_assistant_tokens_mask=True)"""
-    ids, offsets = tokenizer.encode_with_offsets(tokenizer.render_chat(messages))
+    ids, offsets = tokenizer.encode_with_offsets(tokenizer.render_chat(messages,
+                                                                       **template_kwargs))
     if list(ids) != list(input_ids):
         raise ValueError("the chat re-encoded for offsets differs from its input_ids")
     mask = [0] * len(input_ids)
-    for start, end in assistant_char_spans(tokenizer, messages):
+    for start, end in assistant_char_spans(tokenizer, messages, **template_kwargs):
         for j, (s, e) in enumerate(offsets):
             if s < end and e > start:
                 mask[j] = 1
@@ -278,11 +328,12 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
         text = example[dataset_text_field]
         # "EOS appending (non-conversational only)", a string check as TRL's add_eos.
         return {"input_ids": tokenizer.encode(text if text.endswith(eos) else text + eos)}
+    template_kwargs = chat_template_kwargs(example)  # tools, per-row template variables
     if fmt == "conversational":
-        out = {"input_ids": tokenizer.apply_chat_template(example["messages"])}
+        out = {"input_ids": tokenizer.apply_chat_template(example["messages"], **template_kwargs)}
         if assistant_only_loss:
             out["assistant_masks"] = assistant_token_mask(tokenizer, example["messages"],
-                                                          out["input_ids"])
+                                                          out["input_ids"], **template_kwargs)
         return out
     prompt, completion = example["prompt"], example["completion"]
     out = {}
@@ -291,10 +342,12 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
         prompt_ids = tokenizer.encode(prompt)
         full_ids = tokenizer.encode(prompt + completion)  # string concatenation, as TRL
     else:
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-        full_ids = tokenizer.apply_chat_template(prompt + completion)
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                   **template_kwargs)
+        full_ids = tokenizer.apply_chat_template(prompt + completion, **template_kwargs)
         if assistant_only_loss:
-            out["assistant_masks"] = assistant_token_mask(tokenizer, prompt + completion, full_ids)
+            out["assistant_masks"] = assistant_token_mask(tokenizer, prompt + completion, full_ids,
+                                                          **template_kwargs)
     # The completion starts where prompt and prompt+completion diverge (tokens may merge across).
     n = common_prefix_length(prompt_ids, full_ids)
     if n < len(prompt_ids):  # shown once per run, as TRL's warning_once

@@ -53,8 +53,10 @@ def validate_messages(messages):
             raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', "
                             f"got {message!r:.80}")
         if message.get("role") not in CHAT_ROLES:
+            sharegpt = (" (ShareGPT's 'human' / 'gpt': map them to 'user' / 'assistant')"
+                        if message.get("role") in ("human", "gpt") else "")
             raise ValueError(f"messages[{i}]['role'] is {message.get('role')!r}; "
-                             f"expected one of {CHAT_ROLES}")
+                             f"expected one of {CHAT_ROLES}{sharegpt}")
         content = message.get("content")
         if content is None and message.get("tool_calls") is not None:
             continue  # a tool call without text: the template renders the calls
