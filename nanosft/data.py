@@ -465,12 +465,22 @@ def _check_tokens_to_train(rows, name):
                        "completion); they add nothing to the loss", name, empty, len(rows))
 
 
+def _with_eos(example, fmt, eos, dataset_text_field):
+    """The row as TRL's add_eos leaves it: EOS appended to the text or completion field."""
+    field = {"language_modeling": dataset_text_field, "prompt_completion": "completion"}.get(fmt)
+    if field is None or example[field].endswith(eos):
+        return dict(example)
+    return {**example, field: example[field] + eos}
+
+
 def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, packing_strategy="bfd",
                     completion_only_loss=None, assistant_only_loss=False, dataset_text_field="text",
-                    eos_token=None, name=None):
+                    eos_token=None, name=None, keep_columns=False):
     """Examples (path or dicts) -> rows of `input_ids`, `labels` (-100 = no loss) [, `seq_lengths`].
     Mirrors: trl SFTTrainer._prepare_dataset (+ SFTTrainer.__init__ option checks)
-    `name` (the data file, or e.g. "train_dataset") is what warnings and errors call it."""
+    `name` (the data file, or e.g. "train_dataset") is what warnings and errors call it.
+    keep_columns: each row also keeps the columns TRL's prepared Dataset keeps (the example's own
+    fields, EOS appended as add_eos does, and a completion_mask the labels did not use)."""
     if name is None:
         name = os.fspath(examples) if isinstance(examples, (str, os.PathLike)) else "the dataset"
     examples = load_examples(examples, dataset_text_field)
@@ -484,6 +494,10 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         kwargs = {"dataset_text_field": dataset_text_field, "eos_token": eos_token,
                   "assistant_only_loss": assistant_only_loss}
         rows = [tokenize_example(ex, tokenizer, fmt, **kwargs) for ex in examples]
+        if keep_columns:  # datasets' map keeps the input columns, then adds its outputs
+            eos = eos_token or tokenizer.eos_token
+            rows = [{**_with_eos(ex, fmt, eos, dataset_text_field), **row}
+                    for ex, row in zip(examples, rows)]
         for i, row in enumerate(rows):
             if "assistant_masks" in row and 1 not in row["assistant_masks"]:
                 raise ValueError(f"example {i} has no assistant turn, so assistant_only_loss "
@@ -495,7 +509,10 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         names = (["completion_mask"] if completion_only_loss else []) + ["assistant_masks"]
         for row in rows:
             row["labels"] = build_labels(row["input_ids"], [row[m] for m in names if m in row])
-    rows = [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
+            for used in names if keep_columns else ():  # TRL's build_labels removes them
+                row.pop(used, None)
+    if packing or not keep_columns:
+        rows = [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
     if packing:
         if max_length is None:
             raise ValueError("packing=True needs max_length (the packed row length), got None")
@@ -503,6 +520,22 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         return pack_dataset(rows, max_length, packing_strategy)
     _check_tokens_to_train(rows, name)
     if max_length is not None:  # keep_start truncation, then drop rows left without a target
-        rows = [{k: v[:max_length] for k, v in row.items()} for row in rows]
+        rows = [{**row, "input_ids": row["input_ids"][:max_length],
+                 "labels": row["labels"][:max_length]} for row in rows]
         rows = _drop_fully_masked(rows, name)
     return rows
+
+
+def is_datasets_object(dataset):
+    """A `datasets` Dataset or IterableDataset (checked by type, `datasets` is not imported)."""
+    return type(dataset).__module__.startswith("datasets.") and type(dataset).__name__ in (
+        "Dataset", "IterableDataset")
+
+
+def as_datasets_dataset(rows):
+    """Prepared rows as a datasets.Dataset (columns: the rows' keys), what TRL's trainer holds.
+    Mirrors: trl SFTTrainer._prepare_dataset's return value
+    Differs: an IterableDataset input comes back as a Dataset too (its rows were read in)."""
+    import datasets  # the caller passed a datasets object, so it is installed
+
+    return datasets.Dataset.from_list(rows)

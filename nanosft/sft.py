@@ -17,7 +17,8 @@ import torch
 from nanosft import distributed, nf4
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.data import load_examples, prepare_dataset, to_example_list
+from nanosft.data import (as_datasets_dataset, is_datasets_object, load_examples,
+                          prepare_dataset, to_example_list)
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
 from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
@@ -175,6 +176,36 @@ def _check_token_ids_fit(model, tokenizer, rows) -> None:
                          "the tokenizer before training")
 
 
+def _refuse_with_transform(dataset, name) -> None:
+    """A Dataset.with_transform() dataset would be read once here, freezing a random transform
+    into the prepared rows. Mirrors: trl SFTTrainer._prepare_dataset (the same refusal)"""
+    if is_datasets_object(dataset) and (getattr(dataset, "format", None) or {}).get(
+            "type") == "custom":
+        raise ValueError(f"SFTTrainer: {name} uses Dataset.with_transform(); preparing it would "
+                         "read the transform once and freeze its output into the tokenized rows. "
+                         "Fix: pass SFTConfig(dataset_kwargs={'skip_prepare_dataset': True}) "
+                         "with a transform that returns trainer-ready rows (input_ids, labels), "
+                         "or materialize a deterministic transform with Dataset.map() first.")
+
+
+def _reject_skip_prepare_without_labels(datasets, skip, data_collator) -> None:
+    """With skip_prepare_dataset no labels are built, so a set with mask columns and no "labels"
+    would train on every token: refused. Mirrors: trl SFTTrainer._reject_skip_prepare_without_labels
+    """
+    if not (skip and isinstance(data_collator, DataCollatorForLanguageModeling)):
+        return
+    for name, dataset in datasets.items():
+        columns = getattr(dataset, "column_names", None)
+        if columns is None:  # a list of rows, or an iterable: the first row's keys
+            columns = list(next(iter(dataset), {}))
+        if "labels" not in columns and ("completion_mask" in columns
+                                        or "assistant_masks" in columns):
+            raise ValueError(f"SFTTrainer: the {name} dataset has mask columns but no 'labels', "
+                             "and skip_prepare_dataset=True skips label building, so it would "
+                             "train on the full sequence. Fix: add a 'labels' column (-100 for "
+                             "tokens off the loss) or drop skip_prepare_dataset.")
+
+
 def _aux_loss_enabled(model) -> bool:
     """A Mixture-of-Experts config (output_router_logits) with a non-zero router_aux_loss_coef.
     Mirrors: trl SFTTrainer.__init__ (self.aux_loss_enabled; args.router_aux_loss_coef is refused
@@ -249,10 +280,14 @@ class SFTTrainer(Trainer):
                              "or bfd packing.")
         # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
         train_name = _dataset_name(train_dataset, "train_dataset")
-        train_dataset = load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
-                                      args.dataset_text_field, args.max_steps,
-                                      name="train_dataset")
-        first = train_dataset[0]
+        self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
+        returns_datasets = is_datasets_object(train_dataset)  # datasets in, datasets out
+        if not self._skip_prepare_dataset:
+            _refuse_with_transform(train_dataset, "train_dataset")
+            train_dataset = load_examples(
+                _formatted(train_dataset, formatting_func, args.max_steps),
+                args.dataset_text_field, args.max_steps, name="train_dataset")
+        first = next(iter(train_dataset))
         self.completion_only_loss = args.completion_only_loss
         if self.completion_only_loss is None:
             self.completion_only_loss = "prompt" in first and "completion" in first
@@ -268,15 +303,22 @@ class SFTTrainer(Trainer):
             data_collator = DataCollatorForLanguageModeling(
                 pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
                 padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
-        train_dataset = self._prepare(train_dataset, processing_class, args, train_name)
-        _check_token_ids_fit(model, processing_class, train_dataset)
+        if self.padding_free and not args.packing and args.max_length is not None:
+            raise ValueError("SFTTrainer: padding_free=True without packing does not enforce "
+                             f"max_length={args.max_length} (as in TRL); fix: enable packing "
+                             "(packing=True, packing_strategy='bfd'), or set max_length=None "
+                             "with already truncated rows.")
         self._formatting_func = formatting_func
-        if isinstance(eval_dataset, dict):  # named sets: evaluate() reports eval_<name>_loss
-            eval_dataset = {name: self._prepare_eval(dataset, processing_class, args, name)
-                            for name, dataset in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = self._prepare_eval(eval_dataset, processing_class, args,
-                                              _dataset_name(eval_dataset, "eval_dataset"))
+        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
+            {"eval": eval_dataset} if eval_dataset is not None else {})
+        _reject_skip_prepare_without_labels({"train": train_dataset, **eval_sets},
+                                            self._skip_prepare_dataset, data_collator)
+        if not self._skip_prepare_dataset:
+            train_dataset = self._prepare(train_dataset, processing_class, args, train_name,
+                                          as_dataset=returns_datasets)
+            eval_dataset = self._prepare_eval_sets(eval_dataset, processing_class, args)
+        if "input_ids" in first or not self._skip_prepare_dataset:
+            _check_token_ids_fit(model, processing_class, train_dataset)
 
         # TRL 1.16 passes optimizer_cls_and_kwargs by name; the walkthrough's call carries the
         # arguments it does not print in **super_init_kwargs
@@ -302,15 +344,29 @@ class SFTTrainer(Trainer):
         self.aux_loss_enabled = _aux_loss_enabled(self.model)
         _add_model_tags(self.model, self._tag_names)
 
+    def _prepare_eval_sets(self, eval_dataset, tokenizer, args):
+        """One eval set, or a dict of named ones (evaluate() reports eval_<name>_loss), each
+        through _prepare_eval. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
+        if isinstance(eval_dataset, dict):  # a DatasetDict too
+            return {name: self._prepare_eval(dataset, tokenizer, args, name)
+                    for name, dataset in eval_dataset.items()}
+        if eval_dataset is None:
+            return None
+        return self._prepare_eval(eval_dataset, tokenizer, args,
+                                  _dataset_name(eval_dataset, "eval_dataset"))
+
     def _prepare_eval(self, dataset, tokenizer, args, name):
         """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
         packing) asks. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
         packing = args.packing if args.eval_packing is None else args.eval_packing
+        _refuse_with_transform(dataset, name)
+        as_dataset = is_datasets_object(dataset)
         return self._prepare(_formatted(dataset, self._formatting_func, args.max_steps),
-                             tokenizer, args, name, packing=packing)
+                             tokenizer, args, name, packing=packing, as_dataset=as_dataset)
 
-    def _prepare(self, dataset, tokenizer, args, name=None, packing=None):
-        """Tokenize, label, truncate or pack, then shuffle if asked.
+    def _prepare(self, dataset, tokenizer, args, name=None, packing=None, as_dataset=False):
+        """Tokenize, label, truncate or pack, then shuffle if asked; a datasets.Dataset (with
+        TRL's columns) when the input was a datasets object, else a list of rows.
         Mirrors: trl SFTTrainer._prepare_dataset"""
         packing = args.packing if packing is None else packing
         rows = prepare_dataset(dataset, tokenizer, max_length=args.max_length, packing=packing,
@@ -318,10 +374,26 @@ class SFTTrainer(Trainer):
                                completion_only_loss=self.completion_only_loss,
                                assistant_only_loss=args.assistant_only_loss,
                                dataset_text_field=args.dataset_text_field, eos_token=args.eos_token,
-                               name=name)
+                               name=name, keep_columns=as_dataset)
         if args.shuffle_dataset:  # datasets.Dataset.shuffle(seed): numpy default_rng permutation
             rows = [rows[i] for i in np.random.default_rng(args.seed).permutation(len(rows))]
-        return rows
+        return as_datasets_dataset(rows) if as_dataset else rows
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict:
+        """Trainer.evaluate, after preparing a raw eval set (one, or a dict / DatasetDict of them)
+        passed here as __init__ prepares its eval_dataset; prepared rows pass unchanged.
+        Mirrors: trl SFTTrainer.evaluate"""
+        named = (isinstance(eval_dataset, str) and isinstance(self.eval_dataset, dict)
+                 and eval_dataset in self.eval_dataset)
+        if named:  # the name of a set prepared in __init__, as transformers selects it
+            eval_dataset = self.eval_dataset[eval_dataset]
+        elif not self._skip_prepare_dataset and eval_dataset is not None:
+            eval_dataset = self._prepare_eval_sets(eval_dataset, self.processing_class, self.args)
+        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
+            {"eval": eval_dataset} if eval_dataset is not None else {})
+        _reject_skip_prepare_without_labels(eval_sets, self._skip_prepare_dataset,
+                                            self.data_collator)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of Trainer.compute_loss, plus TRL's token metrics (entropy, accuracy).
