@@ -151,6 +151,13 @@ class DataCollatorForLanguageModeling:
         batch["labels"][batch["position_ids"] == 0] = -100
         return batch
 
+    @staticmethod
+    def get_position_ids_from_packed_seq_lengths(batch_seq_lengths):
+        """Per row, positions restarting at 0 for each packed document: [[3, 2]] ->
+        [tensor([0, 1, 2, 0, 1])].
+        Mirrors: trl DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths"""
+        return [position_ids_from_seq_lengths(seq_lengths) for seq_lengths in batch_seq_lengths]
+
     def _get_generator(self):
         if self.seed is None:
             return None  # the global torch RNG, as transformers does without a seed

@@ -202,7 +202,7 @@ def _reject_skip_prepare_without_labels(datasets, skip, data_collator) -> None:
                                         or "assistant_masks" in columns):
             raise ValueError(f"SFTTrainer: the {name} dataset has mask columns but no 'labels', "
                              "and skip_prepare_dataset=True skips label building, so it would "
-                             "train on the full sequence. Fix: add a 'labels' column (-100 for "
+                             "train on the full sequence. Fix: Add a 'labels' column (-100 for "
                              "tokens off the loss) or drop skip_prepare_dataset.")
 
 
@@ -252,8 +252,8 @@ class SFTTrainer(Trainer):
                             f"must be callable, got {type(data_collator).__name__}; pass "
                             "train_dataset= by keyword.")
         if train_dataset is None:
-            raise ValueError("SFTTrainer: train_dataset is required (a JSONL path or a list of "
-                             "dicts).")
+            raise ValueError("SFTTrainer: `train_dataset` is required (a datasets.Dataset, a "
+                             "JSONL path or a list of dicts).")
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
         model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
                                                             processing_class)
@@ -304,10 +304,10 @@ class SFTTrainer(Trainer):
                 pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
                 padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
         if self.padding_free and not args.packing and args.max_length is not None:
-            raise ValueError("SFTTrainer: padding_free=True without packing does not enforce "
-                             f"max_length={args.max_length} (as in TRL); fix: enable packing "
-                             "(packing=True, packing_strategy='bfd'), or set max_length=None "
-                             "with already truncated rows.")
+            raise ValueError("SFTTrainer: with padding_free=True and no packing, `max_length` is "
+                             f"not enforced (max_length={args.max_length}), as in TRL; fix: enable "
+                             "packing (packing=True, packing_strategy='bfd'), or set "
+                             "max_length=None with already truncated rows.")
         self._formatting_func = formatting_func
         eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
             {"eval": eval_dataset} if eval_dataset is not None else {})

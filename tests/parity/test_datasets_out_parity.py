@@ -6,7 +6,9 @@ example's own fields with EOS appended, input_ids, labels, an unused completion_
 seq_lengths, a ShareGPT row's messages); trainer.evaluate(eval_dataset=<raw Dataset or a dict of
 them>) prepares them first and gives TRL's eval losses (fp32, 1e-5); a with_transform dataset
 is refused unless dataset_kwargs={"skip_prepare_dataset": True}, which hands the rows through
-unprepared; padding_free=True without packing but with max_length is refused by both.
+unprepared (refused there when mask columns come without labels); padding_free=True without
+packing but with max_length, and a missing train_dataset, are refused by both; the collator
+keeps caller-given labels and computes packed position_ids as TRL's.
 Hermetic: a tiny Llama folder and a BPE tokenizer built here; CPU, HF_HUB_OFFLINE=1.
 Run: python -m pytest -q tests/parity/test_datasets_out_parity.py
 """
@@ -134,7 +136,7 @@ def test_padding_free_without_packing_refused_as_trl(model_dir, tmp_path):
     for stack in (trl, nanosft):
         args = stack.SFTConfig(output_dir=str(tmp_path / stack.__name__), **COMMON,
                                padding_free=True, max_length=64)
-        with pytest.raises(ValueError, match="max_length"):
+        with pytest.raises(ValueError, match="`max_length` is not enforced"):
             stack.SFTTrainer(model=model_dir, args=args,
                              train_dataset=datasets.Dataset.from_list(TEXT))
 
@@ -152,3 +154,24 @@ def test_collator_keeps_caller_labels_as_trl():
         ours = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=padding_free)(rows)
         torch.testing.assert_close(ours["labels"], theirs["labels"], rtol=0, atol=0)
         torch.testing.assert_close(ours["input_ids"], theirs["input_ids"], rtol=0, atol=0)
+    lengths = [[3, 2], [4]]
+    for got, want in zip(DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths(
+            lengths), TrlCollator.get_position_ids_from_packed_seq_lengths(lengths)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_skip_prepare_with_masks_but_no_labels_and_no_train_dataset_refused_as_trl(model_dir,
+                                                                                   tmp_path):
+    import trl
+
+    import nanosft
+
+    rows = [{"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}] * 4
+    for stack in (trl, nanosft):
+        args = stack.SFTConfig(output_dir=str(tmp_path / stack.__name__), **COMMON,
+                               dataset_kwargs={"skip_prepare_dataset": True})
+        with pytest.raises(ValueError, match="mask columns but no 'labels'.*Add a 'labels' column"):
+            stack.SFTTrainer(model=model_dir, args=args,
+                             train_dataset=datasets.Dataset.from_list(rows))
+        with pytest.raises(ValueError, match="`train_dataset` is required"):
+            stack.SFTTrainer(model=model_dir, args=args, train_dataset=None)
