@@ -5,7 +5,7 @@ truncated `tokenizer(...)` call leaves `encode` as it was (the backend's setting
 ragged rows with return_tensors="pt", padding without a pad token and unknown arguments give
 one-line fixes; tool-call messages pass validation only with `tool_calls`, and the built-in
 ChatML renderer refuses them with the fix. Parity with transformers lives in
-tests/parity/test_tokenizer_protocol.py. Hermetic, CPU.
+tests/parity/test_tokenizer_protocol_parity.py. Hermetic, CPU.
 Run: python -m pytest -q tests/test_tokenizer_protocol.py
 """
 

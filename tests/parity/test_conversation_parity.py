@@ -15,7 +15,7 @@ import types
 
 import datasets
 import pytest
-from test_tokenizer_protocol import CORPUS, TOOL_CHAT, TOOL_TEMPLATE, TOOLS
+from test_tokenizer_protocol_parity import CORPUS, TOOL_CHAT, TOOL_TEMPLATE, TOOLS
 
 from nanosft.data import prepare_dataset
 from nanosft.tokenizer import Tokenizer

@@ -6,7 +6,7 @@ max_length alone, add_special_tokens, return_tensors="pt"; `pad_token = eos_toke
 batch_decode; convert_tokens_to_ids; apply_chat_template with tools, tool calls, template
 variables, return_dict and a padded batch. Both read the same tokenizer.json, trained here with a
 BOS token so add_special_tokens changes the ids. Hermetic, CPU, no network.
-Run: python -m pytest -q tests/parity/test_tokenizer_protocol.py
+Run: python -m pytest -q tests/parity/test_tokenizer_protocol_parity.py
 """
 
 import pytest
