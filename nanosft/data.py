@@ -2,8 +2,9 @@
 
 SFTTrainer.__init__ prepares `train_dataset` with it before Trainer sees it. Examples come
 from JSONL / JSON / Parquet / CSV files, lists, datasets.Dataset-like sequences or iterables.
-`prepare_dataset` follows TRL SFTTrainer._prepare_dataset step by step:
-append EOS, tokenize (chat template for conversations), completion / assistant masks -> labels
+`prepare_dataset` follows TRL SFTTrainer._prepare_dataset step by step: ShareGPT rows to
+messages, append EOS, tokenize (chat template for conversations, with the row's tools and
+chat_template_kwargs), completion / assistant masks -> labels
 (-100), truncate (keep_start), drop fully masked examples, pack with Best-Fit-Decreasing
 ("Fewer Truncations Improve Language Modeling", 2404.10830). Knows nothing of models.
 """

@@ -168,7 +168,9 @@ def dft_loss(logits, labels, num_items_in_batch=None):
 def _check_token_ids_fit(model, tokenizer, rows) -> None:
     """Refuse ids without an embedding row, naming both sizes (not torch's "index out of range")."""
     rows_in_model = model.get_input_embeddings().num_embeddings
-    largest = max((max(r["input_ids"]) for r in rows if len(r["input_ids"])), default=-1)
+    # a datasets.Dataset reads its column at once; a list is walked row by row
+    column = rows["input_ids"] if hasattr(rows, "column_names") else (r["input_ids"] for r in rows)
+    largest = max((max(ids) for ids in column if len(ids)), default=-1)
     if largest >= rows_in_model:
         raise ValueError(f"SFTTrainer: the tokenizer ({len(tokenizer)} tokens) produced token id "
                          f"{largest}, but the model's embedding has only {rows_in_model} rows; use "

@@ -4,7 +4,9 @@ Train a tiny tokenizer, load / save a Hugging Face tokenizer folder (tokenizer.j
 tokenizer_config.json, chat_template.jinja) that transformers' AutoTokenizer reads back with the
 same ids, and render chats: a built-in ChatML renderer in plain Python, or a folder's own Jinja
 template. SFTTrainer.__init__ takes it as `processing_class`, for TRL
-SFTTrainer._prepare_dataset's tokenization; the files as transformers 5 writes them.
+SFTTrainer._prepare_dataset's tokenization; the files as transformers 5 writes them. Scripts call
+it as transformers' fast tokenizer (`tokenizer(texts, padding=True, return_tensors="pt")`,
+`pad_token = eos_token`, `batch_decode`, `apply_chat_template(..., tools=...)`), with equal ids.
 """
 
 import json
