@@ -168,8 +168,10 @@ def dft_loss(logits, labels, num_items_in_batch=None):
 def _check_token_ids_fit(model, tokenizer, rows) -> None:
     """Refuse ids without an embedding row, naming both sizes (not torch's "index out of range")."""
     rows_in_model = model.get_input_embeddings().num_embeddings
-    # a datasets.Dataset reads its column at once; a list is walked row by row
-    column = rows["input_ids"] if hasattr(rows, "column_names") else (r["input_ids"] for r in rows)
+    # a datasets.Dataset reads its column at once; a list (or a with_transform Dataset, whose
+    # stored columns are the transform's inputs) is walked row by row
+    stored = "input_ids" in (getattr(rows, "column_names", None) or ())
+    column = rows["input_ids"] if stored else (r["input_ids"] for r in rows)
     largest = max((max(ids) for ids in column if len(ids)), default=-1)
     if largest >= rows_in_model:
         raise ValueError(f"SFTTrainer: the tokenizer ({len(tokenizer)} tokens) produced token id "
