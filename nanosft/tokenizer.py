@@ -608,7 +608,7 @@ class Tokenizer:
         Mirrors: apply_chat_template(..., tokenize=False)"""
         return self.render_chat_with_spans(messages, add_generation_prompt, **template_kwargs)[0]
 
-    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True,
+    def apply_chat_template(self, conversation, add_generation_prompt=False, tokenize=True,
                             return_assistant_tokens_mask=False, *, tools=None, documents=None,
                             chat_template=None, return_dict=False, return_tensors=None,
                             padding=False, truncation=False, max_length=None,
@@ -622,9 +622,9 @@ class Tokenizer:
         return_tensors go to __call__.
         Differs: return_dict defaults to False (transformers 5: True), so the ids stay a list as
         the walkthrough and transformers 4 have them."""
-        batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(
-            messages[0], (list, tuple))
-        chats = list(messages) if batched else [messages]
+        batched = isinstance(conversation, (list, tuple)) and bool(conversation) and isinstance(
+            conversation[0], (list, tuple))
+        chats = list(conversation) if batched else [conversation]
         rendered = [self.render_chat_with_spans(chat, add_generation_prompt, chat_template,
                                                 tools=tools, documents=documents,
                                                 **template_kwargs) for chat in chats]

@@ -165,6 +165,7 @@ def test_batched_chats_padded_equal_transformers(pair):
               "chat_template": CHATML_TEMPLATE}  # a per-call template: ours renders it in Python
     assert_encodings_equal(ours.apply_chat_template(chats, **kwargs),
                            theirs.apply_chat_template(chats, **kwargs))
-    texts = ours.apply_chat_template(chats, tokenize=False, chat_template=CHATML_TEMPLATE)
+    texts = ours.apply_chat_template(conversation=chats, tokenize=False,
+                                     chat_template=CHATML_TEMPLATE)  # transformers' keyword
     assert texts == theirs.apply_chat_template(chats, tokenize=False,
                                                chat_template=CHATML_TEMPLATE)
