@@ -23,6 +23,8 @@ _LAZY_NAMES = {
     "Trainer": "nanosft.trainer",
     "TrainerCallback": "nanosft.trainer_callback",
     "LoraConfig": "nanosft.peft",
+    "PromptEncoderConfig": "nanosft.peft",
+    "PrefixTuningConfig": "nanosft.peft",
     "get_peft_model": "nanosft.peft",
     "PromptTuningConfig": "nanosft.adapter_files",
     "TaskType": "nanosft.adapter_files",

@@ -1,7 +1,8 @@
 """Adapter configs and files: what an adapter is before its forward runs, in peft's format.
 
-`LoraConfig` and `PromptTuningConfig` carry peft's field names and defaults, and turn into (and
-back from) the adapter_config.json dict peft 0.21.2 writes; `find_target_modules` says which
+`LoraConfig` and the prompt-learning configs (`PromptTuningConfig`, `PromptEncoderConfig` for
+P-tuning, `PrefixTuningConfig`) carry peft's field names and defaults, and turn into (and back
+from) the adapter_config.json dict peft 0.21.2 writes; `find_target_modules` says which
 modules of a model a LoraConfig names (and `resolve_target_modules` what its target_modules is
 saved as), `prompt_init_token_ids` which tokens a TEXT prompt starts from.
 `get_peft_model_state_dict` / `set_peft_model_state_dict` map a wrapped model's tensors to peft's
@@ -23,6 +24,7 @@ from nanosft.nf4 import Linear4bit
 PEFT_FORMAT_VERSION = "0.21.2"  # the peft release whose adapter files we read and write
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft is_prompt_learning
 
 # adapter_config.json keys of peft features nanosft does not implement, with peft's defaults
 # (written as they are, so peft reads our files; refused when a file switches one on)
@@ -39,8 +41,6 @@ _LORA_UNUSED = {
 # keys that change nothing nanosft computes, whatever their value
 _HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "loftq_config",
              "ensure_weight_tying"}
-_PROMPT_UNUSED = {"auto_mapping": None, "modules_to_save": None, "revision": None,
-                  "tokenizer_kwargs": None}
 
 
 class TaskType(str, enum.Enum):
@@ -115,15 +115,11 @@ class LoraConfig:
 
 
 @dataclasses.dataclass
-class PromptTuningConfig:
-    """Prompt tuning: `num_virtual_tokens` trainable embeddings before the input (RANDOM or TEXT).
-    2.6 reads its `num_virtual_tokens`. Mirrors: peft PromptTuningConfig
-    Differs: TEXT init takes a `tokenizer` object (anything with `encode`) or a tokenizer folder."""
+class PromptLearningConfig:
+    """The fields every prompt-learning adapter shares: `num_virtual_tokens` and the base model's
+    shape (token_dim, num_layers, num_attention_heads; None: read off the model when wrapped).
+    Mirrors: peft PromptLearningConfig"""
     num_virtual_tokens: int | None = None
-    prompt_tuning_init: str = "RANDOM"
-    prompt_tuning_init_text: str | None = None
-    tokenizer_name_or_path: str | None = None
-    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
     token_dim: int | None = None
     num_transformer_submodules: int | None = 1
     num_attention_heads: int | None = None
@@ -131,12 +127,52 @@ class PromptTuningConfig:
     task_type: str | None = "CAUSAL_LM"
     base_model_name_or_path: str | None = None
     inference_mode: bool = False
-    peft_type: str = "PROMPT_TUNING"
+    peft_type: str | None = None
+
+    # adapter_config.json keys of peft features nanosft does not implement (written as peft does)
+    _unused = {"auto_mapping": None, "modules_to_save": None, "revision": None}
+    _not_saved = ()  # fields that are objects, not settings
 
     def __post_init__(self):
+        name = type(self).__name__
         if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens <= 0:
-            raise ValueError("PromptTuningConfig.num_virtual_tokens must be a positive int, "
+            raise ValueError(f"{name}.num_virtual_tokens must be a positive int, "
                              f"got {self.num_virtual_tokens!r}")
+        if isinstance(self.task_type, enum.Enum):  # peft's TaskType: saved as its string
+            self.task_type = self.task_type.value
+
+    def to_dict(self):
+        """The adapter_config.json dict, key for key as peft writes it.
+        Mirrors: peft PeftConfig.to_dict"""
+        names = [f.name for f in dataclasses.fields(self) if f.name not in self._not_saved]
+        fields = {name: getattr(self, name) for name in names}
+        return {**self._unused, **fields, "peft_version": PEFT_FORMAT_VERSION}
+
+    @classmethod
+    def from_dict(cls, d, source="adapter config"):
+        """Build from an adapter_config.json dict.
+        Mirrors: peft PeftConfig.from_peft_type"""
+        _check_unused(d, cls._unused, source)
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in cls._not_saved]
+        return cls(**{name: d[name] for name in names if name in d})
+
+
+@dataclasses.dataclass
+class PromptTuningConfig(PromptLearningConfig):
+    """Prompt tuning: `num_virtual_tokens` trainable embeddings before the input (RANDOM or TEXT).
+    2.6 reads its `num_virtual_tokens`. Mirrors: peft PromptTuningConfig
+    Differs: TEXT init takes a `tokenizer` object (anything with `encode`) or a tokenizer folder."""
+    prompt_tuning_init: str = "RANDOM"
+    prompt_tuning_init_text: str | None = None
+    tokenizer_name_or_path: str | None = None
+    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
+    peft_type: str = "PROMPT_TUNING"
+
+    _unused = {**PromptLearningConfig._unused, "tokenizer_kwargs": None}
+    _not_saved = ("tokenizer",)
+
+    def __post_init__(self):
+        super().__post_init__()
         if self.prompt_tuning_init not in ("RANDOM", "TEXT"):
             raise ValueError("prompt_tuning_init must be 'RANDOM' or 'TEXT', "
                              f"got {self.prompt_tuning_init!r}")
@@ -147,20 +183,47 @@ class PromptTuningConfig:
             raise ValueError("prompt_tuning_init='TEXT' needs prompt_tuning_init_text and a "
                              "tokenizer (tokenizer=... or tokenizer_name_or_path=...)")
 
-    def to_dict(self):
-        """The adapter_config.json dict as peft writes it (the tokenizer object is not saved).
-        Mirrors: peft PeftConfig.to_dict"""
-        names = [f.name for f in dataclasses.fields(self) if f.name != "tokenizer"]
-        fields = {name: getattr(self, name) for name in names}
-        return {**_PROMPT_UNUSED, **fields, "peft_version": PEFT_FORMAT_VERSION}
 
-    @classmethod
-    def from_dict(cls, d, source="adapter config"):
-        """Build from an adapter_config.json dict.
-        Mirrors: peft PeftConfig.from_peft_type"""
-        _check_unused(d, _PROMPT_UNUSED, source)
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "tokenizer"]
-        return cls(**{name: d[name] for name in names if name in d})
+@dataclasses.dataclass
+class PromptEncoderConfig(PromptLearningConfig):
+    """P-tuning: the virtual tokens' embeddings pass through an MLP, or a bidirectional LSTM then
+    an MLP, before they are prepended (nanosft.prompt_learning.PromptEncoder).
+    Mirrors: peft PromptEncoderConfig
+    Args: encoder_reparameterization_type ("MLP" or "LSTM"); encoder_hidden_size (None: token_dim);
+    encoder_num_layers (the LSTM's layers; MLP always has 3 linears); encoder_dropout (LSTM)."""
+    encoder_reparameterization_type: str = "MLP"
+    encoder_hidden_size: int | None = None
+    encoder_num_layers: int = 2
+    encoder_dropout: float = 0.0
+    peft_type: str = "P_TUNING"
+
+    def __post_init__(self):
+        super().__post_init__()
+        kind = self.encoder_reparameterization_type
+        kind = kind.value if isinstance(kind, enum.Enum) else kind  # peft's enum, or its string
+        if kind not in ("MLP", "LSTM"):
+            raise ValueError("PromptEncoderConfig.encoder_reparameterization_type must be 'MLP' "
+                             f"(recommended) or 'LSTM', got {kind!r}")
+        self.encoder_reparameterization_type = kind
+
+
+@dataclasses.dataclass
+class PrefixTuningConfig(PromptLearningConfig):
+    """Prefix tuning: `num_virtual_tokens` trained keys and values in every attention layer, handed
+    to the model as its cache (nanosft.prompt_learning.PrefixEncoder).
+    Mirrors: peft PrefixTuningConfig
+    Args: prefix_projection (the prefix comes from an embedding through a 2-layer tanh MLP of width
+    encoder_hidden_size, None: token_dim); init_weights (None: random; "zero": a zero prefix)."""
+    init_weights: str | None = None
+    encoder_hidden_size: int | None = None
+    prefix_projection: bool = False
+    peft_type: str = "PREFIX_TUNING"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.init_weights not in (None, "zero"):
+            raise ValueError("PrefixTuningConfig.init_weights must be None (random) or 'zero', "
+                             f"got {self.init_weights!r}")
 
 
 def prompt_init_token_ids(config, total):
@@ -178,9 +241,10 @@ def prompt_init_token_ids(config, total):
 
 
 def peft_config_from_dict(d, source="adapter config"):
-    """LoraConfig or PromptTuningConfig from an adapter_config.json dict, chosen by `peft_type`.
-    Mirrors: peft PeftConfig.from_pretrained"""
-    kinds = {"LORA": LoraConfig, "PROMPT_TUNING": PromptTuningConfig}
+    """The config class `peft_type` names (LoRA or a prompt-learning one), from an
+    adapter_config.json dict. Mirrors: peft PeftConfig.from_pretrained"""
+    kinds = {"LORA": LoraConfig, "PROMPT_TUNING": PromptTuningConfig,
+             "P_TUNING": PromptEncoderConfig, "PREFIX_TUNING": PrefixTuningConfig}
     if d.get("peft_type") not in kinds:
         raise ValueError(f"{source} has peft_type={d.get('peft_type')!r}; "
                          f"nanosft reads {sorted(kinds)}")
@@ -277,11 +341,17 @@ def _adapter_keys(model, adapter_name):
 
 
 def get_peft_model_state_dict(model, state_dict=None, adapter_name="default"):
-    """The adapter's tensors under peft's saved keys (no adapter name; prompt tuning saves
-    `prompt_embeddings`). Mirrors: peft get_peft_model_state_dict"""
-    if model.peft_config[adapter_name].peft_type == "PROMPT_TUNING":
-        prompt_embeddings = model.prompt_encoder[adapter_name].embedding.weight
-        return {"prompt_embeddings": prompt_embeddings.detach()}
+    """The adapter's tensors under peft's saved keys (no adapter name). Prompt learning saves one
+    `prompt_embeddings`: the encoder's output (P-tuning: after its MLP / LSTM; prefix tuning: the
+    flat per-layer keys and values), so a loaded adapter needs no encoder.
+    Mirrors: peft get_peft_model_state_dict, BasePromptEncoder._get_adapter_state_dict"""
+    config = model.peft_config[adapter_name]
+    if config.peft_type in PROMPT_LEARNING_TYPES:
+        if config.inference_mode:
+            prompt_embeddings = model.prompt_encoder[adapter_name].embedding.weight.detach()
+        else:
+            prompt_embeddings = model.get_prompt_embedding_to_save(adapter_name)
+        return {"prompt_embeddings": prompt_embeddings}
     state_dict = model.state_dict() if state_dict is None else state_dict
     keys = _adapter_keys(model, adapter_name)
     return {saved: state_dict[k].detach() for saved, k in keys.items()}
@@ -291,7 +361,7 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     """Copy adapter tensors saved under peft's keys into `model`; a key or shape that does not fit
     is an error. Mirrors: peft set_peft_model_state_dict
     Differs: peft warns about unexpected/missing adapter keys; we raise, naming them."""
-    if model.peft_config[adapter_name].peft_type == "PROMPT_TUNING":
+    if model.peft_config[adapter_name].peft_type in PROMPT_LEARNING_TYPES:
         keys = {"prompt_embeddings": f"prompt_encoder.{adapter_name}.embedding.weight"}
     else:
         keys = _adapter_keys(model, adapter_name)

@@ -8,6 +8,7 @@ what the hand-written model does not implement (other rope types, activations). 
 """
 
 import os
+import sys
 from dataclasses import dataclass, fields
 
 # Llama and Mistral without a window: the same decoder (the other families: nanosft.families)
@@ -24,6 +25,68 @@ def _require(ok, message):
         raise ValueError(message)
 
 
+def _is_number(value) -> bool:
+    return type(value) in (int, float) and value == value and abs(value) != float("inf")
+
+
+def _rope_dicts(config):
+    """(where, dict) of each RoPE parameter set: rope_scaling, and a family's per-layer-type
+    rope_parameters ({"sliding_attention": {...}, "full_attention": {...}})."""
+    found = [("rope_parameters", {"rope_theta": config.rope_theta, **(config.rope_scaling or {})})]
+    per_type = getattr(config, "rope_parameters", None)
+    if isinstance(per_type, dict):
+        found += [(f"rope_parameters[{k!r}]", p) for k, p in per_type.items()
+                  if isinstance(p, dict)]
+    return found
+
+
+def check_fields(config) -> None:
+    """Refuse values of config.json that build a model but one that cannot work (a window of no
+    key, RoPE at theta <= 0, a layer list shorter than the layers): the error names the field,
+    its value and what it must be. Runs on every family's config after its own defaults."""
+    n = config.num_hidden_layers
+    _require(_is_number(config.rms_norm_eps) and config.rms_norm_eps > 0,
+             f"config: rms_norm_eps={config.rms_norm_eps!r} must be a positive number such as "
+             "1e-06; fix config.json")
+    for where, rope in _rope_dicts(config):
+        theta = rope.get("rope_theta", 1.0)
+        _require(_is_number(theta) and theta > 0, f"config: {where} rope_theta={theta!r} must be "
+                 "a positive number (RoPE's base, e.g. 10000.0); fix config.json")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in ("linear", "dynamic", "yarn", "llama3"):  # the ones that scale by factor
+            factor = rope.get("factor")
+            _require(_is_number(factor) and factor > 0, f"config: {where} rope_type={kind!r} "
+                     f"needs a positive 'factor' (got {factor!r}); add it to config.json, or set "
+                     "rope_type to 'default'")
+        partial = rope.get("partial_rotary_factor", 1.0)
+        _require(_is_number(partial) and 0 < partial <= 1, f"config: {where} "
+                 f"partial_rotary_factor={partial!r} must be in (0, 1] (the share of each head "
+                 "that RoPE rotates); fix config.json")
+    partial = getattr(config, "partial_rotary_factor", 1.0)
+    _require(_is_number(partial) and 0 < partial <= 1, f"config: partial_rotary_factor="
+             f"{partial!r} must be in (0, 1]; fix config.json")
+    window = getattr(config, "sliding_window", None)
+    _require(window is None or type(window) is int and window > 0, f"config: sliding_window="
+             f"{window!r} must be a positive integer (the keys a sliding layer sees) or null; fix "
+             "config.json")
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list):
+        _require(len(types) == n, f"config: layer_types has {len(types)} entries but "
+                 f"num_hidden_layers={n}; give one per layer in config.json")
+        # the class's LAYER_TYPES, and its family module's where that names them
+        module = sys.modules.get(type(config).__module__)
+        kinds = list(dict.fromkeys([*config.LAYER_TYPES, *getattr(module, "LAYER_TYPES", ())]))
+        unknown = sorted({str(t) for t in types} - set(kinds))
+        _require(not unknown, f"config: layer_types holds {unknown}, which "
+                 f"{type(config).__name__} does not build; use {kinds}")
+    no_rope = getattr(config, "no_rope_layers", None)
+    if isinstance(no_rope, list):
+        _require(len(no_rope) == n, f"config: no_rope_layers has {len(no_rope)} entries but "
+                 f"num_hidden_layers={n}; give one 0 or 1 per layer in config.json")
+        _require(all(v in (0, 1) and type(v) in (int, bool) for v in no_rope),
+                 f"config: no_rope_layers={no_rope} must hold only 0 (no RoPE) or 1 (RoPE)")
+
+
 @dataclass
 class ModelConfig:
     """Model hyper-parameters under transformers' LlamaConfig names and defaults.
@@ -32,6 +95,7 @@ class ModelConfig:
     rope_parameters."""
 
     ARCHITECTURES = ARCHITECTURES  # model_type -> transformers class; a family config's own
+    LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types entries it builds
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -103,7 +167,9 @@ class ModelConfig:
         kwargs["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         kwargs["rope_scaling"] = rope or d.get("rope_scaling")
         kwargs["dtype"] = d.get("dtype", d.get("torch_dtype"))
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        check_fields(config)
+        return config
 
     def to_dict(self):
         """The transformers-5 config.json dict: rope_parameters, dtype, architectures.

@@ -10,6 +10,7 @@ chat_template_kwargs), completion / assistant masks -> labels
 """
 
 import bisect
+import itertools
 import json
 import logging
 import os
@@ -32,6 +33,32 @@ FORMATS = ("language_modeling", "prompt_completion", "conversational",
 COLUMNAR = {".parquet": "parquet", ".csv": "csv"}  # read through `datasets` (a `data` extra)
 
 
+def _too_deep(where):
+    return ValueError(f"{where}: JSON nested deeper than the reader can follow (Python's recursion "
+                      "limit); fix: flatten the row (an example is a few fields of text or "
+                      "messages)")
+
+
+def _check_text(value, where):
+    """Refuse a lone UTF-16 surrogate ("\\ud800" in JSON decodes to one; Python strings may hold
+    one too): it is not text, and the tokenizer would fail far from the row that holds it."""
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_text(item, where)
+        return
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = error.object[error.start:error.end].encode("unicode_escape").decode()
+        raise ValueError(f"{where}: holds a lone UTF-16 surrogate ({bad}), which is not a "
+                         "character; fix: remove it, or write the whole surrogate pair (or the "
+                         "character itself)") from None
+
+
 def _read_jsonl(path):
     """One JSON object per line (blank lines skipped); returns (examples, where-strings)."""
     examples, wheres = [], []
@@ -50,6 +77,8 @@ def _read_jsonl(path):
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}, line {n}: not valid JSON ({error.msg}, column "
                                  f"{error.colno}); fix: write one JSON object per line") from None
+            except RecursionError:
+                raise _too_deep(f"{path}, line {n}") from None
             if not isinstance(example, dict):
                 raise TypeError(f"{path}, line {n}: expected a JSON object such as "
                                 f'{{"text": "..."}}, got a {type(example).__name__}')
@@ -71,6 +100,8 @@ def _read_json_array(path):
             raise ValueError(f"{path}: not valid JSON ({error.msg}, line {error.lineno} column "
                              f"{error.colno}); fix: a .json dataset is one array of objects, "
                              "[{...}, {...}], or JSON Lines (one object per line)") from None
+        except RecursionError:
+            raise _too_deep(path) from None
     if not isinstance(examples, list):
         raise TypeError(f"{path}: expected a JSON array of examples, got a "
                         f"{type(examples).__name__}; fix: write [{{...}}, {{...}}], or one "
@@ -98,12 +129,27 @@ def _read_columnar(path, kind):
     return examples, [f"{path}, row {i}" for i in range(len(examples))]
 
 
+def check_data_path(path, flag=None):
+    """A data path that can be read: a file, or a pipe / FIFO / device read as JSON Lines; a
+    folder or a missing path is refused, naming `flag` (a command-line flag) when given."""
+    name = f"{flag} {path}" if flag else os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{name} is a folder; give one .jsonl, .json, .parquet or .csv file of "
+                         "examples (a folder written by datasets' save_to_disk: load it in Python "
+                         "with datasets.load_from_disk and pass the Dataset as train_dataset)")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{name}: no such file; give a JSONL file with one example per line "
+            '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}), '
+            "or a .json array, .parquet or .csv file")
+
+
 def read_dataset_file(path):
     """Rows of a .jsonl, .json (array or JSON Lines), .parquet or .csv file; others read as JSONL.
     Mirrors: datasets load_dataset("json" | "parquet" | "csv", data_files=path)"""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file; give a .jsonl, .json, .parquet or .csv "
-                                "file of examples")
+    check_data_path(path)
+    if not os.path.isfile(path):  # a pipe, FIFO or device (`<(zcat d.jsonl.gz)`): read once
+        return _read_jsonl(path)
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix in COLUMNAR:
         return _read_columnar(path, COLUMNAR[suffix])
@@ -115,11 +161,27 @@ def read_dataset_file(path):
     return _read_jsonl(path)
 
 
+def head_of_stream(source, max_steps, max_examples, name="train_dataset"):
+    """An iterable without a length (a generator, a datasets.IterableDataset) -> a list of its first
+    `max_examples` rows, all that max_steps can train on, so an endless stream starts training;
+    any other source is returned as it is. Mirrors: the IterableDataset TRL streams with max_steps
+    Differs: those rows are read at the start, not as the steps go."""
+    if isinstance(source, (str, os.PathLike, Mapping, list)) or hasattr(source, "__len__") \
+            or not hasattr(source, "__iter__"):
+        return source
+    if max_steps is None or max_steps <= 0:
+        raise ValueError(f"{name} is an iterable without a length (an IterableDataset?), so the "
+                         "number of training steps is unknown; fix: set max_steps, e.g. "
+                         "SFTConfig(max_steps=500) or --max_steps 500")
+    return list(itertools.islice(source, max_examples))
+
+
 def to_example_list(source, name="the dataset", max_steps=None):
     """(examples, where-strings) from a path, a list, any sequence of dicts (a datasets.Dataset,
     not imported) or an iterable of dicts (an IterableDataset: then max_steps > 0 is required).
     Mirrors: the datasets TRL accepts as train_dataset / eval_dataset
-    Differs: an iterable is read into memory at the start; TRL streams it."""
+    Differs: an iterable is read whole here (SFTTrainer first cuts a train stream with
+    head_of_stream); TRL streams it."""
     if isinstance(source, (str, os.PathLike)):
         examples, wheres = read_dataset_file(source)
         name = os.fspath(source)
@@ -219,6 +281,8 @@ def dataset_format(example, dataset_text_field="text"):
 
 def _check_field(example, field, kind):
     value = example[field]
+    if kind in ("str", "messages"):
+        _check_text(value, f"field {field!r}")
     if kind == "str" and not isinstance(value, str):
         raise TypeError(f"field {field!r} must be a string, got {type(value).__name__} {value!r}; "
                         "fix: write it as "
@@ -474,6 +538,36 @@ def _with_eos(example, fmt, eos, dataset_text_field):
     return {**example, field: example[field] + eos}
 
 
+def _answer_start(row, example, fmt, tokenizer):
+    """Index of a tokenized row's first completion / assistant token (None: plain text)."""
+    for mask in ("completion_mask", "assistant_masks"):
+        if mask in row:
+            return row[mask].index(1) if 1 in row[mask] else len(row[mask])
+    if fmt != "conversational":
+        return None
+    roles = [m["role"] for m in example["messages"]]
+    if "assistant" not in roles:
+        return len(row["input_ids"])
+    # the chat up to the first assistant turn, with its header: where the first answer starts
+    return len(tokenizer.apply_chat_template(example["messages"][:roles.index("assistant")],
+                                             add_generation_prompt=True))
+
+
+def _warn_answers_cut(rows, examples, fmt, tokenizer, max_length, masked, name):
+    """Count rows whose every completion / assistant token lies past max_length but which still
+    train (their loss is not limited to the answer, so the cut leaves the prompt as the target)."""
+    if masked or max_length is None or fmt in ("tokenized", "language_modeling"):
+        return  # masked rows lose every label and _drop_fully_masked drops them, saying so
+    cut = sum(len(row["input_ids"]) > max_length
+              and _answer_start(row, example, fmt, tokenizer) >= max_length
+              for row, example in zip(rows, examples))
+    if cut:
+        logger.warning("%s: %d of %d examples lose every completion or assistant token to "
+                       "max_length=%d (the answer comes last), so they train on their prompt "
+                       "alone; raise max_length, or set completion_only_loss / "
+                       "assistant_only_loss to drop them", name, cut, len(rows), max_length)
+
+
 def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, packing_strategy="bfd",
                     completion_only_loss=None, assistant_only_loss=False, dataset_text_field="text",
                     eos_token=None, name=None, keep_columns=False):
@@ -506,6 +600,10 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
                                  "reply")
     if completion_only_loss is None:
         completion_only_loss = fmt.endswith("prompt_completion")
+    if not packing or packing_strategy == "bfd":  # those cut a row at max_length
+        _warn_answers_cut(rows, examples, fmt, tokenizer, max_length,
+                          assistant_only_loss or completion_only_loss and fmt != "conversational",
+                          name)
     if "labels" not in rows[0]:
         names = (["completion_mask"] if completion_only_loss else []) + ["assistant_masks"]
         for row in rows:

@@ -6,8 +6,8 @@ grouped-query SDPA attention, SwiGLU, then `CausalLM`. Beside it: configuration.
 loss.py (the causal-LM loss, whole or in lm_head tiles), masking.py (attention masks, packed
 rows), generation.py (decoding with the (k, v) cache), hub.py (safetensors files;
 `from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
-Other families (qwen2, qwen3, smollm3, mistral with a window, gemma3_text, phi3) subclass these
-pieces in nanosft.families.
+Other families (qwen2, qwen3, smollm3, mistral with a window, gemma3_text, phi3, qwen3_5_text,
+lfm2, gemma4_text) subclass these pieces in nanosft.families.
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
@@ -343,8 +343,11 @@ class CausalLM(nn.Module):
             self._input_grad_hook = self.model.embed_tokens.register_forward_hook(hook)
 
     def num_parameters(self, only_trainable=False):
-        """Parameter count, tied weights once. Mirrors: ModuleUtilsMixin.num_parameters"""
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+        """Parameter count, tied weights once; a packed NF4 weight (uint8, two 4-bit values a byte)
+        counts its values, as transformers counts Params4bit twice.
+        Mirrors: ModuleUtilsMixin.num_parameters"""
+        return sum(p.numel() * (2 if p.dtype == torch.uint8 else 1) for p in self.parameters()
+                   if p.requires_grad or not only_trainable)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype=None, quantization_config=None, device_map=None,
@@ -356,7 +359,7 @@ class CausalLM(nn.Module):
         Differs: keys and shapes must match exactly, all checked from the file headers before any
         weight is read; device_map is one device. tp_plan="auto" (under torchrun) splits the
         decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
-        from nanosft.families import causal_lm_class
+        from nanosft.families import causal_lm_class, text_model_index
         from nanosft.io import hub
 
         config = ModelConfig.from_pretrained(model_dir)  # or a family's: Qwen2, Qwen3, ...
@@ -365,6 +368,7 @@ class CausalLM(nn.Module):
         if quantization_config is not None:
             quantization_config = nf4.BitsAndBytesConfig.from_any(quantization_config)
         index = hub.safetensors_index(model_dir)  # headers only: names, dtypes, shapes, offsets
+        index = text_model_index(config, index)  # a multimodal folder: its language model's keys
         with torch.device("meta"):  # no random init of weights about to be replaced
             model = causal_lm_class(config, cls)(config)
         expected = model.state_dict()

@@ -1,11 +1,12 @@
-"""PEFT wrapping of a CausalLM: LoRA injection, prompt tuning, and walkthrough 2.6's forward.
+"""PEFT wrapping of a CausalLM: LoRA injection, prompt learning, and walkthrough 2.6's forward.
 
 `get_peft_model` (called in SFTTrainer.__init__) swaps each targeted linear for a
 `LoraLinear`, or adds virtual prompt tokens, and freezes the base; `PeftModelForCausalLM.forward`
 is walkthrough 2.6 line by line. Parameter names equal peft 0.21.2's. The configs, the modules they
 target and the adapter files live in nanosft.adapter_files; the layers injected (LoraLinear,
 ModulesToSaveWrapper) and prepare_model_for_kbit_training in nanosft.lora (all import from here).
-Papers: LoRA (2106.09685), rsLoRA (2312.03732), DoRA (2402.09353), prompt tuning (2104.08691).
+Papers: LoRA (2106.09685), rsLoRA (2312.03732), DoRA (2402.09353), prompt tuning (2104.08691),
+P-tuning (2103.10385), prefix tuning (2101.00190); their encoders: nanosft.prompt_learning.
 """
 
 import contextlib
@@ -17,13 +18,14 @@ from torch import nn
 
 # the configs and adapter files, re-exported so nanosft.peft keeps its public names
 from nanosft.adapter_files import (  # noqa: F401
-    DEFAULT_TARGET_MODULES, PEFT_FORMAT_VERSION, LoraConfig, PromptTuningConfig,
-    find_target_modules, get_peft_model_state_dict, load_adapter_files, peft_config_from_dict,
-    prompt_init_token_ids, resolve_target_modules, save_adapter_files, set_peft_model_state_dict,
-    target_module_matches)
+    DEFAULT_TARGET_MODULES, PEFT_FORMAT_VERSION, PROMPT_LEARNING_TYPES, LoraConfig,
+    PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, find_target_modules,
+    get_peft_model_state_dict, load_adapter_files, peft_config_from_dict, prompt_init_token_ids,
+    resolve_target_modules, save_adapter_files, set_peft_model_state_dict, target_module_matches)
 from nanosft.lora import (  # noqa: F401
     LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
 from nanosft.nf4 import is_quantized
+from nanosft.prompt_learning import PrefixEncoder, PromptEmbedding, PromptEncoder
 
 # ----------------------------------------------------------------------------- LoRA injection
 
@@ -79,33 +81,31 @@ class LoraModel(nn.Module):
         return self.model(*args, **kwargs)
 
 
-# ----------------------------------------------------------------------------- prompt tuning
+# ----------------------------------------------------------------------------- prompt learning
 
-class PromptEmbedding(nn.Module):
-    """The virtual tokens' embedding table, [num_virtual_tokens, token_dim], fp32.
-    What 2.6's `self.get_prompt(...)` reads. Mirrors: peft PromptEmbedding"""
-
-    def __init__(self, config, word_embeddings):
-        super().__init__()
-        total = config.num_virtual_tokens * config.num_transformer_submodules
-        self.embedding = nn.Embedding(total, config.token_dim)  # RANDOM: nn.Embedding's N(0, 1)
-        if config.prompt_tuning_init == "TEXT" and not config.inference_mode:
-            device = word_embeddings.weight.device
-            ids = torch.tensor(prompt_init_token_ids(config, total), device=device)
-            with torch.no_grad():  # copy the words' embeddings, in fp32
-                self.embedding.weight.copy_(word_embeddings(ids))
-
-    def forward(self, indices):
-        """Look up the virtual tokens' rows.
-        Mirrors: peft PromptEmbedding.forward"""
-        return self.embedding(indices)  # (B, n_virtual) -> (B, n_virtual, C)
+def prepare_prompt_learning_config(config, model):
+    """Fill what a prompt-learning config leaves None from the base model's config: num_layers,
+    token_dim, num_attention_heads; prefix tuning sizes its keys and values by the KV heads (GQA:
+    token_dim = num_key_value_heads x head_dim); encoder_hidden_size defaults to token_dim.
+    Mirrors: peft _prepare_prompt_learning_config"""
+    base = model.config
+    config.num_layers = config.num_layers or base.num_hidden_layers
+    config.token_dim = config.token_dim or base.hidden_size
+    config.num_attention_heads = config.num_attention_heads or base.num_attention_heads
+    if config.peft_type == "PREFIX_TUNING":
+        config.token_dim = base.head_dim * base.num_key_value_heads
+        config.num_attention_heads = base.num_key_value_heads
+    if hasattr(config, "encoder_hidden_size") and config.encoder_hidden_size is None:
+        config.encoder_hidden_size = config.token_dim  # P-tuning's and prefix tuning's MLPs
+    return config
 
 
 # ----------------------------------------------------------------------------- the wrapper
 
 class PeftModelForCausalLM(nn.Module):
-    """A CausalLM with one adapter: LoRA layers inside `base_model.model`, or prompt embeddings
-    before the input. Walkthrough 2.6 | Mirrors: peft PeftModelForCausalLM (PeftModel)"""
+    """A CausalLM with one adapter: LoRA layers inside `base_model.model`, or a prompt encoder
+    whose output goes before the input (prompt tuning, P-tuning) or into every layer's cache
+    (prefix tuning). Walkthrough 2.6 | Mirrors: peft PeftModelForCausalLM (PeftModel)"""
     accepts_loss_kwargs = True
 
     def __init__(self, model, peft_config, adapter_name="default"):
@@ -122,13 +122,16 @@ class PeftModelForCausalLM(nn.Module):
             model.enable_input_require_grads()  # peft _prepare_model_for_gradient_checkpointing
 
     def _setup_prompt_encoder(self, adapter_name):
-        config = self.peft_config[adapter_name]
-        base = self.base_model.config  # fills what the prompt config leaves unset
-        config.num_layers = config.num_layers or base.num_hidden_layers
-        config.token_dim = config.token_dim or base.hidden_size
-        config.num_attention_heads = config.num_attention_heads or base.num_attention_heads
+        config = prepare_prompt_learning_config(self.peft_config[adapter_name], self.base_model)
         self.word_embeddings = self.base_model.get_input_embeddings()
-        encoder = PromptEmbedding(config, self.word_embeddings)
+        if config.peft_type == "PROMPT_TUNING":
+            encoder = PromptEmbedding(config, self.word_embeddings)
+        elif config.peft_type == "P_TUNING":
+            encoder = PromptEncoder(config)
+        else:  # PREFIX_TUNING: the prefix goes in as the cache, which checkpointing does not keep
+            if any(getattr(m, "gradient_checkpointing", False) for m in self.base_model.modules()):
+                raise ValueError("PREFIX_TUNING does not work with gradient checkpointing.")
+            encoder = PrefixEncoder(config)
         encoder.to(self.word_embeddings.weight.device).requires_grad_(not config.inference_mode)
         self.prompt_encoder = nn.ModuleDict({adapter_name: encoder})
         total = config.num_virtual_tokens * config.num_transformer_submodules
@@ -149,19 +152,51 @@ class PeftModelForCausalLM(nn.Module):
         return self.base_model.model if self.peft_type == "LORA" else self.base_model
 
     def get_prompt(self, batch_size, task_ids=None):
-        """The virtual prompt embeddings repeated over the batch, (B, n_virtual, C).
+        """Prompt and P-tuning: the virtual tokens' embeddings over the batch, (B, n_virtual, C).
+        Prefix tuning: each layer's (key, value) prefix, L tensors (2, B, KV, n_virtual, D).
         What 2.6's `self.get_prompt(...)` call runs. Mirrors: peft PeftModel.get_prompt"""
+        config = self.active_peft_config
         encoder = self.prompt_encoder[self.active_adapter]
-        if self.active_peft_config.inference_mode:
+        prompt_tokens = self.prompt_tokens[self.active_adapter].unsqueeze(0).expand(batch_size, -1)
+        prompt_tokens = prompt_tokens.to(encoder.embedding.weight.device)  # (B, n_virtual)
+        if config.peft_type == "PREFIX_TUNING":
+            return self._prefix_past_key_values(encoder, prompt_tokens, batch_size)
+        if config.inference_mode:
             prompts = encoder.embedding.weight
         else:  # one row of token ids through the encoder, then repeat the output (peft issue 2043)
-            prompt_tokens = self.prompt_tokens[self.active_adapter].unsqueeze(0)
-            prompts = encoder(prompt_tokens.to(encoder.embedding.weight.device))
+            prompts = encoder(prompt_tokens[:1])
         return prompts.repeat(batch_size, 1, 1)
+
+    def _prefix_past_key_values(self, encoder, prompt_tokens, batch_size):
+        # the encoder's flat rows (B, n, L * 2 * KV * D) -> L per-layer (key, value) pairs
+        config = self.active_peft_config
+        n, heads = config.num_virtual_tokens, config.num_attention_heads  # heads: the KV heads
+        if config.inference_mode:
+            past_key_values = encoder.embedding.weight.repeat(batch_size, 1, 1)
+        else:
+            past_key_values = encoder(prompt_tokens[:, :n])
+        past_key_values = past_key_values.to(self.word_embeddings.weight.dtype)
+        past_key_values = past_key_values.view(batch_size, n, config.num_layers * 2, heads,
+                                               config.token_dim // heads)
+        # (L * 2, B, KV, n, D), then split into L tensors (2, B, KV, n, D): [0] keys, [1] values
+        return past_key_values.permute(2, 0, 3, 1, 4).split(2)
+
+    def get_prompt_embedding_to_save(self, adapter_name):
+        """What an adapter file keeps: one pass of the encoder, (n_virtual, C) or, for prefix
+        tuning, (n_virtual, L * 2 * token_dim).
+        Mirrors: peft PeftModel.get_prompt_embedding_to_save"""
+        config = self.peft_config[adapter_name]
+        encoder = self.prompt_encoder[adapter_name]
+        prompt_tokens = self.prompt_tokens[adapter_name].unsqueeze(0)
+        if config.peft_type == "PREFIX_TUNING":
+            prompt_tokens = prompt_tokens[:, :config.num_virtual_tokens]
+        prompt_embeddings = encoder(prompt_tokens.to(encoder.embedding.weight.device))
+        return prompt_embeddings[0].detach().cpu()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 position_ids=None, num_items_in_batch=None, **kwargs):
-        """LoRA: straight into the base model. Prompt tuning: prepend prompts, ones, -100 labels.
+        """LoRA: straight into the base model. Prefix tuning: the per-layer prefixes as the cache.
+        Prompt tuning, P-tuning: prepend the prompts, ones to the mask, -100 to the labels.
         Walkthrough 2.6 | Mirrors: peft PeftModelForCausalLM.forward
         Differs: no output_attentions, output_hidden_states, return_dict (the CausalLM returns loss
         and logits only) or task_ids (one prompt per adapter); num_items_in_batch is named."""
@@ -177,11 +212,13 @@ class PeftModelForCausalLM(nn.Module):
             # "concat prompt attention mask": ones for the n virtual tokens, (B, n + T)
             prefix_attention_mask = torch.ones(batch_size, n).to(attention_mask.device)
             attention_mask = torch.cat((prefix_attention_mask, attention_mask), dim=1)
-        if position_ids is not None:
-            warnings.warn("Position ids are not supported for parameter efficient tuning. "
-                          "Ignoring position ids.")
+        kwargs["position_ids"] = self._prompt_learning_position_ids(position_ids)
         kwargs.update(attention_mask=attention_mask, labels=labels,
                       num_items_in_batch=num_items_in_batch)
+        if peft_config.peft_type == "PREFIX_TUNING":
+            # "overwrite past_kv in kwargs": the T real tokens attend to n cached positions first
+            kwargs["past_key_values"] = self.get_prompt(batch_size)
+            return self.base_model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (B, T, C)
         if labels is not None:
@@ -192,6 +229,17 @@ class PeftModelForCausalLM(nn.Module):
         prompts = prompts.to(inputs_embeds.dtype)  # fp32 table -> the model's compute dtype
         inputs_embeds = torch.cat((prompts, inputs_embeds), dim=1)  # (B, n + T, C)
         return self.base_model(inputs_embeds=inputs_embeds, **kwargs)
+
+    def _prompt_learning_position_ids(self, position_ids):
+        # peft _adjust_prompt_learning_kwargs: the prefix's cache holds positions 0..n-1, so real
+        # tokens move up by n; prepended prompts have no position ids of their own, so they go
+        if position_ids is None:
+            return None
+        if self.active_peft_config.peft_type == "PREFIX_TUNING":
+            return position_ids + self.active_peft_config.num_virtual_tokens
+        warnings.warn("Position ids are not supported for parameter efficient tuning. "
+                      "Ignoring position ids.")
+        return None
 
     def get_nb_trainable_parameters(self):
         """(trainable, all) parameter counts; a packed 4-bit uint8 weight counts 2 per byte.
@@ -226,7 +274,7 @@ class PeftModelForCausalLM(nn.Module):
         """Wrap `model` with an adapter folder written by peft or nanosft; frozen and eval()
         unless is_trainable. Mirrors: peft PeftModel.from_pretrained, load_adapter"""
         config, state_dict, source = load_adapter_files(model_id)
-        if config.peft_type == "PROMPT_TUNING" and is_trainable:
+        if config.peft_type in PROMPT_LEARNING_TYPES and is_trainable:
             raise ValueError("Cannot set a prompt learning adapter to trainable when loading "
                              "pretrained adapter.")
         config.inference_mode = not is_trainable
@@ -286,7 +334,8 @@ class PeftModelForCausalLM(nn.Module):
 
 
 def get_peft_model(model, peft_config, adapter_name="default"):
-    """Wrap `model` with a fresh adapter (LoRA or prompt tuning); only the adapter trains.
+    """Wrap `model` with a fresh adapter (LoRA, prompt tuning, P-tuning or prefix tuning); only the
+    adapter trains.
     SFTTrainer.__init__ calls it with `peft_config`. Mirrors: peft get_peft_model
     Differs: the config is copied, so the caller's object is not mutated."""
     peft_config = dataclasses.replace(peft_config)

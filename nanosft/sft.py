@@ -17,8 +17,8 @@ import torch
 from nanosft import distributed, nf4
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.data import (as_datasets_dataset, is_datasets_object, load_examples,
-                          prepare_dataset, to_example_list)
+from nanosft.data import (as_datasets_dataset, head_of_stream, is_datasets_object,
+                          load_examples, prepare_dataset, to_example_list)
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
 from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
@@ -138,6 +138,23 @@ def _read_chat_template_path(path, tokenizer) -> None:
         tokenizer.chat_template = f.read()
 
 
+def _check_argument_types(processing_class, peft_config, formatting_func) -> None:
+    """Refuse, naming the argument, what TRL would take to a later, unrelated failure: a path as
+    processing_class, a dict as peft_config, a formatting_func that is not callable."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        raise TypeError(f"SFTTrainer: processing_class={os.fspath(processing_class)!r} is a path; "
+                        "pass the tokenizer itself, processing_class=Tokenizer.from_pretrained("
+                        "path) (AutoTokenizer under transformers), or leave it None to load the "
+                        "one beside a model folder.")
+    if peft_config is not None and not hasattr(peft_config, "peft_type"):
+        raise TypeError(f"SFTTrainer: peft_config must be a peft config such as LoraConfig, got "
+                        f"{type(peft_config).__name__}; pass LoraConfig(**your_dict) (as TRL, "
+                        "which also refuses a plain dict).")
+    if formatting_func is not None and not callable(formatting_func):
+        raise TypeError(f"SFTTrainer: formatting_func must be a function row -> text, got "
+                        f"{type(formatting_func).__name__}.")
+
+
 def _formatted(dataset, formatting_func, max_steps):
     """Each row plus "text" = formatting_func(row), or the dataset untouched when there is no
     formatting_func or it is already tokenized. Mirrors: trl SFTTrainer._prepare_dataset"""
@@ -149,7 +166,23 @@ def _formatted(dataset, formatting_func, max_steps):
         warnings.warn(f"SFTTrainer: {name} is already tokenized (input_ids), so formatting_func "
                       "is not applied (as in TRL).", stacklevel=3)
         return rows
-    return [{**row, "text": formatting_func(row)} for row in rows]
+    formatted = [{**row, "text": formatting_func(row)} for row in rows]
+    for i, row in enumerate(formatted):
+        if not isinstance(row["text"], str):
+            raise TypeError(f"SFTTrainer: formatting_func returned {type(row['text']).__name__} "
+                            f"for {name}'s example {i}, not a string; make it return the "
+                            "example's text (e.g. a missing `return`).")
+    return formatted
+
+
+def _rows_trained_on(args):
+    """The most raw examples max_steps steps can use: one per row of each batch on each rank, or,
+    when packing, up to max_length of them per packed row (each holds at least one token)."""
+    rows = (args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * args.world_size)
+    if args.packing:
+        return None if args.max_length is None else rows * args.max_length
+    return rows
 
 
 def dft_loss(logits, labels, num_items_in_batch=None):
@@ -251,6 +284,7 @@ class SFTTrainer(Trainer):
                  optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, formatting_func=None):
         args = _as_sft_config(args, model)
+        _check_argument_types(processing_class, peft_config, formatting_func)
         if data_collator is not None and not callable(data_collator):
             raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
                             f"must be callable, got {type(data_collator).__name__}; pass "
@@ -288,6 +322,7 @@ class SFTTrainer(Trainer):
         returns_datasets = is_datasets_object(train_dataset)  # datasets in, datasets out
         if not self._skip_prepare_dataset:
             _refuse_with_transform(train_dataset, "train_dataset")
+            train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
             train_dataset = load_examples(
                 _formatted(train_dataset, formatting_func, args.max_steps),
                 args.dataset_text_field, args.max_steps, name="train_dataset")

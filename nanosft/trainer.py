@@ -11,6 +11,7 @@ entry point (nanosft.parallel.wrap_model) and the checkpoint files (nanosft.io.c
 import contextlib
 import math
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -19,24 +20,28 @@ from torch.utils.data import DataLoader
 from nanosft import distributed
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
+from nanosft.model import CausalLMOutput
 from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
 from nanosft.reference import reference_mode_enabled
 from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, TrainerControl,
                                       TrainerState)
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
                                    EvalPrediction, autocast_context, build_dataloader,
-                                   check_trainer_arguments, convert_outputs_to_fp32,
+                                   check_trainer_arguments, checked_metrics,
+                                   convert_outputs_to_fp32,
                                    count_num_items_in_batch, denumpify_detensorize,
                                    evaluation_loop, pad_and_concatenate,
-                                   find_executable_batch_size, label_smoothed_loss,
+                                   find_batch_size, find_executable_batch_size,
+                                   label_smoothed_loss, loss_shifts_labels,
                                    model_accepts_loss_kwargs, no_sync, select_columns, set_seed,
                                    signature_columns, skip_first_batches, speed_metrics)
 
 
 class Trainer:
-    """Training loop for a causal LM (or its PEFT wrapper): train, evaluate, save, resume.
+    """Training loop for any nn.Module whose forward returns a loss (a causal LM, its PEFT wrapper,
+    a classifier, ...): train, evaluate, save, resume.
     Walkthrough 1, 2.2 - 2.5 | Mirrors: transformers Trainer (5.23), accelerate DDP/autocast/scaler
-    Differs: no hyperparameter search, DeepSpeed, DataParallel, apex; causal LMs only."""
+    Differs: no hyperparameter search, DeepSpeed, DataParallel, apex."""
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, model_init=None,
@@ -50,7 +55,7 @@ class Trainer:
         callbacks; optimizers (optimizer, scheduler); optimizer_cls_and_kwargs (class, kwargs);
         preprocess_logits_for_metrics(logits, labels)."""
         check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs,
-                                compute_metrics, args)
+                                compute_metrics, args, callbacks)
         self.args = args if args is not None else TrainingArguments()
         self._memory_tracker = MemoryTracker(self.args.skip_memory_metrics)
         self._memory_tracker.start("init")  # "memory metrics - must set up as early as possible"
@@ -67,6 +72,8 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.model_accepts_loss_kwargs = model_accepts_loss_kwargs(self.model)
+        # a causal LM's labels shift: its first label is never a target (num_items_in_batch)
+        self._loss_shifts_labels = loss_shifts_labels(self.model)
         # fp16 needs loss scaling; bf16 has fp32's exponent range (guide: mixed precision)
         self.scaler = torch.amp.GradScaler(self.args.device.type) if self.args.fp16 else None
         from nanosft.monitoring.callbacks import reporting_callbacks  # progress bar, logs, ...
@@ -175,7 +182,14 @@ class Trainer:
         if not (batch_samples and "labels" in batch_samples[0]
                 and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
             return batch_samples, None
-        num_items_in_batch = count_num_items_in_batch(batch_samples).to(device)
+        try:
+            num_items_in_batch = count_num_items_in_batch(batch_samples,
+                                                          self._loss_shifts_labels).to(device)
+        except (TypeError, AttributeError):  # labels that are not a tensor: nothing to count
+            warnings.warn("get_batch_samples: the batch's labels are not a tensor, so "
+                          "num_items_in_batch is not counted; each micro-batch's loss is the "
+                          "model's own (as transformers does).")
+            return batch_samples, None
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             num_items_in_batch = distributed.all_reduce_sum(num_items_in_batch)
         return batch_samples, num_items_in_batch / 1  # int64 -> float32, as transformers
@@ -470,14 +484,24 @@ class Trainer:
         if self.compute_loss_func is not None:  # "User-defined compute_loss function"
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif labels is not None:
-            loss = label_smoothed_loss(outputs["logits"], labels, self.args.label_smoothing_factor,
-                                       num_items_in_batch)
+            # LabelSmoother reads the logits by key, or first in a tuple; a causal LM's shift
+            keyed = isinstance(outputs, (dict, CausalLMOutput))
+            logits = outputs["logits"] if keyed else outputs[0]
+            loss = label_smoothed_loss(logits, labels, self.args.label_smoothing_factor,
+                                       num_items_in_batch, shift_labels=self._loss_shifts_labels)
         else:
-            if outputs["loss"] is None:
+            if isinstance(outputs, dict) and "loss" not in outputs:
+                raise ValueError(
+                    "The model did not return a loss from the inputs, only the following keys: "
+                    f"{','.join(outputs.keys())}. For reference, the inputs it received are "
+                    f"{','.join(inputs.keys())}.")
+            # "We don't use .loss here since the model may return tuples instead of ModelOutput."
+            # (nanosft's CausalLMOutput is read by key, as a ModelOutput is)
+            loss = outputs["loss"] if isinstance(outputs, (dict, CausalLMOutput)) else outputs[0]
+            if loss is None:
                 raise ValueError(f"The model returned no loss; the batch has keys "
                                  f"{sorted(inputs)}. Add `labels` to the batch (a collator such "
                                  "as DataCollatorForLanguageModeling does).")
-            loss = outputs["loss"]
         if (self.args.average_tokens_across_devices and num_items_in_batch is not None
                 and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
             # num_items_in_batch counts every rank's tokens and DDP averages: undo the average
@@ -558,7 +582,7 @@ class Trainer:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict:
         """Mean eval loss (each batch's loss weighted by its size), compute_metrics' metrics,
         perplexity, speed; logged. A dict of named sets: one evaluation each, eval_<name>_loss.
-        Mirrors: Trainer.evaluate | Differs: adds perplexity; SFTTrainer.log adds TRL's
+        Mirrors: Trainer.evaluate | Differs: adds perplexity (causal LMs); SFTTrainer.log adds TRL's
         eval_mean_token_accuracy. ignore_keys has nothing to drop (outputs: loss, logits)."""
         eval_dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(eval_dataset, dict):
@@ -579,8 +603,9 @@ class Trainer:
         else:
             metrics, examples, batches = self.evaluation_loop(dataloader, metric_key_prefix)
             eval_loss = metrics[f"{metric_key_prefix}_loss"]
-        metrics.update({f"{metric_key_prefix}_perplexity": math.exp(min(eval_loss, 700.0)),
-                        **speed_metrics(metric_key_prefix, start_time, examples, batches)})
+        if self._loss_shifts_labels:  # a language model's loss: per-token cross-entropy
+            metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(eval_loss, 700.0))
+        metrics.update(speed_metrics(metric_key_prefix, start_time, examples, batches))
         self.log(metrics)  # still in eval mode, so SFTTrainer.log adds its eval_ metrics
         model.train(was_training)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
@@ -600,11 +625,12 @@ class Trainer:
         metrics, examples, batches = {}, 0, len(dataloader)
         for step, inputs in enumerate(dataloader):
             loss, logits, labels = self.prediction_step(self.model, inputs, False)
-            size = len(inputs["input_ids"])
+            size = find_batch_size(inputs)
             examples += size
             if self.preprocess_logits_for_metrics is not None:
                 logits = self.preprocess_logits_for_metrics(logits, labels)
-            batch = {"predictions": logits, "label_ids": labels, "inputs": inputs["input_ids"],
+            main_input = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
+            batch = {"predictions": logits, "label_ids": labels, "inputs": main_input,
                      "losses": loss.repeat(size)}  # each example counts once in the mean loss
             kept["losses"].append(batch["losses"])
             if args.batch_eval_metrics:  # compute_metrics keeps running sums; the last reports
@@ -612,14 +638,15 @@ class Trainer:
                                                compute_result=step == batches - 1)
                 continue
             for key in ("predictions", "label_ids", "inputs"):
-                kept[key].append(batch[key])
+                if batch[key] is not None:
+                    kept[key].append(batch[key])
             if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
                 # "put them back on the CPU": the chunks so far become one numpy array each
                 kept = {key: [pad_and_concatenate(chunks)] for key, chunks in kept.items()}
         if not args.batch_eval_metrics:
             metrics = self.compute_metrics(self._eval_prediction(
                 {key: pad_and_concatenate(chunks) for key, chunks in kept.items()}))
-        metrics = denumpify_detensorize(metrics)
+        metrics = denumpify_detensorize(checked_metrics(metrics, metric_key_prefix))
         losses = pad_and_concatenate(kept["losses"])
         finite = np.isfinite(losses)
         if args.logging_nan_inf_filter and finite.any():
@@ -646,13 +673,22 @@ class Trainer:
         num_items_in_batch = None
         if labels is not None and (self.model_accepts_loss_kwargs
                                    or self.compute_loss_func is not None):
-            num_items_in_batch = count_num_items_in_batch([batch]).to(self.args.device) / 1
+            num_items_in_batch = count_num_items_in_batch(
+                [batch], self._loss_shifts_labels).to(self.args.device) / 1
         with torch.no_grad():
             loss, outputs = self.compute_loss(model, batch, return_outputs=True,
                                               num_items_in_batch=num_items_in_batch)
         if prediction_loss_only:
             return (loss.detach(), None, None)
-        return (loss.detach(), outputs["logits"].detach(), labels)
+        # every output but the loss: a ModelOutput's other values, a tuple's tail
+        if isinstance(outputs, CausalLMOutput):
+            logits = (outputs.logits,)
+        elif isinstance(outputs, dict):
+            logits = tuple(v for k, v in outputs.items() if k not in ("loss", "past_key_values"))
+        else:
+            logits = tuple(outputs[1:])
+        logits = tuple(t.detach() for t in logits)
+        return (loss.detach(), logits[0] if len(logits) == 1 else logits, labels)
 
     def _evaluate(self) -> dict:
         """evaluate(), then ReduceLROnPlateau steps on metric_for_best_model (not for

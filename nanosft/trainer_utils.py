@@ -204,12 +204,38 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
                       num_workers=args.dataloader_num_workers, generator=torch.Generator())
 
 
-def count_num_items_in_batch(batch_samples: list) -> torch.Tensor:
-    """Supervised tokens of a window: sum of (labels[..., 1:] != -100), since the model shifts
-    (position 0 is never a target).
+def count_num_items_in_batch(batch_samples: list, shift_labels=True) -> torch.Tensor:
+    """Supervised tokens of a window: sum of (labels[..., 1:] != -100) when the model shifts
+    (a causal LM: position 0 is never a target), else of (labels != -100).
     Guide: gradient accumulation | Mirrors: Trainer._get_num_items_in_batch"""
-    return sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:])
+    return sum((b["shift_labels"] if "shift_labels" in b else
+                b["labels"][..., 1:] if shift_labels else b["labels"])
                .ne(IGNORE_INDEX).sum() for b in batch_samples)
+
+
+def loss_shifts_labels(model) -> bool:
+    """Whether the model's loss shifts its labels (a causal LM), so position 0 is never counted.
+    Mirrors: Trainer.__init__ _loss_shifts_labels (loss_type ForCausalLM)"""
+    from nanosft.model import CausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return isinstance(base, CausalLM) or getattr(base, "loss_type", None) == "ForCausalLM"
+
+
+def find_batch_size(inputs):
+    """The first dimension of the first tensor in a batch (dict, list or tuple, searched in order),
+    or None. Mirrors: transformers trainer_pt_utils.find_batch_size"""
+    if isinstance(inputs, Mapping):
+        inputs = list(inputs.values())
+    if isinstance(inputs, (list, tuple)):
+        for value in inputs:
+            size = find_batch_size(value)
+            if size is not None:
+                return size
+        return None
+    if torch.is_tensor(inputs) or isinstance(inputs, np.ndarray):
+        return inputs.shape[0] if inputs.ndim >= 1 else None
+    return None
 
 
 def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=None) -> dict:
@@ -257,16 +283,37 @@ def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
     with torch.no_grad():
         for batch in dataloader:
             loss = compute_loss(model, prepare_inputs(batch))
-            size = len(batch["input_ids"])
+            size = find_batch_size(batch)
             totals += torch.cat([(loss.double() * size)[None], totals.new_tensor([size, 1.0])])
     loss_sum, examples, batches = distributed.all_reduce_sum(totals).tolist()
     return loss_sum / max(examples, 1), examples, batches
 
 
+def _check_optimizer(model, optimizer) -> None:
+    """An optimizer passed in must be one (param_groups, step) and update the model being trained:
+    one built before get_peft_model, or over another model, holds none of its trainable parameters
+    and would train nothing while the run logs losses and saves an unchanged adapter."""
+    if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+        raise TypeError(f"Trainer: optimizers[0] must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}; pass optimizers=(torch.optim.AdamW(...), "
+                        "None), or (None, None) for the one args.optim names.")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trainable and not any(id(p) in held for p in trainable):
+        raise ValueError(f"Trainer: the optimizer passed in optimizers holds none of the model's "
+                         f"{len(trainable)} trainable parameters (was it built before "
+                         "get_peft_model wrapped the model, or over another model?), so training "
+                         "would change nothing. Build it over the trainer's model, e.g. "
+                         "AdamW(p for p in model.parameters() if p.requires_grad) after the LoRA "
+                         "wrap, or pass optimizer_cls_and_kwargs=(AdamW, {...}) and let the "
+                         "trainer build it.")
+
+
 def check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwargs,
-                            compute_metrics, args) -> None:
+                            compute_metrics, args, callbacks=None) -> None:
     """Refuse, by name, the Trainer arguments nanosft does not act on or that contradict.
-    Mirrors: Trainer.__init__'s checks (optimizers vs optimizer_cls_and_kwargs, compute_result)"""
+    Mirrors: Trainer.__init__'s checks (optimizers vs optimizer_cls_and_kwargs, compute_result)
+    Differs: also the types transformers leaves to a later failure (callbacks, optimizers)."""
     if model_init is not None:
         raise ValueError("Trainer: model_init is not supported; it serves hyperparameter search "
                          "(Trainer.hyperparameter_search), which nanosft leaves out. Build the "
@@ -281,6 +328,30 @@ def check_trainer_arguments(model, model_init, optimizers, optimizer_cls_and_kwa
         raise ValueError("batch_eval_metrics=True calls compute_metrics(eval_pred, "
                          "compute_result=...) after every batch (True after the last, when it "
                          "returns the metrics); add a `compute_result` argument to it.")
+    if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
+        raise TypeError(f"Trainer: optimizers must be a pair (optimizer, lr_scheduler), got "
+                        f"{type(optimizers).__name__}; pass optimizers=(optimizer, None) to keep "
+                        "the scheduler args.lr_scheduler_type names.")
+    if optimizers[0] is not None:
+        _check_optimizer(model, optimizers[0])
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"Trainer: callbacks must be a list of TrainerCallback classes or "
+                        f"instances, got {type(callbacks).__name__}; pass callbacks=[...] (one "
+                        "callback goes in a list of one).")
+    for callback in callbacks or ():
+        if not (isinstance(callback, type) or hasattr(callback, "on_step_end")):
+            raise TypeError(f"Trainer: callbacks holds a {type(callback).__name__}, which is not a "
+                            "TrainerCallback class or instance; subclass TrainerCallback.")
+
+
+def checked_metrics(metrics, prefix="eval") -> dict:
+    """compute_metrics' result, refused unless it is a dict (None would fail in the key prefixing,
+    far from the function that returned it)."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"compute_metrics returned {type(metrics).__name__}, not a dict of "
+                        f"metrics; return e.g. {{'accuracy': 0.9}} (reported as "
+                        f"{prefix}_accuracy).")
+    return metrics
 
 
 class EvalPrediction:

@@ -133,6 +133,10 @@ MODEL_CASES = {
                                     ["config.json", "hidden_size='128'", "positive integer"]),
     "config_pad_token_outside_vocab": (_config(pad_token_id=9999), "generate",
                                        ["config.json", "pad_token_id=9999", "0 to 475"]),
+    "config_rope_theta_zero": (_config(rope_parameters={"rope_type": "default", "rope_theta": 0}),
+                               "generate", ["config.json", "rope_theta=0", "positive number"]),
+    "config_mistral_window_zero": (_config(model_type="mistral", sliding_window=0), "train",
+                                   ["config.json", "sliding_window=0", "positive integer"]),
     "weight_declared_i32": (_edit_header(_as_i32), "generate",
                             ["model.safetensors", "torch.int32", "floating point"]),
     "weights_overlap": (_edit_header(_overlap), "generate",
@@ -186,8 +190,31 @@ def _chat_cut_by_max_length(tmp_path):
     return path, [str(path), "all 1 examples", "raise max_length"]
 
 
+def _lone_surrogate(tmp_path):
+    path = tmp_path / "surrogate.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "half of a pair: \\ud800"}\n')
+    return path, [str(path), "line 2", "lone UTF-16 surrogate", "\\ud800"]
+
+
+def _deep_json(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    return path, [str(path), "line 1", "nested deeper", "flatten"]
+
+
+def _dev_null(tmp_path):
+    return Path(os.devnull), [os.devnull, "the dataset is empty"]
+
+
+def _a_folder(tmp_path):
+    (tmp_path / "saved").mkdir()
+    return tmp_path / "saved", ["--data", "is a folder", "datasets.load_from_disk"]
+
+
 DATA_CASES = {"ragged_csv": _ragged_csv, "csv_completion_numbers": _number_csv,
               "not_utf8": _not_utf8, "every_text_empty": _all_empty,
+              "lone_surrogate": _lone_surrogate, "json_100000_deep": _deep_json,
+              "dev_null": _dev_null, "a_folder": _a_folder,
               "chat_cut_by_max_length_loses_every_assistant_token": _chat_cut_by_max_length}
 
 
@@ -224,6 +251,24 @@ def test_chat_rows_cut_by_max_length_are_dropped_with_a_count(tmp_path, capsys, 
     assert f"{data}: dropped 1 of 2 examples with no trainable token" in caplog.text
 
 
+@pytest.mark.parametrize("long, short", [
+    ({"messages": [{"role": "user", "content": "word " * 200},
+                   {"role": "assistant", "content": "yes"}]},
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}),
+    ({"prompt": "word " * 200, "completion": " yes"}, {"prompt": "hi", "completion": " yes"}),
+], ids=["chat", "prompt_completion"])
+def test_rows_whose_answer_max_length_cuts_off_are_counted(long, short, caplog):
+    from nanosft.data import prepare_dataset
+    from nanosft.tokenizer import Tokenizer
+
+    with caplog.at_level(logging.WARNING):  # the loss on every token: the cut rows still train
+        rows = prepare_dataset([long, short], Tokenizer.from_pretrained(DEFAULT), max_length=32,
+                               completion_only_loss=False, name="d.jsonl")
+    assert len(rows) == 2
+    assert ("d.jsonl: 1 of 2 examples lose every completion or assistant token to max_length=32"
+            in caplog.text), caplog.text
+
+
 # ----------------------------------------------------------------------------- flags
 
 def _train(tmp_path, *extra):
@@ -236,6 +281,36 @@ def test_fsdp_in_one_process_names_the_torchrun_command(tmp_path, capsys, monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert_clean_failure(*run(_train(tmp_path, "--fsdp", "true"), capsys), 2,
                          "--fsdp", "torchrun --nproc_per_node 2 -m nanosft train")
+
+
+def test_a_csv_without_datasets_installed_is_one_paragraph(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    data = tmp_path / "d.csv"
+    data.write_text("text\nhello there\n")
+    assert_clean_failure(*run(_train(tmp_path, "--data", data), capsys), 2, str(data),
+                         'pip install "nanosft[data]"')
+
+
+def test_an_abbreviated_flag_suggests_what_it_abbreviates(tmp_path, capsys):
+    code, output = run(_train(tmp_path, "--lr", "1e-3"), capsys)
+    assert_clean_failure(code, output, 2, "'--lr'", "did you mean --learning_rate or --lora_r?")
+
+
+def test_memory_fsdp_reads_as_train_fsdp_and_ranks_are_nproc_per_node(capsys):
+    assert_clean_failure(*run(["memory", "--model", DEFAULT, "--fsdp", "2"], capsys), 2,
+                         "--fsdp 2", "--nproc_per_node 2")
+    code, output = run(["memory", "--model", DEFAULT, "--fsdp", "true", "--nproc_per_node", "4"],
+                       capsys)
+    assert code == 0 and "per rank of 4" in output
+
+
+def test_train_help_says_the_default_mode_and_where_fields_come_from(capsys):
+    code, output = run(["train", "--help"], capsys)
+    assert code == 0
+    assert "The default is LoRA on the float base" in " ".join(output.split())
+    assert "SFTConfig" in output and "LoraConfig" in output
 
 
 def test_negative_learning_rate_reaches_validation_not_argparse(tmp_path, capsys):
@@ -340,6 +415,41 @@ def test_ctrl_c_before_any_checkpoint_says_nothing_was_saved(tmp_path, capsys, m
     assert_clean_failure(code, output, 130, "no checkpoint was saved")
 
 
+def test_ctrl_c_while_the_flags_load_exits_130_without_a_traceback(capsys, monkeypatch):
+    from nanosft import cli
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt  # the train flags import torch: seconds long
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert_clean_failure(*run(["train", "--help"], capsys), 130, "interrupted (Ctrl-C) while "
+                         "starting", "nothing was run")
+
+
+def test_data_from_a_fifo_is_read_as_json_lines(tmp_path):
+    import threading
+
+    from nanosft.data import read_dataset_file
+
+    fifo = tmp_path / "rows"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text(json.dumps(TEXT_ROWS[0]) + "\n"))
+    writer.start()
+    examples, wheres = read_dataset_file(str(fifo))  # before: "no such file"
+    writer.join()
+    assert examples == TEXT_ROWS[:1] and wheres == [f"{fifo}, line 1 (example 0)"]
+
+
+@pytest.mark.parametrize("where", ["a_file", "unwritable"])
+def test_merge_onto_a_file_or_an_unwritable_place_names_out(where, tmp_path, capsys):
+    out = {"a_file": tmp_path / "merged", "unwritable": Path("/proc/nanosft-merged")}[where]
+    if where == "a_file":
+        out.write_text("not a folder")
+    words = {"a_file": "is a file, not a folder", "unwritable": "cannot be written"}[where]
+    argv = ["merge", "--model", DEFAULT, "--adapter", DEFAULT, "--out", out]
+    assert_clean_failure(*run(argv, capsys), 2, f"--out {out}", words)
+
+
 # ----------------------------------------------------------------------------- the backstop
 
 def test_unexpected_error_type_gets_the_paragraph_and_the_debug_hint(capsys, monkeypatch):
@@ -351,6 +461,9 @@ def test_unexpected_error_type_gets_the_paragraph_and_the_debug_hint(capsys, mon
     monkeypatch.setattr(cli, "run_memory", broken)
     assert_clean_failure(*run(["memory", "--model", DEFAULT], capsys), 2, "KeyError",
                          "rope_theta", "NANOSFT_DEBUG=1")
+    for off in ("0", "false", ""):  # NANOSFT_DEBUG=0 means off
+        monkeypatch.setenv("NANOSFT_DEBUG", off)
+        assert_clean_failure(*run(["memory", "--model", DEFAULT], capsys), 2, "KeyError")
     monkeypatch.setenv("NANOSFT_DEBUG", "1")
     with pytest.raises(KeyError):  # the traceback, when asked for
         main(["memory", "--model", str(DEFAULT)])

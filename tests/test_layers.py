@@ -15,8 +15,8 @@ import nanosft
 
 PACKAGE = os.path.dirname(nanosft.__file__)
 CORE = ["adapter_files", "args", "collator", "configuration", "data", "distributed", "generation",
-        "loop", "lora", "loss", "masking", "model", "nf4", "optim", "peft", "reference", "sft",
-        "tokenizer", "trainer", "trainer_callback", "trainer_utils"]
+        "loop", "lora", "loss", "masking", "model", "nf4", "optim", "peft", "prompt_learning",
+        "reference", "sft", "tokenizer", "trainer", "trainer_callback", "trainer_utils"]
 PRODUCT = ["cli", "fast", "io", "memory", "monitoring", "parallel"]
 
 

@@ -340,3 +340,13 @@ def test_family_activation_row_equals_the_saved_bytes(name, method):
         blind = predict(as_llama, dataclasses.replace(plan, target_modules="all-linear"))
         assert abs(blind.rows["activations (saved for backward)"] + logprobs - measured) > (
             0.05 * measured)
+
+
+def test_the_banner_line_says_which_batch_shape_it_predicts_not_an_upper_bound():
+    plan = memory.MemoryPlan(per_device_train_batch_size=3, max_length=40)
+    ledger = memory.estimate_memory(tiny_model(**SIZES).config, plan)
+    line = memory.summary_line(ledger)
+    # the ledger pads every row to max_length: data shorter than that needs less, and the process
+    # adds memory it does not count, so it is no bound of a run's peak
+    assert "tensors of a step at 3 x 40 tokens" in line and "upper bound" not in line
+    assert f"= {ledger.total / memory.MiB:.1f} (" in line

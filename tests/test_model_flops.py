@@ -216,3 +216,19 @@ def test_nanosft_train_prints_gflops_and_mfu(tmp_path, capsys):
     assert found, out[-2000:]
     gflops, mfu = float(found[1]), float(found[2])
     assert gflops > 0 and mfu == pytest.approx(100 * gflops / 200, abs=0.06)  # both printed rounded
+
+
+def test_a_calibration_taken_under_load_never_shows_mfu_above_100_percent(tmp_path, monkeypatch):
+    from nanosft.monitoring import callbacks
+
+    monkeypatch.setattr(callbacks, "calibrate_matmul_flops", lambda *a, **k: 1.0)  # cores busy
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                             logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(tiny_model(), args, train_dataset=rows(6),
+                      data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+    metrics = trainer.train().metrics
+    shown = [h["mfu"] for h in trainer.state.log_history if "mfu" in h] + [metrics["mfu"]]
+    assert len(shown) >= 4 and all(0 < mfu <= 1 for mfu in shown), shown  # before: ~1e9
+    callback = find_callback(trainer, ThroughputCallback)
+    assert callback.peak_flops >= metrics["train_model_flops_per_second"]
+    assert "read lower, under load" in callback.speed_summary(args, metrics)

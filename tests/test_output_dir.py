@@ -243,7 +243,7 @@ def test_command_line_resume_spellings_mean_the_latest_checkpoint(tmp_path, spel
 
 def test_demo_refuses_an_output_dir_holding_another_run(tmp_path, capsys):
     out = tmp_path / "demo"
-    lora_model().save_pretrained(str(out / "adapter"))
+    lora_model().save_pretrained(str(out))  # a training run's adapter, not a demo's adapter/
     (out / "demo_summary.json").write_text("{}")
     before = tree_digest(out)
     assert cli.main(["demo", "--output_dir", str(out), "--steps", "1"]) == 2

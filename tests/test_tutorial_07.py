@@ -2,7 +2,9 @@
 
 Compared: the printed shapes of the prompt-tuning forward (inputs_embeds, prompts, the
 concatenation, the logits) against num_virtual_tokens + T worked out here, the prefix mask and -100
-label rows, the extra target per row, and the script's own asserts (they fail the exit code).
+label rows, the extra target per row, P-tuning's prompts and prefix tuning's per-layer keys/values
+and logits (shapes from the config, logits beside peft's), and the script's own asserts (they fail
+the exit code).
 Hermetic: the tiny models are built in-process; no network, temp folders only.
 Run: python -m pytest -q tests/test_tutorial_07.py
 """
@@ -38,4 +40,12 @@ def test_tutorial_07_runs_and_prints_each_line_of_2_6():
     assert re.search(r"max \|logits diff\| vs peft: \d", out)
     assert "trained targets: 8 without the prefix, 9 with it" in out
     assert "prompt tuning saves ['prompt_embeddings']" in out
+    # P-tuning and prefix tuning: shapes worked out from the tiny config (2 layers, 2 KV heads of
+    # 16 dims), each beside peft's logits
+    assert f"P-tuning prompts shape: (2, {N_VIRTUAL}, {C})" in out
+    assert f"prefix past_key_values: 2 layers x (2, 2, 2, {N_VIRTUAL}, 16)" in out
+    assert f"prefix logits shape: (2, {T}, {V})" in out
+    assert re.search(r"max \|logits diff\| vs peft \(P-tuning\): \d", out)
+    assert re.search(r"max \|logits diff\| vs peft \(prefix tuning\): \d", out)
+    assert f"prefix tuning saves prompt_embeddings ({N_VIRTUAL}, {2 * 2 * 32})" in out
     assert out.rstrip().endswith("OK: walkthrough 2.6 replayed step by step")

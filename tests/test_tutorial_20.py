@@ -82,7 +82,7 @@ def test_tutorial_20_monitoring_figures():
     first, second = map(float, re.search(r"cpu peak growth: first run ([0-9.]+) MiB, a second "
                                          r"run in this process ([0-9.]+) MiB", out).groups())
     assert 0 < first and second < first  # the first run's RSS holds the process's one-time costs
-    assert "Memory predicted (MiB, upper bound) = " in out
+    assert re.search(r"Memory predicted \(MiB, tensors of a step at \d+ x \d+ tokens\) = ", out)
 
     # loss curve: falling window by window; train_loss is the mean of the equal windows
     losses = [float(x) for x in re.findall(r"^step +\d+ \| #* *([0-9.]+)$", out, flags=re.M)]

@@ -1,9 +1,11 @@
-"""Tutorial 07: PeftModelForCausalLM.forward, its LoRA and prompt-tuning branches (walkthrough 2.6).
+"""Tutorial 07: PeftModelForCausalLM.forward, LoRA and prompt learning (walkthrough 2.6).
 
 compute_loss (2.5) calls `outputs = model(**inputs)`; with peft that model is PeftModelForCausalLM.
 For LoRA its forward passes everything straight to the base model (the LoRA layers sit inside it).
 For prompt tuning it runs the seven lines of walkthrough 2.6, which we replay one by one on a tiny
-2-layer model and check against nanosft.peft; peft's numbers are printed beside ours when installed.
+2-layer model and check against nanosft.peft; P-tuning runs the same lines with an MLP inside
+get_prompt; prefix tuning hands every layer trained keys and values as its cache instead.
+peft's numbers are printed beside ours when installed.
 Run:      python tutorials/07_peft_forward.py
 Runtime:  a few seconds on CPU (about 10 s when transformers and peft are imported).
 You should see:
@@ -12,6 +14,8 @@ You should see:
   - inputs_embeds (2, 6, 64) -> prompts (2, 4, 64) -> (2, 10, 64), the prefix mask of ones and
     the -100 labels;
   - one extra trained target per row (the last virtual token predicts the first real one);
+  - P-tuning: prompts = mlp_head(embedding(0..3)); prefix tuning: 2 layers of (2, 2, 2, 4, 16)
+    keys/values and logits (2, 6, 96), each beside peft's;
   - the adapter file keys, and "OK: walkthrough 2.6 replayed step by step" at the end.
 """
 
@@ -28,7 +32,8 @@ import torch
 from safetensors import safe_open
 
 from nanosft.model import CausalLM, ModelConfig
-from nanosft.peft import LoraConfig, PromptTuningConfig, get_peft_model
+from nanosft.peft import (LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig,
+                          get_peft_model)
 
 # transformers' deprecation notes, not ours
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -173,6 +178,78 @@ if HAVE_PEFT:
     assert diff < 1e-5
 
 # %% [markdown]
+# ## P-tuning: the same lines, an encoder inside `self.get_prompt(...)`
+# PromptEncoderConfig reparameterizes the virtual tokens: `get_prompt` runs their embedding rows
+# through an MLP (or a bidirectional LSTM, then an MLP), so the prompts are a function of trained
+# weights, not the rows themselves. Everything after `get_prompt` is the prompt-tuning branch above.
+
+# %%
+banner("Walkthrough 2.6, P-tuning: prompts = self.get_prompt(batch_size) runs mlp_head(embedding)")
+base, hf = tiny_models()
+torch.manual_seed(42)
+pe = get_peft_model(base, PromptEncoderConfig(num_virtual_tokens=4, encoder_hidden_size=32))
+pe.print_trainable_parameters()
+encoder = pe.prompt_encoder["default"]
+prompt_tokens = torch.arange(4)[None]  # self.prompt_tokens: one row, the output is repeated
+draft_prompts = encoder.mlp_head(encoder.embedding(prompt_tokens)).repeat(batch_size, 1, 1)
+print("P-tuning prompts shape:", tuple(draft_prompts.shape), "= mlp_head(embedding(0..3))")
+with torch.no_grad():
+    assert torch.equal(draft_prompts, pe.get_prompt(batch_size=batch_size))
+    pe_out = pe(**batch)
+assert pe_out.logits.shape == (2, 4 + 6, TINY["vocab_size"])
+if HAVE_PEFT:
+    torch.manual_seed(42)  # the same draws: peft's encoder starts bit-identical to ours
+    ref_pe = peft.get_peft_model(hf, peft.PromptEncoderConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=32))
+    with torch.no_grad():
+        ref_pe_out = ref_pe(**batch)
+    diff = (ref_pe_out.logits - pe_out.logits).abs().max().item()
+    print(f"peft loss: {ref_pe_out.loss.item():.6f}  ours: {pe_out.loss.item():.6f}  "
+          f"max |logits diff| vs peft (P-tuning): {diff:.2e}")
+    assert diff < 1e-5
+
+# %% [markdown]
+# ## Prefix tuning: `kwargs["past_key_values"] = self.get_prompt(batch_size)`
+# Nothing is prepended to the input: every attention layer gets num_virtual_tokens trained keys
+# and values as if they were a cache of earlier tokens. The mask still gains the ones (the real
+# tokens may attend to the prefix), the labels stay as they are (no new positions), and the real
+# tokens' positions start at num_virtual_tokens.
+
+# %%
+banner("Walkthrough 2.6, prefix tuning: past_key_values = self.get_prompt(batch_size)")
+base, hf = tiny_models()
+torch.manual_seed(42)
+px = get_peft_model(base, PrefixTuningConfig(num_virtual_tokens=4))
+config = px.peft_config["default"]
+# GQA: the prefix is made for the 2 KV heads of 16 dims, token_dim = 32 (not hidden_size 64)
+print(f"token_dim = num_key_value_heads x head_dim = {config.token_dim}, "
+      f"num_attention_heads (KV) = {config.num_attention_heads}")
+flat = px.prompt_encoder["default"](torch.arange(4).expand(batch_size, -1))
+print("encoder output:", tuple(flat.shape), "= (B, n, num_layers * 2 * token_dim)")
+L, KV = config.num_layers, config.num_attention_heads
+draft_past = flat.view(batch_size, 4, L * 2, KV, config.token_dim // KV)
+draft_past = draft_past.permute(2, 0, 3, 1, 4).split(2)  # per layer: [0] keys, [1] values
+print(f"prefix past_key_values: {len(draft_past)} layers x {tuple(draft_past[0].shape)}")
+with torch.no_grad():
+    # `mask`: the batch's mask behind 4 ones, built in the prompt-tuning branch above
+    draft = px.get_base_model()(input_ids=input_ids, attention_mask=mask, labels=labels,
+                                past_key_values=draft_past)
+    px_out = px(**batch)
+print("prefix logits shape:", tuple(px_out.logits.shape), "(T only: the prefix is not an input)")
+assert torch.equal(draft.logits, px_out.logits) and torch.equal(draft.loss, px_out.loss)
+assert px_out.logits.shape == (2, 6, TINY["vocab_size"])
+if HAVE_PEFT:
+    torch.manual_seed(42)
+    ref_px = peft.get_peft_model(hf, peft.PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                             num_virtual_tokens=4))
+    with torch.no_grad():
+        ref_px_out = ref_px(**batch)
+    diff = (ref_px_out.logits - px_out.logits).abs().max().item()
+    print(f"peft loss: {ref_px_out.loss.item():.6f}  ours: {px_out.loss.item():.6f}  "
+          f"max |logits diff| vs peft (prefix tuning): {diff:.2e}")
+    assert diff < 1e-5
+
+# %% [markdown]
 # ## save_pretrained: the adapter alone, in peft's format
 
 # %%
@@ -184,7 +261,12 @@ with tempfile.TemporaryDirectory() as d:
     pt.save_pretrained(f"{d}/pt")
     with safe_open(f"{d}/pt/adapter_model.safetensors", "pt") as f:
         pt_keys = list(f.keys())
+    px.save_pretrained(f"{d}/px")
+    with safe_open(f"{d}/px/adapter_model.safetensors", "pt") as f:
+        px_shape = tuple(f.get_tensor("prompt_embeddings").shape)
 print("\n".join(keys[:4]), f"\n... {len(keys)} LoRA tensors; prompt tuning saves {pt_keys}")
+print(f"prefix tuning saves prompt_embeddings {px_shape}: the encoder's output, flat")
+assert px_shape == (4, L * 2 * config.token_dim)
 assert keys[0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" and pt_keys == [
     "prompt_embeddings"
 ]

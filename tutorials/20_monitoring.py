@@ -254,7 +254,8 @@ banner("内存使用 / memory: predicted and measured peak")
 def memory_lines(text):
     """MemoryCallback's two printed lines, and the predicted and measured MiB they show."""
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith("Memory")]
-    predicted = float(re.search(r"predicted \(MiB, upper bound\) = ([0-9.]+)", lines[0])[1])
+    predicted = float(re.search(r"predicted \(MiB, tensors of a step at \d+ x \d+ tokens\) = "
+                                r"([0-9.]+)", lines[0])[1])
     measured = float(re.search(r"cpu peak growth ([0-9.]+) MiB", lines[1])[1])
     return lines, predicted, measured
 

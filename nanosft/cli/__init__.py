@@ -41,7 +41,7 @@ def resolve_folder(flag, name):
     Mirrors: transformers cached_files (a repo id or a path)"""
     from nanosft.io import hub
 
-    return hub.resolve_pretrained_path(name, what=flag)
+    return hub.resolve_pretrained_path(name, what=flag)  # refuses a half-moved final save too
 
 
 def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu", dtype=None,
@@ -173,6 +173,7 @@ def run_train(args):
 def _train(args, sft_config, peft_config):
     """run_train's body, inside the output_dir lock: checks, load, train, save, summary."""
     from nanosft import distributed
+    from nanosft.data import check_data_path
     from nanosft.io import preflight
     from nanosft.sft import SFTTrainer
 
@@ -183,11 +184,8 @@ def _train(args, sft_config, peft_config):
     preflight.check_metric_name(sft_config.metric_for_best_model,
                                 preflight.known_eval_metrics(SFTTrainer), command_line=True)
     for flag, path in (("--data", args.data), ("--eval_data", args.eval_data)):
-        if isinstance(path, str) and not os.path.isfile(path):  # not a --dataset_name Dataset
-            raise FileNotFoundError(
-                f"{flag} {path}: no such file; give a JSONL file with one example per line "
-                '({"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}), '
-                "or a .json array, .parquet or .csv file")
+        if isinstance(path, str):  # not a --dataset_name Dataset
+            check_data_path(path, flag)
     model = load_model(args.model, load_in_4bit=args.qlora, device=sft_config.device,
                        dtype=args.model_dtype, quantization_config=args.quantization_config)
     model.train()
@@ -219,7 +217,8 @@ def _check_output_dir(sft_config):
 
     sft_config.resume_from_checkpoint = output_folder.resolve_resume_checkpoint(
         sft_config.resume_from_checkpoint, sft_config.output_dir, command_line=True)
-    if sft_config.resume_from_checkpoint is None and not sft_config.overwrite_output_dir:
+    if sft_config.resume_from_checkpoint is None and \
+            not output_folder.overwrite_requested(sft_config):
         refusal = output_folder.output_dir_refusal(sft_config.output_dir, command_line=True)
         if refusal:
             raise ValueError(refusal)
@@ -290,22 +289,34 @@ def run_chat(args):
 def run_merge(args):
     """Fold the adapter into the full-precision base and write a Hugging Face folder transformers
     loads. Mirrors: peft merge_and_unload + save_pretrained"""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise FileExistsError(f"--out {args.out} is a file, not a folder; give a new folder "
+                              "(nothing is overwritten)")
     if os.path.exists(args.out) and os.listdir(args.out):
         raise FileExistsError(f"--out {args.out} exists and is not empty; give a new folder "
                               "(nothing is overwritten)")
-    model = load_model(args.model, args.adapter).merge_and_unload()
     parent = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".merge-")
+    try:  # the temp folder beside --out, made before the model loads: can --out be written?
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=".merge-")
+    except OSError as e:
+        raise OSError(e.errno, f"--out {args.out} cannot be written ({(e.strerror or str(e))} "
+                               f"in {parent}); give a folder you can write to") from e
     try:
         from nanosft.io.hub import default_mode
 
+        model = load_model(args.model, args.adapter).merge_and_unload()
         os.chmod(tmp, default_mode(folder=True))  # mkdtemp makes 0700; as mkdir would instead
-        model.save_pretrained(tmp)
-        load_tokenizer(args.model).save_pretrained(tmp)
-        if os.path.isdir(args.out):
-            os.rmdir(args.out)  # empty, checked above
-        os.replace(tmp, args.out)
+        try:
+            model.save_pretrained(tmp)
+            load_tokenizer(args.model).save_pretrained(tmp)
+            if os.path.isdir(args.out):
+                os.rmdir(args.out)  # empty, checked above
+            os.replace(tmp, args.out)
+        except OSError as e:
+            raise OSError(e.errno, f"--out {args.out}: writing the merged model failed "
+                                   f"({e.strerror or e}); nothing was left there. Free space or "
+                                   "pick another --out") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"merged {args.adapter} into {args.model}: {args.out}")
@@ -313,6 +324,25 @@ def run_merge(args):
 
 
 # ----------------------------------------------------------------------------- memory
+
+def _fsdp_ranks(fsdp, nproc_per_node) -> int:
+    """The ranks `memory --fsdp VALUE [--nproc_per_node N]` shards over: --fsdp reads as train's
+    (true, full_shard, shard_grad_op, false); the count is torchrun's --nproc_per_node."""
+    value = str(fsdp).strip().lower()
+    if value.isdigit():
+        raise ValueError(f"--fsdp {fsdp}: --fsdp takes what `nanosft train --fsdp` takes (true, "
+                         "full_shard, false); give the number of ranks as --nproc_per_node "
+                         f"{fsdp}, e.g. `nanosft memory --model M --fsdp true --nproc_per_node "
+                         f"{fsdp}`")
+    if value in ("", "false", "no", "0", "none"):
+        return 1
+    if value not in ("true", "yes", "full_shard", "shard_grad_op"):
+        raise ValueError(f"--fsdp {fsdp}: use true, full_shard, shard_grad_op or false")
+    ranks = 2 if nproc_per_node is None else nproc_per_node
+    if ranks < 1:
+        raise ValueError(f"--nproc_per_node {ranks}: give a positive number of ranks")
+    return ranks
+
 
 def run_memory(args):
     """Print the memory ledger of a run on --model's config.json (no weights are read).
@@ -324,13 +354,14 @@ def run_memory(args):
     if args.full and (args.dora or len(chosen) > 1):
         raise ValueError(f"--{' and --'.join(chosen + ['dora'] * args.dora)} cannot be combined: "
                          "--full trains every weight; pick --full, --lora, --dora or --qlora")
+    ranks = _fsdp_ranks(args.fsdp, args.nproc_per_node)
     config = ModelConfig.from_pretrained(resolve_folder("--model", args.model))
     plan = memory.MemoryPlan(
         full=args.full, load_in_4bit=args.qlora or not (args.full or args.lora or args.dora),
         use_dora=args.dora, r=args.r, target_modules=args.target_modules, dtype=args.dtype,
         per_device_train_batch_size=args.per_device_train_batch_size, max_length=args.max_length,
         gradient_checkpointing=args.gradient_checkpointing, optim=args.optim, bf16=args.bf16,
-        fsdp=args.fsdp)
+        fsdp=ranks)
     ledger = memory.estimate_memory(config, plan, device_type=args.device)
     kind = "full" if plan.full else ("Q" if plan.load_in_4bit else "") + ("DoRA" if plan.use_dora
                                                                            else "LoRA")
@@ -385,6 +416,12 @@ def build_parser(train_fields=True):
     demo.set_defaults(run=run_demo)
 
     train = add_parser("train", help="SFT of your model (folder or Hub id) on your data",
+                       description="Supervised fine-tuning of --model on --data. The default is "
+                       "LoRA on the float base (peft's LoraConfig defaults); --qlora quantizes the "
+                       "base to NF4 first, --full trains every weight. Every other flag is a field "
+                       "of SFTConfig (TRL's, with transformers' TrainingArguments) or LoraConfig "
+                       "(peft's), under the same name and default: their documentation describes "
+                       "each.",
                        usage="nanosft train --model DIR_OR_ID --data FILE --output_dir DIR "
                              "[--config FILE.json] [--qlora | --full | --prompt_tuning] [--dora] "
                              "[--trace] [--<field> VALUE ...]")
@@ -436,9 +473,13 @@ def build_parser(train_fields=True):
         mem.add_argument(f"--{flag}", action="store_true", help=text)
     flag_bool = value_parser("flag", bool)
     numbers = (("per_device_train_batch_size", int, 8), ("max_length", int, 1024), ("r", int, 8),
-               ("fsdp", int, 1), ("optim", str, "adamw_torch_fused"), ("dtype", str, "float32"))
+               ("optim", str, "adamw_torch_fused"), ("dtype", str, "float32"))
     for flag, kind, default in numbers:
         mem.add_argument(f"--{flag}", type=kind, default=default, help=f"default: {default}")
+    mem.add_argument("--fsdp", default="false", metavar="VALUE",
+                     help="as `train --fsdp`: true / full_shard shards over --nproc_per_node ranks")
+    mem.add_argument("--nproc_per_node", type=int, default=None,
+                     help="the ranks torchrun would start (default 2 with --fsdp)")
     for flag in ("gradient_checkpointing", "bf16"):  # SFTConfig's defaults: both on
         mem.add_argument(f"--{flag}", type=flag_bool, nargs="?", const=True, default=True,
                          metavar="BOOL", help="default: true (as SFTConfig)")
@@ -450,6 +491,12 @@ def build_parser(train_fields=True):
     for command in (demo, train, generate, chat, merge, mem):  # "did you mean" on a mistyped flag
         command.set_defaults(known_flags=[o for a in command._actions for o in a.option_strings])
     return parser
+
+
+def _debug() -> bool:
+    """NANOSFT_DEBUG set to anything but empty, 0, false, no or off: show tracebacks."""
+    return os.environ.get("NANOSFT_DEBUG", "").strip().lower() not in ("", "0", "false", "no",
+                                                                        "off")
 
 
 def _fail(command, message) -> int:
@@ -502,6 +549,15 @@ def _is_negative_number(word):
     return word.startswith("-")
 
 
+def _close_flags(flag, known) -> list:
+    """Flags a mistyped one may mean: those it abbreviates by initials (--lr: --learning_rate,
+    --lora_r), else the closest spelling."""
+    typed = flag.lstrip("-").lower()
+    initials = [k for k in known if k.startswith("--") and len(typed) > 1
+                and "".join(w[:1] for w in k[2:].split("_")) == typed]
+    return initials[:3] or difflib.get_close_matches(flag, known, n=1)
+
+
 def _command(argv):
     """The sub-command named in argv (its first word that is not a flag), or None."""
     return next((word for word in argv if not word.startswith("-")), None)
@@ -513,38 +569,46 @@ def main(argv=None):
     # bitsandbytes warns at import time about an optional CPU kernel package; not the user's concern
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     argv = _join_negative_numbers(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(train_fields=_command(argv) == "train")
-    args, unknown = parser.parse_known_args(argv)
+    try:  # the train flags import torch: seconds in which Ctrl-C may come
+        parser = build_parser(train_fields=_command(argv) == "train")
+        args, unknown = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        if _debug():
+            raise
+        print(f"\nnanosft {_command(argv) or ''}: interrupted (Ctrl-C) while starting; nothing "
+              "was run", file=sys.stderr)
+        return 130
     if unknown:
         flag = unknown[0].split("=")[0]
-        close = difflib.get_close_matches(flag, args.known_flags, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        close = _close_flags(flag, args.known_flags)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         return _fail(args.command, f"unrecognized argument {unknown[0]!r}{hint}; "
                                    f"`nanosft {args.command} --help` lists the flags.")
     if getattr(args, "trace", False) or os.environ.get("NANOSFT_TRACE", "") not in ("", "0"):
         _trace().enable_trace()
     try:
         return args.run(args) or 0
-    except (OSError, ValueError, TypeError) as error:  # what a user's paths, files and values cause
-        if os.environ.get("NANOSFT_DEBUG"):
+    except (OSError, ValueError, TypeError, ImportError) as error:  # a user's paths, files,
+        # values and missing optional packages (datasets for .csv / .parquet)
+        if _debug():
             raise
         message = " ".join(str(error).split())  # one paragraph
         return _fail(args.command, f"{message} (NANOSFT_DEBUG=1 shows the traceback)")
     except KeyboardInterrupt:
-        if os.environ.get("NANOSFT_DEBUG"):
+        if _debug():
             raise
         print(f"\nnanosft {args.command}: interrupted (Ctrl-C); {_interrupt_summary(args)}",
               file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports it
     except _template_errors() as error:  # raise_exception(...) or an undefined name in it
-        if os.environ.get("NANOSFT_DEBUG"):
+        if _debug():
             raise
         message = " ".join(str(error).split())
         return _fail(args.command, f"the chat template of --model stopped: {message}; fix the "
                                    "template (chat_template.jinja) or the messages "
                                    "(NANOSFT_DEBUG=1 shows the traceback)")
     except (KeyError, RuntimeError) as error:  # the backstop: no traceback
-        if os.environ.get("NANOSFT_DEBUG"):
+        if _debug():
             raise
         message = " ".join(str(error).split())
         return _fail(args.command, f"{type(error).__name__}: {message}. Check the files and flags "

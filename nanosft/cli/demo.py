@@ -12,6 +12,7 @@ knowledge of the base. It runs the walkthrough's prepare-train path (section 1) 
 import importlib.util
 import json
 import os
+import shutil
 import time
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from nanosft.data import load_examples
 from nanosft.monitoring.callbacks import speed_summary
 
+SUMMARY_FILE = "demo_summary.json"  # written last: marks a folder holding a finished demo
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "default")
 TRAIN_FILE, EVAL_FILE = "sft_train.jsonl", "sft_eval.jsonl"
 
@@ -149,6 +151,17 @@ def write_summary(path, summary: dict) -> None:
     os.replace(tmp, path)
 
 
+def is_demo_folder(output_dir) -> bool:
+    """Whether output_dir holds only an earlier demo's result (its demo_summary.json, its adapter/
+    or model/ folder): the demo may replace that, and nothing another run saved."""
+    from nanosft.io import output_folder
+
+    if not os.path.isfile(os.path.join(output_dir, SUMMARY_FILE)):
+        return False
+    found = output_folder.find_previous_run(output_dir)
+    return all(name.split("/")[0] in output_folder.SAVED_SUBFOLDERS for name in found)
+
+
 def demo_config(
     output_dir, steps, mode, device, report_to="none", trace=False, overwrite_output_dir=False
 ):
@@ -233,7 +246,12 @@ def run(
     from nanosft.tokenizer import Tokenizer
 
     refusal = output_folder.output_dir_refusal(output_dir, command_line=True, can_resume=False)
-    if refusal and not overwrite_output_dir:
+    if refusal and is_demo_folder(output_dir):  # the demo's own earlier result: replaced
+        print(f"nanosft demo: replacing the earlier demo run in {output_dir}")
+        for sub in output_folder.SAVED_SUBFOLDERS:  # adapter/ or model/, whichever it saved
+            shutil.rmtree(os.path.join(output_dir, sub), ignore_errors=True)
+        overwrite_output_dir = True
+    elif refusal and not overwrite_output_dir:
         raise ValueError(refusal)
     start = time.time()
     model_dir = default_model_dir()
@@ -287,7 +305,7 @@ def run(
     if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is not None:
         print(f"TensorBoard events (written as it logged): {os.path.join(output_dir, 'runs')}")
     write_summary(
-        os.path.join(output_dir, "demo_summary.json"),
+        os.path.join(output_dir, SUMMARY_FILE),
         {
             "mode": mode,
             "steps": result.global_step,

@@ -9,22 +9,62 @@ right one; model.py itself stays the Llama decoder.
 
 from nanosft.configuration import ARCHITECTURES, ModelConfig
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from nanosft.families.gemma4 import Gemma4Config, Gemma4ForCausalLM
+from nanosft.families.lfm2 import Lfm2Config, Lfm2ForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from nanosft.families.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from nanosft.families.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from nanosft.families.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from nanosft.model import CausalLM
 
 # model_type -> (config class, model class); llama (and mistral without a window) are model.py's
 FAMILIES = {
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
+    "gemma4_text": (Gemma4Config, Gemma4ForCausalLM),
+    "lfm2": (Lfm2Config, Lfm2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_5_text": (Qwen3_5Config, Qwen3_5ForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
 }
+
+# model_type -> why it is refused (the families' blocks it would need are not built here)
+REFUSED = {
+    "qwen3_5_moe": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 model",
+    "qwen3_5_moe_text": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 "
+                        "model",
+}
+
+# a multimodal model_type whose folder holds a text model of a family: (its model_type, the prefix
+# of its keys in the checkpoint); the other towers' weights are not read. The model loaded is the
+# text model (its model_type, peft's defaults and adapter keys are the text model's)
+TEXT_MODELS = {
+    "qwen3_5": ("qwen3_5_text", "model.language_model."),
+    "gemma4": ("gemma4_text", "model.language_model."),
+}
+
+
+# model_type -> key prefixes a checkpoint may hold that the model never reads (Qwen3.5's
+# multi-token-prediction head)
+IGNORED_KEYS = {"qwen3_5_text": ("mtp.",)}
+
+
+def text_model_index(config, index):
+    """The checkpoint index under the text model's keys (model.language_model.X -> model.X, the
+    other towers dropped) when config came from a multimodal folder, less the keys the family
+    ignores. Mirrors: transformers conversion_mapping PrefixChange (qwen3_5_text),
+    _keys_to_ignore_on_load_unexpected"""
+    ignored = IGNORED_KEYS.get(config.model_type, ())
+    index = {k: info for k, info in index.items() if not k.startswith(ignored)}
+    prefix = getattr(config, "checkpoint_prefix", None)
+    if prefix is None:
+        return index
+    return {("model." + k[len(prefix):] if k.startswith(prefix) else k): info
+            for k, info in index.items() if k.startswith(prefix) or k == "lm_head.weight"}
 
 
 def supported_model_types():
@@ -36,6 +76,16 @@ def config_from_dict(d):
     """The config a config.json dict asks for: a family's where it has one, else ModelConfig.
     Mirrors: transformers AutoConfig.for_model (CONFIG_MAPPING by model_type)"""
     model_type = d.get("model_type", "llama") if isinstance(d, dict) else None
+    if model_type in REFUSED:
+        raise ValueError(f"config: model_type={model_type!r} is not supported: "
+                         f"{REFUSED[model_type]}")
+    if model_type in TEXT_MODELS:  # the language model inside a multimodal folder
+        text_type, prefix = TEXT_MODELS[model_type]
+        text = d.get("text_config") or {}
+        outer = {k: d[k] for k in ("tie_word_embeddings", "dtype", "torch_dtype") if k in d}
+        config = config_from_dict({**outer, **text, "model_type": text_type})
+        config.checkpoint_prefix = prefix
+        return config
     if model_type is not None and model_type not in supported_model_types():
         raise ValueError(f"config: model_type={model_type!r} is not supported; use one of "
                          f"{supported_model_types()}")

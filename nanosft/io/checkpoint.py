@@ -15,6 +15,8 @@ import json
 import os
 import random
 import shutil
+import signal
+import threading
 import warnings
 
 import numpy as np
@@ -29,6 +31,7 @@ from nanosft.io.output_folder import (  # noqa: F401 (finding and rotating check
     ADAPTER_CONFIG_NAME,
     check_output_dir,
     ADAPTER_WEIGHTS_NAME,
+    FINAL_SAVE_MARKER,
     PREFIX_CHECKPOINT_DIR,
     TEMP_PREFIX,
     TRAINER_STATE_NAME,
@@ -45,6 +48,9 @@ TRAINING_ARGS_NAME = "training_args.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 SCALER_NAME = "scaler.pt"
+# a prompt-learning encoder's own weights: the adapter file holds only its output (peft's format),
+# which cannot restore P-tuning's MLP / LSTM or a projected prefix when a run resumes
+PROMPT_ENCODER_NAME = "prompt_encoder.safetensors"
 
 
 # ----------------------------------------------------------------------------- small file helpers
@@ -179,12 +185,26 @@ def _dedupe_shared(state_dict):
     return tensors, tied
 
 
+def _trainable_prompt_encoder(model):
+    """The active prompt-learning encoder of a PEFT model while it trains, else None."""
+    encoders = getattr(model, "prompt_encoder", None)
+    if encoders is None:
+        return None
+    encoder = encoders[getattr(model, "active_adapter", "default")]
+    return encoder if any(p.requires_grad for p in encoder.parameters()) else None
+
+
 def save_model_weights(model, folder, state_dict=None):
-    """Write the adapter (PEFT format) of a LoRA model, else model.safetensors of the state dict
-    (`state_dict`: whole tensors gathered under FSDP). Mirrors: transformers Trainer.save_model"""
+    """Write the adapter (PEFT format) of a PEFT model, plus a trainable prompt encoder's weights,
+    else model.safetensors of the state dict (`state_dict`: whole tensors gathered under FSDP).
+    Mirrors: transformers Trainer.save_model | Differs: prompt_encoder.safetensors (resume)"""
     model = _unwrap(model)
     if _has_adapter(model):
         model.save_pretrained(folder, state_dict=state_dict)
+        encoder = _trainable_prompt_encoder(model)
+        if encoder is not None:
+            tensors = {k: v.detach().contiguous() for k, v in encoder.state_dict().items()}
+            save_file(tensors, os.path.join(folder, PROMPT_ENCODER_NAME), metadata={"format": "pt"})
         return
     tensors, tied = _dedupe_shared(model.state_dict() if state_dict is None else state_dict)
     metadata = {"format": "pt", "tied": json.dumps(tied)}
@@ -195,8 +215,19 @@ def load_model_weights(model, folder):
     """Copy what save_model_weights wrote into the live `model` in place; mismatches are errors.
     Mirrors: transformers Trainer._load_from_checkpoint"""
     model = _unwrap(model)
+    encoder = _trainable_prompt_encoder(model) if _has_adapter(model) else None
+    if encoder is not None:
+        encoder_path = os.path.join(folder, PROMPT_ENCODER_NAME)
+        if os.path.isfile(encoder_path):
+            encoder.load_state_dict(_load_or_explain(encoder_path, load_file))
+            return
+        if set(encoder.state_dict()) != {"embedding.weight"}:  # prompt tuning: output == table
+            raise ValueError(f"{folder} has no {PROMPT_ENCODER_NAME}: its adapter file holds only "
+                             "the prompt encoder's output, which cannot restore the encoder's "
+                             "MLP / LSTM / prefix projection; resume from a checkpoint written by "
+                             "this version, or start the run again.")
     if _has_adapter(model):
-        from nanosft.peft import set_peft_model_state_dict  # only LoRA models need it
+        from nanosft.peft import set_peft_model_state_dict  # only PEFT models need it
 
         path = os.path.join(folder, ADAPTER_WEIGHTS_NAME)
         state = _load_or_explain(path, load_file)
@@ -389,6 +420,29 @@ def _read_trainer_state(path):
     return state
 
 
+def _check_same_optimizer(checkpoint_dir, path, state, optimizer) -> None:
+    """Refuse optimizer.pt of another kind of optimizer (its param groups name other
+    hyperparameters): torch would load it, and the first step would fail on a missing key
+    ('momentum') or run on the wrong ones."""
+    saved = [group for group in state.get("param_groups", ()) if isinstance(group, dict)]
+    if not saved:
+        return
+    saved_keys = set(saved[0]) - {"params"}
+    keys = set(optimizer.param_groups[0]) - {"params"}
+    if not (saved_keys - keys and keys - saved_keys):  # one side's extra keys: a torch version
+        return
+    try:
+        was = _read_json(os.path.join(checkpoint_dir, TRAINING_ARGS_NAME)).get("optim")
+    except (OSError, ValueError, AttributeError):
+        was = None
+    said = f"optim={was!r}, " if was else ""
+    raise ValueError(f"{path} was saved by another optimizer ({said}hyperparameters "
+                     f"{sorted(saved_keys - keys)[:4]} that this run's {type(optimizer).__name__} "
+                     "has not), so it cannot be resumed with it. Resume with the optimizer the "
+                     f"checkpoint was trained with ({'--optim ' + was if was else '--optim'}, "
+                     "optim= in Python), or start a fresh run.")
+
+
 def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None, rank=0,
                     world_size=1) -> dict:
     """Restore weights, optimizer, scheduler, scaler and this rank's RNG in place; return the state.
@@ -409,6 +463,8 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
         if obj is None or not os.path.isfile(path):
             continue
         state = _load_or_explain(path, read_pt)
+        if obj is optimizer:
+            _check_same_optimizer(checkpoint_dir, path, state, optimizer)
         if obj is optimizer and sharded:  # one-process layout -> this rank's shards
             state = fsdp.shard_optimizer_state_dict(state, optimizer)
         try:
@@ -446,6 +502,42 @@ def init_training_state(args, model, optimizer, lr_scheduler, scaler, max_steps,
     return state, epochs_trained, steps_trained_in_current_epoch
 
 
+@contextlib.contextmanager
+def _signals_deferred(signums=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+    """Hold SIGTERM, Ctrl-C and SIGHUP until the block ends, then deliver the first one that came
+    (its own handler, or the default: the process ends). Main thread only: elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():  # None: a handler set outside Python
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
+def _move_final_files(tmp, output_dir):
+    """Rename each file of `tmp` over its namesake in output_dir as one step: a signal waits until
+    all are in, and a marker file, present only between the first rename and the last, lets the
+    loaders refuse the mix a SIGKILL or power loss in between would leave."""
+    marker = os.path.join(output_dir, FINAL_SAVE_MARKER)
+    with _signals_deferred():
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write("".join(f"{name}\n" for name in sorted(os.listdir(tmp))))
+            os.fsync(f.fileno())
+        _fsync_dir(output_dir)
+        for name in sorted(os.listdir(tmp)):  # renames: they need no space
+            os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+        _fsync_dir(output_dir)
+        os.remove(marker)
+        _fsync_dir(output_dir)
+
+
 def save_model(model, processing_class, output_dir, checkpoints_dir=None) -> None:
     """The final model (a PEFT model: its adapter only) and the tokenizer in output_dir; every
     rank calls it (FSDP: the shards are gathered), rank 0 writes the one-process files: all of
@@ -460,13 +552,15 @@ def save_model(model, processing_class, output_dir, checkpoints_dir=None) -> Non
         tmp = os.path.join(output_dir, TEMP_PREFIX + "save_model")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _unwrap(model).save_pretrained(tmp, state_dict=state_dict)
+            if hasattr(_unwrap(model), "save_pretrained"):
+                _unwrap(model).save_pretrained(tmp, state_dict=state_dict)
+            else:  # "Trainer.model is not a PreTrainedModel, only saving its state dict"
+                os.makedirs(tmp)
+                save_model_weights(model, tmp, state_dict)
             if hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(tmp)
             _fsync_tree(tmp)
-            for name in sorted(os.listdir(tmp)):  # renames: they need no space
-                os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
-            _fsync_dir(output_dir)
+            _move_final_files(tmp, output_dir)
         except (OSError, RuntimeError, SafetensorError) as e:
             raise OSError(getattr(e, "errno", None) or errno.EIO,
                           _final_save_failed(output_dir, checkpoints_dir, e)) from e

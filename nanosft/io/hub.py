@@ -382,6 +382,11 @@ def resolve_pretrained_path(name_or_path, revision=None, what="model"):
     Differs: downloads *.json, *.safetensors, *.jinja, *.txt and *.model only."""
     name = os.fspath(name_or_path)
     if os.path.isdir(name):
+        from nanosft.io.output_folder import interrupted_final_save
+
+        problem = interrupted_final_save(name, what)  # a SIGKILL mid-save left two saves' files
+        if problem:
+            raise ValueError(problem)
         return name
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or ".." in name:
         raise FileNotFoundError(f"{what} {name}: no such folder, and not a Hub id (org/name); "

@@ -10,10 +10,12 @@ the wrong one. nanosft refuses, as transformers 4's example scripts did (`overwr
 
 import contextlib
 import datetime
+import errno
 import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import time
 import warnings
@@ -29,6 +31,8 @@ WEIGHTS_NAME = "model.safetensors"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 METRICS_NAME = "metrics.jsonl"
+# in output_dir while the final save moves its files in; left there only by a kill in between
+FINAL_SAVE_MARKER = ".nanosft-final-save"
 SAVED_WEIGHTS = (WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)
 SAVED_SUBFOLDERS = ("adapter", "model")  # where `nanosft demo` saves its adapter or model
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -124,6 +128,19 @@ def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None)
     return deleted
 
 
+def interrupted_final_save(folder, flag="--adapter"):
+    """The error for a folder whose final save was killed while moving its files in (some new, some
+    from the save before: a mix no loader should take), else None."""
+    marker = os.path.join(folder, FINAL_SAVE_MARKER)
+    if not os.path.exists(marker):
+        return None
+    return (f"{flag} {folder}: its final save was interrupted while moving its files in "
+            f"({marker} is still there), so its weights, config and tokenizer files may come from "
+            "two different saves and were not loaded. Run the same training again resuming from "
+            "its last checkpoint (--resume_from_checkpoint) to write the final save whole, or "
+            "load one of its checkpoint-<step> folders.")
+
+
 # ----------------------------------------------------------------------------- another run's folder
 def find_previous_run(output_dir) -> list[str]:
     """Entries of `output_dir` that show another run: checkpoint folders (complete or partial)
@@ -132,11 +149,22 @@ def find_previous_run(output_dir) -> list[str]:
         return []
     found = [os.path.basename(c) for c in sorted_checkpoints(output_dir)]
     found += partial_checkpoints(output_dir)
-    found += [name for name in SAVED_WEIGHTS if os.path.isfile(os.path.join(output_dir, name))]
+    found += [name for name in (*SAVED_WEIGHTS, FINAL_SAVE_MARKER)
+              if os.path.isfile(os.path.join(output_dir, name))]
     for sub in SAVED_SUBFOLDERS:
         inside = [n for n in SAVED_WEIGHTS if os.path.isfile(os.path.join(output_dir, sub, n))]
         found += [f"{sub}/{n}" for n in inside]
     return found
+
+
+OVERWRITE_ENV = "NANOSFT_OVERWRITE_OUTPUT_DIR"  # =1: overwrite_output_dir, set outside a script
+
+
+def overwrite_requested(args) -> bool:
+    """overwrite_output_dir=True, or NANOSFT_OVERWRITE_OUTPUT_DIR=1 in the environment: the way a
+    script that also runs under transformers 5 (which has no overwrite_output_dir) asks for it."""
+    env = os.environ.get(OVERWRITE_ENV, "").strip().lower()
+    return bool(getattr(args, "overwrite_output_dir", False)) or env in ("1", "true", "yes")
 
 
 def output_dir_refusal(output_dir, command_line=False, can_resume=True):
@@ -148,13 +176,14 @@ def output_dir_refusal(output_dir, command_line=False, can_resume=True):
     shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
     if command_line:
         resume, new = "--resume_from_checkpoint", "--output_dir"
-        overwrite = "--overwrite_output_dir"
+        overwrite = f"pass --overwrite_output_dir (or set {OVERWRITE_ENV}=1)"
     else:
         resume, new = "resume_from_checkpoint=True", "output_dir"
-        overwrite = "overwrite_output_dir=True"
+        overwrite = (f"set {OVERWRITE_ENV}=1 in the environment (the script stays as it is, and "
+                     "runs under transformers too) or pass overwrite_output_dir=True (nanosft "
+                     "only: transformers 5 has no such argument)")
     choices = [f"resume it ({resume})"] if can_resume else []
-    choices += [f"pick a new {new}",
-                f"or pass {overwrite} to remove its checkpoints and replace it"]
+    choices += [f"pick a new {new}", f"or {overwrite} to remove its checkpoints and replace it"]
     return (f"output_dir {output_dir} holds another run ({shown}); a fresh run there would replace "
             f"its results, so nothing was written. Choose: {'; '.join(choices)}.")
 
@@ -173,22 +202,43 @@ def clear_previous_run(output_dir) -> list[str]:
     return removed
 
 
+def set_aside_old_metrics(output_dir):
+    """A fresh run's log starts empty: a metrics.jsonl left by a run that saved nothing (killed
+    before its first checkpoint) is renamed metrics.<n>.jsonl (the first free n), never appended
+    to. Returns the new name, or None when there was none."""
+    path = os.path.join(output_dir, METRICS_NAME)
+    if not os.path.isfile(path):
+        return None
+    stem, ext = os.path.splitext(METRICS_NAME)
+    n = 1
+    while os.path.exists(os.path.join(output_dir, f"{stem}.{n}{ext}")):
+        n += 1
+    kept = os.path.join(output_dir, f"{stem}.{n}{ext}")
+    os.replace(path, kept)
+    warnings.warn(f"{path} was left by an earlier run that saved no checkpoint; it was moved to "
+                  f"{kept} so this run's log holds this run's steps only", stacklevel=3)
+    return kept
+
+
 def check_output_dir(args, resuming: bool) -> None:
     """Before a run writes anything: a fresh run refuses an output_dir holding another run, unless
-    overwrite_output_dir, which first removes that run's checkpoints. Rank 0 decides; every rank
+    overwrite_output_dir, which first removes that run's checkpoints; a log left by a run that saved
+    nothing is set aside. Rank 0 decides; every rank
     gets its answer. Mirrors: transformers 4 overwrite_output_dir
     Differs: transformers 5.23 removed overwrite_output_dir and writes into any folder."""
     if resuming:
-        if args.overwrite_output_dir:
+        if args.overwrite_output_dir:  # the argument only: the variable may be set for all runs
             raise ValueError("overwrite_output_dir=True would remove the checkpoints that "
                              "resume_from_checkpoint resumes from; drop one of the two.")
         return
     refusal = None
     if distributed.is_main_process():
-        if args.overwrite_output_dir:
+        if overwrite_requested(args):
             clear_previous_run(args.output_dir)
         else:
             refusal = output_dir_refusal(args.output_dir)
+            if refusal is None:
+                set_aside_old_metrics(args.output_dir)
     refused = torch.tensor(float(refusal is not None), device=args.device)
     if distributed.all_reduce_sum(refused).item() > 0:
         raise ValueError(refusal or f"output_dir {args.output_dir} holds another run (rank 0 "
@@ -286,6 +336,32 @@ def _describe_holder(fd) -> str:
     return ", ".join(shown)
 
 
+def _open_lock_file(path, output_dir, command_line):
+    """Open (or create) the lock file itself, never what a symlink of that name points to: a
+    copied or shared folder may hold a link to a file this run must not truncate. Anything but a
+    plain file there is refused with what it is and the fix."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o666)  # mode: what the umask gives, as open()
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        raise IsADirectoryError(errno.EISDIR, "not a plain file")
+    except OSError as e:
+        flag = "--output_dir" if command_line else "output_dir"
+        if os.path.islink(path):
+            what = f"a symlink (to {os.readlink(path)}), which this run will not write through"
+        elif os.path.isdir(path):
+            what = "a folder, not a plain file"
+        elif os.path.exists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            what = "not a plain file"
+        else:
+            what = f"a file that cannot be opened for writing ({(e.strerror or str(e)).lower()})"
+        raise ValueError(f"{flag} {output_dir}: the run lock {path} is {what}, so this run stopped "
+                         f"before writing anything. Remove {path} (no run is using it unless one "
+                         f"is running now), or pick another {flag}.") from None
+
+
 def lock_output_dir(output_dir, command_line=False):
     """Take output_dir's run lock (an OS advisory lock, flock, on output_dir/.nanosft.lock holding
     this run's pid, host and start time); nested takes in one process share it. The OS drops it
@@ -301,7 +377,7 @@ def lock_output_dir(output_dir, command_line=False):
         return None
     path = os.path.join(key, LOCK_NAME)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # mode: what the umask gives, as open()
+        fd = _open_lock_file(path, output_dir, command_line)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -314,7 +390,7 @@ def lock_output_dir(output_dir, command_line=False):
                              f"ends, or pick another {flag}.") from None
         # the holder we waited on may have removed the file as it released it: lock the new one
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
                 break
         except FileNotFoundError:
             pass

@@ -39,9 +39,9 @@ def check_eval_data(eval_strategy, eval_dataset, command_line=False, eval_on_sta
 
 
 def known_eval_metrics(trainer) -> tuple | None:
-    """The eval_ keys `trainer`'s evaluate() returns (a trainer or its class), or None when they
-    cannot be known before an evaluation: a compute_metrics function or an overridden
-    evaluate / log may add any key."""
+    """The eval_ keys `trainer`'s evaluate() returns (a trainer or its class; eval_<name>_... per
+    set of a dict of eval sets), or None when they cannot be known before an evaluation: a
+    compute_metrics function or an overridden evaluate / log may add any key."""
     from nanosft.sft import SFTTrainer
     from nanosft.trainer import Trainer
 
@@ -50,11 +50,15 @@ def known_eval_metrics(trainer) -> tuple | None:
         return None
     if cls.evaluate is not Trainer.evaluate:
         return None
-    if cls.log is Trainer.log:
-        return TRAINER_EVAL_METRICS
-    if cls.log is SFTTrainer.log:
-        return TRAINER_EVAL_METRICS + SFT_EVAL_METRICS
-    return None
+    if cls.log not in (Trainer.log, SFTTrainer.log):
+        return None
+    # SFTTrainer.log adds TRL's token metrics as eval_<metric>, one set or several
+    extra = SFT_EVAL_METRICS if cls.log is SFTTrainer.log else ()
+    named = getattr(trainer, "eval_dataset", None)
+    if isinstance(named, dict):  # one evaluation per named set: eval_<name>_loss, ...
+        return tuple(f"eval_{name}_{key.removeprefix('eval_')}" for name in named
+                     for key in TRAINER_EVAL_METRICS) + extra
+    return TRAINER_EVAL_METRICS + extra
 
 
 def metric_key(name) -> str:

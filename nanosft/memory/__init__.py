@@ -225,10 +225,15 @@ def predict_for_trainer(model, args):
 
 
 def summary_line(ledger):
-    """One banner line: the predicted total and its largest parts, in MiB."""
+    """One banner line: the predicted total and its largest parts, in MiB. It says what it counts:
+    the tensors of one step at batches of B rows padded to T = max_length (shorter data needs
+    less; the process adds its allocator's and libraries' memory)."""
     parts = ", ".join(f"{name.split(' (')[0]} {value / MiB:.1f}"
                       for name, value in ledger.rows.items() if value)
-    return f"  Memory predicted (MiB, upper bound) = {ledger.total / MiB:.1f} ({parts})"
+    plan = ledger.plan
+    shape = f"{plan.per_device_train_batch_size} x {plan.max_length}"
+    return (f"  Memory predicted (MiB, tensors of a step at {shape} tokens) = "
+            f"{ledger.total / MiB:.1f} ({parts})")
 
 
 def peak_line(peak, ledger):
@@ -236,7 +241,9 @@ def peak_line(peak, ledger):
     measured = ", ".join(f"{k.replace('_', ' ')} {v / MiB:.1f} MiB" for k, v in peak.items())
     predicted = ""
     if ledger is not None:
-        predicted = f" (predicted <= {ledger.total / MiB:.1f} MiB"
+        plan = ledger.plan
+        predicted = (f" (predicted {ledger.total / MiB:.1f} MiB at "
+                     f"{plan.per_device_train_batch_size} x {plan.max_length} tokens")
         # the ledger counts tensors; the process also grows by what torch's allocator, threads and
         # libraries take once (MiBs): a bound for the GPU's allocated bytes, not for CPU RSS
         predicted += ")" if "gpu_peak_growth" in peak else (

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from nanosft import distributed
 from nanosft.monitoring.flops import (LogWindow, attention_shape, calibrate_matmul_flops,
                                       compute_dtype, matmul_parameters, model_flops, model_width,
-                                      non_embedding_parameters)
+                                      non_embedding_parameters, not_a_causal_lm)
 from nanosft.trainer_callback import TrainerCallback
 
 
@@ -31,20 +31,38 @@ def _update_logs(state, logs, values):
 class ThroughputCallback(TrainerCallback):
     """Tokens/s, samples/s, step time, model FLOP/s and MFU of each logging window, transformers'
     state.total_flos, and the final train_model_flops_per_second / mfu. Without args.peak_flops the
-    MFU denominator is a matmul calibration at train start (only while this callback is on)."""
+    MFU denominator is a matmul calibration at train start (only while this callback is on),
+    raised to any window's model FLOP/s above it: a calibration taken while other work held the
+    cores reads low, and MFU stays in (0, 100%].
+    A model that is not a causal LM, or batches without input_ids: it steps aside, saying so once
+    (state.total_flos stays 0, as transformers' for a model without floating_point_ops)."""
 
     def __init__(self):
         self.window = LogWindow()
         self.peak_flops = None
+        self.peak_raised = False  # the calibration read lower than a window achieved
         self.model_flos = 0.0  # model FLOPs of this train() call, all ranks
         self.last_logged_step = 0
+        self.aside = None  # why it reports nothing in this run, once it stepped aside
+
+    def step_aside(self, state, reason) -> None:
+        """Stop reporting for this run; rank 0 says why, once."""
+        if self.aside is None and state.is_world_process_zero:
+            print(f"ThroughputCallback steps aside: {reason}; tokens/s, model FLOP/s and MFU are "
+                  "not reported (train()'s runtime and samples/s still are).")
+        self.aside = reason
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.window = LogWindow()
         self.model_flos = 0.0
         self.last_logged_step = state.global_step
         self.peak_flops = args.peak_flops
-        if self.peak_flops is None and model is not None:
+        self.peak_raised = False
+        self.aside = None
+        reason = None if model is None else not_a_causal_lm(model)
+        if reason is not None:
+            self.step_aside(state, reason)
+        elif self.peak_flops is None and model is not None:
             width, dtype = model_width(model), compute_dtype(model, args)
             self.peak_flops = calibrate_matmul_flops(width, dtype, args.device)
 
@@ -54,8 +72,12 @@ class ThroughputCallback(TrainerCallback):
             # callbacks' start-up (the ledger, TensorBoard's writer), as every later window's does
             self.window = LogWindow()
 
-    def on_step_begin(self, args, state, control, batch_samples=(), **kwargs):
-        for inputs in batch_samples:
+    def on_step_begin(self, args, state, control, batch_samples=(), model=None, **kwargs):
+        for inputs in batch_samples if self.aside is None else ():
+            reason = not_a_causal_lm(model, inputs) if model is not None else None
+            if reason is not None:
+                self.step_aside(state, reason)
+                return
             self.window.add(inputs)
 
     def store_flos(self, args, state, model) -> float:
@@ -73,10 +95,16 @@ class ThroughputCallback(TrainerCallback):
         return float(flos[1])
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if self.aside is not None:
+            if "train_runtime" in logs:
+                _update_logs(state, logs, {"total_flos": state.total_flos})
+            return
         if "loss" in logs and "train_runtime" not in logs:  # a training window
             steps = state.global_step - self.last_logged_step
             window = self.window
             flos = self.store_flos(args, state, model)
+            speed = window.speed(args.world_size, steps, flos)
+            self._raise_peak(args, speed["train_model_flops_per_second"])
             _update_logs(state, logs, window.speed(args.world_size, steps, flos, self.peak_flops))
             self.last_logged_step = state.global_step
         elif "train_runtime" in logs:  # the final metrics of train()
@@ -84,15 +112,26 @@ class ThroughputCallback(TrainerCallback):
             achieved = self.model_flos / max(logs["train_runtime"], 1e-9)
             final = {"total_flos": state.total_flos,
                      "train_model_flops_per_second": round(achieved, 1)}
+            self._raise_peak(args, achieved)
             if self.peak_flops:
                 final["mfu"] = achieved / (self.peak_flops * args.world_size)
             _update_logs(state, logs, final)
+
+    def _raise_peak(self, args, achieved) -> None:
+        """A calibrated peak below what the model achieved (all ranks) was measured under load:
+        the achieved rate is the better lower bound of the machine's peak."""
+        if args.peak_flops is None and self.peak_flops and \
+                achieved > self.peak_flops * args.world_size:
+            self.peak_flops = achieved / args.world_size
+            self.peak_raised = True
 
     def speed_summary(self, args, metrics: dict) -> str:
         """The final summary's speed line: model GFLOP/s and MFU against the peak it used."""
         line = f"speed: {metrics['train_model_flops_per_second'] / 1e9:.2f} GFLOP/s of model FLOPs"
         if metrics.get("mfu") is not None:
             source = ("peak_flops" if args.peak_flops is not None
+                      else "the training's own best rate: the matmul calibration at train start "
+                      "read lower, under load" if self.peak_raised
                       else "a matmul calibration at train start")
             ranks = f" x {args.world_size} ranks" if args.world_size > 1 else ""
             line += (f", MFU {100 * metrics['mfu']:.1f}% of {self.peak_flops / 1e9:.1f} GFLOP/s"
@@ -198,6 +237,9 @@ class MemoryCallback(TrainerCallback):
             self.ledger = memory.predict_for_trainer(model, args)
             if self.ledger is not None:
                 print(memory.summary_line(self.ledger))
+            elif model is not None and not_a_causal_lm(model) is not None:
+                print(f"MemoryCallback: the memory ledger steps aside: {not_a_causal_lm(model)}; "
+                      "only the measured peak is reported.")
         self.peak = memory.PeakMemory(args.device.type).start()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -228,9 +270,10 @@ class ProgressCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         if self.bar is not None and "loss" in logs:
+            speed = {"tok_s": logs.get("train_tokens_per_second"), "mfu": logs.get("mfu")}
             self.bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                  grad_norm=f"{logs.get('grad_norm', float('nan')):.3f}",
-                                 tok_s=logs.get("train_tokens_per_second"), mfu=logs.get("mfu"))
+                                 **{k: v for k, v in speed.items() if v is not None})
         shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}
         tqdm.write(str(shown))
 
@@ -306,7 +349,9 @@ def reporting_callbacks(args) -> list:
 def speed_summary(trainer, metrics: dict) -> str:
     """The throughput callback's final speed line for `metrics` (train()'s), or "" without it."""
     throughput = find_callback(trainer, ThroughputCallback)
-    return "" if throughput is None else throughput.speed_summary(trainer.args, metrics)
+    if throughput is None or throughput.aside:
+        return ""
+    return throughput.speed_summary(trainer.args, metrics)
 
 
 def find_callback(trainer, cls):

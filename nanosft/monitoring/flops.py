@@ -109,6 +109,19 @@ def attention_shape(model) -> tuple:
     return config.num_attention_heads * head_dim, config.num_hidden_layers
 
 
+def not_a_causal_lm(model, batch=None) -> str | None:
+    """Why tokens/s, model FLOPs and MFU cannot be read off `model` (and a `batch` of it), or None
+    when they can: they need a config with the decoder's shape and batches of input_ids."""
+    config = getattr(model, "config", None)
+    shape = ("hidden_size", "num_attention_heads", "num_hidden_layers")
+    if not all(isinstance(getattr(config, name, None), int) for name in shape):
+        return (f"{type(model).__name__} is not a causal LM (no config with "
+                f"{', '.join(shape)})")
+    if batch is not None and "input_ids" not in batch:
+        return f"its batches have no input_ids (keys: {', '.join(sorted(batch))})"
+    return None
+
+
 def compute_dtype(model, args) -> torch.dtype:
     """The dtype the matmuls run in: autocast's (bf16 / fp16), else the first float parameter's."""
     if args.bf16 or args.fp16:

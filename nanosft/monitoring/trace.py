@@ -53,7 +53,7 @@ WALKTHROUGH_STATEMENTS = [
     ("2.4", "trainer.py", "return loss.detach()"),
     ("2.5", "trainer.py", "outputs = model(**inputs)\n"),
     ("2.5", "trainer.py", 'loss = outputs["loss"]'),
-    ("2.6", "peft.py", "return self.base_model(input_ids=input_ids"),
+    ("2.6", "peft.py", "return self.base_model(input_ids=input_ids, attention_mask="),
     ("2.7", "lora.py", "result = self.base_layer(x)  #"),
     ("2.7", "lora.py", "result = result.clone()"),
     ("2.7", "lora.py", "for active_adapter in self.active_adapters:  #"),
