@@ -28,14 +28,15 @@ SCHEDULER_NAMES = (
 )
 OPTIMIZER_NAMES = ("adamw_torch_fused", "adamw_torch", "sgd", *BITSANDBYTES_OPTIMIZERS)
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
-REPORT_TO = ("none", "tensorboard")
+REPORT_TO = ("none", "all", "nanosft", "tensorboard")
 # Fields whose value may arrive as a JSON string (command line, JSON config), as in transformers.
 DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
                "activation_checkpointing_kwargs")
 
 
 _HUB = "pushing to the Hugging Face Hub is out of scope (upload output_dir yourself)"
-_TRACKIO = "Trackio logging is out of scope (report_to takes \"none\" or \"tensorboard\")"
+_TRACKIO = ("Trackio logging is out of scope (report_to takes \"none\", \"nanosft\", "
+            "\"tensorboard\" or \"all\")")
 _DDP = "not implemented yet (nanosft's DistributedDataParallel uses torch's defaults)"
 _LOADER = "not implemented yet (the DataLoader takes only dataloader_num_workers)"
 _LOGGING = "transformers' logging levels are out of scope (nanosft logs from the main process)"
@@ -191,6 +192,9 @@ class TrainingArguments:
     logging_nan_inf_filter: bool = True
     include_num_input_tokens_seen: str | bool = "no"
     disable_tqdm: bool | None = None
+    # "none": the progress bar and the non-finite guard only, as transformers honours report_to;
+    # "nanosft": tokens/s, MFU, the memory ledger, metrics.jsonl; "tensorboard": tokens/s, MFU and
+    # TensorBoard events; "all": both. Reference mode keeps the progress bar alone.
     report_to: str | list | None = "none"
     run_name: str | None = None
     # Differs: nanosft's own; transformers has no such field. The device's peak FLOP/s, the
@@ -365,13 +369,13 @@ class TrainingArguments:
                   "bf16=True or leave both off")
 
     def _validate_fsdp(self):
+        if self.fsdp in (None, False, "", []):  # FSDP off: both fields stay as given, as in
+            return  # transformers, and the product layer's FSDP module stays unimported
         # transformers' normalisation (fsdp_ prefix stripped, legacy strings); unknown keys refused
         from nanosft.parallel.fsdp import check_fsdp_options, normalize_fsdp_config
 
-        config = normalize_fsdp_config(self.fsdp, self.fsdp_config)
-        if config is not None:  # FSDP off: both fields stay as given, as in transformers
-            self.fsdp, self.fsdp_config = True, config
-            check_fsdp_options(self)
+        self.fsdp, self.fsdp_config = True, normalize_fsdp_config(self.fsdp, self.fsdp_config)
+        check_fsdp_options(self)
 
     # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----
     @property

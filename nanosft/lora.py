@@ -81,9 +81,10 @@ class AdapterLinear(nn.Linear):
     Mirrors: peft's nn.Linear adapters"""
 
     def forward(self, x):
-        speed_path = fast_path("bf16_adapter_linear")  # None in reference mode
-        out = None if speed_path is None else speed_path(self, x)
-        return super().forward(x) if out is None else out
+        if (speed_path := fast_path("bf16_adapter_linear")) is not None:  # None in reference mode
+            if (out := speed_path(self, x)) is not None:
+                return out
+        return super().forward(x)
 
 
 class LoraLinear(nn.Module):
@@ -354,8 +355,7 @@ class LoraLinear(nn.Module):
             if not self.use_dora[active_adapter]:
                 # speed path (nanosft.fast; off in reference mode): fp32 throughout, the same sum
                 # with B's product added into result by one addmm
-                lora_addmm = fast_path("lora_addmm")
-                if lora_addmm is not None:
+                if (lora_addmm := fast_path("lora_addmm")) is not None:
                     fused = lora_addmm(result, x, lora_A, lora_B, dropout, scaling)
                     if fused is not None:
                         result = fused

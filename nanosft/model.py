@@ -83,8 +83,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         """x / rms(x) * weight over the last dim, (..., C) -> (..., C)."""
-        recomputed = fast_path("recomputed")  # speed path: backward keeps only x (nanosft.fast)
-        if recomputed is not None:
+        if (recomputed := fast_path("recomputed")) is not None:  # speed path: backward keeps x
             return recomputed(self._normalize, x)
         return self._normalize(x)
 
@@ -156,8 +155,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         """(B, T, C) -> (B, T, I) -> (B, T, C)."""
-        recomputed = fast_path("recomputed")  # speed path: the silu is recomputed in backward
-        if recomputed is not None:
+        if (recomputed := fast_path("recomputed")) is not None:  # speed path: silu redone backward
             return self.down_proj(recomputed(self._glu, self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self._glu(self.gate_proj(x), self.up_proj(x)))
 
@@ -300,11 +298,10 @@ class CausalLM(nn.Module):
         h, cache = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
                               past_key_values, use_cache)
         if fused_lm_head and labels is not None:  # the (B, T, V) logits never exist
-            from nanosft.fast.lm_head import fused_lm_head_outputs  # a speed path
-
+            fused_lm_head_outputs = fast_path("fused_lm_head_outputs", asked=True)  # nanosft.fast
             log_probs, entropy, is_top1, mask = fused_lm_head_outputs(h, self.lm_head, labels)
-            count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-            loss = -log_probs.sum() / torch.as_tensor(count, device=h.device)
+            count = mask.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = -log_probs.sum() / torch.as_tensor(count, device=h.device).clamp(min=1)
             return CausalLMOutput(loss, None, cache, log_probs, entropy, is_top1, mask)
         logits = self.lm_head(h)
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)

@@ -18,11 +18,17 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def _bnb():
-    import bitsandbytes  # noqa: F401  (lazy: only 4-bit layers need it)
-    import bitsandbytes.functional
+_bitsandbytes = None  # imported by the first 4-bit layer, then one lookup a call
 
-    return bitsandbytes
+
+def _bnb():
+    global _bitsandbytes
+    if _bitsandbytes is None:  # lazy: its import pulls in torch._dynamo (seconds)
+        import bitsandbytes
+        import bitsandbytes.functional  # noqa: F401 (bitsandbytes.functional below)
+
+        _bitsandbytes = bitsandbytes
+    return _bitsandbytes
 
 
 # ----------------------------------------------------------------------------- NF4 by hand

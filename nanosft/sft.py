@@ -264,6 +264,21 @@ def _add_model_tags(model, tags) -> None:
         model.model_tags = model_tags
 
 
+def _check_arguments(args, data_collator, train_dataset, compute_loss_func) -> None:
+    """The arguments TRL refuses before it builds anything (a collator passed positionally in
+    train_dataset's place, no train_dataset, DFT with a loss function of one's own)."""
+    if data_collator is not None and not callable(data_collator):
+        raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
+                        f"must be callable, got {type(data_collator).__name__}; pass "
+                        "train_dataset= by keyword.")
+    if train_dataset is None:
+        raise ValueError("SFTTrainer: `train_dataset` is required (a datasets.Dataset, a JSONL "
+                         "path or a list of dicts).")
+    if args.loss_type == "dft" and compute_loss_func is not None:
+        raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
+                         "compute_loss_func or use loss_type='nll'.")
+
+
 class SFTTrainer(Trainer):
     """Trainer for supervised fine-tuning: tokenizes / packs the data, wraps LoRA, logs TRL metrics.
     Walkthrough 2.1 | Mirrors: trl SFTTrainer (1.16)
@@ -283,40 +298,14 @@ class SFTTrainer(Trainer):
                  compute_metrics=None, callbacks=None, optimizers=(None, None),
                  optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, formatting_func=None):
-        args = _as_sft_config(args, model)
+        args = _as_sft_config(args, model)  # Args
+        _check_arguments(args, data_collator, train_dataset, compute_loss_func)
         _check_argument_types(processing_class, peft_config, formatting_func)
-        if data_collator is not None and not callable(data_collator):
-            raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
-                            f"must be callable, got {type(data_collator).__name__}; pass "
-                            "train_dataset= by keyword.")
-        if train_dataset is None:
-            raise ValueError("SFTTrainer: `train_dataset` is required (a datasets.Dataset, a "
-                             "JSONL path or a list of dicts).")
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
-        model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
-                                                            processing_class)
-        if args.chat_template_path is not None:
-            _read_chat_template_path(args.chat_template_path, processing_class)
-        if args.loss_type == "dft" and compute_loss_func is not None:
-            raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
-                             "compute_loss_func or use loss_type='nll'.")
-        if peft_config is not None:
-            if isinstance(model, PeftModelForCausalLM):
-                raise ValueError("SFTTrainer: the model is already a PeftModelForCausalLM; "
-                                 "merge_and_unload() it or drop peft_config.")
-            model = get_peft_model(model, peft_config)
-        is_peft = isinstance(model, PeftModelForCausalLM)
-        if is_peft and args.gradient_checkpointing:
-            model.enable_input_require_grads()  # checkpointed blocks need an input needing grad
-        if nf4.is_quantized(model):
-            _cast_trainable_to_bf16(model)
-
-        bfd_packing = args.packing and args.packing_strategy in ("bfd", "bfd_split")
-        self.padding_free = args.padding_free or bfd_packing
-        if self.padding_free and data_collator is not None:
-            raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
-                             "or bfd packing.")
-        # a path, list, datasets.Dataset or iterable (then max_steps) -> a list of example dicts
+        model, processing_class = self._create_model(model, args, quantization_config,
+                                                     processing_class)  # Model, Processing class
+        model = self._prepare_peft_model(model, args, peft_config)  # PEFT
+        # Dataset rows first: the data collator's completion_only_loss reads the first one
         train_name = _dataset_name(train_dataset, "train_dataset")
         self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
         returns_datasets = is_datasets_object(train_dataset)  # datasets in, datasets out
@@ -326,38 +315,12 @@ class SFTTrainer(Trainer):
             train_dataset = load_examples(
                 _formatted(train_dataset, formatting_func, args.max_steps),
                 args.dataset_text_field, args.max_steps, name="train_dataset")
-        first = next(iter(train_dataset))
-        self.completion_only_loss = args.completion_only_loss
-        if self.completion_only_loss is None:
-            self.completion_only_loss = "prompt" in first and "completion" in first
-        if self.completion_only_loss and formatting_func is not None:
-            raise ValueError("SFTTrainer: formatting_func turns rows into plain text, which has no "
-                             "completion to mask; set completion_only_loss=False, or format the "
-                             "data before passing it.")
-        if data_collator is None:
-            pad_token_id = _pad_token_id(args, processing_class)
-            base = model.get_base_model() if is_peft else model
-            if getattr(base, "config", None) is not None:
-                base.config.pad_token_id = pad_token_id
-            data_collator = DataCollatorForLanguageModeling(
-                pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
-                padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
-        if self.padding_free and not args.packing and args.max_length is not None:
-            raise ValueError("SFTTrainer: with padding_free=True and no packing, `max_length` is "
-                             f"not enforced (max_length={args.max_length}), as in TRL; fix: enable "
-                             "packing (packing=True, packing_strategy='bfd'), or set "
-                             "max_length=None with already truncated rows.")
+        data_collator = self._create_data_collator(data_collator, model, processing_class, args,
+                                                   next(iter(train_dataset)), formatting_func)
         self._formatting_func = formatting_func
-        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
-            {"eval": eval_dataset} if eval_dataset is not None else {})
-        _reject_skip_prepare_without_labels({"train": train_dataset, **eval_sets},
-                                            self._skip_prepare_dataset, data_collator)
-        if not self._skip_prepare_dataset:
-            train_dataset = self._prepare(train_dataset, processing_class, args, train_name,
-                                          as_dataset=returns_datasets)
-            eval_dataset = self._prepare_eval_sets(eval_dataset, processing_class, args)
-        if "input_ids" in first or not self._skip_prepare_dataset:
-            _check_token_ids_fit(model, processing_class, train_dataset)
+        train_dataset, eval_dataset = self._prepare_datasets(
+            model, processing_class, args, train_dataset, train_name, eval_dataset,
+            data_collator, returns_datasets)  # Dataset
 
         # TRL 1.16 passes optimizer_cls_and_kwargs by name; the walkthrough's call carries the
         # arguments it does not print in **super_init_kwargs
@@ -393,6 +356,80 @@ class SFTTrainer(Trainer):
             return None
         return self._prepare_eval(eval_dataset, tokenizer, args,
                                   _dataset_name(eval_dataset, "eval_dataset"))
+
+    def _create_model(self, model, args, quantization_config, processing_class):
+        """(model, processing_class): a model id loaded with its tokenizer, the chat template of
+        args.chat_template_path read in. Mirrors: trl SFTTrainer.__init__ ("# Model",
+        "# Processing class": create_model_from_path, AutoProcessor.from_pretrained)"""
+        model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
+                                                            processing_class)
+        if args.chat_template_path is not None:
+            _read_chat_template_path(args.chat_template_path, processing_class)
+        return model, processing_class
+
+    def _prepare_peft_model(self, model, args, peft_config):
+        """get_peft_model when peft_config is given; input grads for gradient checkpointing; a
+        4-bit base's adapters cast to bf16. Mirrors: trl SFTTrainer.__init__ ("# PEFT")"""
+        if peft_config is not None:
+            if isinstance(model, PeftModelForCausalLM):
+                raise ValueError("SFTTrainer: the model is already a PeftModelForCausalLM; "
+                                 "merge_and_unload() it or drop peft_config.")
+            model = get_peft_model(model, peft_config)
+        if isinstance(model, PeftModelForCausalLM) and args.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed blocks need an input needing grad
+        if nf4.is_quantized(model):
+            _cast_trainable_to_bf16(model)
+        return model
+
+    def _create_data_collator(self, data_collator, model, processing_class, args, first,
+                              formatting_func):
+        """The caller's collator, or DataCollatorForLanguageModeling over the pad token; sets
+        padding_free and completion_only_loss (None: prompt-completion rows, read off `first`).
+        Mirrors: trl SFTTrainer.__init__ ("# Data collator")"""
+        bfd_packing = args.packing and args.packing_strategy in ("bfd", "bfd_split")
+        self.padding_free = args.padding_free or bfd_packing
+        if self.padding_free and data_collator is not None:
+            raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
+                             "or bfd packing.")
+        self.completion_only_loss = args.completion_only_loss
+        if self.completion_only_loss is None:
+            self.completion_only_loss = "prompt" in first and "completion" in first
+        if self.completion_only_loss and formatting_func is not None:
+            raise ValueError("SFTTrainer: formatting_func turns rows into plain text, which has no "
+                             "completion to mask; set completion_only_loss=False, or format the "
+                             "data before passing it.")
+        if data_collator is not None:
+            return data_collator
+        pad_token_id = _pad_token_id(args, processing_class)
+        base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
+        if getattr(base, "config", None) is not None:
+            base.config.pad_token_id = pad_token_id
+        return DataCollatorForLanguageModeling(
+            pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
+            padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
+
+    def _prepare_datasets(self, model, processing_class, args, train_dataset, train_name,
+                          eval_dataset, data_collator, as_dataset=False):
+        """(train, eval) through _prepare (tokenize, label, truncate or pack; datasets.Dataset out
+        when a datasets object came in), token ids checked against the embedding; eval: one set
+        or a dict of named sets; all handed through with skip_prepare_dataset.
+        Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset per set)"""
+        if self.padding_free and not args.packing and args.max_length is not None:
+            raise ValueError("SFTTrainer: with padding_free=True and no packing, `max_length` is "
+                             f"not enforced (max_length={args.max_length}), as in TRL; fix: enable "
+                             "packing (packing=True, packing_strategy='bfd'), or set "
+                             "max_length=None with already truncated rows.")
+        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
+            {"eval": eval_dataset} if eval_dataset is not None else {})
+        _reject_skip_prepare_without_labels({"train": train_dataset, **eval_sets},
+                                            self._skip_prepare_dataset, data_collator)
+        if not self._skip_prepare_dataset:
+            train_dataset = self._prepare(train_dataset, processing_class, args, train_name,
+                                          as_dataset=as_dataset)
+            eval_dataset = self._prepare_eval_sets(eval_dataset, processing_class, args)
+        if "input_ids" in next(iter(train_dataset)):  # skip_prepare_dataset: rows as given
+            _check_token_ids_fit(model, processing_class, train_dataset)
+        return train_dataset, eval_dataset
 
     def _prepare_eval(self, dataset, tokenizer, args, name):
         """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
@@ -456,14 +493,14 @@ class SFTTrainer(Trainer):
                 if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                     loss = loss * self.args.world_size
         else:  # speed path (nanosft.fast.lm_head): no (B, T, V) logits
-            with self.compute_loss_context_manager():
-                outputs = model(**inputs, fused_lm_head=True)
-            per_token_loss = -outputs.log_probs  # zero on ignored positions
+            with self.compute_loss_context_manager():  # the model's loss: sum of -log p / tokens
+                outputs = model(**inputs, num_items_in_batch=num_items_in_batch, fused_lm_head=True)
+            loss = outputs.loss
             if self.args.loss_type == "dft":  # each token's NLL weighted by its p (no gradient)
-                per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
-            num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
-                          else num_items_in_batch)
-            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+                per_token_loss = -outputs.log_probs * outputs.log_probs.exp().detach()
+                num_tokens = (outputs.label_mask.sum() if num_items_in_batch is None
+                              else num_items_in_batch)
+                loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
             stats = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.sum(),
                                  outputs.is_top1.sum().float()])
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:

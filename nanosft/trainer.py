@@ -23,8 +23,8 @@ from nanosft.collator import default_data_collator
 from nanosft.model import CausalLMOutput
 from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
 from nanosft.reference import reference_mode_enabled
-from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, TrainerControl,
-                                      TrainerState)
+from nanosft.trainer_callback import (CallbackHandler, TrainerControl, TrainerState,
+                                      default_callbacks)
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
                                    EvalPrediction, autocast_context, build_dataloader,
                                    check_trainer_arguments, checked_metrics,
@@ -76,11 +76,10 @@ class Trainer:
         self._loss_shifts_labels = loss_shifts_labels(self.model)
         # fp16 needs loss scaling; bf16 has fp32's exponent range (guide: mixed precision)
         self.scaler = torch.amp.GradScaler(self.args.device.type) if self.args.fp16 else None
-        from nanosft.monitoring.callbacks import reporting_callbacks  # progress bar, logs, ...
-
-        default_callbacks = [DefaultFlowCallback(), *reporting_callbacks(self.args)]
-        self.callback_handler = CallbackHandler(default_callbacks + list(callbacks or []),
-                                                self.model, self.processing_class,
+        # DefaultFlowCallback, the progress bar, the reporting report_to asks for (not in reference
+        # mode), then the caller's
+        callbacks = default_callbacks(self.args) + list(callbacks or [])
+        self.callback_handler = CallbackHandler(callbacks, self.model, self.processing_class,
                                                 self.optimizer, self.lr_scheduler)
         self.state = TrainerState(is_world_process_zero=distributed.is_main_process())
         self.control = TrainerControl()
@@ -200,18 +199,14 @@ class Trainer:
         checkpointing, then the inner loop. Walkthrough 2.2 | Mirrors: Trainer.train
         Differs: a fresh run refuses an output_dir holding another run (check_output_dir); what
         the run needs at its end is checked first (nanosft.io.preflight, output_folder)."""
-        from nanosft.io.checkpoint import resolve_and_check
         from nanosft.io.preflight import guarded_run
 
-        if self.train_dataset is None:  # transformers' words, from get_train_dataloader
-            raise ValueError("Trainer: training requires a train_dataset.")
         args = self.args
         self._memory_tracker.start("train")
-        # checked before any step: eval data, the metric, output_dir (this run's alone, locked),
-        # and a collective stuck past ddp_timeout ends with a message
-        with guarded_run(self):
-            resume_from_checkpoint = resolve_and_check(  # also: output_dir, set-up
-                args, self.model, resume_from_checkpoint or args.resume_from_checkpoint)
+        resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
+        # checked before any step (nanosft.io): the data, the metric, output_dir (this run's alone,
+        # locked), the checkpoint resolved; a collective stuck past ddp_timeout ends with a message
+        with guarded_run(self, resume_from_checkpoint) as resume_from_checkpoint:
             if args.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
@@ -234,6 +229,7 @@ class Trainer:
         from nanosft.parallel import wrap_model
 
         model = wrap_model(self.model, self.args)  # FSDP2 shards self.model in place
+        self.model_wrapped = model  # transformers' name: the outermost model (DDP, compile)
         if self.optimizer is None and self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs  # the two decay groups
             self.optimizer = optimizer_cls(get_parameter_groups(self.model, self.args.weight_decay),
@@ -307,24 +303,20 @@ class Trainer:
         model.zero_grad()
         grad_norm = None
         learning_rate = None
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._callback("on_train_begin")
 
         if args.eval_on_start:
             self._evaluate()
 
         for epoch in range(epochs_trained, num_train_epochs):
-            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            self._callback("on_epoch_begin")
             epoch_dataloader = train_dataloader
             train_dataloader.batch_sampler.set_epoch(epoch)  # order = randperm(seed + epoch)
             step = -1
             num_update_steps_trained = 0
-            if epoch == epochs_trained and steps_trained_in_current_epoch > 0:
-                # resume mid-epoch: the same order, less the micro-batches already trained on
-                epoch_dataloader = skip_first_batches(train_dataloader,
-                                                      steps_trained_in_current_epoch)
-                step = steps_trained_in_current_epoch - 1  # Differs: replaces steps_skipped
-                num_update_steps_trained = (steps_trained_in_current_epoch
-                                            // args.gradient_accumulation_steps)
+            if epoch == epochs_trained and steps_trained_in_current_epoch > 0:  # resumed run
+                epoch_dataloader, step, num_update_steps_trained = self._resume_mid_epoch(
+                    train_dataloader, steps_trained_in_current_epoch)
             epoch_iterator = iter(epoch_dataloader)
 
             # "We chunkify the epoch iterator into gradient accumulation steps `n` batches"
@@ -340,8 +332,7 @@ class Trainer:
                     epoch_iterator, num_batches, args.device)
                 # the divisor of a loss NOT normalised by num_items_in_batch (short last window)
                 self.current_gradient_accumulation_steps = len(batch_samples)
-                self.control = self.callback_handler.on_step_begin(
-                    args, self.state, self.control, batch_samples=batch_samples)
+                self._callback("on_step_begin", batch_samples=batch_samples)
 
                 for i, inputs in enumerate(batch_samples):
                     step += 1
@@ -365,20 +356,11 @@ class Trainer:
 
                     if do_sync_step:
                         grad_norm = self._clip_grad_norm(model)  # guide: clipping (fp16: unscaled)
-                        self.control = self.callback_handler.on_pre_optimizer_step(
-                            args, self.state, self.control)
-                        if self.scaler is not None:
-                            # guide: mixed precision. fp16: the GradScaler skips the step when the
-                            # grads hold inf/nan, then lowers the scale, which is how a skip shows
-                            scale_before = self.scaler.get_scale()
-                            self.scaler.step(self.optimizer)
-                            self.scaler.update()
-                            optimizer_step_was_skipped = self.scaler.get_scale() < scale_before
-                        else:
+                        self._callback("on_pre_optimizer_step")
+                        if self.scaler is None:
                             self.optimizer.step()
-                            optimizer_step_was_skipped = False
-                        self.control = self.callback_handler.on_optimizer_step(
-                            args, self.state, self.control)
+                        optimizer_step_was_skipped = self._scaler_step()  # guide: fp16 GradScaler
+                        self._callback("on_optimizer_step")
                         # "get leaning rate before update"
                         learning_rate = self._get_learning_rate()
                         if not optimizer_step_was_skipped and not self._is_plateau():
@@ -386,12 +368,10 @@ class Trainer:
                         model.zero_grad()
                         self.state.global_step += 1
                         self.state.epoch = epoch + (step + 1) / steps_in_epoch
-                        self.control = self.callback_handler.on_step_end(
-                            args, self.state, self.control)
+                        self._callback("on_step_end")
                         self._maybe_log_save_evaluate(tr_loss, grad_norm, learning_rate)
                     else:
-                        self.control = self.callback_handler.on_substep_end(
-                            args, self.state, self.control)
+                        self._callback("on_substep_end")
                     if self.control.should_epoch_stop or self.control.should_training_stop:
                         break
                 if self.control.should_epoch_stop or self.control.should_training_stop:
@@ -401,12 +381,39 @@ class Trainer:
                 print(f"Warning: epoch {epoch} yielded no batch; stopping at step "
                       f"{self.state.global_step}.")
                 self.control.should_training_stop = True
-            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._callback("on_epoch_end")
             self._maybe_log_save_evaluate(tr_loss, grad_norm, learning_rate)
             if self.control.should_training_stop:
                 break
 
         return self._finalize_training(tr_loss, num_train_samples, start_time)
+
+    def _callback(self, event: str, **kwargs) -> None:
+        """`self.control = self.callback_handler.<event>(args, self.state, self.control)`, the
+        line transformers writes out at each event of the loop. Mirrors: the on_* calls"""
+        handler = getattr(self.callback_handler, event)
+        self.control = handler(self.args, self.state, self.control, **kwargs)
+
+    def _resume_mid_epoch(self, train_dataloader, steps_trained_in_current_epoch):
+        """(epoch_dataloader, step, num_update_steps_trained) of a run resumed mid-epoch: the same
+        order less the micro-batches already trained on. Mirrors: the resume branch of
+        Trainer._inner_training_loop | Differs: step starts past them (5.23: steps_skipped)."""
+        epoch_dataloader = skip_first_batches(train_dataloader, steps_trained_in_current_epoch)
+        num_update_steps_trained = (steps_trained_in_current_epoch
+                                    // self.args.gradient_accumulation_steps)
+        return epoch_dataloader, steps_trained_in_current_epoch - 1, num_update_steps_trained
+
+    def _scaler_step(self) -> bool:
+        """fp16: the GradScaler's step and update (the loop stepped the optimizer itself when
+        there is no scaler); True when it skipped the step. It skips when the grads hold inf/nan,
+        then lowers the scale, which is how a skip shows.
+        Guide: mixed precision | Mirrors: accelerate optimizer_step_was_skipped"""
+        if self.scaler is None:
+            return False
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() < scale_before
 
     def _nan_inf_filtered_sum(self, tr_loss, tr_loss_step):
         """tr_loss + tr_loss_step, or + the average of the previous logged losses where the step
@@ -608,8 +615,7 @@ class Trainer:
         metrics.update(speed_metrics(metric_key_prefix, start_time, examples, batches))
         self.log(metrics)  # still in eval mode, so SFTTrainer.log adds its eval_ metrics
         model.train(was_training)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
-                                                         metrics)
+        self._callback("on_evaluate", metrics=metrics)
         return metrics
 
     def evaluation_loop(self, dataloader, metric_key_prefix="eval"):

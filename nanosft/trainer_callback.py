@@ -3,13 +3,16 @@
 `TrainerState` (what a checkpoint carries), `TrainerControl` (the flags a callback sets),
 `TrainerCallback` (one no-op method per event, each `(args, state, control, **kwargs)`),
 `CallbackHandler` (calls every callback, in order) and `DefaultFlowCallback` (when to log, evaluate
-and save). The progress bar, metrics.jsonl, TensorBoard, throughput / MFU, the memory ledger and
-stop-on-non-finite are callbacks of the product layer (nanosft.monitoring.callbacks).
+and save), `ProgressCallback` (the progress bar and printed logs). metrics.jsonl, TensorBoard,
+throughput / MFU, the memory ledger and stop-on-non-finite are callbacks of the product layer
+(nanosft.monitoring.callbacks), installed outside reference mode as args.report_to asks.
 Mirrors transformers' trainer_callback.py.
 """
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+
+from nanosft.reference import reference_mode_enabled
 
 
 @dataclass
@@ -247,3 +250,52 @@ class DefaultFlowCallback(TrainerCallback):
         control.should_evaluate |= args.eval_strategy == "epoch"
         control.should_save |= args.save_strategy == "epoch"
         return control
+
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar over the optimizer steps with loss / lr / grad_norm (and tokens/s, MFU when the
+    throughput callback adds them), and each log printed as a dict (rank 0).
+    Mirrors: transformers ProgressCallback, PrinterCallback"""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
+                            disable=bool(args.disable_tqdm))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if self.bar is not None and "loss" in logs:
+            speed = {"tok_s": logs.get("train_tokens_per_second"), "mfu": logs.get("mfu")}
+            self.bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
+                                 grad_norm=f"{logs.get('grad_norm', float('nan')):.3f}",
+                                 **{k: v for k, v in speed.items() if v is not None})
+        from tqdm.auto import tqdm
+
+        tqdm.write(str({k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def default_callbacks(args) -> list:
+    """DefaultFlowCallback and the progress bar (all that reference mode keeps: the banner of
+    start_reference_mode names them), then, outside reference mode, the product layer's
+    reporting callbacks as args.report_to asks (nanosft.monitoring.callbacks.reporting_callbacks).
+    Mirrors: transformers DEFAULT_CALLBACKS + get_reporting_integration_callbacks(report_to)"""
+    if reference_mode_enabled():
+        return [DefaultFlowCallback(), ProgressCallback()]
+    from nanosft.monitoring.callbacks import reporting_callbacks  # product layer: imported on use
+
+    return [DefaultFlowCallback(), *reporting_callbacks(args)]

@@ -51,7 +51,7 @@ MUTATIONS = [
              (("(args.adam_beta1, args.adam_beta2)", "(0.5, 0.5)"),
               ("eps=args.adam_epsilon", "eps=1e-2")),
              ("tests/test_optim.py", "tests/parity/test_optim_parity.py")),
-    Mutation("sampling_temperature_multiplied", "nanosft/model.py", "sample_next_token",
+    Mutation("sampling_temperature_multiplied", "nanosft/generation.py", "sample_next_token",
              (("/ temperature", "* temperature"),),
              ("tests/test_model.py", "tests/parity/test_sampling_parity.py")),
 ]

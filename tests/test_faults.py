@@ -78,8 +78,7 @@ def killed_in_save(tmp_path_factory):
 def test_kill_during_save_leaves_previous_checkpoint_and_partial_one_ignored(killed_in_save):
     root, left, partial = killed_in_save
     # the killed run's lock file stays too (the OS dropped its lock: it blocks no later run)
-    assert left == [".nanosft.lock", ".tmp-checkpoint-3", "checkpoint-1", "checkpoint-2",
-                    "metrics.jsonl"]
+    assert left == [".nanosft.lock", ".tmp-checkpoint-3", "checkpoint-1", "checkpoint-2"]
     # the kill came after the weights, optimizer, scheduler and RNG files, before trainer_state.json
     assert "model.safetensors" in partial and checkpoint.TRAINER_STATE_NAME not in partial
     with pytest.warns(UserWarning, match=r"\.tmp-checkpoint-3.*interrupted"):
@@ -176,7 +175,7 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_last_checkpoint(
         and "resume" in message
     )
     # no temp folder
-    assert sorted(os.listdir(run)) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]
+    assert sorted(os.listdir(run)) == ["checkpoint-1", "checkpoint-2"]
     # the last good checkpoint resumes to the bits of an uninterrupted run
     resumed = worker.build_full(_full_job(tmp_path, "run"))
     resumed.train(resume_from_checkpoint=True)
@@ -200,7 +199,7 @@ def real_write_failure(tmp_path_factory):
 def test_real_write_failure_keeps_last_checkpoint(real_write_failure):
     root, result = real_write_failure
     assert "error" in result and result["global_step"] == 3  # step 3 trained, its save failed
-    assert sorted(os.listdir(root / "run")) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]
+    assert sorted(os.listdir(root / "run")) == ["checkpoint-1", "checkpoint-2"]
     assert checkpoint.get_last_checkpoint(str(root / "run")) == str(root / "run" / "checkpoint-2")
 
 

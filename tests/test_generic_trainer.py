@@ -57,7 +57,8 @@ def test_causal_lm_on_inputs_embeds_trains_and_throughput_steps_aside_once(tmp_p
     g = torch.Generator().manual_seed(0)
     rows = [{"inputs_embeds": torch.randn(5, 32, generator=g),
              "labels": torch.randint(0, 64, (5,), generator=g)} for _ in range(6)]
-    trainer = Trainer(model, TrainingArguments(str(tmp_path), **ARGS), train_dataset=rows)
+    args = TrainingArguments(str(tmp_path), **{**ARGS, "report_to": "nanosft"})  # throughput on
+    trainer = Trainer(model, args, train_dataset=rows)
     before = model.lm_head.weight.detach().clone()
     trainer.train()
     assert not torch.equal(model.lm_head.weight, before)

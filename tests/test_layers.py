@@ -17,7 +17,7 @@ PACKAGE = os.path.dirname(nanosft.__file__)
 CORE = ["adapter_files", "args", "collator", "configuration", "data", "distributed", "generation",
         "loop", "lora", "loss", "masking", "model", "nf4", "optim", "peft", "prompt_learning",
         "reference", "sft", "tokenizer", "trainer", "trainer_callback", "trainer_utils"]
-PRODUCT = ["cli", "fast", "io", "memory", "monitoring", "parallel"]
+PRODUCT = ["cli", "families", "fast", "io", "memory", "monitoring", "parallel"]
 
 
 def module_level_imports(path):
@@ -51,7 +51,8 @@ def test_the_check_sees_a_core_to_product_import(tmp_path):
 
 
 def test_import_sft_loads_no_product_module():
-    code = ("import sys, nanosft.sft; "
+    # nor does a default SFTConfig (FSDP off: nanosft.parallel.fsdp stays unimported)
+    code = ("import sys, nanosft.sft; nanosft.sft.SFTConfig(use_cpu=True); "
             "print('\\n'.join(m for m in sys.modules if m.startswith('nanosft')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True).stdout.split()

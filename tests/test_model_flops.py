@@ -114,7 +114,8 @@ def rows(n=10, seed=0):
 
 def test_logs_carry_model_flops_per_second_and_mfu_over_the_passed_peak(tmp_path):
     peak = 3e9
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, logging_steps=1,
+    args = TrainingArguments(str(tmp_path), report_to="nanosft",
+                             per_device_train_batch_size=2, logging_steps=1,
                              gradient_accumulation_steps=1, num_train_epochs=1, use_cpu=True,
                              save_strategy="no", disable_tqdm=True, peak_flops=peak)
     trainer = Trainer(tiny_model(), args, train_dataset=rows(),
@@ -152,7 +153,8 @@ def test_logs_carry_model_flops_per_second_and_mfu_over_the_passed_peak(tmp_path
 
 def flops_of_run(output_dir, gradient_accumulation_steps):
     """(state.total_flos, this call's model FLOPs) of one epoch at per-device batch 2."""
-    args = TrainingArguments(output_dir, per_device_train_batch_size=2, num_train_epochs=1,
+    args = TrainingArguments(output_dir, report_to="nanosft",
+                             per_device_train_batch_size=2, num_train_epochs=1,
                              gradient_accumulation_steps=gradient_accumulation_steps,
                              logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True,
                              peak_flops=1e12)
@@ -189,7 +191,8 @@ def test_peak_is_calibrated_without_peak_flops_and_leaves_the_rng_alone(tmp_path
     rate = calibrate_matmul_flops(32)
     assert torch.equal(torch.get_rng_state(), state)  # dropout and init draw from it
     assert rate > 1e6  # FLOP/s: any CPU multiplies a (4096, 32) x (32, 32) product faster
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+    args = TrainingArguments(str(tmp_path), report_to="nanosft",
+                             per_device_train_batch_size=2, max_steps=2,
                              logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True)
     trainer = Trainer(tiny_model(), args, train_dataset=rows(4),
                       data_collator=DataCollatorForLanguageModeling(pad_token_id=0))

@@ -48,7 +48,8 @@ def rows(n=8, seed=1):
 def make_trainer(output_dir, model=None, **overrides):
     kwargs = {"output_dir": str(output_dir), "per_device_train_batch_size": 2, "max_steps": 3,
               "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "steps", "save_steps": 1,
-              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3}
+              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3,
+              "report_to": "nanosft"}  # metrics.jsonl: the run's own file in output_dir
     kwargs.update(overrides)
     return Trainer(
         model if model is not None else tiny_model(),

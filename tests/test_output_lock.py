@@ -59,7 +59,8 @@ def rows(n=8, seed=1):
 def make_trainer(output_dir, trainer_class=Trainer, **overrides):
     kwargs = {"output_dir": str(output_dir), "per_device_train_batch_size": 2, "max_steps": 2,
               "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "steps", "save_steps": 1,
-              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3}
+              "use_cpu": True, "optim": "adamw_torch", "disable_tqdm": True, "seed": 3,
+              "report_to": "nanosft"}  # metrics.jsonl: what each run wrote
     kwargs.update(overrides)
     return trainer_class(tiny_model(), TrainingArguments(**kwargs), train_dataset=rows(),
                          data_collator=DataCollatorForLanguageModeling(pad_token_id=0))

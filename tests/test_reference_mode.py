@@ -6,7 +6,10 @@ reference mode records every statement of nanosft.monitoring.trace.WALKTHROUGH_S
 executed; in fast mode the same run prints which entries the speed paths replace, and that list
 is FAST_PATH_REPLACES below (also in the README). (2) losses and trained weights after a few LoRA,
 QLoRA, DoRA and full fine-tuning steps, fast vs reference, fp32, within 1e-6. (3) the switch itself:
-the environment variable, the context manager, and fast_path() returning None. Tiny models, CPU.
+the environment variable (read once), the context manager, and fast_path() returning None.
+(4) the same tracer over one reference-mode QLoRA optimizer step sees no statement of
+nanosft/monitoring or nanosft/memory (report_to="all" outside reference mode as the negative
+control), and report_to picks the reporting callbacks as transformers honours it. Tiny models, CPU.
 Run: python -m pytest -q tests/test_reference_mode.py
 """
 
@@ -23,10 +26,11 @@ from nanosft.model import CausalLM, ModelConfig
 from nanosft.monitoring.trace import WALKTHROUGH_STATEMENTS
 from nanosft.nf4 import quantize_model
 from nanosft.peft import LoraConfig
-from nanosft.reference import (fast_path, reference_mode, reference_mode_enabled,
-                               set_reference_mode)
+from nanosft.reference import (REFERENCE_BANNER, REFERENCE_MODE_CALLBACKS, fast_path,
+                               reference_mode, reference_mode_enabled, set_reference_mode)
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
+from nanosft.trainer_callback import default_callbacks
 
 PACKAGE = os.path.dirname(nanosft.__file__)
 # the mirrored statements that a default (fast) step does not execute, per run
@@ -65,7 +69,7 @@ def tokenizer():
     return Tokenizer.train(TEXTS * 4, vocab_size=300, special_tokens=["<|endoftext|>"])
 
 
-def make_trainer(tmp_path, kind, tok, steps=2):
+def make_trainer(tmp_path, kind, tok, steps=2, report_to=()):
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -80,20 +84,20 @@ def make_trainer(tmp_path, kind, tok, steps=2):
     # SGD: an update linear in the gradient, so rounding differences stay rounding-sized (Adam
     # would scale a 1e-9 gradient difference on a near-zero gradient up to the learning rate)
     args = SFTConfig(output_dir=str(tmp_path / kind), max_steps=steps, learning_rate=1e-2,
-                     optim="sgd",
-                     per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
-                     disable_tqdm=True, report_to=[], max_length=32, seed=0, bf16=False)
+                     optim="sgd", per_device_train_batch_size=2, logging_steps=1,
+                     save_strategy="no", disable_tqdm=True, report_to=list(report_to),
+                     max_length=32, seed=0, bf16=False)
     rows = [{"text": t} for t in TEXTS]
     return SFTTrainer(model, args=args, train_dataset=rows, processing_class=tok,
                       peft_config=peft_config)
 
 
-def executed_lines(run):
-    """(file, line) pairs executed under nanosft/ while `run()` runs."""
+def executed_lines(run, under=PACKAGE):
+    """(file, line) pairs executed under `under` (nanosft/) while `run()` runs."""
     seen = set()
 
     def tracer(frame, event, arg):
-        if not frame.f_code.co_filename.startswith(PACKAGE):
+        if not frame.f_code.co_filename.startswith(under):
             return None
         if event == "line":
             seen.add((frame.f_code.co_filename, frame.f_lineno))
@@ -153,10 +157,60 @@ def test_fast_mode_equals_reference_mode(tmp_path, kind):
         torch.testing.assert_close(fast_weights[key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
+REPORTING = ("monitoring", "memory")  # the product packages a reader's step must not enter
+
+
+def reporting_statements(seen):
+    """{(package/file, line)} of `seen` in nanosft/monitoring and nanosft/memory."""
+    return {(os.path.relpath(f, PACKAGE), n) for f, n in seen
+            if os.path.relpath(f, PACKAGE).split(os.sep)[0] in REPORTING}
+
+
+def test_a_reference_mode_step_runs_no_reporting_code(tmp_path):
+    # one QLoRA optimizer step, train() from start to end; with report_to="all" as the negative
+    # control (the tracer sees reporting code where it runs)
+    tok = tokenizer()
+    with reference_mode(True):
+        trainer = make_trainer(tmp_path / "ref", "qlora", tok, steps=1, report_to=["all"])
+        seen = executed_lines(trainer.train)
+    assert [type(cb).__name__ for cb in trainer.callback_handler.callbacks] == list(
+        REFERENCE_MODE_CALLBACKS)
+    assert reporting_statements(seen) == set()
+    assert "ProgressCallback" in REFERENCE_BANNER  # start_reference_mode says what stays on
+    with reference_mode(False):
+        trainer = make_trainer(tmp_path / "fast", "qlora", tok, steps=1, report_to=["all"])
+        seen = executed_lines(trainer.train)
+    files = {f for f, _ in reporting_statements(seen)}
+    assert {"monitoring/callbacks.py", "monitoring/flops.py", "memory/plan.py"} <= files
+
+
+@pytest.mark.parametrize("report_to, expected", [
+    ("none", ["ProgressCallback", "StopOnNonFiniteCallback"]),
+    ("nanosft", ["ThroughputCallback", "MemoryCallback", "ProgressCallback",
+                 "MetricsFileCallback", "StopOnNonFiniteCallback"]),
+    ("tensorboard", ["ThroughputCallback", "ProgressCallback", "TensorBoardCallback",
+                     "StopOnNonFiniteCallback"]),
+    ("all", ["ThroughputCallback", "MemoryCallback", "ProgressCallback", "MetricsFileCallback",
+             "TensorBoardCallback", "StopOnNonFiniteCallback"]),
+])
+def test_report_to_picks_the_reporting_callbacks(report_to, expected):
+    # as transformers honours report_to: "none" leaves the progress bar and the non-finite guard
+    args = SFTConfig(output_dir="unused", report_to=report_to)
+    with reference_mode(False):
+        names = [type(cb).__name__ for cb in default_callbacks(args)]
+    assert names == ["DefaultFlowCallback", *expected]
+    with reference_mode(True):
+        assert [type(cb).__name__ for cb in default_callbacks(args)] == list(
+            REFERENCE_MODE_CALLBACKS)
+
+
 def test_switch_follows_environment_and_python(monkeypatch):
     monkeypatch.setenv("NANOSFT_REFERENCE", "1")
+    assert not reference_mode_enabled()  # read once: a changed environment alone changes nothing
+    set_reference_mode(None)  # reads the environment again
     assert reference_mode_enabled() and fast_path("recomputed") is None
     monkeypatch.setenv("NANOSFT_REFERENCE", "0")
+    set_reference_mode(None)
     assert not reference_mode_enabled() and fast_path("recomputed") is not None
     with reference_mode():
         assert reference_mode_enabled()
@@ -167,3 +221,22 @@ def test_switch_follows_environment_and_python(monkeypatch):
     finally:
         set_reference_mode(None)
     assert not reference_mode_enabled()
+
+
+def test_a_reference_mode_seam_is_one_statement():
+    # the switch is a cached flag: each fast_path call runs one statement of reference.py, and a
+    # 4-bit layer looks bitsandbytes up instead of running its import again on every call
+    from nanosft.nf4 import Linear4bit
+
+    layer = Linear4bit.from_linear(torch.nn.Linear(64, 64), compute_dtype=torch.float32)
+    x = torch.randn(2, 64)
+    layer(x)  # the first call may import
+    with reference_mode(True):
+        seen = executed_lines(lambda: layer(x))
+        calls = []
+        seen_switch = executed_lines(lambda: calls.append(fast_path("recomputed")))
+    source = open(os.path.join(PACKAGE, "nf4.py"), encoding="utf-8").read().splitlines()
+    ran = [source[n - 1].strip() for f, n in seen if f.endswith("nf4.py")]
+    assert ran and not any(line.startswith("import bitsandbytes") for line in ran)
+    assert calls == [None]
+    assert len([n for f, n in seen_switch if f.endswith("reference.py")]) == 1

@@ -143,9 +143,32 @@ def test_sft_loss_is_shifted_cross_entropy_over_num_items(tmp_path, tokenizer):
     assert abs(unshifted.item() - loss.item()) > 1e-3
 
 
-def test_logs_carry_trl_metrics(tmp_path, tokenizer):
+def test_fused_path_takes_the_models_loss(tmp_path, tokenizer):
+    # the fused LM head's forward already divides by num_items_in_batch: SFTTrainer passes the
+    # window's count in and returns that loss instead of computing a second one
+    from nanosft.reference import reference_mode
+
     trainer = SFTTrainer(
         model_for(tokenizer), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer
+    )
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    seen = []
+    trainer.model.register_forward_hook(
+        lambda module, args, kwargs, output: seen.append((kwargs, output)), with_kwargs=True)
+    num_items = torch.tensor(37.0)
+    with reference_mode(False):
+        loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=num_items)
+    (kwargs, outputs), = seen
+    assert kwargs["fused_lm_head"] and kwargs["num_items_in_batch"] is num_items
+    assert outputs.logits is None and torch.equal(loss, outputs.loss)
+    expected = -outputs.log_probs.sum() / num_items  # the sum TRL's SFTTrainer divides
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+
+def test_logs_carry_trl_metrics(tmp_path, tokenizer):
+    trainer = SFTTrainer(
+        model_for(tokenizer), config(tmp_path, report_to="nanosft"), train_dataset=PAIRS,
+        processing_class=tokenizer
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]

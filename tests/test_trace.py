@@ -78,7 +78,7 @@ def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(
     # an SFTTrainer: the trace shows the loss that runs, Trainer.compute_loss's outputs["loss"]
     # in reference mode, the fused head when the speed paths are on
     fused = ["SFTTrainer.compute_loss overrides Trainer.compute_loss",
-             "loss = per_token_loss.sum() / num_items_in_batch"]
+             "loss = outputs.loss  (the model's -log_probs.sum() / num_items_in_batch;"]
     reference = ["SFTTrainer.compute_loss -> Trainer.compute_loss (reference mode)",
                  'loss = outputs["loss"]']
     shown, hidden = (reference, fused) if mode == "reference" else (fused, reference)

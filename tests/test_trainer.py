@@ -58,6 +58,7 @@ def make_trainer(tmp_path, n_rows=10, model=None, **overrides):
         "optim": "adamw_torch",
         "disable_tqdm": True,
         "seed": 3,
+        "report_to": "nanosft",  # tokens/s, metrics.jsonl (report_to="none" leaves them out)
     }
     kwargs.update(overrides)
     return Trainer(model or tiny_model(), TrainingArguments(**kwargs), train_dataset=rows(n_rows),

@@ -162,8 +162,8 @@ def test_same_command_line_as_trl_sft_gives_the_same_losses_and_adapter(tmp_path
 
     code = main(["train", *trl_argv(str(folder), tmp_path / "ours", *extra)])
     assert code == 0, capsys.readouterr().err[-2000:]
-    rows = (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()
-    losses = [json.loads(r)["loss"] for r in rows if '"loss"' in r]
+    state = json.loads((tmp_path / "ours" / "checkpoint-2" / "trainer_state.json").read_text())
+    losses = [row["loss"] for row in state["log_history"] if "loss" in row]
     assert len(trl_losses) == len(losses) == 2
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(trl_losses),
                                rtol=1e-4, atol=1e-4)

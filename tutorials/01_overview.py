@@ -114,16 +114,15 @@ banner("- 执行 trainer.train() -> inner_training_loop() -> training_step -> co
        " -> forward")
 walkthrough_trace.enable_trace()
 losses_seen = []
-original_training_step = trainer.training_step
 
 
-def record_training_step(model, inputs, num_items_in_batch=None):
-    loss = original_training_step(model, inputs, num_items_in_batch)
-    losses_seen.append((inputs, num_items_in_batch, loss))
-    return loss
+def record_forward(model, args, kwargs, outputs):
+    # each micro-batch's `outputs = model(**inputs)`: its inputs, num_items_in_batch and loss
+    # (= training_step's tr_loss_step: already divided by num_items_in_batch)
+    losses_seen.append((kwargs, kwargs["num_items_in_batch"], outputs["loss"].detach()))
 
 
-trainer.training_step = record_training_step  # installed before attach, so the trace wraps it
+trainer.model.register_forward_hook(record_forward, with_kwargs=True)  # Trainer methods unchanged
 walkthrough_trace.attach(trainer)
 captured = io.StringIO()
 with contextlib.redirect_stdout(captured):

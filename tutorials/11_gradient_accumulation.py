@@ -1,6 +1,6 @@
 """Tutorial 11: gradient accumulation and clipping (guide: 梯度累积与裁剪 / accumulation, clipping).
 
-Walkthrough 2.3 "梯度累积,更新参数" and 2.4 "normalize the loss": k micro-batches whose gradients
+Walkthrough 1 "梯度累积,更新参数" and 2.4 "normalize the loss": k micro-batches whose gradients
 are summed in .grad before one optimizer step must give the gradient of one big batch. That holds
 only when every micro-batch divides its token-loss sum by the token count of the whole window
 (num_items_in_batch); the old rule, each micro-batch's mean divided by k (a mean of means),
@@ -95,16 +95,14 @@ def one_step(batch_size, ga, max_grad_norm=0.0, mean_of_means=False):
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         )
     )
-    original = trainer.training_step
 
-    def record(model_, inputs, num_items_in_batch=None):
-        loss = original(model_, inputs, num_items_in_batch)
-        micro.append(
-            (int((inputs["labels"][:, 1:] != -100).sum()), num_items_in_batch, loss.item())
-        )
-        return loss
+    def record(model_, args, kwargs, outputs):  # a forward hook: each micro-batch's forward
+        # its own tokens, the window's count it got, its loss (tr_loss_step when the model divides
+        # by num_items_in_batch; a mean of means divides it by GA afterwards, in training_step)
+        micro.append((int((kwargs["labels"][:, 1:] != -100).sum()),
+                      kwargs.get("num_items_in_batch"), outputs["loss"].item()))
 
-    trainer.training_step = record
+    model.register_forward_hook(record, with_kwargs=True)
     with contextlib.redirect_stdout(
         io.StringIO()
     ):  # the banner and log lines: tutorial 04 shows them

@@ -3,7 +3,7 @@ precision).
 
 The guide's sequence: forward in half precision -> scaled_loss = loss * scale -> backward -> check
 the gradients for overflow -> normal: unscale (grad /= scale) and update; overflow: skip the update
-and lower the scale. Walkthrough 2.3 adds the consequence: `if not
+and lower the scale. Walkthrough 1 (核心训练逻辑) adds the consequence: `if not
 self.accelerator.optimizer_step_was_skipped: self.lr_scheduler.step()`. bf16 needs no scaler (fp32's
 exponent range), and runs under CPU autocast, so we train with it directly. fp16 needs CUDA in
 nanosft (TrainingArguments refuses fp16 on CPU, where accelerate would silently run fp32), so on
@@ -176,7 +176,7 @@ for attempt, inject in (("step 1 (inf injected)", True), ("step 2 (clean)", Fals
 # inf.
 
 # %%
-banner("2.3: if not optimizer_step_was_skipped: self.lr_scheduler.step()")
+banner("1 核心训练逻辑: if not optimizer_step_was_skipped: self.lr_scheduler.step()")
 model = tiny_model()
 trainer = Trainer(
     model,
@@ -202,16 +202,14 @@ def poison(grad):
 
 
 model.lm_head.weight.register_hook(poison)
-original = trainer.training_step
 
 
-def record(model_, inputs_, num_items_in_batch=None):
+def record(module, args):  # a forward pre-hook: before each micro-batch's forward
     calls.append(trainer.scaler.get_scale())
     snapshots.append(model.lm_head.weight.detach().clone())
-    return original(model_, inputs_, num_items_in_batch)
 
 
-trainer.training_step = record
+trainer.model.register_forward_pre_hook(record)
 with contextlib.redirect_stdout(io.StringIO()):
     trainer.train()
 logs = [h for h in trainer.state.log_history if "grad_norm" in h]

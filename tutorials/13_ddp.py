@@ -36,6 +36,7 @@ from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.distributed import cleanup
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
+from nanosft.trainer_callback import TrainerCallback
 
 TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -97,27 +98,40 @@ def max_diff(a, b):
 
 # %% [markdown]
 # ## Two ranks: no_sync, num_items_in_batch, the sync step
-# We wrap training_step to read, per micro-batch: whether DDP will all-reduce in this backward
-# (`require_backward_grad_sync`, False inside no_sync), this rank's tokens, the num_items_in_batch
-# it got, and a fingerprint of its lm_head gradient after backward, gathered from both ranks.
+# A forward pre-hook on the model reads, per micro-batch: whether DDP will all-reduce in this
+# backward (`require_backward_grad_sync` of `trainer.model_wrapped`, False inside no_sync), this
+# rank's tokens and the num_items_in_batch it got; a callback reads a fingerprint of the lm_head
+# gradient after each backward (on_substep_end, and on_pre_optimizer_step at the sync step), both
+# gathered from the two ranks. The Trainer's own methods run unchanged.
 
 # %%
+class GradientFingerprint(TrainerCallback):
+    """The lm_head gradient's norm on both ranks after each micro-batch's backward."""
+
+    def __init__(self, trainer):
+        self.trainer, self.prints = trainer, []
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        grad = self.trainer.model.lm_head.weight.grad
+        self.prints.append(gather(grad.double().norm().item()))
+
+    on_pre_optimizer_step = on_substep_end  # the sync step's backward (max_grad_norm=0: no clip)
+
+
 def run_two_ranks(rank):
     trainer, seen = one_step_trainer(per_device_train_batch_size=2)
-    records = []
-    original = trainer.training_step
+    forwards = []
 
-    def training_step(model, inputs, num_items_in_batch=None):
-        # DDP's flag; no_sync() sets it False
-        sync = getattr(model, "require_backward_grad_sync", True)
-        own = int((inputs["labels"][:, 1:] != -100).sum())
-        loss = original(model, inputs, num_items_in_batch)
-        fingerprint = trainer.model.lm_head.weight.grad.double().norm().item()
-        records.append((type(model).__name__, sync, gather(own), num_items_in_batch.item(),
-                        gather(fingerprint)))
-        return loss
+    def before_forward(module, args, kwargs):
+        wrapped = trainer.model_wrapped  # what training_step gets: the DDP wrapper
+        sync = getattr(wrapped, "require_backward_grad_sync", True)  # no_sync() sets it False
+        own = int((kwargs["labels"][:, 1:] != -100).sum())
+        forwards.append((type(wrapped).__name__, sync, gather(own),
+                         kwargs["num_items_in_batch"].item()))
 
-    trainer.training_step = training_step
+    trainer.model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    fingerprints = GradientFingerprint(trainer)
+    trainer.add_callback(fingerprints)
     with contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext():
         trainer.train()  # rank 0 prints the banner: note "Total train batch size ... = 8"
     # this rank's share of the seeded epoch order
@@ -126,6 +140,7 @@ def run_two_ranks(rank):
     mine = [i for batch in sampler for i in batch]
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, mine)
+    records = [(*f, p) for f, p in zip(forwards, fingerprints.prints, strict=True)]
     return seen, records, shares
 
 

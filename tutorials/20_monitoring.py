@@ -90,13 +90,15 @@ def rate_agrees(logged, count, seconds, half_unit):
 
 
 # %% [markdown]
-# ## The run: a tiny SFT model, a log every 2 steps, report_to="tensorboard"
+# ## The run: a tiny SFT model, a log every 2 steps, report_to="all"
+# ("all": tokens/s and MFU, the memory ledger, metrics.jsonl and TensorBoard events; the default
+# "none" keeps only the progress bar and the non-finite guard, as transformers honours report_to)
 # 12 prompt/completion rows of different lengths, 2 rows a micro-batch x 2 micro-batches a step:
 # a window of 2 steps holds 8 rows and crosses epochs, so its token count changes from window to
 # window. The trainer's own prints (banner, log dicts) are captured, to read the memory lines.
 
 # %%
-banner("性能监控指标 / the run: SFTTrainer, logging_steps=2, report_to='tensorboard'")
+banner("性能监控指标 / the run: SFTTrainer, logging_steps=2, report_to='all'")
 qa = [("What is two plus two?", " Four."), ("What is the capital of France?", " Paris."),
       ("Name a colour of the sky.", " Blue."), ("What do cats say?", " Meow."),
       ("Which animal barks?", " A dog."), ("How many legs has a spider?", " Eight."),
@@ -116,7 +118,7 @@ args = SFTConfig(output_dir=output_dir.name, per_device_train_batch_size=2,
                  gradient_accumulation_steps=2, max_steps=24, logging_steps=2,
                  learning_rate=5e-3, max_length=64, save_strategy="no", use_cpu=True,
                  gradient_checkpointing=False, bf16=False, disable_tqdm=True,
-                 report_to="tensorboard", seed=0)
+                 report_to="all", seed=0)
 trainer = SFTTrainer(model, args=args, train_dataset=examples, processing_class=tokenizer)
 throughput = find_callback(trainer, ThroughputCallback)
 recorder = WindowRecorder(throughput, tokenizer.pad_token_id)

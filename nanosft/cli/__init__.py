@@ -133,6 +133,9 @@ def build_train_configs(args, sft_names, lora_names):
         values["lora"]["use_dora"] = True
     if str(values["sft"].get("resume_from_checkpoint")).lower() in ("true", "latest"):
         values["sft"]["resume_from_checkpoint"] = True  # the latest valid checkpoint
+    # the command line reports what a run did (tokens/s, MFU, the ledger, metrics.jsonl) unless
+    # --report_to says otherwise; SFTConfig's own default is transformers' "none"
+    values["sft"].setdefault("report_to", "nanosft")
     if _trace().is_enabled():
         values["sft"].setdefault("disable_tqdm", True)  # a progress bar would cut the trace lines
     sft_config = SFTConfig(**values["sft"])
@@ -198,13 +201,13 @@ def _train(args, sft_config, peft_config):
     # adapter (PEFT format) or the model, and the tokenizer; every rank: FSDP gathers the shards
     trainer.save_model(sft_config.output_dir)
     if distributed.is_main_process():
-        if "tensorboard" in sft_config.report_to:
+        from nanosft.monitoring.callbacks import report_targets, speed_summary
+
+        if "tensorboard" in report_targets(sft_config):
             _tensorboard(sft_config.output_dir)
         kind = "adapter" if peft_config is not None else "model"
         print(f"saved the {kind} and tokenizer to {sft_config.output_dir} "
               f"(train_loss {result.training_loss:.4f}, {result.global_step} steps)")
-        from nanosft.monitoring.callbacks import speed_summary
-
         print(speed_summary(trainer, result.metrics))  # model GFLOP/s and MFU
     distributed.cleanup()
     return 0
@@ -410,7 +413,8 @@ def build_parser(train_fields=True):
                       help="print the walkthrough trace of the first step")
     demo.add_argument("--steps", type=int, default=120, help="optimizer steps (default 120)")
     demo.add_argument("--output_dir", default="nanosft-demo", help="where adapter, metrics go")
-    demo.add_argument("--report_to", choices=("none", "tensorboard"), default="none")
+    demo.add_argument("--report_to", choices=("nanosft", "tensorboard", "all", "none"),
+                      default="nanosft", help="nanosft: tokens/s, MFU, ledger, metrics.jsonl")
     demo.add_argument("--overwrite_output_dir", action="store_true",
                       help="replace the run already in --output_dir")
     demo.set_defaults(run=run_demo)

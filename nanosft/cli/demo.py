@@ -163,7 +163,7 @@ def is_demo_folder(output_dir) -> bool:
 
 
 def demo_config(
-    output_dir, steps, mode, device, report_to="none", trace=False, overwrite_output_dir=False
+    output_dir, steps, mode, device, report_to="nanosft", trace=False, overwrite_output_dir=False
 ):
     """The SFTConfig of the demo: small batches, a high LoRA learning rate, assistant-only loss,
     no checkpoints.
@@ -232,7 +232,7 @@ def run(
     mode="qlora",
     device="cpu",
     steps=120,
-    report_to="none",
+    report_to="nanosft",
     trace=False,
     overwrite_output_dir=False,
 ):
@@ -302,7 +302,7 @@ def run(
         if plot
         else 'loss curve: pip install "nanosft[plot]" to draw loss.png'
     )
-    if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is not None:
+    if report_to in ("tensorboard", "all") and importlib.util.find_spec("tensorboard") is not None:
         print(f"TensorBoard events (written as it logged): {os.path.join(output_dir, 'runs')}")
     write_summary(
         os.path.join(output_dir, SUMMARY_FILE),
@@ -314,7 +314,7 @@ def run(
             "train_seconds": round(train_seconds, 2),
             "total_seconds": round(time.time() - start, 2),
             "train_loss": result.training_loss,
-            "train_model_flops_per_second": result.metrics["train_model_flops_per_second"],
+            "train_model_flops_per_second": result.metrics.get("train_model_flops_per_second"),
             "mfu": result.metrics.get("mfu"),
         },
     )

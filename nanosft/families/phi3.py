@@ -137,8 +137,7 @@ class Phi3MLP(MLP):
     def forward(self, x):
         """(B, T, C) -> (B, T, 2 I) -> gate, up (B, T, I) -> (B, T, C)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        recomputed = fast_path("recomputed")  # speed path: the silu is recomputed in backward
-        if recomputed is not None:
+        if (recomputed := fast_path("recomputed")) is not None:  # speed path: silu redone backward
             return self.down_proj(recomputed(self._glu, gate, up))
         return self.down_proj(self._glu(gate, up))
 

@@ -99,13 +99,17 @@ def check_eval_setup(trainer) -> None:
 
 
 @contextlib.contextmanager
-def guarded_run(trainer):
+def guarded_run(trainer, resume_from_checkpoint=None):
     """The `with` block around one Trainer.train(): what the run needs at its end is checked first
-    (eval data, metric_for_best_model), output_dir is writable and this run's alone (rank 0 holds
-    its lock to the end), and a collective waiting past ddp_timeout ends with a message."""
+    (train and eval data, metric_for_best_model), output_dir is writable and this run's alone
+    (rank 0 holds its lock to the end), and a collective waiting past ddp_timeout ends with a
+    message. Yields the checkpoint to resume (nanosft.io.checkpoint.resolve_and_check)."""
     from nanosft import distributed
+    from nanosft.io.checkpoint import resolve_and_check
     from nanosft.io.output_folder import hold_output_dir
 
+    if trainer.train_dataset is None:  # transformers' words, from get_train_dataloader
+        raise ValueError("Trainer: training requires a train_dataset.")
     check_eval_setup(trainer)
     with distributed.explain_timeout(trainer.args.ddp_timeout), hold_output_dir(trainer.args):
-        yield
+        yield resolve_and_check(trainer.args, trainer.model, resume_from_checkpoint)

@@ -1,10 +1,13 @@
 """The callbacks that report on a run: throughput and MFU, stop on non-finite losses, the memory
-ledger and peak, the progress bar and printed logs, metrics.jsonl and live TensorBoard events.
+ledger and peak, metrics.jsonl and live TensorBoard events.
 
-The Trainer adds `reporting_callbacks(args)` after DefaultFlowCallback; each can be taken off with
+Outside reference mode the Trainer adds `reporting_callbacks(args)` after DefaultFlowCallback, as
+args.report_to asks: "none" keeps the progress bar (nanosft.trainer_callback) and the non-finite
+guard; "nanosft" adds throughput / MFU, the memory ledger and metrics.jsonl; "tensorboard" adds
+throughput and TensorBoard events; "all" both. Each can be taken off with
 `trainer.remove_callback(cls)`. ThroughputCallback comes first: it adds its numbers to the logs
 (and to the entry already in state.log_history) before the callbacks after it print or write them.
-Mirrors transformers ProgressCallback, PrinterCallback, TensorBoardCallback; the rest is nanosft's.
+Mirrors transformers TensorBoardCallback; the rest is nanosft's.
 """
 
 import json
@@ -12,13 +15,12 @@ import math
 import os
 
 import torch
-from tqdm.auto import tqdm
 
 from nanosft import distributed
 from nanosft.monitoring.flops import (LogWindow, attention_shape, calibrate_matmul_flops,
                                       compute_dtype, matmul_parameters, model_flops, model_width,
                                       non_embedding_parameters, not_a_causal_lm)
-from nanosft.trainer_callback import TrainerCallback
+from nanosft.trainer_callback import ProgressCallback, TrainerCallback
 
 
 def _update_logs(state, logs, values):
@@ -250,39 +252,6 @@ class MemoryCallback(TrainerCallback):
         self.peak = None
 
 
-class ProgressCallback(TrainerCallback):
-    """A tqdm bar over the optimizer steps with loss / lr / grad_norm / tokens/s, and each log
-    printed as a dict (rank 0). Mirrors: transformers ProgressCallback, PrinterCallback"""
-
-    def __init__(self):
-        self.bar = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
-                            disable=bool(args.disable_tqdm))
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        if self.bar is not None and "loss" in logs:
-            speed = {"tok_s": logs.get("train_tokens_per_second"), "mfu": logs.get("mfu")}
-            self.bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
-                                 grad_norm=f"{logs.get('grad_norm', float('nan')):.3f}",
-                                 **{k: v for k, v in speed.items() if v is not None})
-        shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}
-        tqdm.write(str(shown))
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 class MetricsFileCallback(TrainerCallback):
     """Appends each log, with its step, as one JSON line to output_dir/metrics.jsonl (rank 0)."""
 
@@ -337,10 +306,23 @@ class TensorBoardCallback(TrainerCallback):
             self.tb_writer = None
 
 
+def report_targets(args) -> set:
+    """args.report_to as a set of names ("all" spelled out): {"nanosft", "tensorboard"} or less."""
+    names = {args.report_to} if isinstance(args.report_to, str) else set(args.report_to or ())
+    return {"nanosft", "tensorboard"} if "all" in names else names - {"none"}
+
+
 def reporting_callbacks(args) -> list:
-    """The callbacks a Trainer reports through, in the order they must run."""
-    callbacks = [ThroughputCallback(), MemoryCallback(), ProgressCallback(), MetricsFileCallback()]
-    if "tensorboard" in args.report_to:
+    """The progress bar and the callbacks args.report_to asks for, in the order they must run:
+    throughput first (its numbers reach the bar and the files), the non-finite guard last."""
+    targets = report_targets(args)
+    callbacks = [ThroughputCallback()] if targets else []
+    if "nanosft" in targets:
+        callbacks.append(MemoryCallback())
+    callbacks.append(ProgressCallback())
+    if "nanosft" in targets:
+        callbacks.append(MetricsFileCallback())
+    if "tensorboard" in targets:
         callbacks.append(TensorBoardCallback())
     # last: the diverged window is printed and written before it raises
     return callbacks + [StopOnNonFiniteCallback()]

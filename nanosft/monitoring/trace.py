@@ -248,8 +248,8 @@ class _TrainerTrace:
             trace("2.5", 'loss = outputs["loss"]  (sum of token losses / num_items_in_batch)',
                   loss=value)
         else:
-            trace("2.5", "  per_token_loss = -outputs.log_probs  (zero on ignored positions)")
-            trace("2.5", "  loss = per_token_loss.sum() / num_items_in_batch", loss=value,
+            trace("2.5", "  loss = outputs.loss  (the model's -log_probs.sum() / "
+                  "num_items_in_batch; log p is zero on ignored positions)", loss=value,
                   num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
         if not self.is_sft():
             return

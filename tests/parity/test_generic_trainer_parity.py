@@ -116,14 +116,16 @@ def accuracy(eval_pred):
 
 
 def run_pair(tmp_path, make_model, rows, eval_rows, our_collator=None, ref_collator=None,
-             compute_metrics=None, **overrides):
-    """Train and evaluate the same model with both Trainers; return (ours, ref)."""
+             compute_metrics=None, our_report_to="none", **overrides):
+    """Train and evaluate the same model with both Trainers; return (ours, ref). our_report_to:
+    nanosft's reporting callbacks ("nanosft": throughput and the ledger, which step aside)."""
     args = {**COMMON, **overrides}
     ref = transformers.Trainer(model=make_model(),
                                args=transformers.TrainingArguments(str(tmp_path / "ref"), **args),
                                train_dataset=rows, eval_dataset=eval_rows,
                                data_collator=ref_collator, compute_metrics=compute_metrics)
-    ours = Trainer(make_model(), TrainingArguments(str(tmp_path / "ours"), **args),
+    our_args = TrainingArguments(str(tmp_path / "ours"), **{**args, "report_to": our_report_to})
+    ours = Trainer(make_model(), our_args,
                    train_dataset=rows, eval_dataset=eval_rows, data_collator=our_collator,
                    compute_metrics=compute_metrics)
     for trainer in (ref, ours):
@@ -152,7 +154,7 @@ def assert_same_run(ours, ref, min_steps):
 @pytest.mark.parametrize("return_dict", [False, True], ids=["tuple", "dict"])
 def test_regression_model_trains_as_transformers(tmp_path, capsys, return_dict):
     ours, ref = run_pair(tmp_path, lambda: RegressionModel(return_dict=return_dict),
-                         regression_rows(), regression_rows(8, seed=5))
+                         regression_rows(), regression_rows(8, seed=5), our_report_to="nanosft")
     assert_same_run(ours, ref, min_steps=9)  # 22 rows / 4 -> 6 micro-batches: 3 steps an epoch
     assert ours.state.global_step == ref.state.global_step == 9
     assert ours.state.total_flos == ref.state.total_flos == 0  # no floating_point_ops to count

@@ -51,7 +51,9 @@ def test_total_flos_equals_transformers_trainer(tmp_path, tie, lora):
         train_dataset=datasets.Dataset.from_list(rows),
         data_collator=collator,
     )
-    ours = Trainer(our_model, TrainingArguments(str(tmp_path / "ours"), **common),
+    # nanosft counts total_flos in its throughput callback, which report_to="nanosft" turns on
+    ours = Trainer(our_model, TrainingArguments(str(tmp_path / "ours"),
+                                                **{**common, "report_to": "nanosft"}),
                    train_dataset=rows, data_collator=collator)
     ref.train()
     ours.train()
