@@ -307,14 +307,8 @@ class SFTTrainer(Trainer):
         model = self._prepare_peft_model(model, args, peft_config)  # PEFT
         # Dataset rows first: the data collator's completion_only_loss reads the first one
         train_name = _dataset_name(train_dataset, "train_dataset")
-        self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
         returns_datasets = is_datasets_object(train_dataset)  # datasets in, datasets out
-        if not self._skip_prepare_dataset:
-            _refuse_with_transform(train_dataset, "train_dataset")
-            train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
-            train_dataset = load_examples(
-                _formatted(train_dataset, formatting_func, args.max_steps),
-                args.dataset_text_field, args.max_steps, name="train_dataset")
+        train_dataset = self._read_train_dataset(train_dataset, args, formatting_func)
         data_collator = self._create_data_collator(data_collator, model, processing_class, args,
                                                    next(iter(train_dataset)), formatting_func)
         self._formatting_func = formatting_func
@@ -345,6 +339,18 @@ class SFTTrainer(Trainer):
         self._total_train_tokens = 0
         self.aux_loss_enabled = _aux_loss_enabled(self.model)
         _add_model_tags(self.model, self._tag_names)
+
+    def _read_train_dataset(self, train_dataset, args, formatting_func):
+        """Example rows of train_dataset (a stream cut to what max_steps trains on,
+        formatting_func applied), or the dataset as given under skip_prepare_dataset.
+        Mirrors: trl SFTTrainer._prepare_dataset's first steps (with_transform refused)"""
+        self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
+        if self._skip_prepare_dataset:
+            return train_dataset
+        _refuse_with_transform(train_dataset, "train_dataset")
+        train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
+        return load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
+                             args.dataset_text_field, args.max_steps, name="train_dataset")
 
     def _prepare_eval_sets(self, eval_dataset, tokenizer, args):
         """One eval set, or a dict of named ones (evaluate() reports eval_<name>_loss), each
