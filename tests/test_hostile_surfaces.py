@@ -279,7 +279,8 @@ def test_a_killed_runs_metrics_are_set_aside_not_appended_to(tokenizer, tmp_path
     old_log = "".join(json.dumps({"loss": 9.0, "step": s}) + "\n" for s in (1, 2))
     (out / "metrics.jsonl").write_text(old_log)  # a run killed before its first checkpoint
     with pytest.warns(UserWarning, match="moved to .*metrics.1.jsonl"):
-        _sft(tokenizer, tmp_path, args=sft_config(tmp_path, logging_steps=1)).train()
+        _sft(tokenizer, tmp_path,
+             args=sft_config(tmp_path, logging_steps=1, report_to="nanosft")).train()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
     assert steps == [1, 2]  # this run's, once each (before: 1, 2, 1, 2)
