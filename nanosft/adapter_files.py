@@ -29,13 +29,13 @@ PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft i
 # adapter_config.json keys of peft features nanosft does not implement, with peft's defaults
 # (written as they are, so peft reads our files; refused when a file switches one on)
 _LORA_UNUSED = {
-    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
+    "alora_invocation_tokens": None, "arrow_config": None,
     "auto_mapping": None, "corda_config": None, "ensure_weight_tying": False, "eva_config": None,
     "exclude_modules": None, "fan_in_fan_out": False, "kasa_config": None,
     "layer_replication": None, "layers_pattern": None, "layers_to_transform": None,
     "loftq_config": {}, "lora_bias": False, "lora_ga_config": None, "megatron_config": None,
     "megatron_core": "megatron.core", "monteclora_config": None, "qalora_group_size": 16,
-    "rank_pattern": {}, "revision": None, "target_parameters": None,
+    "revision": None,
     "trainable_token_indices": None, "use_bdlora": None, "use_qalora": False,
     "velora_config": None}
 # keys that change nothing nanosft computes, whatever their value
@@ -80,6 +80,11 @@ class LoraConfig:
     base_model_name_or_path: str | None = None
     inference_mode: bool = False
     peft_type: str = "LORA"
+    # LoRA on parameters, e.g. an MoE's 3-D experts (nanosft.families.expert_lora)
+    target_parameters: list | None = None
+    # {regex: r or alpha} for the modules / parameters whose name ends in a match
+    rank_pattern: dict = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.r, int) or self.r <= 0:
@@ -99,6 +104,8 @@ class LoraConfig:
                              "implemented; use True (peft's default), False or 'gaussian'")
         if isinstance(self.target_modules, (set, tuple)):
             self.target_modules = sorted(self.target_modules)
+        if isinstance(self.target_parameters, (set, tuple)):
+            self.target_parameters = sorted(self.target_parameters)
 
     def to_dict(self):
         """The adapter_config.json dict, key for key as peft writes it.
@@ -257,7 +264,7 @@ def peft_config_from_dict(d, source="adapter config"):
 # those need target_modules, as in peft
 DEFAULT_TARGET_MODULES = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"],
                           "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"],
-                          "gemma3_text": ["q_proj", "v_proj"]}
+                          "gemma3_text": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"]}
 
 _LINEAR = (nn.Linear, Linear4bit)  # the layers a LoraLinear wraps
 
@@ -268,6 +275,15 @@ def linear_layer_names(model):
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [n for n, m in model.named_modules()
             if isinstance(m, _LINEAR) and m is not head and ".lora_" not in n]
+
+
+def pattern_value(patterns, key, default):
+    """patterns[p] for the first regex p that matches the end of `key` after a dot, else default
+    (rank_pattern, alpha_pattern). Mirrors: peft get_pattern_key"""
+    for p in patterns:
+        if re.match(rf"(.*\.)?({p})$", key):
+            return patterns[p]
+    return default
 
 
 def target_module_matches(target, name):

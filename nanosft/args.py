@@ -94,7 +94,6 @@ TRAINING_ARGS_NOT_SUPPORTED = {
 SFT_CONFIG_NOT_SUPPORTED = {
     "dataset_num_proc": (None, "not implemented yet (the dataset is prepared in one process)"),
     "activation_offloading": (False, "not implemented yet (gradient_checkpointing saves memory)"),
-    "router_aux_loss_coef": (None, "Mixture-of-Experts models are out of scope"),
     "trust_remote_code": (False, "out of scope: nanosft runs its own model code, never a repo's"),
 }
 
@@ -528,6 +527,8 @@ class SFTConfig(TrainingArguments):
     # "chunked_nll" is TRL 1.16's deprecated alias of "nll"
     loss_type: str = "nll"
     eval_packing: bool | None = None  # None: as packing
+    # MoE models: the load-balancing loss's weight; None: the model config's, 0.0: off
+    router_aux_loss_coef: float | None = None
     # a .jinja / .j2 file whose template replaces the tokenizer's (TRL also takes a tokenizer folder
     # or Hub id, cloning its template, tokens and EOS into model and tokenizer; refused here)
     chat_template_path: str | None = None

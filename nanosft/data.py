@@ -347,8 +347,11 @@ def assistant_char_spans(tokenizer, messages, **template_kwargs):
     """Character span of each assistant turn in the rendered chat, found by rendering prefixes:
     turn i runs from len(render(messages[:i]) + generation prompt) to len(render(messages[:i+1])).
     Mirrors: transformers {% generation %} spans
-    Differs: needs no template tags."""
-    full = tokenizer.render_chat(messages, **template_kwargs)
+    Differs: needs no template tags; a template that has them (TRL's *_training.jinja, which
+    need not render prefixes: harmony ends the last turn otherwise) gives its spans directly."""
+    full, marked = tokenizer.render_chat_with_spans(messages, **template_kwargs)
+    if marked:
+        return marked
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":

@@ -7,7 +7,8 @@ loss.py (the causal-LM loss, whole or in lm_head tiles), masking.py (attention m
 rows), generation.py (decoding with the (k, v) cache), hub.py (safetensors files;
 `from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
 Other families (qwen2, qwen3, smollm3, mistral with a window, gemma3_text, phi3, qwen3_5_text,
-lfm2, gemma4_text) subclass these pieces in nanosft.families.
+lfm2, gemma4_text, olmo3, cohere2, gpt_neox, qwen3_moe, glm4_moe, gpt_oss) subclass these pieces
+in nanosft.families.
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
@@ -254,6 +255,9 @@ class CausalLM(nn.Module):
     # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
     accepts_loss_kwargs = True
     model_class = DecoderModel  # a model family's own (nanosft.families)
+    # a family whose files spell some weights otherwise (an MoE's per-expert keys, stacked here
+    # into 3-D parameters): model_index(index), merge(tensors, index), split(state_dict)
+    checkpoint_conversion = None
 
     def __init__(self, config):
         super().__init__()
@@ -371,8 +375,13 @@ class CausalLM(nn.Module):
         expected = model.state_dict()
         if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
             expected.pop("lm_head.weight"), index.pop("lm_head.weight", None)
-        hub.check_state_dict(index, expected, model_dir)
-        for key, tensor in hub.iter_tensors(index, dtype, device=device_map or "cpu"):
+        conversion = model.checkpoint_conversion  # None: file keys are the model's keys
+        hub.check_state_dict(index if conversion is None else conversion.model_index(index),
+                             expected, model_dir)
+        tensors = hub.iter_tensors(index, dtype, device=device_map or "cpu")
+        if conversion is not None:
+            tensors = conversion.merge(tensors, index)
+        for key, tensor in tensors:
             model._load_tensor(key, tensor, quantization_config)
             del tensor  # the next read must not overlap this one
         model.config.dtype = str(dtype).removeprefix("torch.")
@@ -389,7 +398,9 @@ class CausalLM(nn.Module):
         module_name, _, leaf = key.rpartition(".")
         module = self.get_submodule(module_name)
         qc, tied = quantization_config, self.config.tie_word_embeddings
-        if (qc is not None and leaf == "weight" and type(module) is nn.Linear
+        if leaf in module._buffers:  # a buffer stays one, in the dtype it was built in
+            module._buffers[leaf] = tensor.to(module._buffers[leaf].dtype)
+        elif (qc is not None and leaf == "weight" and type(module) is nn.Linear
                 and qc.quantizes(module_name, tensor, tied_lm_head=tied)):
             parent, _, child = module_name.rpartition(".")
             setattr(self.get_submodule(parent), child, qc.quantize(tensor, module.bias))
@@ -405,6 +416,8 @@ class CausalLM(nn.Module):
         state_dict = self.state_dict() if state_dict is None else dict(state_dict)
         if self.config.tie_word_embeddings:
             state_dict.pop("lm_head.weight")  # loaders re-tie it to model.embed_tokens.weight
+        if self.checkpoint_conversion is not None:
+            state_dict = self.checkpoint_conversion.split(state_dict)
         hub.save_state_dict_to_hf(state_dict, save_directory, max_shard_size)
         self.config.dtype = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
         hub.write_json(self.config.to_dict(), os.path.join(save_directory, "config.json"))

@@ -20,8 +20,9 @@ from torch import nn
 from nanosft.adapter_files import (  # noqa: F401
     DEFAULT_TARGET_MODULES, PEFT_FORMAT_VERSION, PROMPT_LEARNING_TYPES, LoraConfig,
     PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, find_target_modules,
-    get_peft_model_state_dict, load_adapter_files, peft_config_from_dict, prompt_init_token_ids,
-    resolve_target_modules, save_adapter_files, set_peft_model_state_dict, target_module_matches)
+    get_peft_model_state_dict, load_adapter_files, pattern_value, peft_config_from_dict,
+    prompt_init_token_ids, resolve_target_modules, save_adapter_files, set_peft_model_state_dict,
+    target_module_matches)
 from nanosft.lora import (  # noqa: F401
     LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
 from nanosft.nf4 import is_quantized
@@ -38,14 +39,22 @@ def inject_adapter(model, config, adapter_name="default"):
     """Swap each target module for a `LoraLinear`, in named_modules order (peft's RNG order).
     Mirrors: peft BaseTuner.inject_adapter,
     LoraModel._create_and_replace"""
-    names = find_target_modules(model, config)
+    convert = getattr(model, "convert_peft_config", None)  # a family's rewrite (MoE experts)
+    if convert is not None:
+        convert(config)
+    names = find_target_modules(model, config) if config.target_modules != [] else []
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
     for name in names:
-        layer = LoraLinear(model.get_submodule(name), adapter_name, r=config.r,
-                           lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                           use_rslora=config.use_rslora, use_dora=config.use_dora,
-                           init_lora_weights=config.init_lora_weights)
+        layer = LoraLinear(model.get_submodule(name), adapter_name,
+                           r=pattern_value(config.rank_pattern, name, config.r),
+                           lora_alpha=pattern_value(config.alpha_pattern, name, config.lora_alpha),
+                           lora_dropout=config.lora_dropout, use_rslora=config.use_rslora,
+                           use_dora=config.use_dora, init_lora_weights=config.init_lora_weights)
         _replace_module(model, name, layer)
+    if config.target_parameters:  # LoRA on parameters: product layer, imported on use
+        from nanosft.families.expert_lora import inject_parameter_adapters
+
+        inject_parameter_adapters(model, config, adapter_name, _replace_module)
 
 
 def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
@@ -288,7 +297,7 @@ class PeftModelForCausalLM(nn.Module):
         if self.peft_type != "LORA":
             raise ValueError("disable_adapter() is implemented for LoRA; for prompt tuning call "
                              "get_base_model()")
-        layers = [m for m in self.modules() if isinstance(m, LoraLinear)]
+        layers = [m for m in self.modules() if hasattr(m, "lora_A")]  # LoraLinear, ParamWrapper
         for layer in layers:
             layer.enable_adapters(False)
         try:
@@ -308,6 +317,11 @@ class PeftModelForCausalLM(nn.Module):
             if isinstance(module, LoraLinear):
                 module.merge()
                 _replace_module(model, name, module.base_layer)
+            elif hasattr(module, "parameter_name") and not module.merged:  # ParamWrapper
+                while hasattr(module, "parameter_name"):  # nested: one per parameter
+                    module.merge()
+                    module = module.base_layer
+                _replace_module(model, name, module)
             elif isinstance(module, ModulesToSaveWrapper):
                 _replace_module(model, name, module.modules_to_save[module.active_adapter])
         return model

@@ -243,16 +243,6 @@ def _reject_skip_prepare_without_labels(datasets, skip, data_collator) -> None:
                              "tokens off the loss) or drop skip_prepare_dataset.")
 
 
-def _aux_loss_enabled(model) -> bool:
-    """A Mixture-of-Experts config (output_router_logits) with a non-zero router_aux_loss_coef.
-    Mirrors: trl SFTTrainer.__init__ (self.aux_loss_enabled; args.router_aux_loss_coef is refused
-    by SFTConfig, so the config's coefficient counts)"""
-    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
-    config = getattr(base, "config", None)
-    return (hasattr(config, "output_router_logits")
-            and getattr(config, "router_aux_loss_coef", 0.0) != 0.0)
-
-
 def _add_model_tags(model, tags) -> None:
     """Append `tags` to the base model's model_tags (a PeftModelForCausalLM shows the same list,
     as peft forwards the attribute). Mirrors: transformers PreTrainedModel.add_model_tags"""
@@ -335,9 +325,22 @@ class SFTTrainer(Trainer):
         )
         # TRL's _set_signature_columns_if_needed
         self._signature_columns = {"input_ids", "labels", "seq_lengths"}
+        # MoE load-balancing loss: the config's router_aux_loss_coef unless args set one
+        config = getattr(self.model, "config", None)
+        coef = args.router_aux_loss_coef
+        self.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None \
+            else coef
+        if coef and not hasattr(config, "output_router_logits"):
+            raise ValueError(f"SFTConfig.router_aux_loss_coef={coef} but "
+                             f"{type(self.model).__name__} is not a Mixture-of-Experts model that "
+                             "returns its router logits; leave router_aux_loss_coef unset")
+        self.aux_loss_enabled = (hasattr(config, "output_router_logits")
+                                 and self.router_aux_loss_coef != 0.0)
+        if hasattr(config, "router_aux_loss_coef"):  # the model's own forward reads these
+            config.output_router_logits = self.aux_loss_enabled
+            config.router_aux_loss_coef = self.router_aux_loss_coef
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._total_train_tokens = 0
-        self.aux_loss_enabled = _aux_loss_enabled(self.model)
         _add_model_tags(self.model, self._tag_names)
 
     def _read_train_dataset(self, train_dataset, args, formatting_func):
@@ -486,6 +489,8 @@ class SFTTrainer(Trainer):
         `loss = outputs["loss"]`, the metrics from the full logits. loss_type="dft" as TRL's."""
         mode = "train" if model.training else "eval"
         inputs = {**inputs, "use_cache": False}
+        if self.aux_loss_enabled:  # MoE: the model returns outputs.aux_loss
+            inputs["output_router_logits"] = True
         fused = (self.args.label_smoothing_factor == 0 and self.compute_loss_func is None
                  and not return_outputs and fast_path("fused_lm_head_outputs"))
         if not fused:
@@ -511,8 +516,31 @@ class SFTTrainer(Trainer):
                                  outputs.is_top1.sum().float()])
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages ranks
+        if self.aux_loss_enabled:
+            loss = self._add_aux_loss(loss, outputs, num_items_in_batch)
         self._record_metrics(mode, stats.detach(), inputs)
+        if self.aux_loss_enabled:
+            aux = distributed.all_reduce_sum(outputs.aux_loss.detach().float())
+            self._metrics[mode]["aux_loss"].append(aux.item() / self.args.world_size)
         return (loss, outputs) if return_outputs else loss
+
+    def _add_aux_loss(self, loss, outputs, num_items_in_batch):
+        """The loss plus router_aux_loss_coef * aux_loss, divided by the accumulation steps when
+        num_items_in_batch normalises the loss (the aux loss is a per-micro-batch mean).
+        Mirrors: trl SFTTrainer.compute_loss (weighted_aux_loss)
+        Differs: the model's loss (fused head or not) holds coef * aux_loss once (transformers'
+        forward, times world_size under average_tokens_across_devices), replaced here by TRL's."""
+        if self.args.label_smoothing_factor != 0 or self.compute_loss_func is not None:
+            return loss  # TRL adds none on these paths (the model saw no labels)
+        weighted = self.router_aux_loss_coef * outputs.aux_loss
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        if self.args.loss_type == "dft":  # the model's loss was replaced by the DFT loss
+            return loss + weighted / steps
+        scale = (self.args.world_size if self.args.average_tokens_across_devices
+                 and num_items_in_batch is not None else 1)
+        if scale == 1 and steps == 1:  # the model's nll + coef * aux_loss is TRL's sum already
+            return loss
+        return loss - weighted * scale + weighted / steps
 
     def _record_metrics(self, mode, stats, inputs) -> None:
         """Per micro-batch entropy and mean_token_accuracy (summed over ranks: correct / valid of

@@ -8,27 +8,39 @@ right one; model.py itself stays the Llama decoder.
 """
 
 from nanosft.configuration import ARCHITECTURES, ModelConfig
+from nanosft.families.cohere2 import Cohere2Config, Cohere2ForCausalLM
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from nanosft.families.gemma4 import Gemma4Config, Gemma4ForCausalLM
+from nanosft.families.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+from nanosft.families.gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM
+from nanosft.families.gpt_oss import GptOssConfig, GptOssForCausalLM
 from nanosft.families.lfm2 import Lfm2Config, Lfm2ForCausalLM
 from nanosft.families.mistral import MistralConfig, MistralForCausalLM
+from nanosft.families.olmo3 import Olmo3Config, Olmo3ForCausalLM
 from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from nanosft.families.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from nanosft.families.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from nanosft.families.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from nanosft.families.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from nanosft.model import CausalLM
 
 # model_type -> (config class, model class); llama (and mistral without a window) are model.py's
 FAMILIES = {
+    "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
     "gemma4_text": (Gemma4Config, Gemma4ForCausalLM),
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     "lfm2": (Lfm2Config, Lfm2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3_5_text": (Qwen3_5Config, Qwen3_5ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
 }
 
@@ -37,6 +49,7 @@ REFUSED = {
     "qwen3_5_moe": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 model",
     "qwen3_5_moe_text": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 "
                         "model",
+    "nemotron_h": "its hybrid Mamba-2 state-space layers are not implemented",
 }
 
 # a multimodal model_type whose folder holds a text model of a family: (its model_type, the prefix
@@ -78,7 +91,7 @@ def config_from_dict(d):
     model_type = d.get("model_type", "llama") if isinstance(d, dict) else None
     if model_type in REFUSED:
         raise ValueError(f"config: model_type={model_type!r} is not supported: "
-                         f"{REFUSED[model_type]}")
+                         f"{REFUSED[model_type]}; nanosft loads {supported_model_types()}")
     if model_type in TEXT_MODELS:  # the language model inside a multimodal folder
         text_type, prefix = TEXT_MODELS[model_type]
         text = d.get("text_config") or {}

@@ -3,8 +3,12 @@ families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (l
 RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, Phi-3 (partial RoPE;
 all-linear targets the fused qkv_proj and gate_up_proj), Gemma 3 (a sliding and a full layer,
 (1 + w) norms around zero, the sublayer outputs normed), Qwen3.5 (a Gated DeltaNet layer and a
-gated full-attention layer), LFM2 (a gated short-convolution layer and an attention layer) and
-Gemma 4 (per-layer inputs, a layer reading another's keys and values).
+gated full-attention layer), LFM2 (a gated short-convolution layer and an attention layer),
+Gemma 4 (per-layer inputs, a layer reading another's keys and values), OLMo 3, Cohere 2, GPT-NeoX,
+GLM-4-MoE, gpt-oss (its aux loss too) and Qwen3-MoE (4 experts, top 2; all-linear is LoRA on the
+attention, the 3-D experts and the router, as peft rewrites it; the load-balancing loss at
+router_aux_loss_coef 0.1 in the loss, divided by the 2 accumulation steps as TRL does, and its
+logged aux_loss compared too).
 
 Per family: one tiny random model built by transformers' own config class (norms randomized so
 a q_norm / k_norm mix-up shows) saved to a folder; each stack loads that folder in 4-bit (NF4,
@@ -52,6 +56,26 @@ FAMILIES = {  # name: (transformers config class, overrides)
                      {"use_sliding_window": True, "sliding_window": WINDOW,
                       "max_window_layers": 1}),
     "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5}),
+    # a sliding and a full layer each; GPT-NeoX: parallel residual, fused query_key_value
+    "olmo3": (transformers.Olmo3Config,
+              {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
+    "cohere2": (transformers.Cohere2Config,
+                {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
+                 "logit_scale": 0.5}),
+    "gpt_neox": (transformers.GPTNeoXConfig, {"num_key_value_heads": None}),
+    # 4 experts, top 2 renormalised; coef 0.1 so the load-balancing loss moves the loss
+    "qwen3_moe": (transformers.Qwen3MoeConfig,
+                  {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "norm_topk_prob": True,
+                   "router_aux_loss_coef": 0.1}),
+    # sigmoid router with a correction bias, shared experts, layer 0 dense; no aux loss
+    "glm4_moe": (transformers.Glm4MoeConfig,
+                 {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
+    # attention sinks, sliding then full layer, YaRN, clamped SwiGLU experts; aux loss on
+    "gpt_oss": (transformers.GptOssConfig,
+                {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "sliding_window": WINDOW, "swiglu_limit": 0.05}),
     "gemma3_text": (transformers.Gemma3TextConfig,
                     {"head_dim": 16, "sliding_window": WINDOW,
                      "layer_types": ["sliding_attention", "full_attention"]}),
@@ -80,6 +104,7 @@ ARGS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max
         "optim": "adamw_torch", "seed": 11, "report_to": "none", "disable_tqdm": True,
         "gradient_checkpointing": False, "max_length": None}
 KEYS = ("loss", "grad_norm", "learning_rate")
+AUX_LOSS = ("qwen3_moe", "gpt_oss")  # configs with router_aux_loss_coef: TRL adds and logs it
 # Gemma 3's loss after step 1: both stacks train the same bf16 adapters, and a last-bit fp32
 # difference (nanosft's fused LM head and unpadded attention against TRL's chunked log-probs and
 # padded SDPA; <1e-7 in the gradients, test_lora_gradients_match_peft) flips the bf16 rounding of
@@ -100,7 +125,11 @@ KEYS = ("loss", "grad_norm", "learning_rate")
 # 2-3 and 0.031 (two bf16 steps) in the bf16 grad_norm at step 3. nanosft: 1.1e-5 / 3.6e-5 and
 # 0.016; with its unpadded speed path off the gradients agree within 1e-8. A window one key wider
 # shows 5.6e-3 at step 1.
-LOSS_ATOL_AFTER_STEP_1 = {"gemma3_text": 5e-5, "qwen3_5_text": 5e-5, "gemma4_text": 5e-5}
+# OLMo 3 the same way: fp32 LoRA gradients within 9e-8 of peft's (test_lora_gradients_match_peft),
+# step-2 loss 4.3e-6, step 3 3.8e-5 (9.5e-6 in reference mode, speed paths off); TRL sdpa against
+# TRL eager on this model, same adapters: 2.4e-6 at step 2, 1.2e-5 at step 3.
+LOSS_ATOL_AFTER_STEP_1 = {"gemma3_text": 5e-5, "qwen3_5_text": 5e-5, "gemma4_text": 5e-5,
+                          "olmo3": 5e-5}
 GRAD_NORM_ATOL_AFTER_STEP_1 = {"gemma4_text": 1 / 32}
 GRAD_ATOL = 5e-7  # fp32 adapters: measured at most 9.7e-8 over these families (gradients ~0.1)
 FAMILY_GRAD_ATOL = {"gemma4_text": 5e-6}  # within transformers' own sdpa-vs-eager 2.7e-6
@@ -163,6 +192,7 @@ def trainers(name, tmp_path):
                          processing_class=ref_tok, peft_config=peft.LoraConfig(**LORA))
     ours = SFTTrainer(our_model, SFTConfig(str(tmp_path / "ours"), **ARGS), train_dataset=rows,
                       processing_class=our_tok, peft_config=LoraConfig(**LORA))
+    assert ours.aux_loss_enabled == ref.aux_loss_enabled == (name in AUX_LOSS)
     ref_params = dict(ref.model.named_parameters())
     trainable = {n: p for n, p in ours.model.named_parameters() if p.requires_grad}
     assert sorted(trainable) == sorted(n for n, p in ref_params.items() if p.requires_grad)
@@ -179,7 +209,7 @@ def test_qlora_sft_losses_match_trl(name, tmp_path):
     ref_logs, our_logs = train_logs(ref), train_logs(ours)
     assert [h["step"] for h in our_logs] == [h["step"] for h in ref_logs] == [1, 2, 3]
     for a, b in zip(our_logs, ref_logs):
-        for key in KEYS:
+        for key in KEYS + (("aux_loss",) if name in AUX_LOSS else ()):  # TRL logs it too
             atol = 1e-5
             if key == "loss" and a["step"] > 1:
                 atol = LOSS_ATOL_AFTER_STEP_1.get(name, atol)
@@ -213,6 +243,8 @@ def test_lora_gradients_match_peft(name, tmp_path):
         num_items = (ref_batch["labels"][:, 1:] != -100).sum()
         grads = []
         for trainer, batch in ((ref, ref_batch), (ours, our_batch)):
+            # the window's size, as the training loop sets it (MoE: aux_loss / steps)
+            trainer.current_gradient_accumulation_steps = ARGS["gradient_accumulation_steps"]
             model = trainer.model.train()
             model.zero_grad(set_to_none=True)
             trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items).backward()

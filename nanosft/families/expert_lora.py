@@ -1,0 +1,228 @@
+"""LoRA on parameters (peft's `target_parameters`): the 3-D expert weights and the router's.
+
+peft 0.21's ParamWrapper wraps the module that holds a targeted parameter (one wrapper per
+parameter, nested when a module has two: `experts` -> down_proj's wrapper -> gate_up_proj's ->
+the Experts module), and for the length of a forward swaps the parameter for W + scaling * delta
+(torch's parametrize). A 3-D parameter (E, out, in) gets one rank-r pair per expert, stored in two
+plain linears whose weights hold all experts: A (r E, in), rows e r ... (e + 1) r for expert e;
+B (out, r E), columns r_i E + e. `moe_target_conversion` is peft's rewrite of a Qwen3-MoE /
+GLM-4-MoE config whose target_modules name the transformers-4 expert linears (or "all-linear").
+Paper: LoRA 2106.09685.
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from nanosft.adapter_files import pattern_value
+
+# model types whose experts transformers 5 fused (conversion pattern "qwen2_moe"): leaf name in a
+# target_modules list -> the parameter peft targets instead
+MOE_TARGETS = {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+               "down_proj": "down_proj"}
+MOE_CONVERTED_TYPES = ("qwen3_moe", "glm4_moe")
+
+
+def moe_target_conversion(config, model_type, linear_leaves):
+    """Rewrite `config` in place as peft does for these model types: "all-linear" is every linear
+    leaf name plus the v4 expert and router names; those names move to target_parameters, and
+    gate_proj + up_proj (fused) get rank and alpha doubled by pattern.
+    Mirrors: peft _convert_peft_config_moe, _resolve_string_target_modules ("all-linear")"""
+    if model_type not in MOE_CONVERTED_TYPES:
+        return
+    target = config.target_modules
+    if isinstance(target, str):
+        if target.lower() != "all-linear":
+            return  # a regex: left as it is (peft probes it against the v4 names)
+        target = set(linear_leaves) | set(MOE_TARGETS)
+    parameters, modules, fused = set(config.target_parameters or []), set(), set()
+    for t in target or []:
+        old = next((o for o in MOE_TARGETS if t == o or t.endswith("." + o)), None)
+        if old is None:
+            modules.add(t)
+            continue
+        parameters.add(MOE_TARGETS[old])
+        fused |= {old} & {"gate_proj", "up_proj"}
+    if len(fused) == 1:
+        raise ValueError(f"LoraConfig.target_modules names {fused.pop()} without its partner: "
+                         "gate_proj and up_proj are fused into gate_up_proj; name both")
+    if fused:
+        config.rank_pattern = {**config.rank_pattern, r".*\.gate_up_proj": 2 * config.r}
+        config.alpha_pattern = {**config.alpha_pattern, r".*\.gate_up_proj": 2 * config.lora_alpha}
+    config.target_parameters = sorted(parameters)
+    config.target_modules = sorted(modules)
+
+
+class FactorsProxy(nn.Module):
+    """W (E, out, in) -> W + scaling * lhs @ rhs, one baddbmm, in W's dtype.
+    Mirrors: peft _LoraFactorsProxy"""
+
+    def __init__(self, lhs, rhs, scaling):
+        super().__init__()
+        self.lhs, self.rhs, self.scaling = lhs, rhs, scaling
+
+    def forward(self, W):
+        with torch.autocast(device_type=W.device.type, enabled=False):
+            return torch.baddbmm(W, self.lhs, self.rhs, alpha=self.scaling)
+
+
+class DeltaProxy(nn.Module):
+    """W -> W + delta. Mirrors: peft _LoraParameterProxy (fp32 / bf16 weights)"""
+
+    def __init__(self, delta):
+        super().__init__()
+        self.delta = delta
+
+    def forward(self, W):
+        return W + self.delta
+
+
+class ParamWrapper(nn.Module):
+    """LoRA on one parameter of the wrapped module: during forward it reads W + scaling * B A
+    (per expert for a 3-D W). Mirrors: peft lora.ParamWrapper
+    Differs: one adapter at a time; no dropout, DoRA or bias, which peft refuses here too.
+
+    Args:
+        base_layer: the module holding the parameter, or another ParamWrapper around it.
+        parameter_name: the parameter's name on that module ("gate_up_proj", "weight").
+        r, lora_alpha: the rank per expert and the scale numerator (scaling = lora_alpha / r).
+    """
+
+    def __init__(self, base_layer, parameter_name, adapter_name="default", r=8, lora_alpha=8,
+                 use_rslora=False, init_lora_weights=True):
+        super().__init__()
+        self.base_layer, self.parameter_name = base_layer, parameter_name
+        shape = self.get_param().shape
+        # (E, out, in) as F.linear reads each expert's slice; (E, in, out) where x @ W[e] does
+        self.is_transposed = getattr(self.get_base_layer(), "is_transposed", False)
+        if len(shape) == 3 and self.is_transposed:  # gpt-oss
+            self.num_experts, self.in_features, self.out_features = shape
+        elif len(shape) == 3:
+            self.num_experts, self.out_features, self.in_features = shape
+        else:
+            self.num_experts, (self.out_features, self.in_features) = 1, shape
+        self.lora_A, self.lora_B = nn.ModuleDict(), nn.ModuleDict()
+        self.r, self.lora_alpha, self.scaling = {}, {}, {}
+        self.active_adapters, self.merged_adapters = [adapter_name], []
+        self.disable_adapters = False
+        E = self.num_experts
+        # RNG order as peft: A's and B's constructor draws, then A drawn again
+        self.lora_A[adapter_name] = nn.Linear(self.in_features, r * E, bias=False)
+        self.lora_B[adapter_name] = nn.Linear(r * E, self.out_features, bias=False)
+        self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
+        self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        if init_lora_weights is True:
+            nn.init.kaiming_uniform_(self.lora_A[adapter_name].weight, a=math.sqrt(5))
+        elif init_lora_weights == "gaussian":
+            nn.init.normal_(self.lora_A[adapter_name].weight, std=1 / r)
+        if init_lora_weights is not False:
+            nn.init.zeros_(self.lora_B[adapter_name].weight)
+        param = self.get_param()
+        for linear in (self.lora_A[adapter_name], self.lora_B[adapter_name]):
+            linear.to(param.device, param.dtype if param.is_floating_point() else None)
+
+    def get_base_layer(self):
+        """The module that holds the parameter (under any nested wrappers)."""
+        module = self.base_layer
+        while isinstance(module, ParamWrapper):
+            module = module.base_layer
+        return module
+
+    def get_param(self):
+        return getattr(self.get_base_layer(), self.parameter_name)
+
+    @property
+    def merged(self):
+        return bool(self.merged_adapters)
+
+    def enable_adapters(self, enabled):
+        """Switch the delta on or off (peft's disable_adapter context)."""
+        self.disable_adapters = not enabled
+
+    def get_delta_factors(self, adapter):
+        """(lhs, rhs, scaling): expert e's delta is scaling lhs[e] @ rhs[e], W[e]'s shape.
+        Mirrors: peft ParamWrapper.get_delta_factors"""
+        A, B, E = self.lora_A[adapter].weight, self.lora_B[adapter].weight, self.num_experts
+        rhs = A.reshape(E, -1, A.shape[-1])  # rows e r ... (e + 1) r
+        lhs = B.reshape(B.shape[0], -1, E).permute(2, 0, 1)  # columns r_i E + e
+        if self.is_transposed:  # W[e] is (in, out): delta[e] = A_e^T B_e^T
+            lhs, rhs = rhs.transpose(-2, -1), lhs.transpose(-2, -1)
+        dtype = self.get_param().dtype
+        return lhs.to(dtype), rhs.to(dtype), self.scaling[adapter]
+
+    def get_delta_weight(self, adapter):
+        """The delta as the parameter's shape. Mirrors: peft ParamWrapper.get_delta_weight"""
+        if self.num_experts == 1:
+            A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+            delta = (B @ A) * self.scaling[adapter]
+        else:
+            lhs, rhs, scaling = self.get_delta_factors(adapter)
+            delta = (lhs @ rhs) * scaling
+        return delta.to(self.get_param().dtype)
+
+    def forward(self, *args, **kwargs):
+        """The wrapped module's forward, reading W + delta for this parameter."""
+        adapter = self.active_adapters[0]
+        if self.disable_adapters or self.merged or adapter not in self.lora_A:
+            return self.base_layer(*args, **kwargs)
+        if self.num_experts > 1:
+            proxy = FactorsProxy(*self.get_delta_factors(adapter))
+        else:
+            proxy = DeltaProxy(self.get_delta_weight(adapter))
+        module, name = self.get_base_layer(), self.parameter_name
+        requires_grad = getattr(module, name).requires_grad
+        parametrize.register_parametrization(module, name, proxy)
+        module.parametrizations[name].original.requires_grad_(requires_grad)
+        try:
+            with parametrize.cached():  # one W + delta per forward, however often it is read
+                return self.base_layer(*args, **kwargs)
+        finally:
+            parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+
+    def merge(self):
+        """Fold the delta into the parameter. Mirrors: peft ParamWrapper.merge"""
+        for adapter in self.active_adapters:
+            self.get_param().data += self.get_delta_weight(adapter)
+            self.merged_adapters.append(adapter)
+
+    def unmerge(self):
+        """Take it out again. Mirrors: peft ParamWrapper.unmerge"""
+        while self.merged_adapters:
+            self.get_param().data -= self.get_delta_weight(self.merged_adapters.pop())
+
+
+def find_target_parameters(model, target_parameters):
+    """(module name, parameter name) of each targeted parameter in named_modules order, a module
+    named under any wrapper around it. Mirrors: peft BaseTuner._inject_parameters (its matching)"""
+    targets = sorted(set(target_parameters))
+    found = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            continue
+        for param_name, _ in module.named_parameters(recurse=False):
+            key = f"{module_name}.{param_name}"
+            if key in targets or any(key.endswith("." + t) for t in targets):
+                found.append((module_name, param_name))
+    return found
+
+
+def inject_parameter_adapters(model, config, adapter_name, replace_module):
+    """Wrap every targeted parameter's module in a ParamWrapper (the second parameter of a module
+    wraps the first's wrapper). Mirrors: peft BaseTuner._inject_parameters"""
+    found = find_target_parameters(model, config.target_parameters)
+    if not found:
+        raise ValueError(f"LoraConfig.target_parameters={config.target_parameters} matches no "
+                         f"parameter of {type(model).__name__}")
+    wrapped = {}  # module name -> its current outermost wrapper
+    for module_name, param_name in found:
+        target = wrapped.get(module_name) or model.get_submodule(module_name)
+        key = f"{module_name}.{param_name}"
+        layer = ParamWrapper(target, param_name, adapter_name,
+                             r=pattern_value(config.rank_pattern, key, config.r),
+                             lora_alpha=pattern_value(config.alpha_pattern, key, config.lora_alpha),
+                             use_rslora=config.use_rslora,
+                             init_lora_weights=config.init_lora_weights)
+        replace_module(model, module_name, layer)
+        wrapped[module_name] = layer
