@@ -26,6 +26,9 @@ _LAZY_NAMES = {
     "PromptEncoderConfig": "nanosft.peft",
     "PrefixTuningConfig": "nanosft.peft",
     "get_peft_model": "nanosft.peft",
+    "PromptTuningConfig": "nanosft.adapter_files",
+    "TaskType": "nanosft.adapter_files",
+    "prepare_model_for_kbit_training": "nanosft.lora",
 }
 __all__ = sorted(_LAZY_NAMES)
 

@@ -43,6 +43,17 @@ _HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "
              "ensure_weight_tying"}
 
 
+class TaskType(str, enum.Enum):
+    """The task an adapter config is for; a str, so TaskType.CAUSAL_LM == "CAUSAL_LM" and it is
+    saved as that string. nanosft trains CAUSAL_LM adapters. Mirrors: peft TaskType"""
+    SEQ_CLS = "SEQ_CLS"
+    SEQ_2_SEQ_LM = "SEQ_2_SEQ_LM"
+    CAUSAL_LM = "CAUSAL_LM"
+    TOKEN_CLS = "TOKEN_CLS"
+    QUESTION_ANS = "QUESTION_ANS"
+    FEATURE_EXTRACTION = "FEATURE_EXTRACTION"
+
+
 def _check_unused(d, defaults, source):
     # a peft-only feature switched on would load silently wrong: refuse it, naming file and key
     for key, value in d.items():

@@ -18,13 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
+from nanosft.optim import BITSANDBYTES_OPTIMIZERS
+
 
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
     "warmup_stable_decay",
 )
-OPTIMIZER_NAMES = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "sgd")
+OPTIMIZER_NAMES = ("adamw_torch_fused", "adamw_torch", "sgd", *BITSANDBYTES_OPTIMIZERS)
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 REPORT_TO = ("none", "all", "nanosft", "tensorboard")
 # Fields whose value may arrive as a JSON string (command line, JSON config), as in transformers.
@@ -91,7 +93,6 @@ TRAINING_ARGS_NOT_SUPPORTED = {
 # The same for the fields TRL 1.16's SFTConfig adds.
 SFT_CONFIG_NOT_SUPPORTED = {
     "dataset_num_proc": (None, "not implemented yet (the dataset is prepared in one process)"),
-    "dataset_kwargs": (None, "not implemented yet (pass rows with input_ids to skip preparation)"),
     "activation_offloading": (False, "not implemented yet (gradient_checkpointing saves memory)"),
     "trust_remote_code": (False, "out of scope: nanosft runs its own model code, never a repo's"),
 }
@@ -533,12 +534,21 @@ class SFTConfig(TrainingArguments):
     chat_template_path: str | None = None
     # from_pretrained keywords (dtype, quantization_config, device_map, revision) for a model id
     model_init_kwargs: dict | str | None = None
+    # {"skip_prepare_dataset": True}: the datasets go to the collator as given (already tokenized,
+    # truncated and labelled, or a with_transform dataset that yields such rows)
+    dataset_kwargs: dict | str | None = None
 
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16
         if isinstance(self.model_init_kwargs, str):  # a JSON string from the command line
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        if isinstance(self.dataset_kwargs, str):
+            self.dataset_kwargs = json.loads(self.dataset_kwargs)
+        unknown = sorted(set(self.dataset_kwargs or {}) - {"skip_prepare_dataset"})
+        if unknown:
+            _fail("dataset_kwargs", self.dataset_kwargs,
+                  f"TRL 1.16 reads only 'skip_prepare_dataset' from it, not {unknown}")
         if self.loss_type == "chunked_nll":
             warnings.warn("loss_type='chunked_nll' is deprecated (as in TRL 1.16); it is "
                           "loss_type='nll'.", FutureWarning, stacklevel=3)

@@ -47,14 +47,17 @@ def _check_examples(examples, keys=("input_ids",)):
 
 
 def _example_labels(i, example, completion_only_loss):
-    """Labels of example i: its own `labels` (else its input_ids), -100 where a mask is 0."""
+    """Labels of example i: its own `labels`, kept as given (as TRL's collator); else its
+    input_ids with -100 where a mask (assistant_masks, completion_mask) is 0."""
     names = ["labels", "assistant_masks"] + (["completion_mask"] if completion_only_loss else [])
     n = len(example["input_ids"])
     for name in names:
         if name in example and len(example[name]) != n:
             raise ValueError(f"example {i} of the batch: {name} has {len(example[name])} entries "
                              f"but input_ids has {n}; fix: build both from the same tokenization")
-    labels = torch.tensor(example.get("labels", example["input_ids"]), dtype=torch.long)
+    if "labels" in example:  # the caller's labels win over any mask column
+        return torch.tensor(example["labels"], dtype=torch.long)
+    labels = torch.tensor(example["input_ids"], dtype=torch.long)
     for name in names[1:]:
         if name in example:
             labels[torch.tensor(example[name]) == 0] = -100
@@ -147,6 +150,13 @@ class DataCollatorForLanguageModeling:
         # A document's first token is no target of the previous document's last token.
         batch["labels"][batch["position_ids"] == 0] = -100
         return batch
+
+    @staticmethod
+    def get_position_ids_from_packed_seq_lengths(batch_seq_lengths):
+        """Per row, positions restarting at 0 for each packed document: [[3, 2]] ->
+        [tensor([0, 1, 2, 0, 1])].
+        Mirrors: trl DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths"""
+        return [position_ids_from_seq_lengths(seq_lengths) for seq_lengths in batch_seq_lengths]
 
     def _get_generator(self):
         if self.seed is None:

@@ -2,8 +2,9 @@
 
 SFTTrainer.__init__ prepares `train_dataset` with it before Trainer sees it. Examples come
 from JSONL / JSON / Parquet / CSV files, lists, datasets.Dataset-like sequences or iterables.
-`prepare_dataset` follows TRL SFTTrainer._prepare_dataset step by step:
-append EOS, tokenize (chat template for conversations), completion / assistant masks -> labels
+`prepare_dataset` follows TRL SFTTrainer._prepare_dataset step by step: ShareGPT rows to
+messages, append EOS, tokenize (chat template for conversations, with the row's tools and
+chat_template_kwargs), completion / assistant masks -> labels
 (-100), truncate (keep_start), drop fully masked examples, pack with Best-Fit-Decreasing
 ("Fewer Truncations Improve Language Modeling", 2404.10830). Knows nothing of models.
 """
@@ -213,6 +214,53 @@ def to_example_list(source, name="the dataset", max_steps=None):
     return examples, wheres
 
 
+def is_conversational_from_value(example):
+    """A ShareGPT row: "conversations" is a list of {"from", "value"} messages.
+    Mirrors: trl is_conversational_from_value"""
+    messages = example.get("conversations")
+    return (isinstance(messages, list) and bool(messages) and isinstance(messages[0], Mapping)
+            and "from" in messages[0] and "value" in messages[0])
+
+
+def maybe_convert_to_chatml(example):
+    """A copy of the row with from/value messages as role/content and "conversations" renamed
+    "messages" (moved last, as datasets' map adds it). Roles are kept as written.
+    Mirrors: trl maybe_convert_to_chatml"""
+    example = dict(example)
+    for key in ("prompt", "completion", "chosen", "rejected", "messages", "conversations"):
+        if isinstance(example.get(key), list):
+            example[key] = [_chatml_message(m) if isinstance(m, Mapping) else m
+                            for m in example[key]]
+    if "conversations" in example:
+        example["messages"] = example.pop("conversations")
+    return example
+
+
+def _chatml_message(message):
+    renamed = {"from": "role", "value": "content"}
+    out = {renamed.get(k, k): v for k, v in message.items() if k not in renamed}
+    out.update({renamed[k]: message[k] for k in renamed if k in message})
+    return out
+
+
+def chat_template_kwargs(example):
+    """The chat-template variables of one row: its `tools` (a list, or a JSON string) plus its
+    `chat_template_kwargs` dict. Mirrors: trl SFTTrainer._prepare_dataset tokenize_fn"""
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"field 'tools' is a string but not JSON ({error.msg}, column "
+                             f"{error.colno}); fix: give a list of tool schemas or their JSON "
+                             "text") from None
+    extra = example.get("chat_template_kwargs") or {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"field 'chat_template_kwargs' must be a dict of template variables, got "
+                        f"{type(extra).__name__}")
+    return {"tools": tools, **extra}
+
+
 def dataset_format(example, dataset_text_field="text"):
     """Name an example's TRL format (one of FORMATS); raises if it has none of their fields.
     Mirrors: trl is_conversational and the branches of SFTTrainer tokenize_fn"""
@@ -268,6 +316,8 @@ def load_examples(source, dataset_text_field="text", max_steps=None, name="the d
     examples, wheres = to_example_list(source, name, max_steps)
     if "input_ids" in examples[0]:
         return examples  # already tokenized: TRL skips straight to labels, truncation, packing
+    if is_conversational_from_value(examples[0]):  # ShareGPT: "Converting ... to ChatML"
+        examples = [maybe_convert_to_chatml(example) for example in examples]
     formats = []
     for example, where in zip(examples, wheres):
         try:
@@ -293,13 +343,13 @@ def common_prefix_length(ids, other_ids):
     return n
 
 
-def assistant_char_spans(tokenizer, messages):
+def assistant_char_spans(tokenizer, messages, **template_kwargs):
     """Character span of each assistant turn in the rendered chat, found by rendering prefixes:
     turn i runs from len(render(messages[:i]) + generation prompt) to len(render(messages[:i+1])).
     Mirrors: transformers {% generation %} spans
     Differs: needs no template tags; a template that has them (TRL's *_training.jinja, which
     need not render prefixes: harmony ends the last turn otherwise) gives its spans directly."""
-    full, marked = tokenizer.render_chat_with_spans(messages)
+    full, marked = tokenizer.render_chat_with_spans(messages, **template_kwargs)
     if marked:
         return marked
     spans = []
@@ -309,8 +359,8 @@ def assistant_char_spans(tokenizer, messages):
         if i == 0:
             raise ValueError("messages[0] is an assistant turn; assistant_only_loss needs a system "
                              "or user message before it to render the generation prompt")
-        head = tokenizer.render_chat(messages[:i], add_generation_prompt=True)
-        turn = tokenizer.render_chat(messages[: i + 1])
+        head = tokenizer.render_chat(messages[:i], add_generation_prompt=True, **template_kwargs)
+        turn = tokenizer.render_chat(messages[: i + 1], **template_kwargs)
         if not (full.startswith(head) and full.startswith(turn)):
             raise ValueError(f"the chat template does not render messages[:{i}] as a prefix of the "
                              "whole chat (Qwen3's drops the reasoning of earlier turns), so "
@@ -322,14 +372,15 @@ def assistant_char_spans(tokenizer, messages):
     return spans
 
 
-def assistant_token_mask(tokenizer, messages, input_ids):
+def assistant_token_mask(tokenizer, messages, input_ids, **template_kwargs):
     """1 on every token overlapping an assistant turn (content and `<|im_end|>`), else 0.
     Mirrors: transformers apply_chat_template(return_assistant_tokens_mask=True)"""
-    ids, offsets = tokenizer.encode_with_offsets(tokenizer.render_chat(messages))
+    ids, offsets = tokenizer.encode_with_offsets(tokenizer.render_chat(messages,
+                                                                       **template_kwargs))
     if list(ids) != list(input_ids):
         raise ValueError("the chat re-encoded for offsets differs from its input_ids")
     mask = [0] * len(input_ids)
-    for start, end in assistant_char_spans(tokenizer, messages):
+    for start, end in assistant_char_spans(tokenizer, messages, **template_kwargs):
         for j, (s, e) in enumerate(offsets):
             if s < end and e > start:
                 mask[j] = 1
@@ -345,11 +396,12 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
         text = example[dataset_text_field]
         # "EOS appending (non-conversational only)", a string check as TRL's add_eos.
         return {"input_ids": tokenizer.encode(text if text.endswith(eos) else text + eos)}
+    template_kwargs = chat_template_kwargs(example)  # tools, per-row template variables
     if fmt == "conversational":
-        out = {"input_ids": tokenizer.apply_chat_template(example["messages"])}
+        out = {"input_ids": tokenizer.apply_chat_template(example["messages"], **template_kwargs)}
         if assistant_only_loss:
             out["assistant_masks"] = assistant_token_mask(tokenizer, example["messages"],
-                                                          out["input_ids"])
+                                                          out["input_ids"], **template_kwargs)
         return out
     prompt, completion = example["prompt"], example["completion"]
     out = {}
@@ -358,10 +410,12 @@ def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_
         prompt_ids = tokenizer.encode(prompt)
         full_ids = tokenizer.encode(prompt + completion)  # string concatenation, as TRL
     else:
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-        full_ids = tokenizer.apply_chat_template(prompt + completion)
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                   **template_kwargs)
+        full_ids = tokenizer.apply_chat_template(prompt + completion, **template_kwargs)
         if assistant_only_loss:
-            out["assistant_masks"] = assistant_token_mask(tokenizer, prompt + completion, full_ids)
+            out["assistant_masks"] = assistant_token_mask(tokenizer, prompt + completion, full_ids,
+                                                          **template_kwargs)
     # The completion starts where prompt and prompt+completion diverge (tokens may merge across).
     n = common_prefix_length(prompt_ids, full_ids)
     if n < len(prompt_ids):  # shown once per run, as TRL's warning_once
@@ -479,6 +533,14 @@ def _check_tokens_to_train(rows, name):
                        "completion); they add nothing to the loss", name, empty, len(rows))
 
 
+def _with_eos(example, fmt, eos, dataset_text_field):
+    """The row as TRL's add_eos leaves it: EOS appended to the text or completion field."""
+    field = {"language_modeling": dataset_text_field, "prompt_completion": "completion"}.get(fmt)
+    if field is None or example[field].endswith(eos):
+        return dict(example)
+    return {**example, field: example[field] + eos}
+
+
 def _answer_start(row, example, fmt, tokenizer):
     """Index of a tokenized row's first completion / assistant token (None: plain text)."""
     for mask in ("completion_mask", "assistant_masks"):
@@ -511,10 +573,12 @@ def _warn_answers_cut(rows, examples, fmt, tokenizer, max_length, masked, name):
 
 def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, packing_strategy="bfd",
                     completion_only_loss=None, assistant_only_loss=False, dataset_text_field="text",
-                    eos_token=None, name=None):
+                    eos_token=None, name=None, keep_columns=False):
     """Examples (path or dicts) -> rows of `input_ids`, `labels` (-100 = no loss) [, `seq_lengths`].
     Mirrors: trl SFTTrainer._prepare_dataset (+ SFTTrainer.__init__ option checks)
-    `name` (the data file, or e.g. "train_dataset") is what warnings and errors call it."""
+    `name` (the data file, or e.g. "train_dataset") is what warnings and errors call it.
+    keep_columns: each row also keeps the columns TRL's prepared Dataset keeps (the example's own
+    fields, EOS appended as add_eos does, and a completion_mask the labels did not use)."""
     if name is None:
         name = os.fspath(examples) if isinstance(examples, (str, os.PathLike)) else "the dataset"
     examples = load_examples(examples, dataset_text_field)
@@ -528,6 +592,10 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         kwargs = {"dataset_text_field": dataset_text_field, "eos_token": eos_token,
                   "assistant_only_loss": assistant_only_loss}
         rows = [tokenize_example(ex, tokenizer, fmt, **kwargs) for ex in examples]
+        if keep_columns:  # datasets' map keeps the input columns, then adds its outputs
+            eos = eos_token or tokenizer.eos_token
+            rows = [{**_with_eos(ex, fmt, eos, dataset_text_field), **row}
+                    for ex, row in zip(examples, rows)]
         for i, row in enumerate(rows):
             if "assistant_masks" in row and 1 not in row["assistant_masks"]:
                 raise ValueError(f"example {i} has no assistant turn, so assistant_only_loss "
@@ -543,7 +611,10 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         names = (["completion_mask"] if completion_only_loss else []) + ["assistant_masks"]
         for row in rows:
             row["labels"] = build_labels(row["input_ids"], [row[m] for m in names if m in row])
-    rows = [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
+            for used in names if keep_columns else ():  # TRL's build_labels removes them
+                row.pop(used, None)
+    if packing or not keep_columns:
+        rows = [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
     if packing:
         if max_length is None:
             raise ValueError("packing=True needs max_length (the packed row length), got None")
@@ -551,6 +622,22 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         return pack_dataset(rows, max_length, packing_strategy)
     _check_tokens_to_train(rows, name)
     if max_length is not None:  # keep_start truncation, then drop rows left without a target
-        rows = [{k: v[:max_length] for k, v in row.items()} for row in rows]
+        rows = [{**row, "input_ids": row["input_ids"][:max_length],
+                 "labels": row["labels"][:max_length]} for row in rows]
         rows = _drop_fully_masked(rows, name)
     return rows
+
+
+def is_datasets_object(dataset):
+    """A `datasets` Dataset or IterableDataset (checked by type, `datasets` is not imported)."""
+    return type(dataset).__module__.startswith("datasets.") and type(dataset).__name__ in (
+        "Dataset", "IterableDataset")
+
+
+def as_datasets_dataset(rows):
+    """Prepared rows as a datasets.Dataset (columns: the rows' keys), what TRL's trainer holds.
+    Mirrors: trl SFTTrainer._prepare_dataset's return value
+    Differs: an IterableDataset input comes back as a Dataset too (its rows were read in)."""
+    import datasets  # the caller passed a datasets object, so it is installed
+
+    return datasets.Dataset.from_list(rows)

@@ -385,6 +385,7 @@ class CausalLM(nn.Module):
             model._load_tensor(key, tensor, quantization_config)
             del tensor  # the next read must not overlap this one
         model.config.dtype = str(dtype).removeprefix("torch.")
+        model.name_or_path = os.fspath(model_dir)  # peft's base_model_name_or_path reads it
         model.tie_weights()
         if tp_plan is not None:  # "auto": transformers' Llama base_model_tp_plan over all ranks
             from nanosft.parallel.tensor_parallel import apply_tensor_parallel

@@ -80,7 +80,48 @@ def parse_optim_args(optim_args: str | None) -> dict[str, str]:
     return parsed
 
 
-def _bitsandbytes_adamw(groups, args, is_paged: bool, model: nn.Module):
+# transformers 5.23's bitsandbytes optim names (OptimizerNames): AdamW, Lion, RMSprop and
+# AdEMAMix, 8- or 32-bit state, paged or not. Paged state lives in CUDA unified memory; on a CPU
+# bitsandbytes warns and runs the same update unpaged.
+BITSANDBYTES_OPTIMIZERS = (
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit",
+    "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
+    "lion_8bit", "lion_32bit", "paged_lion_32bit", "paged_lion_8bit",
+    "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+)
+
+
+def _bitsandbytes_cls_and_kwargs(bnb, args):
+    """(optimizer class, kwargs) for a bitsandbytes optim name: the family from the name, 8-bit
+    state where it says 8bit, paging where it says paged.
+    Mirrors: transformers trainer_optimizer._get_bitsandbytes_optimizer"""
+    name, optim_args = args.optim, parse_optim_args(args.optim_args)
+    kwargs = {"lr": args.learning_rate}
+    betas = (args.adam_beta1, args.adam_beta2)
+    if "adam" in name:
+        cls = bnb.optim.AdamW
+        kwargs.update(betas=betas, eps=args.adam_epsilon)
+    elif "lion" in name:
+        cls = bnb.optim.Lion
+        kwargs.update(betas=betas)
+    elif "rmsprop" in name:
+        cls = bnb.optim.RMSprop
+        kwargs.update(optim_args)  # as transformers: optim_args passed through as given
+    else:  # ademamix
+        cls = bnb.optim.AdEMAMix
+        kwargs.update(betas=(float(optim_args.get("beta1", args.adam_beta1)),
+                             float(optim_args.get("beta2", args.adam_beta2)),
+                             float(optim_args.get("beta3", 0.9999))),
+                      alpha=float(optim_args.get("alpha", 5.0)),
+                      eps=float(optim_args.get("eps", args.adam_epsilon)))
+        kwargs.update({k: int(optim_args[k]) for k in ("t_alpha", "t_beta3") if k in optim_args})
+    kwargs["optim_bits"] = 8 if "8bit" in name else 32
+    if "rmsprop" not in name:
+        kwargs["is_paged"] = "paged" in name
+    return cls, kwargs
+
+
+def _bitsandbytes_optimizer(groups, args, model: nn.Module):
     try:
         import bitsandbytes as bnb
     except ImportError as e:
@@ -88,10 +129,10 @@ def _bitsandbytes_adamw(groups, args, is_paged: bool, model: nn.Module):
             f"optim={args.optim!r} needs bitsandbytes: pip install bitsandbytes") from e
     # 8-bit blockwise state for tensors with >= 4096 elements; smaller ones stay 32-bit
     # (bnb min_8bit_size).
-    # On CPU bitsandbytes 0.50 warns that paging is unsupported and runs the plain 8-bit optimizer.
-    betas = (args.adam_beta1, args.adam_beta2)
-    optimizer = bnb.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon,
-                                optim_bits=8, is_paged=is_paged)
+    cls, kwargs = _bitsandbytes_cls_and_kwargs(bnb, args)
+    optimizer = cls(groups, **kwargs)
+    if kwargs["optim_bits"] != 8:
+        return optimizer
     # Embeddings keep 32-bit state, as transformers Trainer.create_optimizer registers them
     # (bnb's GlobalOptimManager is process-wide; the override is read at the first step).
     # Differs: transformers registers on top of what earlier optimizers left there. The manager
@@ -128,13 +169,13 @@ def create_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=args.learning_rate,
                                  betas=(args.adam_beta1, args.adam_beta2),
                                  eps=args.adam_epsilon, **fused)
-    if args.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
-        is_paged = args.optim.startswith("paged")
-        return _bitsandbytes_adamw(groups, args, is_paged=is_paged, model=model)
+    if args.optim in BITSANDBYTES_OPTIMIZERS:
+        return _bitsandbytes_optimizer(groups, args, model=model)
     if args.optim == "sgd":
         return _sgd(groups, args)
     raise ValueError(f"optim={args.optim!r} is not one nanosft builds; choose adamw_torch_fused, "
-                     "adamw_torch, adamw_bnb_8bit, paged_adamw_8bit or sgd")
+                     "adamw_torch, sgd or a bitsandbytes one "
+                     f"({', '.join(BITSANDBYTES_OPTIMIZERS)})")
 
 
 # ----------------------------------------------------------------------------- schedule multipliers

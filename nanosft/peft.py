@@ -272,7 +272,11 @@ class PeftModelForCausalLM(nn.Module):
         Mirrors: peft PeftModel.save_pretrained | Differs: no README.md model card."""
         state = get_peft_model_state_dict(self, state_dict=state_dict,
                                           adapter_name=self.active_adapter)
-        save_adapter_files(save_directory, self.active_peft_config, state)
+        config = self.active_peft_config
+        if config.base_model_name_or_path is None:  # peft fills it at save time too
+            config.base_model_name_or_path = getattr(self.get_base_model(), "name_or_path",
+                                                     None) or None
+        save_adapter_files(save_directory, config, state)
 
     @classmethod
     def from_pretrained(cls, model, model_id, adapter_name="default", is_trainable=False):

@@ -17,7 +17,8 @@ import torch
 from nanosft import distributed, nf4
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.data import head_of_stream, load_examples, prepare_dataset, to_example_list
+from nanosft.data import (as_datasets_dataset, head_of_stream, is_datasets_object,
+                          load_examples, prepare_dataset, to_example_list)
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
 from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
@@ -81,6 +82,20 @@ def _dataset_name(dataset, default):
     return os.fspath(dataset) if isinstance(dataset, (str, os.PathLike)) else default
 
 
+def _tokenizer_of_built_model(model):
+    """The tokenizer beside the folder or Hub id a built model was loaded from (its name_or_path).
+    Mirrors: trl SFTTrainer.__init__ (AutoProcessor.from_pretrained(get_config_model_id(...)))"""
+    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
+    name = getattr(base, "name_or_path", None)
+    if not name:
+        raise ValueError("SFTTrainer: no processing_class, and the model was not loaded from a "
+                         "folder or Hub id (it has no name_or_path) to read the tokenizer from; "
+                         "fix: pass processing_class=AutoTokenizer.from_pretrained(model_dir)")
+    from nanosft.io.auto import AutoTokenizer  # product layer: loaders
+
+    return AutoTokenizer.from_pretrained(name)
+
+
 def _load_model_and_tokenizer(model, args, quantization_config, processing_class):
     """A model id (folder or Hub-cache id) -> (model, its tokenizer unless one was passed), loaded
     with args.model_init_kwargs (dtype float32 unless given) plus quantization_config.
@@ -90,6 +105,8 @@ def _load_model_and_tokenizer(model, args, quantization_config, processing_class
             warnings.warn("SFTTrainer: the model is already built, so quantization_config and "
                           "args.model_init_kwargs are not used (as in TRL); pass the model as a "
                           "folder or Hub id to load it with them.", stacklevel=3)
+        if processing_class is None:
+            processing_class = _tokenizer_of_built_model(model)
         return model, processing_class
     from nanosft.io.auto import AutoModelForCausalLM, AutoTokenizer  # product layer: loaders
 
@@ -184,12 +201,57 @@ def dft_loss(logits, labels, num_items_in_batch=None):
 def _check_token_ids_fit(model, tokenizer, rows) -> None:
     """Refuse ids without an embedding row, naming both sizes (not torch's "index out of range")."""
     rows_in_model = model.get_input_embeddings().num_embeddings
-    largest = max((max(r["input_ids"]) for r in rows if len(r["input_ids"])), default=-1)
+    # a datasets.Dataset reads its column at once; a list (or a with_transform Dataset, whose
+    # stored columns are the transform's inputs) is walked row by row
+    stored = "input_ids" in (getattr(rows, "column_names", None) or ())
+    column = rows["input_ids"] if stored else (r["input_ids"] for r in rows)
+    largest = max((max(ids) for ids in column if len(ids)), default=-1)
     if largest >= rows_in_model:
         raise ValueError(f"SFTTrainer: the tokenizer ({len(tokenizer)} tokens) produced token id "
                          f"{largest}, but the model's embedding has only {rows_in_model} rows; use "
                          "the tokenizer saved with this model, or resize the model's embeddings to "
                          "the tokenizer before training")
+
+
+def _refuse_with_transform(dataset, name) -> None:
+    """A Dataset.with_transform() dataset would be read once here, freezing a random transform
+    into the prepared rows. Mirrors: trl SFTTrainer._prepare_dataset (the same refusal)"""
+    if is_datasets_object(dataset) and (getattr(dataset, "format", None) or {}).get(
+            "type") == "custom":
+        raise ValueError(f"SFTTrainer: {name} uses Dataset.with_transform(); preparing it would "
+                         "read the transform once and freeze its output into the tokenized rows. "
+                         "Fix: pass SFTConfig(dataset_kwargs={'skip_prepare_dataset': True}) "
+                         "with a transform that returns trainer-ready rows (input_ids, labels), "
+                         "or materialize a deterministic transform with Dataset.map() first.")
+
+
+def _reject_skip_prepare_without_labels(datasets, skip, data_collator) -> None:
+    """With skip_prepare_dataset no labels are built, so a set with mask columns and no "labels"
+    would train on every token: refused. Mirrors: trl SFTTrainer._reject_skip_prepare_without_labels
+    """
+    if not (skip and isinstance(data_collator, DataCollatorForLanguageModeling)):
+        return
+    for name, dataset in datasets.items():
+        columns = getattr(dataset, "column_names", None)
+        if columns is None:  # a list of rows, or an iterable: the first row's keys
+            columns = list(next(iter(dataset), {}))
+        if "labels" not in columns and ("completion_mask" in columns
+                                        or "assistant_masks" in columns):
+            raise ValueError(f"SFTTrainer: the {name} dataset has mask columns but no 'labels', "
+                             "and skip_prepare_dataset=True skips label building, so it would "
+                             "train on the full sequence. Fix: Add a 'labels' column (-100 for "
+                             "tokens off the loss) or drop skip_prepare_dataset.")
+
+
+def _add_model_tags(model, tags) -> None:
+    """Append `tags` to the base model's model_tags (a PeftModelForCausalLM shows the same list,
+    as peft forwards the attribute). Mirrors: transformers PreTrainedModel.add_model_tags"""
+    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
+    model_tags = getattr(base, "model_tags", None) or []
+    model_tags += [tag for tag in tags if tag not in model_tags]
+    base.model_tags = model_tags
+    if base is not model:
+        model.model_tags = model_tags
 
 
 def _check_arguments(args, data_collator, train_dataset, compute_loss_func) -> None:
@@ -200,8 +262,8 @@ def _check_arguments(args, data_collator, train_dataset, compute_loss_func) -> N
                         f"must be callable, got {type(data_collator).__name__}; pass "
                         "train_dataset= by keyword.")
     if train_dataset is None:
-        raise ValueError("SFTTrainer: train_dataset is required (a JSONL path or a list of "
-                         "dicts).")
+        raise ValueError("SFTTrainer: `train_dataset` is required (a datasets.Dataset, a JSONL "
+                         "path or a list of dicts).")
     if args.loss_type == "dft" and compute_loss_func is not None:
         raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
                          "compute_loss_func or use loss_type='nll'.")
@@ -219,6 +281,8 @@ class SFTTrainer(Trainer):
     preprocess_logits_for_metrics (the Trainer's, see Trainer.__init__); quantization_config (for a
     model id); peft_config (LoraConfig: wrap the model); formatting_func (row -> text)."""
 
+    _tag_names = ["trl", "sft"]  # TRL's tags on the model
+
     def __init__(self, model, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_loss_func=None,
                  compute_metrics=None, callbacks=None, optimizers=(None, None),
@@ -233,15 +297,14 @@ class SFTTrainer(Trainer):
         model = self._prepare_peft_model(model, args, peft_config)  # PEFT
         # Dataset rows first: the data collator's completion_only_loss reads the first one
         train_name = _dataset_name(train_dataset, "train_dataset")
-        train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
-        train_dataset = load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
-                                      args.dataset_text_field, args.max_steps,
-                                      name="train_dataset")
+        returns_datasets = is_datasets_object(train_dataset)  # datasets in, datasets out
+        train_dataset = self._read_train_dataset(train_dataset, args, formatting_func)
         data_collator = self._create_data_collator(data_collator, model, processing_class, args,
-                                                   train_dataset[0], formatting_func)
+                                                   next(iter(train_dataset)), formatting_func)
         self._formatting_func = formatting_func
         train_dataset, eval_dataset = self._prepare_datasets(
-            model, processing_class, args, train_dataset, train_name, eval_dataset)  # Dataset
+            model, processing_class, args, train_dataset, train_name, eval_dataset,
+            data_collator, returns_datasets)  # Dataset
 
         # TRL 1.16 passes optimizer_cls_and_kwargs by name; the walkthrough's call carries the
         # arguments it does not print in **super_init_kwargs
@@ -278,6 +341,30 @@ class SFTTrainer(Trainer):
             config.router_aux_loss_coef = self.router_aux_loss_coef
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._total_train_tokens = 0
+        _add_model_tags(self.model, self._tag_names)
+
+    def _read_train_dataset(self, train_dataset, args, formatting_func):
+        """Example rows of train_dataset (a stream cut to what max_steps trains on,
+        formatting_func applied), or the dataset as given under skip_prepare_dataset.
+        Mirrors: trl SFTTrainer._prepare_dataset's first steps (with_transform refused)"""
+        self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
+        if self._skip_prepare_dataset:
+            return train_dataset
+        _refuse_with_transform(train_dataset, "train_dataset")
+        train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
+        return load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
+                             args.dataset_text_field, args.max_steps, name="train_dataset")
+
+    def _prepare_eval_sets(self, eval_dataset, tokenizer, args):
+        """One eval set, or a dict of named ones (evaluate() reports eval_<name>_loss), each
+        through _prepare_eval. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
+        if isinstance(eval_dataset, dict):  # a DatasetDict too
+            return {name: self._prepare_eval(dataset, tokenizer, args, name)
+                    for name, dataset in eval_dataset.items()}
+        if eval_dataset is None:
+            return None
+        return self._prepare_eval(eval_dataset, tokenizer, args,
+                                  _dataset_name(eval_dataset, "eval_dataset"))
 
     def _create_model(self, model, args, quantization_config, processing_class):
         """(model, processing_class): a model id loaded with its tokenizer, the chat template of
@@ -285,9 +372,6 @@ class SFTTrainer(Trainer):
         "# Processing class": create_model_from_path, AutoProcessor.from_pretrained)"""
         model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
                                                             processing_class)
-        if processing_class is None:
-            raise ValueError("SFTTrainer: pass processing_class=Tokenizer.from_pretrained("
-                             "model_dir), or the model as a folder / Hub id to load both.")
         if args.chat_template_path is not None:
             _read_chat_template_path(args.chat_template_path, processing_class)
         return model, processing_class
@@ -334,29 +418,40 @@ class SFTTrainer(Trainer):
             padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
 
     def _prepare_datasets(self, model, processing_class, args, train_dataset, train_name,
-                          eval_dataset):
-        """(train, eval) through _prepare (tokenize, label, truncate or pack), token ids checked
-        against the embedding; eval: one set or a dict of named sets.
+                          eval_dataset, data_collator, as_dataset=False):
+        """(train, eval) through _prepare (tokenize, label, truncate or pack; datasets.Dataset out
+        when a datasets object came in), token ids checked against the embedding; eval: one set
+        or a dict of named sets; all handed through with skip_prepare_dataset.
         Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset per set)"""
-        train_dataset = self._prepare(train_dataset, processing_class, args, train_name)
-        _check_token_ids_fit(model, processing_class, train_dataset)
-        if isinstance(eval_dataset, dict):  # named sets: evaluate() reports eval_<name>_loss
-            eval_dataset = {name: self._prepare_eval(dataset, processing_class, args, name)
-                            for name, dataset in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = self._prepare_eval(eval_dataset, processing_class, args,
-                                              _dataset_name(eval_dataset, "eval_dataset"))
+        if self.padding_free and not args.packing and args.max_length is not None:
+            raise ValueError("SFTTrainer: with padding_free=True and no packing, `max_length` is "
+                             f"not enforced (max_length={args.max_length}), as in TRL; fix: enable "
+                             "packing (packing=True, packing_strategy='bfd'), or set "
+                             "max_length=None with already truncated rows.")
+        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
+            {"eval": eval_dataset} if eval_dataset is not None else {})
+        _reject_skip_prepare_without_labels({"train": train_dataset, **eval_sets},
+                                            self._skip_prepare_dataset, data_collator)
+        if not self._skip_prepare_dataset:
+            train_dataset = self._prepare(train_dataset, processing_class, args, train_name,
+                                          as_dataset=as_dataset)
+            eval_dataset = self._prepare_eval_sets(eval_dataset, processing_class, args)
+        if "input_ids" in next(iter(train_dataset)):  # skip_prepare_dataset: rows as given
+            _check_token_ids_fit(model, processing_class, train_dataset)
         return train_dataset, eval_dataset
 
     def _prepare_eval(self, dataset, tokenizer, args, name):
         """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
         packing) asks. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
         packing = args.packing if args.eval_packing is None else args.eval_packing
+        _refuse_with_transform(dataset, name)
+        as_dataset = is_datasets_object(dataset)
         return self._prepare(_formatted(dataset, self._formatting_func, args.max_steps),
-                             tokenizer, args, name, packing=packing)
+                             tokenizer, args, name, packing=packing, as_dataset=as_dataset)
 
-    def _prepare(self, dataset, tokenizer, args, name=None, packing=None):
-        """Tokenize, label, truncate or pack, then shuffle if asked.
+    def _prepare(self, dataset, tokenizer, args, name=None, packing=None, as_dataset=False):
+        """Tokenize, label, truncate or pack, then shuffle if asked; a datasets.Dataset (with
+        TRL's columns) when the input was a datasets object, else a list of rows.
         Mirrors: trl SFTTrainer._prepare_dataset"""
         packing = args.packing if packing is None else packing
         rows = prepare_dataset(dataset, tokenizer, max_length=args.max_length, packing=packing,
@@ -364,10 +459,26 @@ class SFTTrainer(Trainer):
                                completion_only_loss=self.completion_only_loss,
                                assistant_only_loss=args.assistant_only_loss,
                                dataset_text_field=args.dataset_text_field, eos_token=args.eos_token,
-                               name=name)
+                               name=name, keep_columns=as_dataset)
         if args.shuffle_dataset:  # datasets.Dataset.shuffle(seed): numpy default_rng permutation
             rows = [rows[i] for i in np.random.default_rng(args.seed).permutation(len(rows))]
-        return rows
+        return as_datasets_dataset(rows) if as_dataset else rows
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict:
+        """Trainer.evaluate, after preparing a raw eval set (one, or a dict / DatasetDict of them)
+        passed here as __init__ prepares its eval_dataset; prepared rows pass unchanged.
+        Mirrors: trl SFTTrainer.evaluate"""
+        named = (isinstance(eval_dataset, str) and isinstance(self.eval_dataset, dict)
+                 and eval_dataset in self.eval_dataset)
+        if named:  # the name of a set prepared in __init__, as transformers selects it
+            eval_dataset = self.eval_dataset[eval_dataset]
+        elif not self._skip_prepare_dataset and eval_dataset is not None:
+            eval_dataset = self._prepare_eval_sets(eval_dataset, self.processing_class, self.args)
+        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
+            {"eval": eval_dataset} if eval_dataset is not None else {})
+        _reject_skip_prepare_without_labels(eval_sets, self._skip_prepare_dataset,
+                                            self.data_collator)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of Trainer.compute_loss, plus TRL's token metrics (entropy, accuracy).

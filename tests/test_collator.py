@@ -98,12 +98,14 @@ def test_completion_mask_applies_only_with_completion_only_loss():
     )
 
 
-def test_assistant_masks_always_apply_and_combine_with_labels():
+def test_caller_labels_are_kept_and_masks_apply_only_without_labels():
+    # TRL's collator keeps a row's labels as given; masks build labels only for rows without any
     ex = [{"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3, 4], "assistant_masks": [1, 1, 0, 1]}]
-    eq(
-        DataCollatorForLanguageModeling(0, completion_only_loss=False)(ex)["labels"],
-        T([[-100, 2, -100, 4]]),
-    )
+    eq(DataCollatorForLanguageModeling(0, completion_only_loss=False)(ex)["labels"],
+       T([[-100, 2, 3, 4]]))
+    ex = [{"input_ids": [1, 2, 3, 4], "assistant_masks": [1, 1, 0, 1]}]
+    eq(DataCollatorForLanguageModeling(0, completion_only_loss=False)(ex)["labels"],
+       T([[1, 2, -100, 4]]))
 
 
 # ---------------------------------------------------------------- causal LM, padding-free

@@ -78,6 +78,7 @@ class AutoModelForCausalLM:
         # streamed: each linear weight is quantized as it is read, on the target device
         model = CausalLM.from_pretrained(folder, dtype=dtype, device_map=device,
                                          quantization_config=quantization_config)
+        model.name_or_path = str(pretrained_model_name_or_path)  # the id as given, as transformers
         return model.eval()
 
 

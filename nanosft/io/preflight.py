@@ -48,7 +48,7 @@ def known_eval_metrics(trainer) -> tuple | None:
     cls = trainer if isinstance(trainer, type) else type(trainer)
     if getattr(trainer, "compute_metrics", None) is not None:
         return None
-    if cls.evaluate is not Trainer.evaluate:
+    if cls.evaluate not in (Trainer.evaluate, SFTTrainer.evaluate):  # SFT's prepares, same keys
         return None
     if cls.log not in (Trainer.log, SFTTrainer.log):
         return None

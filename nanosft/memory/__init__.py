@@ -220,6 +220,8 @@ def predict_for_trainer(model, args):
     if (not isinstance(config, ModelConfig) or config.model_type in NOT_MODELLED
             or peft_config is not None and not hasattr(peft_config, "r")):
         return None
+    if args.optim not in OPTIMIZERS:  # Lion, RMSprop, AdEMAMix, 32-bit bitsandbytes: not modelled
+        return None
     max_length = getattr(args, "max_length", None) or config.max_position_embeddings
     plan = plan_from_model(model, args, max_length)
     if getattr(args, "fsdp", None):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nanosft.distributed import get_world_size, is_dtensor, require_process_group, to_full
+from nanosft.optim import BITSANDBYTES_OPTIMIZERS
 
 # ----------------------------------------------------------------------------- FSDP arguments
 # The fsdp_config keys nanosft acts on, with transformers' defaults
@@ -120,7 +121,7 @@ def check_fsdp_options(args) -> None:
     clashes = {
         "fp16": (args.fp16, "the fp16 GradScaler is not shard-aware here; use bf16=True"),
         "optim": (
-            args.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"),
+            args.optim in BITSANDBYTES_OPTIMIZERS,
             'bitsandbytes\' 8-bit states do not shard; use optim="adamw_torch"',
         ),
         "torch_compile": (
