@@ -226,7 +226,8 @@ def test_a_calibration_taken_under_load_never_shows_mfu_above_100_percent(tmp_pa
 
     monkeypatch.setattr(callbacks, "calibrate_matmul_flops", lambda *a, **k: 1.0)  # cores busy
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=3,
-                             logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True)
+                             logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True,
+                             report_to="nanosft")
     trainer = Trainer(tiny_model(), args, train_dataset=rows(6),
                       data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
     metrics = trainer.train().metrics
