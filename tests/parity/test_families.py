@@ -205,6 +205,33 @@ def test_no_default_target_modules_is_refused_as_peft_refuses(tmp_path):
         get_peft_model(CausalLM.from_pretrained(folder), LoraConfig())
 
 
+def assert_checkpointing_keeps_gradients(folder):
+    """Checkpointed layers (recomputed in backward, their cache entries and masks passed again)
+    give the gradients of the plain backward, on a right-padded batch."""
+    x = torch.randint(3, V, (2, 20))
+    mask = (torch.arange(20) < torch.tensor([[20], [15]])).long()
+    grads = []
+    for checkpointing in (False, True):
+        ours = CausalLM.from_pretrained(folder).train()
+        if checkpointing:
+            ours.gradient_checkpointing_enable()
+        labels = x.masked_fill(mask == 0, -100)
+        ours(input_ids=x, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
+    assert sorted(grads[0]) == sorted(grads[1])
+    for n, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][n], grad, rtol=0, atol=1e-6, msg=n)
+
+
+def assert_bf16_logits_equal_transformers(folder):
+    """Loaded in bfloat16, the same casts in the same places: logits bit for bit."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    x = torch.randint(3, V, (2, 80))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)
+
+
 def train_a_few_steps(model, batch):
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -25,6 +25,8 @@ import pytest
 import torch
 import transformers
 from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
+                           assert_bf16_logits_equal_transformers,
+                           assert_checkpointing_keeps_gradients,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, randomize_vectors)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
@@ -159,30 +161,12 @@ def test_multimodal_gemma4_folder_loads_its_language_model(tmp_path):
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     """Checkpointed layers (recomputed in backward, their cache entries and masks passed again)
     give the gradients of the plain backward, on a right-padded batch."""
-    _, folder = hf_folder(tmp_path)
-    x = torch.randint(3, V, (2, 20))
-    mask = (torch.arange(20) < torch.tensor([[20], [15]])).long()
-    grads = []
-    for checkpointing in (False, True):
-        ours = CausalLM.from_pretrained(folder).train()
-        if checkpointing:
-            ours.gradient_checkpointing_enable()
-        labels = x.masked_fill(mask == 0, -100)
-        ours(input_ids=x, attention_mask=mask, labels=labels).loss.backward()
-        grads.append({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
-    assert sorted(grads[0]) == sorted(grads[1])
-    for n, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][n], grad, rtol=0, atol=1e-6, msg=n)
+    assert_checkpointing_keeps_gradients(hf_folder(tmp_path)[1])
 
 
 def test_bf16_logits_equal_transformers_bitwise(tmp_path):
     """Loaded in bfloat16, the same casts in the same places: logits bit for bit."""
-    _, folder = hf_folder(tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    x = torch.randint(3, V, (2, 80))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)
+    assert_bf16_logits_equal_transformers(hf_folder(tmp_path)[1])
 
 
 def test_prefix_tuning_is_refused_where_layers_share_or_differ(tmp_path):
