@@ -12,19 +12,21 @@ import from here too. Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
 import dataclasses
 import math
 
+from nanosft.memory import families
 from nanosft.memory.activations import head_saved_bytes, layer_saved_bytes
 from nanosft.memory.measure import (  # noqa: F401 (measuring tools, re-exported)
     MemoryTracker, PeakMemory, count_saved_tensors, cpu_memory, cpu_peak_reset, unique_bytes)
 from nanosft.memory.plan import (  # noqa: F401 (the plan and shapes, re-exported)
     DTYPE_BYTES, LAYER_LINEARS, OPTIMIZERS, MemoryPlan, _fail, layer_linears, lora_targets,
-    nf4_quantizable, parameter_shapes)
+    nf4_quantizable, parameter_shapes, parameter_targets)
 
 MiB = 2**20
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' optimizer states in fp32
 BNB_OPTIM_BLOCKSIZE = 256  # one fp32 absmax per 256 values of an 8-bit optimizer state
 NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-level absmax values
-# families whose layers the ledger does not model yet (experts, parallel blocks, other norms)
-NOT_MODELLED = ("qwen3_moe", "glm4_moe", "gpt_oss", "olmo3", "cohere2", "gpt_neox")
+# families whose layers the ledger does not model yet (Gated DeltaNet, short convolutions, Gemma 4's
+# shared KV and per-layer inputs): refused by name rather than predicted as Llama's
+NOT_MODELLED = ("qwen3_5_text", "lfm2", "gemma4_text")
 
 
 # ----------------------------------------------------------------------------- weights
@@ -101,8 +103,8 @@ def estimate_memory(config, plan, device_type="cpu"):
         raise ValueError(f"the memory ledger does not model model_type={config.model_type!r} "
                          "yet; measure a step instead (nanosft.memory.PeakMemory)")
     wd, world = DTYPE_BYTES[plan.dtype], plan.fsdp
-    targets = lora_targets(config, plan)
-    if not plan.full and not targets:
+    targets, param_targets = lora_targets(config, plan), parameter_targets(config, plan)
+    if not plan.full and not targets and not param_targets:
         _fail("target_modules", plan.target_modules,
               f"it matches none of {', '.join(layer_linears(config))}")
     ab = DTYPE_BYTES[plan.adapter_dtype]
@@ -123,17 +125,25 @@ def estimate_memory(config, plan, device_type="cpu"):
         if plan.full:
             trainable += nbytes
             grads += nbytes
-            embedding = name == "model.embed_tokens.weight"
+            embedding = name.endswith(("embed_tokens.weight", "embed_in.weight"))
             state = optimizer_state_bytes(numel, wd, plan.optim, plan.optim_args, embedding)
             optim += _shard(state, shape, world)
             any_8bit |= numel >= BNB_MIN_8BIT_SIZE and not embedding
         else:
             base += nbytes
-        if not plan.full and lin in targets and name.endswith("weight"):
+        adapter = []
+        leaf = ".".join(name.split(".")[-2:]) if lin == "gate" else name.split(".")[-1]
+        if not plan.full and lin in ("experts", "gate") and leaf in param_targets:
+            # peft ParamWrapper: A (r E, in), B (out, r E) hold every expert's pair (E = 1: router)
+            r = param_targets[leaf]
+            E, (out_f, in_f) = (1, shape) if len(shape) == 2 else (shape[0], shape[1:])
+            adapter = [((r * E, in_f), ab), ((out_f, r * E), ab)]
+        elif not plan.full and lin in targets and name.endswith("weight"):
             out_f, in_f = shape
             adapter = [((plan.r, in_f), ab), ((out_f, plan.r), ab)]
             if plan.use_dora:
                 adapter.append(((out_f,), 4))  # the magnitude stays fp32
+        if adapter:
             for a_shape, a_bytes in adapter:
                 a_numel = math.prod(a_shape)
                 trainable += _shard(a_numel * a_bytes, a_shape, world)
@@ -144,8 +154,10 @@ def estimate_memory(config, plan, device_type="cpu"):
     if any_8bit and plan.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         optim += 2 * 256 * 4  # the signed and unsigned dynamic maps, shared by every 8-bit state
     L = config.num_hidden_layers
-    per_layer = [layer_saved_bytes(config, plan, first=i == 0, device_type=device_type,
-                                   layer_idx=i) for i in range(L)]
+    layer_fn = (families.layer_saved_bytes if config.model_type in families.MODELLED
+                else layer_saved_bytes)
+    per_layer = [layer_fn(config, plan, first=i == 0, device_type=device_type, layer_idx=i)
+                 for i in range(L)]
     head, logprob_bytes = head_saved_bytes(config, plan)
     N = plan.per_device_train_batch_size * plan.max_length
     layer_input = N * config.hidden_size * wd
@@ -179,7 +191,7 @@ def estimate_memory(config, plan, device_type="cpu"):
     notes["logits and loss (B x T x V)"] = f"V={V}: logits, fp32 log-probs and their gradient"
     if world > 1:  # FSDP gathers one layer's full weights, and prefetches the next
         layer_params = [math.prod(s) for n, s in parameter_shapes(config)
-                        if n.startswith("model.layers.0.")]
+                        if ".layers.0." in n]
         frozen_bytes = 0.5 if plan.load_in_4bit else wd
         gather = 2 * int(sum(layer_params) * (wd if plan.full else frozen_bytes))
         rows[f"FSDP all-gather ({world} ranks)"] = gather
