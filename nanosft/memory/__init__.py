@@ -132,8 +132,8 @@ def estimate_memory(config, plan, device_type="cpu"):
         else:
             base += nbytes
         adapter = []
-        leaf = ".".join(name.split(".")[-2:]) if lin == "gate" else name.split(".")[-1]
-        if not plan.full and lin in ("experts", "gate") and leaf in param_targets:
+        leaf = ".".join(name.split(".")[-2:]) if lin != "experts" else name.split(".")[-1]
+        if not plan.full and lin in ("experts", "gate", "router") and leaf in param_targets:
             # peft ParamWrapper: A (r E, in), B (out, r E) hold every expert's pair (E = 1: router)
             r = param_targets[leaf]
             E, (out_f, in_f) = (1, shape) if len(shape) == 2 else (shape[0], shape[1:])
@@ -200,6 +200,18 @@ def estimate_memory(config, plan, device_type="cpu"):
 
 
 # ----------------------------------------------------------------------------- the Trainer's lines
+def _parameter_ranks(peft_config):
+    """{target parameter: rank} of a LoraConfig, its rank_pattern read on the full key (the
+    doubled rank peft gives a fused gate_up_proj)."""
+    from nanosft.adapter_files import pattern_value
+
+    ranks = {}
+    for name in peft_config.target_parameters or []:
+        key = "model.layers.0.mlp." + (name if "." in name else "experts." + name)
+        ranks[name] = pattern_value(peft_config.rank_pattern, key, peft_config.r)
+    return ranks
+
+
 def plan_from_model(model, args, max_length, device_type="cpu"):
     """A MemoryPlan read off a live (peft-wrapped or not, 4-bit or not) model and its arguments.
     Mirrors: what SFTTrainer.__init__ set up (peft_config, 4-bit base)"""
@@ -213,6 +225,7 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
     return MemoryPlan(full=peft_config is None, load_in_4bit=nf4.is_quantized(base),
                       use_dora=lora and peft_config.use_dora, r=peft_config.r if lora else 8,
                       target_modules=peft_config.target_modules if lora else None,
+                      target_parameters=_parameter_ranks(peft_config) if lora else None,
                       dtype=dtype if dtype in DTYPE_BYTES else "float32",
                       per_device_train_batch_size=args.per_device_train_batch_size,
                       max_length=max_length, optim=args.optim,

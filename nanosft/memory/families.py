@@ -61,18 +61,28 @@ def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
         saved.add("rope_cos_sin", 2 * T * rot, wd)
     window = _sliding_window(config, layer_idx)
     if t == "gpt_oss":  # eager softmax with a sink column: the (T, T + 1) probabilities stay
-        saved.add("attn.q", N * H * D, s)
-        saved.add("attn.k_repeated", N * H * D, s)  # repeat_interleave copies of the kv heads
-        saved.add("attn.v_repeated", N * H * D, s)
-        saved.add("attn.mask", T * T, 1)  # the causal or windowed (T, T) boolean mask
-        saved.add("attn.max_index", B * H * T, 8)
-        saved.add("attn.probs", B * H * T * (T + 1), s)
+        if k_rg:  # q @ k^T: each side kept for the other's gradient
+            saved.add("attn.q", N * H * D, s)
+        if q_rg:
+            saved.add("attn.k_repeated", N * H * D, s)  # repeat_interleave copies of the kv heads
+        if q_rg or k_rg:
+            saved.add("attn.mask", T * T, 1)  # the causal or windowed (T, T) boolean mask
+            saved.add("attn.max_index", B * H * T, 8)
+            # the sinks (weights' dtype) join the scores: the softmax runs in the wider dtype,
+            # and its probabilities are cast back to v's for the product
+            pd = max(s, wd)
+            saved.add("attn.probs", B * H * T * (T + 1), pd)
+            if pd != s:
+                saved.add("attn.probs_cast", B * H * T * T, s)
+            saved.add("attn.v_repeated", N * H * D, s)
         o_input = "o_proj.input"  # (B, H, T, D) out, transposed to (B, T, H * D): a copy
     else:
         saved.add("sdpa.q", N * H * D, s)
         saved.add("sdpa.k", N * KV * D, s)
-        # GPT-NeoX's v is a view of the fused (N, 3 C) output and keeps all of it alive
-        saved.add("sdpa.v", N * (3 * C if t == "gpt_neox" else KV * D), s)
+        # GPT-NeoX's v is a view of the fused (N, 3 C) output and keeps all of it alive, unless
+        # autocast hands SDPA a copy (a 4-bit base returns float32)
+        whole = t == "gpt_neox" and out("query_key_value") == s
+        saved.add("sdpa.v", N * (3 * C if whole else KV * D), s)
         saved.add("sdpa.out", N * H * D, s)
         saved.add("sdpa.logsumexp", B * H * T, 4)
         if window is not None and T > window:
@@ -96,14 +106,23 @@ def _swiglu(saved, ctx, x_name, x_rg, C, I):
 
 def moe_saved(saved, ctx, config, x_name, x_rg):
     """Saves of a sparse MoE block on the (N, C) tokens `x_name`: router, dispatch, experts,
-    combine (and GLM's shared experts). Mirrors: autograd's saves in nanosft.families.moe
-    SparseMoeBlock (Qwen3MoeSparseMoeBlock, Glm4MoeMoE, GptOssMLP)"""
+    combine (and GLM's shared experts). Under bf16 autocast over float32 weights each expert's
+    slice W[e] is cast anew (no autocast cache for a view), so every expert's bf16 copy is kept.
+    Mirrors: autograd's saves in nanosft.families.moe SparseMoeBlock (Qwen3MoeSparseMoeBlock,
+    Glm4MoeMoE, GptOssMLP)"""
     plan, N, wd, ad = ctx["plan"], ctx["N"], ctx["wd"], ctx["ad"]
     C, E, k, Ie = config.hidden_size, config.num_experts, config.num_experts_per_tok, \
         expert_size(config)
-    t, a, R = config.model_type, ad or wd, N * config.num_experts_per_tok
+    t, R = config.model_type, N * config.num_experts_per_tok
+    cast = ad is not None and ad != wd  # autocast makes copies of inputs and weights
+    mm = ad or wd  # a matmul's output dtype
+    # GLM's router runs in fp32 (autocast still casts its matmul); gpt-oss's biases return the
+    # expert outputs to the weights' dtype
+    rd = (ad or 4) if t == "glm4_moe" else mm
+    ed = wd if t == "gpt_oss" else mm
     ptargets = ctx["param_targets"]
-    router_trains = plan.full or "gate.weight" in ptargets
+    router = "router.weight" if t == "gpt_oss" else "gate.weight"
+    router_trains = plan.full or router in ptargets
     gate_up_trains = plan.full or "gate_up_proj" in ptargets
     down_trains = plan.full or "down_proj" in ptargets
     shared_rg = False
@@ -112,44 +131,51 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     if not (x_rg or router_trains or gate_up_trains or down_trains):
         return shared_rg
     # the router: (N, E) logits, top k of them (ids (N, k) int64), their weights
-    if router_trains:  # its weight's gradient reads the input (GLM: an fp32 copy of it)
-        if t == "glm4_moe" and wd != 4:
+    if router_trains:  # its weight's gradient reads the input (a cast copy of it)
+        if cast:
+            saved.add("router.input_cast", N * C, ad)
+        elif t == "glm4_moe" and wd != 4:
             saved.add("router.input_fp32", N * C, 4)
         else:
             saved.add(x_name, N * C, wd)
-    if not plan.full and "gate.weight" in ptargets:
-        saved.add("router.weight_plus_delta", E * C, 4 if t == "glm4_moe" else wd)
+    if x_rg and (cast or t == "glm4_moe" and wd != 4):
+        saved.add("router.weight_cast", E * C, rd)
+    elif x_rg and router in ptargets:  # W + B A, a new (E, C) tensor
+        saved.add("router.weight_plus_delta", E * C, wd)
     saved.add("router.top_k_index", N * k, 8)
     if t == "gpt_oss":  # softmax over the k chosen logits only
-        saved.add("router.top_k_weights", N * k, wd)
-    else:  # softmax (Qwen) or sigmoid (GLM) over all E, in fp32
-        saved.add("router.probs", N * E, 4)
+        saved.add("router.top_k_weights", N * k, mm)
+    else:  # softmax (Qwen, in fp32) or sigmoid (GLM) over all E
+        saved.add("router.probs", N * E, 4 if t == "qwen3_moe" else rd)
         if config.norm_topk_prob:  # the k weights and their (N, 1) sum, for the division
-            saved.add("router.top_k_values", N * k, 4)
-            saved.add("router.top_k_sum", N, 4)
+            nd = 4 if t == "qwen3_moe" else rd
+            saved.add("router.top_k_values", N * k, nd)
+            saved.add("router.top_k_sum", N, nd)
     # dispatch: each of the R = N k (token, choice) rows, expert by expert
     saved.add("experts.row_ids", R * 2, 8)  # torch.where's (token, slot) pairs, int64
     if gate_up_trains:
-        saved.add("experts.input_rows", R * C, a)
-    saved.add("experts.gate_up_out", R * 2 * Ie, a)
+        saved.add("experts.input_rows", R * C, mm)
+    if cast and x_rg:  # the bf16 copy of each expert's slice, for the input's gradient
+        saved.add("experts.gate_up_proj_cast", E * 2 * Ie * C, ad)
+        saved.add("experts.down_proj_cast", E * C * Ie, ad)
+    saved.add("experts.gate_up_out", R * 2 * Ie, ed)
     if t == "gpt_oss":  # clamped gate, sigmoid(alpha gate), up + 1, and the glu product
-        saved.add("experts.clamped_gate", R * Ie, a)
-        saved.add("experts.sigmoid", R * Ie, a)
-        saved.add("experts.up_plus_one", R * Ie, a)
-        saved.add("experts.glu", R * Ie, a)
+        for name in ("clamped_gate", "sigmoid", "up_plus_one", "glu"):
+            saved.add(f"experts.{name}", R * Ie, ed)
     else:
-        saved.add("experts.silu", R * Ie, a)
+        saved.add("experts.silu", R * Ie, ed)
     if down_trains:
-        saved.add("experts.act_product", R * Ie, a)
-    saved.add("experts.route_weight", R, 4)  # (R, 1) slice of the top-k weights
-    saved.add("experts.out", R * C, a)  # times the weight: both saved
-    saved.add("experts.weighted_out", R * C, a)  # index_add_ keeps its source
+        saved.add("experts.act_product", R * Ie, mm)  # (gpt-oss: the cast copy under autocast)
+    saved.add("experts.route_weight", R, rd)  # (R, 1) slice of the top-k weights
+    saved.add("experts.out", R * C, ed)  # times the weight: both saved
+    saved.add("experts.weighted_out", R * C, wd)  # index_add_ keeps its source, in x's dtype
     if not plan.full:  # LoRA on the 3-D experts: W + B A is a new (E, out, in) tensor per forward
         ab = DTYPE_BYTES[plan.adapter_dtype]
         for name, out_f, in_f in (("gate_up_proj", 2 * Ie, C), ("down_proj", C, Ie)):
             if name not in ptargets:
                 continue
-            saved.add(f"experts.{name}_plus_delta", E * out_f * in_f, wd)
+            if not cast:  # (under autocast only its per-expert bf16 copies are kept)
+                saved.add(f"experts.{name}_plus_delta", E * out_f * in_f, wd)
             if ab != wd:  # the adapters cast to the experts' dtype for the baddbmm
                 saved.add(f"experts.{name}_factors", E * (out_f + in_f) * ptargets[name], wd)
     return True

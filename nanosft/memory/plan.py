@@ -26,6 +26,8 @@ FFN_NORM_TYPES = ("gemma3_text",)
 NEOX_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 ATTN_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
 MOE_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
+# the parameters LoRA may target in an MoE layer (peft target_parameters), under mlp.
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj", "gate.weight", "router.weight")
 
 
 def _fail(field, value, fix):
@@ -44,6 +46,8 @@ class MemoryPlan:
     use_dora: bool = False
     r: int = 8
     target_modules: list | str | None = None  # None -> peft's default for the model type
+    # peft's target_parameters (LoRA on the 3-D experts, the router): names, or {name: rank}
+    target_parameters: list | dict | None = None
     dtype: str = "float32"  # base weights as loaded (from_pretrained dtype)
     per_device_train_batch_size: int = 8
     max_length: int = 1024
@@ -238,11 +242,17 @@ def _resolved_target(config, plan):
             _fail("target_modules", None, f"there is no default for model_type="
                   f"{config.model_type!r}; set target_modules (e.g. all-linear)")
         target = DEFAULT_TARGET_MODULES[config.model_type]
+    given = plan.target_parameters or {}
+    given = given if isinstance(given, dict) else {name: plan.r for name in given}
     lora = SimpleNamespace(target_modules=target, target_parameters=None, rank_pattern={},
                            alpha_pattern={}, r=plan.r, lora_alpha=plan.r)
     moe_target_conversion(lora, config.model_type, layer_linears(config))
     ranks = {name: plan.r * (2 if name == "gate_up_proj" and lora.rank_pattern else 1)
              for name in lora.target_parameters or []}
+    for name, rank in given.items():  # "gate_up_proj", "experts.down_proj", "mlp.gate.weight"
+        for leaf in EXPERT_PARAMETERS:
+            if leaf == name or leaf.endswith("." + name) or name.endswith("." + leaf):
+                ranks[leaf.removeprefix("experts.")] = rank
     return lora.target_modules, ranks
 
 
