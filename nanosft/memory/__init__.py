@@ -4,9 +4,11 @@ QLoRA's arithmetic, with and without gradient checkpointing. `estimate_memory(co
 without building a model, the base weights (fp32 / bf16 / NF4 with absmax and double-quantization
 tables), trainable parameters, gradients, optimizer states, the tensors each decoder layer saves for
 backward (with and without checkpointing) and the logits / loss buffers (B x T x V), per FSDP rank.
-The plan and shapes live in nanosft.memory.plan, the per-layer saves in nanosft.memory.activations,
-the measuring tools (`MemoryTracker`, `PeakMemory`, ...) in nanosft.memory.measure; their names
-import from here too. Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
+The plan and shapes live in nanosft.memory.plan, the per-layer saves in nanosft.memory.activations
+(Llama's layer and its close variants) and nanosft.memory.families (OLMo 3, Cohere 2, GPT-NeoX,
+the mixture-of-experts layers), the measuring tools (`MemoryTracker`, `PeakMemory`, ...) in
+nanosft.memory.measure; their names import from here too.
+Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
 """
 
 import dataclasses
@@ -176,7 +178,8 @@ def estimate_memory(config, plan, device_type="cpu"):
                   if n_quant else f"{plan.dtype}")
     notes = {"base weights (frozen)": quant_note,
              "trainable parameters": "all weights" if plan.full else
-             f"{'DoRA' if plan.use_dora else 'LoRA'} r={plan.r} on {','.join(sorted(targets))} "
+             f"{'DoRA' if plan.use_dora else 'LoRA'} r={plan.r} on "
+             f"{','.join(sorted(targets) + sorted(param_targets))} "
              f"({plan.adapter_dtype})",
              "gradients": "one per trainable weight, same dtype",
              "optimizer states": plan.optim,
@@ -190,10 +193,15 @@ def estimate_memory(config, plan, device_type="cpu"):
     rows["logits and loss (B x T x V)"] = logits
     notes["logits and loss (B x T x V)"] = f"V={V}: logits, fp32 log-probs and their gradient"
     if world > 1:  # FSDP gathers one layer's full weights, and prefetches the next
-        layer_params = [math.prod(s) for n, s in parameter_shapes(config)
-                        if ".layers.0." in n]
-        frozen_bytes = 0.5 if plan.load_in_4bit else wd
-        gather = 2 * int(sum(layer_params) * (wd if plan.full else frozen_bytes))
+        # the largest layer (an MoE layer's experts beside GLM's dense first layers); 4-bit
+        # linears travel at half a byte, the experts and router in their float dtype
+        layer_bytes = {}
+        for n, s in parameter_shapes(config):
+            if ".layers." in n:
+                i = int(n.split(".layers.")[1].split(".")[0])
+                half = plan.load_in_4bit and n.split(".")[-2] in layer_linears(config)
+                layer_bytes[i] = layer_bytes.get(i, 0) + math.prod(s) * (0.5 if half else wd)
+        gather = 2 * int(max(layer_bytes.values()))
         rows[f"FSDP all-gather ({world} ranks)"] = gather
         notes[f"FSDP all-gather ({world} ranks)"] = "two decoder layers unsharded at a time"
     return MemoryLedger(rows=rows, notes=notes, per_layer=per_layer, plan=plan)
