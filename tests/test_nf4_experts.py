@@ -7,7 +7,9 @@ NF4 experts against the same model whose expert weights were replaced by that ro
 and loss (fp32, 1e-6), and, with LoRA on the experts (ParamWrapper) and attention, every LoRA
 gradient and the input gradient; only the experts the router chose are dequantized; the stored
 bytes, measured, against the formula from shapes, and that formula on a Qwen3-30B-A3B layer
-against QLoRA's 4.127 bits a weight. A short QLoRA SFT run with NF4 experts lowers the loss.
+against QLoRA's 4.127 bits a weight; GLM-4-MoE's logits the same way; backward keeps no float
+expert weight (against plain F.linear, which does). A short QLoRA SFT run with NF4 experts
+lowers the loss.
 Hermetic: tiny models built in-process, CPU, fixed seeds; `-s` prints the byte counts.
 Run: python -m pytest -q -s tests/test_nf4_experts.py
 """
@@ -20,6 +22,7 @@ from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.args import SFTConfig
 from nanosft.families.expert_lora import ParamWrapper
+from nanosft.families.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from nanosft.families.gpt_oss import GptOssConfig, GptOssForCausalLM
 from nanosft.families.moe import Experts, SparseMoeBlock
 from nanosft.families.nf4_experts import (NF4Experts, NF4ExpertWeight, dequantize_experts,
@@ -127,6 +130,22 @@ def test_logits_and_loss_equal_the_round_trip_model():
     float_model = tiny_moe()
     with torch.no_grad():
         assert (float_model(x).logits - model(x).logits).abs().max() > 1e-3
+
+
+def test_glm4_moe_logits_equal_the_round_trip_model():
+    # GLM-4-MoE: sigmoid router with groups, shared experts (linears, left alone), dense layer 0
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5))
+    ref = round_trip_model(model)
+    quantize_experts(model)
+    assert sum(isinstance(m, NF4Experts) for m in model.modules()) == 1
+    x = torch.randint(2, V, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref(x).logits, **TOL)
 
 
 def test_only_the_chosen_experts_are_dequantized():
