@@ -8,7 +8,8 @@ expert, about 4.13 bits a weight. The forward dequantizes only the experts that 
 forward and again in backward (no float copy kept in between). The 3-D parameter names stay, as
 zero-storage placeholders of the full shape, so LoRA on experts (expert_lora.ParamWrapper) finds,
 shapes and parametrizes them: expert e's weight is dequant(e) + placeholder[e], where the
-placeholder reads zero, or inside a LoRA forward the delta. Paper: QLoRA 2305.14314.
+placeholder reads zero, or inside a LoRA forward the delta. Merging LoRA needs float experts
+first (`dequantize_experts`). Paper: QLoRA 2305.14314.
 """
 
 import math
@@ -17,7 +18,6 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 from nanosft.families.expert_lora import ParamWrapper
 from nanosft.families.moe import Experts
@@ -143,11 +143,14 @@ class NF4Experts(Experts):
             setattr(self, name, placeholder(weight.shape, weight.dtype, weight.device))
 
     def linear(self, x, name, e):
-        """x through dequant(W[e]), plus the LoRA delta's slice while ParamWrapper's forward has
-        parametrized `name` (x @ (Q + D)^T as x @ Q^T + x @ D^T: no float Q kept for backward)."""
+        """x through dequant(W[e]) + D[e], D what `name` reads: the stride-0 zero placeholder
+        (skipped), or a real tensor: LoRA's delta while ParamWrapper's forward parametrizes it,
+        or a placeholder something materialized (deepcopy, a merge). x @ (Q + D)^T is computed as
+        x @ Q^T + x @ D^T, so no float Q is kept for backward."""
         out = DequantizedLinear.apply(x, self.nf4[name], e)
-        if parametrize.is_parametrized(self, name):
-            out = out + F.linear(x, getattr(self, name)[e])
+        D = getattr(self, name)
+        if any(D.stride()):  # an expanded zero has strides (0, 0, 0) and cannot be written to
+            out = out + F.linear(x, D[e])
         return out
 
     def dequantize(self):
@@ -156,6 +159,7 @@ class NF4Experts(Experts):
         experts = Experts(SimpleNamespace(num_experts=E, hidden_size=C), two_i // 2)
         for name, weight in self.nf4.items():
             W = torch.stack([weight.dequantize(e) for e in range(E)])
+            W = W.to(getattr(self, name).dtype)  # the placeholder follows model.to(dtype)
             setattr(experts, name, nn.Parameter(W, requires_grad=False))
         return experts
 
