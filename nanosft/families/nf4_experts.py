@@ -1,15 +1,10 @@
-"""NF4 expert weights: each expert's slice of the 3-D `gate_up_proj` / `down_proj` as 4-bit codes.
-
-Beyond the peers: bitsandbytes' Linear4bit covers nn.Linear only, so transformers + bitsandbytes
-QLoRA leaves the 3-D expert parameters (most of an MoE model's bytes) in the compute dtype, as
-nanosft does by default. `quantize_experts(model)` (opt-in) stores every expert's (out, in) slice
-as its own NF4 tensor: blocks of 64 values inside one expert, the absmax double-quantized per
-expert, about 4.13 bits a weight. The forward dequantizes only the experts that got tokens, in
-forward and again in backward (no float copy kept in between). The 3-D parameter names stay, as
-zero-storage placeholders of the full shape, so LoRA on experts (expert_lora.ParamWrapper) finds,
-shapes and parametrizes them: expert e's weight is dequant(e) + placeholder[e], where the
-placeholder reads zero, or inside a LoRA forward the delta. Merging LoRA needs float experts
-first (`dequantize_experts`). Paper: QLoRA 2305.14314.
+"""NF4 expert weights, opt-in and beyond the peers (bitsandbytes' Linear4bit covers nn.Linear
+only, so transformers + bitsandbytes QLoRA keeps the 3-D experts, most of an MoE model's bytes, in
+the compute dtype). `quantize_experts(model)` stores each expert's (out, in) slice as its own NF4
+tensor (blocks of 64 inside one expert, absmax double-quantized per expert: ~4.13 bits a weight),
+dequantized only for the experts that got tokens, in forward and again in backward. The 3-D names
+stay as zero-storage placeholders that LoRA's ParamWrapper finds and parametrizes: expert e's
+weight is dequant(e) + placeholder[e]. Merging needs `dequantize_experts` first. QLoRA 2305.14314.
 """
 
 import math
