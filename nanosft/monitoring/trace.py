@@ -131,6 +131,7 @@ class _TrainerTrace(TrainerCallback):
         self.window = []  # the micro-batches of this update step (on_step_begin's batch_samples)
         self.index = -1  # `i` of `for i, inputs in enumerate(batch_samples)`
         self.num_batches = None  # what get_batch_samples was asked for
+        self.steps_in_epoch = self.per_epoch = None  # micro-batches, update steps per epoch
         self.forwards = 0
         self.in_forward = False
         self.fused = False
@@ -139,17 +140,21 @@ class _TrainerTrace(TrainerCallback):
         self.scheduler_steps = None
         self.done = False
 
-    def detach(self):
-        self.done = True
+    def remove_hooks(self):
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+
+    def detach(self):
+        self.done = True
+        self.remove_hooks()
         handler = self.trainer.callback_handler  # a new list: call_event may be iterating the old
         handler.callbacks = [cb for cb in handler.callbacks if cb is not self]
 
     # ----- walkthrough 2.2 / 2.3: the set-up, read at on_train_begin (after the banner) -----
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         t = self.trainer
+        self.remove_hooks()  # auto_find_batch_size restarted the loop: a new optimizer, hooks anew
         trace("2.2", "Trainer.train()  -> _inner_training_loop")
         trace("2.3", "_inner_training_loop()")
         trace("2.3", "train_dataloader = self.get_train_dataloader()",
