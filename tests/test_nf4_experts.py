@@ -21,6 +21,7 @@ import torch
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.args import SFTConfig
+from nanosft.io.auto import AutoModelForCausalLM
 from nanosft.families.expert_lora import ParamWrapper
 from nanosft.families.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from nanosft.families.gpt_oss import GptOssConfig, GptOssForCausalLM
@@ -248,16 +249,23 @@ def test_dequantize_experts_then_merge_keeps_the_logits():
         torch.testing.assert_close(merged(x).logits, want, rtol=0, atol=1e-5)
 
 
-def test_storage_moves_with_to_and_saves_no_placeholders():
+def test_storage_moves_with_to_and_saves_dequantized_float_weights(tmp_path):
     model = quantize_experts(tiny_moe())
     model.to(torch.float64)  # placeholders follow the dtype, still one value each
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float64
     assert experts.gate_up_proj.untyped_storage().nbytes() == 8
     assert experts.nf4["gate_up_proj"].offset.dtype == torch.float32  # statistics stay fp32
-    keys = [k for k in model.state_dict() if ".experts." in k]
-    assert "model.layers.0.mlp.experts.gate_up_proj.nf4_codes" in keys
-    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in keys)
+    model.to(torch.float32)
+    # saved under the float model's names, as the dequantized weights (not zero placeholders)
+    state = model.state_dict()
+    assert not any("nf4" in k for k in state)
+    want = torch.stack([experts.nf4["down_proj"].dequantize(e) for e in range(4)])
+    assert torch.equal(state["model.layers.0.mlp.experts.down_proj"], want)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    x = torch.randint(0, V, (2, 9))
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-6)
 
 
 def test_refusals_name_the_fix():

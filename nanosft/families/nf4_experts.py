@@ -169,14 +169,12 @@ class NF4Experts(Experts):
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # the codes and statistics, never the placeholders (a file of zero experts would load
-        # silently into a float model); a float model refuses these keys as unexpected
+        # the weights the forward uses, dequantized to float under the 3-D names: a saved model
+        # loads in any float loader (transformers' too); quantize_experts again after loading
         for name, weight in self.nf4.items():
-            fields = {"nf4_codes": weight.packed, "absmax": weight.absmax,
-                      "nested_absmax": weight.absmax2, "nested_offset": weight.offset}
-            for field, t in fields.items():
-                if t is not None:
-                    destination[f"{prefix}{name}.{field}"] = t
+            D = getattr(self, name)
+            W = torch.stack([weight.dequantize(e) for e in range(self.num_experts)]).to(D.dtype)
+            destination[f"{prefix}{name}"] = W + D if any(D.stride()) else W
 
     def extra_repr(self):
         shapes = {name: w.shape for name, w in self.nf4.items()}
@@ -218,7 +216,7 @@ def quantize_experts(model, compress_statistics=True):
 
 def dequantize_experts(model):
     """Every NF4Experts back to float Experts (dequantized), in place, under any LoRA wrappers;
-    returns `model`. Needed before merge_and_unload or save_pretrained of the base model."""
+    returns `model`. Needed before merge_and_unload (save_pretrained writes float ones)."""
     for parent, name, child in list(_children(model)):
         if isinstance(child, NF4Experts):
             setattr(parent, name, child.dequantize())
