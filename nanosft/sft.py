@@ -1,7 +1,9 @@
 """SFTTrainer: TRL's supervised fine-tuning set-up (dataset preparation, LoRA wrapping) on Trainer.
 
-Walkthrough 2.1 (SFTTrainer.__init__ ends in Trainer.__init__). On the SFT path
-SFTTrainer.compute_loss overrides 2.5's Trainer.compute_loss (TRL's loss and token metrics).
+Walkthrough 2.1: SFTTrainer.__init__ is TRL's set-up steps, one call each as TRL names them,
+ending in the printed super().__init__; the checks and model-id loading the walkthrough does
+not print are in nanosft.io.sft_setup. On the SFT path SFTTrainer.compute_loss overrides 2.5's
+Trainer.compute_loss (TRL's loss and token metrics).
 Papers: LoRA 2106.09685, QLoRA 2305.14314 (a 4-bit base with bf16 adapters).
 Mirrors trl 1.16 SFTTrainer: __init__, compute_loss and log.
 """
@@ -111,15 +113,15 @@ class SFTTrainer(Trainer):
                                           create_model, router_aux_loss)  # product layer
 
         args = _as_sft_config(args, model)  # Args
-        check_arguments(args, data_collator, train_dataset, compute_loss_func)
-        check_argument_types(processing_class, peft_config, formatting_func)
+        check_arguments(args, data_collator, train_dataset, compute_loss_func)  # TRL's refusals
+        check_argument_types(processing_class, peft_config, formatting_func)  # and nanosft's
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
         model, processing_class = create_model(model, args, quantization_config, processing_class)
         model = self._prepare_peft_model(model, args, peft_config)  # PEFT
-        train_rows = self._read_train_dataset(train_dataset, args, formatting_func)
+        train_rows = self._read_train_dataset(train_dataset, args, formatting_func)  # its rows
         data_collator = self._create_data_collator(data_collator, model, processing_class, args,
-                                                   train_rows)
-        train_dataset, eval_dataset = self._prepare_datasets(
+                                                   train_rows)  # Data collator
+        train_dataset, eval_dataset = self._prepare_datasets(  # Dataset
             model, processing_class, args, train_dataset, train_rows, eval_dataset, data_collator)
         super_init_kwargs = {"optimizer_cls_and_kwargs": optimizer_cls_and_kwargs}  # as TRL's
         super().__init__(
@@ -137,8 +139,8 @@ class SFTTrainer(Trainer):
             **super_init_kwargs,
         )
         self._set_signature_columns_if_needed()
-        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(self.model, args)
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(self.model, args)  # MoE
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # TRL metrics
         self._total_train_tokens = 0
         add_model_tags(self.model, self._tag_names)
 
