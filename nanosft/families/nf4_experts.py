@@ -216,7 +216,7 @@ def quantize_experts(model, compress_statistics=True):
 
 def dequantize_experts(model):
     """Every NF4Experts back to float Experts (dequantized), in place, under any LoRA wrappers;
-    returns `model`. Needed before merge_and_unload (save_pretrained writes float ones)."""
+    returns `model`: a float model again (merge_and_unload and save_pretrained work on NF4 too)."""
     for parent, name, child in list(_children(model)):
         if isinstance(child, NF4Experts):
             setattr(parent, name, child.dequantize())
