@@ -12,8 +12,9 @@ which the ledger leaves out for a frozen embedding, as for Llama). The MoE block
 N * top_k tokens dispatched to the experts; under bf16 autocast each expert's weight slice is cast
 anew and kept. Negative controls: a ledger routing each token to one expert (10% short), the
 parallel and post-norm layers read as Llama's (off by more than 1%), and the autocast copies left
-out (5% short), each miss the tolerance. Families still not modelled are refused by name. Tiny
-models (hidden 64, 2 layers, 4 experts, top 2), CPU, seeded.
+out (5% short), each miss the tolerance. Families still not modelled are refused by name, and the
+trainer's prediction steps aside for NF4 experts (quantize_experts). Tiny models (hidden 64, 2
+layers, 4 experts, top 2), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_moe.py
 """
 
@@ -200,6 +201,19 @@ def test_families_not_modelled_are_refused_by_name():
     moe = config_from_dict(transformers.Qwen3MoeConfig(**TINY, num_experts=4,
                                                        num_experts_per_tok=2).to_dict())
     memory.estimate_memory(moe, memory.MemoryPlan(full=True))  # modelled now: no refusal
+
+
+def test_trainer_prediction_steps_aside_for_nf4_experts(tmp_path):
+    """quantize_experts stores the experts in NF4, which the ledger (experts in float) does not
+    count: the trainer's prediction line steps aside rather than print a wrong figure."""
+    from nanosft.args import TrainingArguments
+    from nanosft.families.nf4_experts import quantize_experts
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=B,
+                             optim="adamw_torch")
+    model = _model("qwen3_moe", "full")
+    assert memory.predict_for_trainer(model, args) is not None
+    assert memory.predict_for_trainer(quantize_experts(model), args) is None
 
 
 def test_cli_memory_prints_an_moe_ledger(tmp_path, capsys):

@@ -243,7 +243,8 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
 
 def predict_for_trainer(model, args):
     """The ledger of the run a Trainer is about to start, or None for a model it cannot read
-    (not a nanosft CausalLM, or prompt tuning). T is SFTConfig.max_length, else the context size.
+    (not a nanosft CausalLM, prompt tuning, a family not modelled, NF4 experts). T is
+    SFTConfig.max_length, else the context size.
     Mirrors: nothing in transformers, which predicts no memory"""
     from nanosft.model import ModelConfig
 
@@ -252,6 +253,9 @@ def predict_for_trainer(model, args):
     config = getattr(base, "config", None)
     if (not isinstance(config, ModelConfig) or config.model_type in NOT_MODELLED
             or peft_config is not None and not hasattr(peft_config, "r")):
+        return None
+    # NF4 experts (families.nf4_experts.quantize_experts): the ledger counts experts in float
+    if any(type(m).__name__ == "NF4Experts" for m in base.modules()):
         return None
     if args.optim not in OPTIMIZERS:  # Lion, RMSprop, AdEMAMix, 32-bit bitsandbytes: not modelled
         return None
