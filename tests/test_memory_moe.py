@@ -203,17 +203,117 @@ def test_families_not_modelled_are_refused_by_name():
     memory.estimate_memory(moe, memory.MemoryPlan(full=True))  # modelled now: no refusal
 
 
-def test_trainer_prediction_steps_aside_for_nf4_experts(tmp_path):
-    """quantize_experts stores the experts in NF4, which the ledger (experts in float) does not
-    count: the trainer's prediction line steps aside rather than print a wrong figure."""
-    from nanosft.args import TrainingArguments
+def _nf4_experts_model(name, method, **lora):
+    """_model with the experts stored as NF4 (quantize_experts) before LoRA wraps them."""
     from nanosft.families.nf4_experts import quantize_experts
+
+    cls, overrides = FAMILIES[name]
+    torch.manual_seed(0)
+    model = from_config(config_from_dict(getattr(transformers, cls)(**{**TINY, **overrides})
+                                         .to_dict()))
+    if method == "qlora":
+        nf4.quantize_model(model)
+    quantize_experts(model)
+    if method != "full":
+        model = get_peft_model(model, LoraConfig(r=4, **(lora or {"target_modules": "all-linear"})))
+    if method == "qlora":
+        _cast_trainable_to_bf16(model)
+    return model.train()
+
+
+def _nf4_expert_weights(model):
+    from nanosft.families.nf4_experts import NF4Experts
+
+    return [w for m in model.modules() if isinstance(m, NF4Experts) for w in m.nf4.values()]
+
+
+@pytest.mark.parametrize("name,method,bf16", [("qwen3_moe", "full", True),
+                                              ("qwen3_moe", "lora", False),
+                                              ("glm4_moe", "qlora", True)])
+def test_nf4_experts_rows_equal_a_real_step(name, method, bf16):
+    """Experts stored by quantize_experts: the weights row holds nf4_nbytes per 3-D weight (codes,
+    double-quantized statistics) plus each placeholder's one value, exactly; the experts neither
+    train nor keep a float weight for backward (dequantized again there), so the activations row
+    (LoRA's delta D[e] and its input rows where target_parameters reach the experts) is within 5%.
+    Negative control: the same step predicted with the experts in float misses the weights row by
+    more than their float bytes less the NF4 bytes."""
+    model = _nf4_experts_model(name, method)
+    base = model if method == "full" else model.get_base_model()
+    measured_saved, optimizer = _step(model, bf16=bf16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model) + \
+        [t for w in _nf4_expert_weights(model) for t in w.tensors()]
+    measured = {"base weights (frozen)": _storages(frozen),
+                "trainable parameters": _storages(trainable),
+                "gradients": _storages([p.grad for p in trainable]),
+                "optimizer states": _storages([v for s in optimizer.state.values()
+                                               for v in s.values()])}
+    plan = _plan(model, bf16=bf16)
+    assert plan.nf4_experts
+    ledger = memory.estimate_memory(base.config, plan)
+    assert {row: ledger.rows[row] for row in measured} == measured
+    predicted = _activations(base.config, plan)
+    assert abs(predicted - measured_saved) <= 0.05 * measured_saved
+    as_float = memory.estimate_memory(base.config, dataclasses.replace(plan, nf4_experts=False))
+    assert as_float.rows["base weights (frozen)"] + as_float.rows["trainable parameters"] > \
+        measured["base weights (frozen)"] + measured["trainable parameters"] + 10_000
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_nf4_experts_keep_no_float_expert_weight_for_backward(bf16):
+    """No tensor autograd saves equals an expert's dequantized (out, in) slice (nor its bf16 copy
+    under autocast, which float experts keep per expert): NF4Experts dequantize again in backward.
+    Controls: float experts holding the same values do save them; the ledger lists the autocast
+    copies for float experts only."""
+    from nanosft.families.nf4_experts import dequantize_experts
+
+    model = _nf4_experts_model("qwen3_moe", "lora", target_modules=["q_proj"])
+    slices = [w.dequantize(e) for w in _nf4_expert_weights(model)
+              for e in range(w.shape[0])]
+    slices += [s.t() for s in slices]  # F.linear saves W[e]^T for mm
+    found = []
+
+    def pack(t):
+        if t.dim() == 2 and t.is_floating_point():
+            found.extend(1 for s in slices if s.shape == t.shape and torch.equal(s.to(t.dtype), t))
+        return t
+
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    run()
+    assert not found
+    config, plan = model.get_base_model().config, _plan(model, bf16=bf16)
+    dequantize_experts(model)  # control: float experts holding the same values keep W[e]
+    run()
+    assert found
+    rows = memory.estimate_memory(config, plan).per_layer[1]
+    assert not any(k.startswith("experts.") and k.endswith("_cast") for k in rows)
+    float_rows = memory.estimate_memory(config, dataclasses.replace(plan, nf4_experts=False))
+    assert any(k.endswith("_proj_cast") for k in float_rows.per_layer[1]) == bf16
+
+
+def test_trainer_prediction_counts_nf4_experts(tmp_path):
+    """The trainer's prediction line reads NF4 experts off the model (it stepped aside before):
+    its weights row is the float one less the experts' float bytes plus their NF4 bytes."""
+    from nanosft.args import TrainingArguments
+    from nanosft.families.nf4_experts import experts_nbytes
 
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=B,
                              optim="adamw_torch")
-    model = _model("qwen3_moe", "full")
-    assert memory.predict_for_trainer(model, args) is not None
-    assert memory.predict_for_trainer(quantize_experts(model), args) is None
+    model = _model("qwen3_moe", "lora")
+    before = memory.predict_for_trainer(model, args)
+    nf4_model = _nf4_experts_model("qwen3_moe", "lora")
+    after = memory.predict_for_trainer(nf4_model, args)
+    assert after is not None and after.plan.nf4_experts and not before.plan.nf4_experts
+    assert after.rows["base weights (frozen)"] == before.rows["base weights (frozen)"] - \
+        experts_nbytes(model.get_base_model()) + experts_nbytes(nf4_model.get_base_model())
+    assert after.rows["trainable parameters"] == before.rows["trainable parameters"]
 
 
 def test_cli_memory_prints_an_moe_ledger(tmp_path, capsys):

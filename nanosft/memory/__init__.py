@@ -29,6 +29,8 @@ NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-lev
 # families whose layers the ledger does not model yet (Gated DeltaNet, short convolutions, Gemma 4's
 # shared KV and per-layer inputs): refused by name rather than predicted as Llama's
 NOT_MODELLED = ("qwen3_5_text", "lfm2", "gemma4_text")
+# the families whose (E, out, in) experts families.nf4_experts.quantize_experts stores as NF4
+NF4_EXPERT_TYPES = ("qwen3_moe", "glm4_moe")
 
 
 # ----------------------------------------------------------------------------- weights
@@ -104,6 +106,12 @@ def estimate_memory(config, plan, device_type="cpu"):
     if config.model_type in NOT_MODELLED:
         raise ValueError(f"the memory ledger does not model model_type={config.model_type!r} "
                          "yet; measure a step instead (nanosft.memory.PeakMemory)")
+    if plan.nf4_experts and config.model_type not in NF4_EXPERT_TYPES:
+        _fail("nf4_experts", True, f"quantize_experts stores the experts of "
+              f"{', '.join(NF4_EXPERT_TYPES)} only; model_type={config.model_type!r} keeps "
+              "its experts in float: drop nf4_experts")
+    from nanosft.families.nf4_experts import nf4_nbytes
+
     wd, world = DTYPE_BYTES[plan.dtype], plan.fsdp
     targets, param_targets = lora_targets(config, plan), parameter_targets(config, plan)
     if not plan.full and not targets and not param_targets:
@@ -119,12 +127,15 @@ def estimate_memory(config, plan, device_type="cpu"):
         quant = (plan.load_in_4bit and lin in layer_linears(config) and name.endswith("weight")
                  and nf4_quantizable(shape, device_type))
         n_quant += quant
-        if quant:  # FSDP shards the packed (numel / 2, 1) codes
+        nf4_expert = plan.nf4_experts and lin == "experts" and len(shape) == 3
+        if nf4_expert:  # NF4 codes + statistics per expert, the zero placeholder's one value
+            nbytes = _shard(nf4_nbytes(shape, plan.bnb_4bit_use_double_quant) + wd, shape, world)
+        elif quant:  # FSDP shards the packed (numel / 2, 1) codes
             nbytes = nf4_bytes(numel, double_quant=plan.bnb_4bit_use_double_quant)
             nbytes = _shard(nbytes, ((numel + 1) // 2, 1), world)
         else:
             nbytes = _shard(numel * wd, shape, world)
-        if plan.full:
+        if plan.full and not nf4_expert:
             trainable += nbytes
             grads += nbytes
             embedding = name.endswith(("embed_tokens.weight", "embed_in.weight"))
@@ -176,6 +187,8 @@ def estimate_memory(config, plan, device_type="cpu"):
             "optimizer states": optim, "activations (saved for backward)": activations}
     quant_note = (f"NF4: {n_quant} linears at {nf4_bytes(4096 * 4096) / 4096**2:.4f} B/weight"
                   if n_quant else f"{plan.dtype}")
+    if plan.nf4_experts:
+        quant_note += "; experts NF4 (quantize_experts)"
     notes = {"base weights (frozen)": quant_note,
              "trainable parameters": "all weights" if plan.full else
              f"{'DoRA' if plan.use_dora else 'LoRA'} r={plan.r} on "
@@ -230,6 +243,8 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
     weights = [p for p in base.parameters() if p.dtype.is_floating_point]
     dtype = str(weights[0].dtype).removeprefix("torch.") if weights else "float32"
     lora = peft_config is not None and hasattr(peft_config, "r")
+    nf4_experts = [m for m in base.modules() if type(m).__name__ == "NF4Experts"]
+    nested = all(w.nested for m in nf4_experts for w in m.nf4.values())
     return MemoryPlan(full=peft_config is None, load_in_4bit=nf4.is_quantized(base),
                       use_dora=lora and peft_config.use_dora, r=peft_config.r if lora else 8,
                       target_modules=peft_config.target_modules if lora else None,
@@ -238,12 +253,13 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
                       per_device_train_batch_size=args.per_device_train_batch_size,
                       max_length=max_length, optim=args.optim,
                       gradient_checkpointing=bool(args.gradient_checkpointing),
-                      optim_args=args.optim_args, bf16=bool(args.bf16))
+                      optim_args=args.optim_args, bf16=bool(args.bf16),
+                      nf4_experts=bool(nf4_experts), bnb_4bit_use_double_quant=nested)
 
 
 def predict_for_trainer(model, args):
     """The ledger of the run a Trainer is about to start, or None for a model it cannot read
-    (not a nanosft CausalLM, prompt tuning, a family not modelled, NF4 experts). T is
+    (not a nanosft CausalLM, prompt tuning, a family not modelled). T is
     SFTConfig.max_length, else the context size.
     Mirrors: nothing in transformers, which predicts no memory"""
     from nanosft.model import ModelConfig
@@ -253,9 +269,6 @@ def predict_for_trainer(model, args):
     config = getattr(base, "config", None)
     if (not isinstance(config, ModelConfig) or config.model_type in NOT_MODELLED
             or peft_config is not None and not hasattr(peft_config, "r")):
-        return None
-    # NF4 experts (families.nf4_experts.quantize_experts): the ledger counts experts in float
-    if any(type(m).__name__ == "NF4Experts" for m in base.modules()):
         return None
     if args.optim not in OPTIMIZERS:  # Lion, RMSprop, AdEMAMix, 32-bit bitsandbytes: not modelled
         return None

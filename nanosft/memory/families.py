@@ -108,6 +108,8 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     """Saves of a sparse MoE block on the (N, C) tokens `x_name`: router, dispatch, experts,
     combine (and GLM's shared experts). Under bf16 autocast over float32 weights each expert's
     slice W[e] is cast anew (no autocast cache for a view), so every expert's bf16 copy is kept.
+    NF4 experts (nf4_experts.DequantizedLinear) save no weight: each chosen expert is dequantized
+    in forward and again in backward; what LoRA's delta D adds (x @ D[e]^T) saves as on float.
     Left out: what GLM's group choice saves (its ops end in integer ids, so those saves are freed
     when the router returns: 0.6% of a tiny layer).
     Mirrors: autograd's saves in nanosft.families.moe SparseMoeBlock (Qwen3MoeSparseMoeBlock,
@@ -125,8 +127,8 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     ptargets = ctx["param_targets"]
     router = "router.weight" if t == "gpt_oss" else "gate.weight"
     router_trains = plan.full or router in ptargets
-    gate_up_trains = plan.full or "gate_up_proj" in ptargets
-    down_trains = plan.full or "down_proj" in ptargets
+    gate_up_trains = plan.experts_train() or "gate_up_proj" in ptargets
+    down_trains = plan.experts_train() or "down_proj" in ptargets
     shared_rg = False
     if t == "glm4_moe" and config.n_shared_experts:  # a dense SwiGLU every token passes
         shared_rg = _swiglu(saved, ctx, x_name, x_rg, C, Ie * config.n_shared_experts)
@@ -157,9 +159,11 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     saved.add("experts.row_ids", R * 2, 8)  # torch.where's (token, slot) pairs, int64
     if gate_up_trains:
         saved.add("experts.input_rows", R * C, mm)
-    if cast and x_rg:  # the bf16 copy of each expert's slice, for the input's gradient
-        saved.add("experts.gate_up_proj_cast", E * 2 * Ie * C, ad)
-        saved.add("experts.down_proj_cast", E * C * Ie, ad)
+    for name, numel in (("gate_up_proj", E * 2 * Ie * C), ("down_proj", E * C * Ie)):
+        # the bf16 copy of each expert's slice, for the input's gradient; NF4 experts dequantize
+        # again in backward, and only a LoRA delta's slice is cast and kept
+        if cast and x_rg and (not plan.nf4_experts or name in ptargets):
+            saved.add(f"experts.{name}_cast", numel, ad)
     saved.add("experts.gate_up_out", R * 2 * Ie, ed)
     if t == "gpt_oss":  # clamped gate, sigmoid(alpha gate), up + 1, and the glu product
         for name in ("clamped_gate", "sigmoid", "up_plus_one", "glu"):

@@ -56,6 +56,9 @@ class MemoryPlan:
     optim_args: str | None = None
     bf16: bool = False  # bf16 autocast (mixed precision): weights stay in `dtype`
     fsdp: int = 1
+    # experts stored as NF4 by families.nf4_experts.quantize_experts (frozen; double quantization
+    # as bnb_4bit_use_double_quant)
+    nf4_experts: bool = False
 
     def __post_init__(self):
         for name in ("per_device_train_batch_size", "max_length", "r", "fsdp"):
@@ -69,6 +72,10 @@ class MemoryPlan:
         if self.full and (self.load_in_4bit or self.use_dora):
             _fail("full", True, "full fine-tuning trains every weight, so it takes no 4-bit base "
                   "and no DoRA; drop --qlora / --dora or --full")
+
+    def experts_train(self):
+        """Whether the 3-D expert weights themselves train (full, and not frozen NF4 codes)."""
+        return self.full and not self.nf4_experts
 
     @property
     def adapter_dtype(self):
