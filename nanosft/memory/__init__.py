@@ -28,7 +28,7 @@ BNB_OPTIM_BLOCKSIZE = 256  # one fp32 absmax per 256 values of an 8-bit optimize
 NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-level absmax values
 # families whose layers the ledger does not model yet (Gated DeltaNet, short convolutions, Gemma 4's
 # shared KV and per-layer inputs): refused by name rather than predicted as Llama's
-NOT_MODELLED = ("qwen3_5_text", "lfm2", "gemma4_text")
+NOT_MODELLED = ("qwen3_5_text", "gemma4_text")
 # the families whose (E, out, in) experts families.nf4_experts.quantize_experts stores as NF4
 NF4_EXPERT_TYPES = ("qwen3_moe", "glm4_moe")
 

@@ -16,7 +16,7 @@ from nanosft.memory.plan import (
     parameter_targets,
 )
 
-MODELLED = ("olmo3", "cohere2", "gpt_neox", "qwen3_moe", "glm4_moe", "gpt_oss")
+MODELLED = ("olmo3", "cohere2", "gpt_neox", "qwen3_moe", "glm4_moe", "gpt_oss", "lfm2")
 
 
 def _rope_owner(config, layer_idx):
@@ -25,6 +25,8 @@ def _rope_owner(config, layer_idx):
     types = getattr(config, "layer_types", None)
     if t == "olmo3":  # one table per layer type
         return types.index(types[layer_idx]) == layer_idx
+    if t == "lfm2":  # only the attention layers rotate
+        return types.index("full_attention") == layer_idx
     if t == "cohere2":  # only the sliding layers rotate
         return types[layer_idx] == "sliding_attention" and types.index(types[layer_idx]) == \
             layer_idx
@@ -47,7 +49,7 @@ def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
     if t == "olmo3":  # RMSNorm over the whole (N, H * D) and (N, KV * D) projections
         _norm(saved, "q_norm", N, H * D, q_rg, plan.full, out("q_proj"))
         _norm(saved, "k_norm", N, KV * D, k_rg, plan.full, out("k_proj"))
-    elif t == "qwen3_moe" or t == "glm4_moe" and config.use_qk_norm:  # per head
+    elif t in ("qwen3_moe", "lfm2") or t == "glm4_moe" and config.use_qk_norm:  # per head
         _norm(saved, "q_norm", N * H, D, q_rg, plan.full, out("q_proj"))
         _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out("k_proj"))
     attn_rg = q_rg or k_rg or v_rg
@@ -89,19 +91,43 @@ def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
             saved.add("sdpa.window_mask", T * T, s)
         # partial RoPE concatenates q (B, H, T, D): o_proj's (B, T, H * D) input is then a copy
         o_input = "o_proj.input" if partial else "sdpa.out"
-    o_lin = "dense" if t == "gpt_neox" else "o_proj"
+    o_lin = {"gpt_neox": "dense", "lfm2": "out_proj"}.get(t, "o_proj")
     return _linear(saved, ctx, o_lin, o_input, s, H * D, C, attn_rg)
 
 
-def _swiglu(saved, ctx, x_name, x_rg, C, I):
-    """Llama's MLP (gate_proj, up_proj, down_proj) of width I reading `x_name`."""
-    g_rg = _linear(saved, ctx, "gate_proj", x_name, ctx["wd"], C, I, x_rg)
-    u_rg = _linear(saved, ctx, "up_proj", x_name, ctx["wd"], C, I, x_rg)
-    g = ctx["out_bytes"]("gate_proj")
+def _swiglu(saved, ctx, x_name, x_rg, C, I, names=("gate_proj", "up_proj", "down_proj"),
+            recomputed=True):
+    """Llama's MLP (gate_proj, up_proj, down_proj: LFM2's w1, w3, w2) of width I on `x_name`.
+    `recomputed`: act(gate) * up recomputed in backward (nanosft.fast.recompute, MLP.forward);
+    LFM2's own forward keeps silu(gate) too, for up's gradient."""
+    gate, up, down = names
+    g_rg = _linear(saved, ctx, gate, x_name, ctx["wd"], C, I, x_rg)
+    u_rg = _linear(saved, ctx, up, x_name, ctx["wd"], C, I, x_rg)
+    g = ctx["out_bytes"](gate)
     if g_rg or u_rg:  # act(gate) * up is recomputed in backward from its two inputs
         saved.add(f"{x_name}.gate_out", ctx["N"] * I, g)
         saved.add(f"{x_name}.up_out", ctx["N"] * I, g)
-    return _linear(saved, ctx, "down_proj", f"{x_name}.act_product", g, I, C, g_rg or u_rg)
+    if u_rg and not recomputed:
+        saved.add(f"{x_name}.act_out", ctx["N"] * I, g)
+    return _linear(saved, ctx, down, f"{x_name}.act_product", g, I, C, g_rg or u_rg)
+
+
+def _short_conv(saved, ctx, config, x_name, x_rg):
+    """Saves of LFM2's gated short convolution out_proj(C * conv(B * x)) on `x_name`: the three
+    (N, C) gates are views of in_proj's (N, 3 C) output, which both products keep; conv1d keeps its
+    input B * x, and C * y the conv's (B, C, T + K - 1) output."""
+    N, wd, ad, plan = ctx["N"], ctx["wd"], ctx["ad"], ctx["plan"]
+    C, B, K = config.hidden_size, plan.per_device_train_batch_size, config.conv_L_cache
+    rg = _linear(saved, ctx, "in_proj", x_name, ctx["wd"], C, 3 * C, x_rg)
+    conv_trains = plan.full
+    if not (rg or conv_trains):
+        return False
+    g = ctx["out_bytes"]("in_proj")
+    s = ad or wd  # conv1d works in the autocast dtype
+    saved.add("conv.in_proj_out", N * 3 * C, g)  # b * h and c * y read their views
+    saved.add("conv.Bx", N * C, s if s != g else g)  # conv1d's input (a cast copy under autocast)
+    saved.add("conv.y", B * C * (plan.max_length + K - 1), s)  # the padded conv output, sliced
+    return _linear(saved, ctx, "out_proj", "conv.out_proj.input", g, C, C, True)
 
 
 def moe_saved(saved, ctx, config, x_name, x_rg):
@@ -197,7 +223,13 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     ad = 2 if plan.bf16 else None
     t = config.model_type
     moe = is_moe_layer(config, layer_idx)
-    in_features = {"o_proj": H * D, "dense": C, "down_proj": I, "dense_4h_to_h": I}
+    if t == "lfm2":
+        from nanosft.families.lfm2 import lfm2_intermediate_size
+
+        I = lfm2_intermediate_size(config)
+    conv = t == "lfm2" and config.layer_types[layer_idx] == "conv"
+    in_features = {"o_proj": H * D, "dense": C, "down_proj": I, "dense_4h_to_h": I, "w2": I,
+                   "out_proj": C if conv else H * D}
     if t == "glm4_moe" and moe:
         in_features["down_proj"] = expert_size(config) * config.n_shared_experts
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
@@ -215,6 +247,14 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         _norm(saved, "post_attention_layernorm", N, C, a_rg, plan.full, out_bytes("o_proj"))
         m_rg = _swiglu(saved, ctx, "mlp_input", rg or a_rg, C, I)
         _norm(saved, "post_feedforward_layernorm", N, C, m_rg, plan.full, out_bytes("down_proj"))
+    elif t == "lfm2":  # pre-norm; the mixer a gated short convolution or attention
+        n_rg = _norm(saved, "operator_norm", N, C, rg, plan.full, wd)
+        if conv:
+            a_rg = _short_conv(saved, ctx, config, "normed_1", n_rg)
+        else:
+            a_rg = _attention(saved, ctx, config, layer_idx, "normed_1", n_rg)
+        n2_rg = _norm(saved, "ffn_norm", N, C, rg or a_rg, plan.full, wd)
+        _swiglu(saved, ctx, "normed_2", n2_rg, C, I, ("w1", "w3", "w2"), recomputed=False)
     elif t == "cohere2":  # h + attn(ln(h)) + mlp(ln(h))
         n_rg = _layer_norm(saved, "input_layernorm", N, C, rg, plan.full, wd, True)
         _attention(saved, ctx, config, layer_idx, "normed", n_rg)

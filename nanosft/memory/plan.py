@@ -25,6 +25,8 @@ FFN_NORM_TYPES = ("gemma3_text",)
 # GPT-NeoX's own names: the fused query_key_value, the output `dense`, the gelu MLP's two
 NEOX_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 ATTN_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
+# LFM2's own names: attention's out_proj, the conv's in_proj / out_proj, the SwiGLU w1 w3 w2
+LFM2_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w3", "w2")
 MOE_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
 # the parameters LoRA may target in an MoE layer (peft target_parameters), under mlp.
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj", "gate.weight", "router.weight")
@@ -99,6 +101,8 @@ def layer_linears(config):
         return LAYER_LINEARS if dense else ATTN_ONLY
     if config.model_type == "gpt_oss":
         return ATTN_ONLY
+    if config.model_type == "lfm2":
+        return LFM2_LINEARS
     return LAYER_LINEARS
 
 
@@ -128,6 +132,32 @@ def _swiglu(p, C, I, bias=False):
     return shapes
 
 
+def _lfm2_layer_shapes(config, i):
+    """One LFM2 layer: a gated short convolution or attention (q/k norms per head, out_proj),
+    then SwiGLU w1 / w3 / w2. Mirrors: transformers Lfm2DecoderLayer"""
+    from nanosft.families.lfm2 import lfm2_intermediate_size
+
+    C, I, K = config.hidden_size, lfm2_intermediate_size(config), config.conv_L_cache
+    H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    p = f"model.layers.{i}."
+    if config.layer_types[i] == "conv":
+        c = p + "conv."
+        shapes = [(c + "conv.weight", (C, 1, K)), (c + "in_proj.weight", (3 * C, C)),
+                  (c + "out_proj.weight", (C, C))]
+        if config.conv_bias:
+            shapes += [(c + "conv.bias", (C,)), (c + "in_proj.bias", (3 * C,)),
+                       (c + "out_proj.bias", (C,))]
+    else:
+        a = p + "self_attn."
+        shapes = [(a + "q_proj.weight", (H * D, C)), (a + "k_proj.weight", (KV * D, C)),
+                  (a + "v_proj.weight", (KV * D, C)), (a + "out_proj.weight", (C, H * D)),
+                  (a + "q_layernorm.weight", (D,)), (a + "k_layernorm.weight", (D,))]
+    f = p + "feed_forward."
+    return shapes + [(f + "w1.weight", (I, C)), (f + "w3.weight", (I, C)),
+                     (f + "w2.weight", (C, I)), (p + "operator_norm.weight", (C,)),
+                     (p + "ffn_norm.weight", (C,))]
+
+
 def _family_layer_shapes(config, i):
     """One layer's (name, shape) for OLMo 3, Cohere 2, GPT-NeoX and the MoE families.
     Mirrors: transformers Olmo3DecoderLayer, Cohere2DecoderLayer, GPTNeoXLayer,
@@ -135,6 +165,8 @@ def _family_layer_shapes(config, i):
     C, I = config.hidden_size, config.intermediate_size
     H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     t = config.model_type
+    if t == "lfm2":
+        return _lfm2_layer_shapes(config, i)
     if t == "gpt_neox":
         p, b = f"gpt_neox.layers.{i}.", config.attention_bias
         norms = ("input_layernorm", "post_attention_layernorm")
@@ -185,7 +217,7 @@ def _family_layer_shapes(config, i):
     return shapes
 
 
-FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox") + MOE_TYPES
+FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox", "lfm2") + MOE_TYPES
 
 
 def parameter_shapes(config):
@@ -208,8 +240,9 @@ def parameter_shapes(config):
         if config.model_type == "gpt_neox":
             shapes += [("gpt_neox.final_layer_norm.weight", (C,)),
                        ("gpt_neox.final_layer_norm.bias", (C,))]
-        else:
-            shapes.append(("model.norm.weight", (C,)))
+        else:  # (LFM2's final norm: embedding_norm)
+            final = "embedding_norm" if config.model_type == "lfm2" else "norm"
+            shapes.append((f"model.{final}.weight", (C,)))
         if not config.tie_word_embeddings:
             shapes.append(("lm_head.weight", (V, C)))
         return shapes
