@@ -1,7 +1,9 @@
 """The memory ledger (nanosft/memory) on the hybrid families, against the tensors of a real step.
 
-Compared, for LFM2 (gated short-convolution layers beside attention layers), for full
-fine-tuning, LoRA (all-linear) and QLoRA: the parameter list equals the model's names and shapes;
+Compared, for LFM2 (gated short-convolution layers beside attention layers) and Gemma 4 (per-layer
+head_dim and kv heads, v = k in full layers, KV-shared layers, fp32 RMSNorms by hand, per-layer
+inputs, soft-capped logits), for full fine-tuning, LoRA (all-linear) and QLoRA: the parameter
+list equals the model's names and shapes;
 the weights, adapters, gradients and AdamW rows equal the distinct storage bytes after one step
 (the plan read off the model by plan_from_model); the activations row equals the bytes autograd
 saves (saved_tensors_hooks) within 1% for full fine-tuning and 5% for LoRA / QLoRA (those count
@@ -27,6 +29,14 @@ from nanosft.sft import _cast_trainable_to_bf16
 FAMILIES = {  # model_type: (transformers config class, overrides of TINY)
     # conv, attention, conv: the first layer's frozen input, both mixers
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 3, "full_attn_idxs": [1]}),
+    # sliding, full, then two layers reading their keys and values; full layers at head_dim 32
+    # with one kv head and v = k; per-layer inputs of 8; soft-capped logits
+    "gemma4_text": ("Gemma4TextConfig", {
+        "num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32, "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128,
+        "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+        "final_logit_softcapping": 30.0}),
 }
 
 
@@ -75,7 +85,8 @@ def test_negative_control_the_layers_read_as_llama(name):
     measured, _ = _step(model)
     fields = {**model.config.to_dict(), "model_type": "llama", "rope_parameters": None,
               "hidden_act": "silu", "tie_word_embeddings": model.config.tie_word_embeddings,
-              "intermediate_size": lfm2_intermediate_size(model.config)}
+              "intermediate_size": lfm2_intermediate_size(model.config) if name == "lfm2"
+              else model.config.intermediate_size}
     as_llama = ModelConfig.from_dict(fields)
     predicted = _activations(as_llama, _plan(model))
     print(f"{name} read as Llama: {predicted / measured:.4f}")
@@ -83,6 +94,7 @@ def test_negative_control_the_layers_read_as_llama(name):
 
 
 def test_families_not_modelled_are_refused_by_name():
-    config = config_from_dict(transformers.Gemma4TextConfig(**TINY).to_dict())
-    with pytest.raises(ValueError, match="does not model model_type='gemma4_text'"):
+    config = config_from_dict(transformers.Qwen3_5TextConfig(
+        **TINY, layer_types=["linear_attention", "full_attention"]).to_dict())
+    with pytest.raises(ValueError, match="does not model model_type='qwen3_5_text'"):
         memory.estimate_memory(config, memory.MemoryPlan(full=True))

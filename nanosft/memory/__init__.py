@@ -28,7 +28,7 @@ BNB_OPTIM_BLOCKSIZE = 256  # one fp32 absmax per 256 values of an 8-bit optimize
 NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-level absmax values
 # families whose layers the ledger does not model yet (Gated DeltaNet, short convolutions, Gemma 4's
 # shared KV and per-layer inputs): refused by name rather than predicted as Llama's
-NOT_MODELLED = ("qwen3_5_text", "gemma4_text")
+NOT_MODELLED = ("qwen3_5_text",)
 # the families whose (E, out, in) experts families.nf4_experts.quantize_experts stores as NF4
 NF4_EXPERT_TYPES = ("qwen3_moe", "glm4_moe")
 
@@ -171,7 +171,9 @@ def estimate_memory(config, plan, device_type="cpu"):
                 else layer_saved_bytes)
     per_layer = [layer_fn(config, plan, first=i == 0, device_type=device_type, layer_idx=i)
                  for i in range(L)]
-    head, logprob_bytes = head_saved_bytes(config, plan)
+    head_fn = (families.head_saved_bytes if config.model_type in families.HEAD_TYPES
+               else head_saved_bytes)
+    head, logprob_bytes = head_fn(config, plan)
     N = plan.per_device_train_batch_size * plan.max_length
     layer_input = N * config.hidden_size * wd
     if plan.gradient_checkpointing:  # each layer keeps only its input (and the shared RoPE tables)

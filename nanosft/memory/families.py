@@ -16,7 +16,9 @@ from nanosft.memory.plan import (
     parameter_targets,
 )
 
-MODELLED = ("olmo3", "cohere2", "gpt_neox", "qwen3_moe", "glm4_moe", "gpt_oss", "lfm2")
+HEAD_TYPES = ("gemma4_text",)  # their own saves outside the layers
+MODELLED = ("olmo3", "cohere2", "gpt_neox", "qwen3_moe", "glm4_moe", "gpt_oss", "lfm2",
+            "gemma4_text")
 
 
 def _rope_owner(config, layer_idx):
@@ -213,6 +215,137 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     return True
 
 
+def _gemma4_norm(saved, tag, rows, D, rg, trainable, x_name, x_bytes, scale=True):
+    """Gemma 4's RMSNorm, in fp32 by hand: its fp32 input (x itself, or a copy), mean(x^2) + eps
+    and its pow(-0.5), and, for a weight that trains, the normalised x the weight multiplies."""
+    if rg:
+        if x_bytes == 4:  # (a storage counted already, such as the first layer's, stays)
+            saved.bytes.setdefault(x_name, rows * D * 4)
+        else:
+            saved.add(f"{tag}.input_fp32", rows * D, 4)
+        saved.add(f"{tag}.mean_square", rows, 4)
+        saved.add(f"{tag}.rstd", rows, 4)
+    if trainable and scale:
+        saved.add(f"{tag}.normalized", rows * D, 4)
+    return rg or trainable and scale
+
+
+def _gemma4_layer(saved, ctx, config, i, first):
+    """Saves of one Gemma 4 layer: attention at this layer's head_dim (a KV-shared layer reads
+    the keys and values an earlier layer saved), Gemma 3's four norms and GeGLU, and the gated
+    per-layer input (its (N, C + L P) embeddings storage counted in the first layer)."""
+    plan, N, wd, ad = ctx["plan"], ctx["N"], ctx["wd"], ctx["ad"]
+    C, H, P, T = (config.hidden_size, config.num_attention_heads,
+                  config.hidden_size_per_layer_input, plan.max_length)
+    B, L, full = plan.per_device_train_batch_size, config.num_hidden_layers, plan.full
+    D, KV = config.layer_config(i)
+    kind, out = config.layer_types[i], ctx["out_bytes"]
+    shared = config.kv_sharing_modes[i] == "reuse"
+    s = ad or wd
+    I = config.intermediate_size * (2 if config.use_double_wide_mlp and shared else 1)
+    rg = full or not first
+    # the first layer's input is a view of cat(embeddings, per-layer inputs): that storage
+    pli_rg = full or "per_layer_model_projection" in ctx["targets"]
+    if first and (rg or P):
+        saved.add("layer_input", N * (C + L * P), wd)
+    n_rg = _gemma4_norm(saved, "input_layernorm", N, C, rg, full, "layer_input", wd)
+    q_rg = _linear(saved, ctx, "q_proj", "normed_1", wd, C, H * D, n_rg)
+    _gemma4_norm(saved, "q_norm", N * H, D, q_rg, full, "q_proj.out", out("q_proj"))
+    if q_rg and config.layer_types.index(kind) == i:  # each type's cos / sin tables, once
+        saved.add(f"rope_cos_sin.{kind}", 2 * T * D, wd)
+    attn_rg = q_rg
+    if not shared:
+        k_rg = _linear(saved, ctx, "k_proj", "normed_1", wd, C, KV * D, n_rg)
+        _gemma4_norm(saved, "k_norm", N * KV, D, k_rg, full, "k_proj.out", out("k_proj"))
+        if config.attention_k_eq_v and kind == "full_attention":  # v is k_proj's output too
+            v_rg, v_name = k_rg, "k_proj.out"
+        else:
+            v_rg = _linear(saved, ctx, "v_proj", "normed_1", wd, C, KV * D, n_rg)
+            v_name = "v_proj.out"
+        _gemma4_norm(saved, "v_norm", N * KV, D, v_rg, full, v_name, out("k_proj"), scale=False)
+        attn_rg = q_rg or k_rg or v_rg
+        if attn_rg:
+            saved.add("sdpa.k", N * KV * D, s)
+            saved.add("sdpa.v", N * KV * D, s)
+    if attn_rg:
+        saved.add("sdpa.q", N * H * D, s)
+        saved.add("sdpa.out", N * H * D, s)
+        saved.add("sdpa.logsumexp", B * H * T, 4)
+        if kind == "sliding_attention" and T > config.sliding_window:
+            saved.add("sdpa.window_mask", T * T, s)
+    o_rg = _linear(saved, ctx, "o_proj", "sdpa.out", s, H * D, C, attn_rg)
+    _gemma4_norm(saved, "post_attention_layernorm", N, C, o_rg, full, "o_proj.out", out("o_proj"))
+    h_rg = rg or o_rg
+    n2_rg = _gemma4_norm(saved, "pre_feedforward_layernorm", N, C, h_rg, full, "h_mid", wd)
+    d_rg = _swiglu(saved, ctx, "normed_2", n2_rg, C, I)
+    _gemma4_norm(saved, "post_feedforward_layernorm", N, C, d_rg, full, "down_proj.out",
+                 out("down_proj"))
+    if not P:
+        return
+    h_rg = h_rg or d_rg
+    g_rg = _linear(saved, ctx, "per_layer_input_gate", "h_out", wd, C, P, h_rg)
+    if g_rg and pli_rg:  # gelu(gate) * input: the gelu input, and its output for the input
+        saved.add("per_layer.gate_out", N * P, out("per_layer_input_gate"))
+        saved.add("per_layer.gelu_out", N * P, out("per_layer_input_gate"))
+    elif g_rg:
+        saved.add("per_layer.gate_out", N * P, out("per_layer_input_gate"))
+    p_rg = _linear(saved, ctx, "per_layer_projection", "per_layer.product",
+                   out("per_layer_input_gate"), P, C, g_rg or pli_rg)
+    _gemma4_norm(saved, "post_per_layer_input_norm", N, C, p_rg, full, "per_layer_projection.out",
+                 out("per_layer_projection"))
+
+
+def gemma4_head_saved(config, plan, saved, ctx):
+    """Gemma 4's saves outside the layers: the two scaled embeddings' scales, the per-layer
+    projection and its norm (rows N L of P), the final norm, and the soft-capped logits' tanh."""
+    N, wd, full = ctx["N"], ctx["wd"], plan.full
+    C, P, L = config.hidden_size, config.hidden_size_per_layer_input, config.num_hidden_layers
+    if full:
+        saved.add("embed_tokens.input_ids", N, 8)
+        saved.add("embed_scales", 2 if P else 1, wd)
+    if P:
+        rg = _linear(saved, ctx, "per_layer_model_projection", "embeddings", wd, C, L * P, full)
+        _gemma4_norm(saved, "per_layer_projection_norm", N * L, P, rg, full,
+                     "per_layer_model_projection.out", ctx["out_bytes"](
+                         "per_layer_model_projection"))
+    _gemma4_norm(saved, "norm", N, C, True, full, "final_input", wd)
+    if full:
+        saved.add("lm_head.input", N * C, ctx["ad"] or wd)
+    if config.final_logit_softcapping is not None:  # tanh keeps its (N, V) output
+        saved.add("softcap.tanh", N * config.vocab_size, 2 if plan.bf16 else wd)
+
+
+def _context(config, plan, layer_idx, device_type, I):
+    """The walk's shared context for one layer: token count, dtypes, NF4 and LoRA targets."""
+    C, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
+    if config.model_type == "gemma4_text":
+        D = config.layer_config(layer_idx)[0]
+    N, wd = plan.per_device_train_batch_size * plan.max_length, DTYPE_BYTES[plan.dtype]
+    ad = 2 if plan.bf16 else None
+    conv = config.model_type == "lfm2" and config.layer_types[layer_idx] == "conv"
+    P = getattr(config, "hidden_size_per_layer_input", 0)
+    in_features = {"o_proj": H * D, "dense": C, "down_proj": I, "dense_4h_to_h": I, "w2": I,
+                   "out_proj": C if conv else H * D, "per_layer_projection": P}
+    nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
+           for lin in layer_linears(config)}
+
+    def out_bytes(lin):  # a float base computes in the autocast dtype; a 4-bit one returns x's
+        return (ad or wd) if (plan.full or not nf4[lin]) else wd
+
+    return {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4, "out_bytes": out_bytes,
+            "targets": lora_targets(config, plan), "param_targets": parameter_targets(config, plan)}
+
+
+def head_saved_bytes(config, plan):
+    """Bytes saved outside the decoder layers (Gemma 4), and the loss's fp32 log-probabilities."""
+    saved = _Saved()
+    ctx = _context(config, plan, 0, "cpu", config.intermediate_size)
+    gemma4_head_saved(config, plan, saved, ctx)
+    saved.add("loss.labels", ctx["N"], 8)
+    saved.add("loss.total_weight", 1, 4)
+    return saved.bytes, ctx["N"] * config.vocab_size * 4
+
+
 def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0):
     """Bytes one decoder layer of these families saves for backward, by tensor, no checkpointing.
     Mirrors: autograd's saves in nanosft.families' olmo3, cohere2, gpt_neox, qwen3_moe, glm4_moe
@@ -247,6 +380,8 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         _norm(saved, "post_attention_layernorm", N, C, a_rg, plan.full, out_bytes("o_proj"))
         m_rg = _swiglu(saved, ctx, "mlp_input", rg or a_rg, C, I)
         _norm(saved, "post_feedforward_layernorm", N, C, m_rg, plan.full, out_bytes("down_proj"))
+    elif t == "gemma4_text":
+        _gemma4_layer(saved, ctx, config, layer_idx, first)
     elif t == "lfm2":  # pre-norm; the mixer a gated short convolution or attention
         n_rg = _norm(saved, "operator_norm", N, C, rg, plan.full, wd)
         if conv:

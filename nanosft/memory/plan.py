@@ -28,6 +28,8 @@ ATTN_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
 # LFM2's own names: attention's out_proj, the conv's in_proj / out_proj, the SwiGLU w1 w3 w2
 LFM2_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w3", "w2")
 MOE_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
+# Gemma 4's per-layer inputs: a gate and a projection in each layer, one projection in the model
+GEMMA4_PER_LAYER = ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection")
 # the parameters LoRA may target in an MoE layer (peft target_parameters), under mlp.
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj", "gate.weight", "router.weight")
 
@@ -103,6 +105,8 @@ def layer_linears(config):
         return ATTN_ONLY
     if config.model_type == "lfm2":
         return LFM2_LINEARS
+    if config.model_type == "gemma4_text" and config.hidden_size_per_layer_input:
+        return LAYER_LINEARS + GEMMA4_PER_LAYER
     return LAYER_LINEARS
 
 
@@ -158,6 +162,38 @@ def _lfm2_layer_shapes(config, i):
                      (p + "ffn_norm.weight", (C,))]
 
 
+def _gemma4_layer_shapes(config, i):
+    """One Gemma 4 layer: its own head_dim and kv heads, no k/v projections in a KV-shared layer
+    (none for v in a full layer under attention_k_eq_v), a scale-free v_norm, Gemma 3's four
+    norms, the per-layer input's gate, projection and norm. Mirrors: transformers
+    Gemma4TextDecoderLayer"""
+    C, I, H, P = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                  config.hidden_size_per_layer_input)
+    D, KV = config.layer_config(i)
+    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    shared = config.kv_sharing_modes[i] == "reuse"
+    if config.use_double_wide_mlp and shared:
+        I = 2 * I
+    shapes = [(a + "q_proj.weight", (H * D, C)), (a + "q_norm.weight", (D,))]
+    if not shared:
+        shapes += [(a + "k_norm.weight", (D,)), (a + "k_proj.weight", (KV * D, C))]
+        if not (config.attention_k_eq_v and config.layer_types[i] == "full_attention"):
+            shapes.append((a + "v_proj.weight", (KV * D, C)))
+    shapes.append((a + "o_proj.weight", (C, H * D)))
+    if config.attention_bias:
+        shapes += [(n.replace(".weight", ".bias"), (sh[0],)) for n, sh in shapes
+                   if n.endswith("proj.weight")]
+    shapes += _swiglu(p + "mlp.", C, I)
+    shapes += [(p + n + ".weight", (C,)) for n in ("input_layernorm", "post_attention_layernorm",
+                                                   "pre_feedforward_layernorm",
+                                                   "post_feedforward_layernorm")]
+    if P:
+        shapes += [(p + "per_layer_input_gate.weight", (P, C)),
+                   (p + "per_layer_projection.weight", (C, P)),
+                   (p + "post_per_layer_input_norm.weight", (C,))]
+    return shapes
+
+
 def _family_layer_shapes(config, i):
     """One layer's (name, shape) for OLMo 3, Cohere 2, GPT-NeoX and the MoE families.
     Mirrors: transformers Olmo3DecoderLayer, Cohere2DecoderLayer, GPTNeoXLayer,
@@ -167,6 +203,8 @@ def _family_layer_shapes(config, i):
     t = config.model_type
     if t == "lfm2":
         return _lfm2_layer_shapes(config, i)
+    if t == "gemma4_text":
+        return _gemma4_layer_shapes(config, i)
     if t == "gpt_neox":
         p, b = f"gpt_neox.layers.{i}.", config.attention_bias
         norms = ("input_layernorm", "post_attention_layernorm")
@@ -217,7 +255,7 @@ def _family_layer_shapes(config, i):
     return shapes
 
 
-FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox", "lfm2") + MOE_TYPES
+FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox", "lfm2", "gemma4_text") + MOE_TYPES
 
 
 def parameter_shapes(config):
@@ -243,6 +281,14 @@ def parameter_shapes(config):
         else:  # (LFM2's final norm: embedding_norm)
             final = "embedding_norm" if config.model_type == "lfm2" else "norm"
             shapes.append((f"model.{final}.weight", (C,)))
+        P = getattr(config, "hidden_size_per_layer_input", 0) if config.model_type == \
+            "gemma4_text" else 0
+        if P:  # Gemma 4's second embedding and the projection mixed into it
+            L = config.num_hidden_layers
+            shapes += [("model.embed_tokens_per_layer.weight",
+                        (config.vocab_size_per_layer_input, L * P)),
+                       ("model.per_layer_model_projection.weight", (L * P, C)),
+                       ("model.per_layer_projection_norm.weight", (P,))]
         if not config.tie_word_embeddings:
             shapes.append(("lm_head.weight", (V, C)))
         return shapes
