@@ -6,8 +6,12 @@ MLP) and the mixture-of-experts families (Qwen3-MoE, GLM-4-MoE, gpt-oss): `layer
 walks the layer op by op as nanosft.memory.activations does for Llama's, and `moe_saved` the MoE
 block: the router's probabilities and top-k choice, then the T * top_k rows the experts get (each
 row's input, gate_up output, activation products, the expert output and its weighted copy). The
-rows add up to N * top_k however the router splits them, so the bytes need no routing.
-Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656.
+rows add up to N * top_k however the router splits them, so the bytes need no routing. Then the
+hybrid and newer layers: LFM2's gated short convolution, Qwen3.5's Gated DeltaNet (through the
+chunked delta rule) and gated attention, Gemma 4's layer (fp32 norms by hand, shared keys and
+values, per-layer inputs) and its saves outside the layers.
+Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656, Gated DeltaNet
+2412.06464.
 """
 
 from nanosft.memory.activations import _layer_norm, _linear, _norm, _Saved, _sliding_window
@@ -18,7 +22,7 @@ from nanosft.memory.plan import (
 
 HEAD_TYPES = ("gemma4_text",)  # their own saves outside the layers
 MODELLED = ("olmo3", "cohere2", "gpt_neox", "qwen3_moe", "glm4_moe", "gpt_oss", "lfm2",
-            "gemma4_text")
+            "gemma4_text", "qwen3_5_text")
 
 
 def _rope_owner(config, layer_idx):
@@ -215,6 +219,92 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     return True
 
 
+def _gated_deltanet(saved, ctx, config, x_name, x_rg):
+    """Saves of Qwen3.5's Gated DeltaNet on `x_name`: the projections, the decay's softplus, the
+    conv over q, k, v and its silu, the l2-normed q and k, then chunk_gated_delta_rule op by op
+    (T padded to whole chunks: the (C, C) decay, k k^T and q k^T per chunk, the two triangular
+    solves, the state entering each chunk after the first), and the gated RMSNorm.
+    Mirrors: autograd's saves in nanosft.families.gated_deltanet GatedDeltaNet.forward"""
+    from nanosft.families.gated_deltanet import CHUNK_SIZE
+
+    plan, N, wd, full = ctx["plan"], ctx["N"], ctx["wd"], ctx["plan"].full
+    C, T, B, K = (config.hidden_size, plan.max_length, plan.per_device_train_batch_size,
+                  config.linear_conv_kernel_dim)
+    Hv, Dk, Dv = config.linear_num_value_heads, config.linear_key_head_dim, \
+        config.linear_value_head_dim
+    Kd, Vd = config.linear_num_key_heads * Dk, Hv * Dv
+    Cd, out = 2 * Kd + Vd, ctx["out_bytes"]
+    rgs = [_linear(saved, ctx, lin, x_name, wd, C, o, x_rg) for lin, o in
+           (("in_proj_qkv", Cd), ("in_proj_z", Vd), ("in_proj_b", Hv), ("in_proj_a", Hv))]
+    if not any(rgs) and not full:
+        return False
+    saved.add("gdn.beta", N * Hv, out("in_proj_b"))  # sigmoid keeps its output
+    saved.add("gdn.softplus_in", N * Hv, 4)  # g = -exp(A_log) * softplus(a + dt_bias), fp32
+    saved.add("gdn.neg_A_exp", Hv, 4)
+    if full:  # A_log trains: its exp, and softplus's output for the product's gradient
+        saved.add("gdn.A_exp", Hv, 4)
+        saved.add("gdn.softplus_out", N * Hv, 4)
+    saved.add("gdn.qkv_out", N * Cd, out("in_proj_qkv"))  # conv1d's input
+    saved.add("gdn.conv_out", B * Cd * (T + K - 1), wd)  # silu's input, before the slice
+    R, Cc = B * Hv, CHUNK_SIZE  # rows of value heads; the chunk
+    n = -(-T // Cc)
+    Tp = n * Cc
+    for name in ("q", "k"):  # fp32 copies after repeat / transpose, and l2norm's 1 / norm
+        saved.add(f"gdn.{name}_prepared", R * T * Dk, 4)
+        saved.add(f"gdn.{name}_rnorm", R * T, 4)
+    square = R * n * Cc * Cc * 4
+    for name, numel in (("later_mask", Cc * Cc / 4), ("decay", square / 4),
+                        ("k_pad", R * Tp * Dk), ("beta_pad", R * Tp), ("beta_k", R * Tp * Dk),
+                        ("k_kT", square / 4), ("v_pad", R * Tp * Dv), ("A", square / 4),
+                        ("W", R * Tp * Dv), ("exp_G", R * Tp), ("beta_k_2", R * Tp * Dk),
+                        ("Kc", R * Tp * Dk), ("q_pad", R * Tp * Dk), ("q_kT", square / 4),
+                        ("scores", square / 4), ("exp_G_2", R * Tp), ("exp_to_end", R * Tp),
+                        ("k_write", R * Tp * Dk), ("U", R * Tp * Dv), ("exp_chunk_end", R * n),
+                        ("S0", R * Dk * Dv)):
+        saved.add(f"gdn.{name}", int(numel), 4)
+    if n > 1:  # the states entering chunks 1 .. n - 1 carry grad: q_read and each S are kept
+        saved.add("gdn.q_read", R * Tp * Dk, 4)
+        saved.add("gdn.states", (n - 1) * R * Dk * Dv, 4)
+    # gated RMSNorm over (N Hv, Dv): fp32 o, 1 / rms, (the normed o for its weight), the gate z
+    # and silu(z), and weight * normed o
+    saved.add("gdn.o", N * Vd, 4)
+    saved.add("gdn.norm_rstd", N * Hv, 4)
+    if full:
+        saved.add("gdn.norm_xn", N * Vd, wd)
+    saved.add("gdn.z", N * Vd, 4)
+    saved.add("gdn.silu_z", N * Vd, 4)
+    saved.add("gdn.weight_xn", N * Vd, wd)
+    return _linear(saved, ctx, "out_proj", "gdn.norm_out", wd, Vd, C, True)
+
+
+def _gated_attention(saved, ctx, config, layer_idx, x_name, x_rg):
+    """Saves of Qwen3.5's full attention: q_proj's (N, 2 H D) output (q and the gate are views),
+    per-head q/k norms, partial RoPE, SDPA, the (B, T, H D) copy of its output times
+    sigmoid(gate)."""
+    plan, N, wd, ad = ctx["plan"], ctx["N"], ctx["wd"], ctx["ad"]
+    C, T, B = config.hidden_size, plan.max_length, plan.per_device_train_batch_size
+    H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    s, out = ad or wd, ctx["out_bytes"]
+    q_rg = _linear(saved, ctx, "q_proj", x_name, wd, C, 2 * H * D, x_rg)
+    k_rg = _linear(saved, ctx, "k_proj", x_name, wd, C, KV * D, x_rg)
+    v_rg = _linear(saved, ctx, "v_proj", x_name, wd, C, KV * D, x_rg)
+    _norm(saved, "q_norm", N * 2 * H, D, q_rg, plan.full, out("q_proj"))  # (its input: the view)
+    _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out("k_proj"))
+    if not (q_rg or k_rg or v_rg):
+        return False
+    if config.layer_types.index("full_attention") == layer_idx:
+        rot = int(D * config.partial_rotary_factor)
+        saved.add("rope_cos_sin", 2 * T * rot, wd)
+    saved.add("sdpa.q", N * H * D, s)
+    saved.add("sdpa.k", N * KV * D, s)
+    saved.add("sdpa.v", N * KV * D, s)
+    saved.add("sdpa.out", N * H * D, s)
+    saved.add("sdpa.logsumexp", B * H * T, 4)
+    saved.add("attn.y", N * H * D, s)  # SDPA's output transposed to (B, T, H D): a copy
+    saved.add("attn.gate_sigmoid", N * H * D, out("q_proj"))
+    return _linear(saved, ctx, "o_proj", "o_proj.input", s, H * D, C, True)
+
+
 def _gemma4_norm(saved, tag, rows, D, rg, trainable, x_name, x_bytes, scale=True):
     """Gemma 4's RMSNorm, in fp32 by hand: its fp32 input (x itself, or a copy), mean(x^2) + eps
     and its pow(-0.5), and, for a weight that trains, the normalised x the weight multiplies."""
@@ -322,10 +412,15 @@ def _context(config, plan, layer_idx, device_type, I):
         D = config.layer_config(layer_idx)[0]
     N, wd = plan.per_device_train_batch_size * plan.max_length, DTYPE_BYTES[plan.dtype]
     ad = 2 if plan.bf16 else None
-    conv = config.model_type == "lfm2" and config.layer_types[layer_idx] == "conv"
-    P = getattr(config, "hidden_size_per_layer_input", 0)
+    t, kind = config.model_type, (getattr(config, "layer_types", None) or [None] * (
+        layer_idx + 1))[layer_idx]
+    out_in = {"conv": C, "linear_attention": getattr(config, "linear_num_value_heads", 0)
+              * getattr(config, "linear_value_head_dim", 0)}.get(kind, H * D)
     in_features = {"o_proj": H * D, "dense": C, "down_proj": I, "dense_4h_to_h": I, "w2": I,
-                   "out_proj": C if conv else H * D, "per_layer_projection": P}
+                   "out_proj": out_in,
+                   "per_layer_projection": getattr(config, "hidden_size_per_layer_input", 0)}
+    if t == "glm4_moe" and is_moe_layer(config, layer_idx):  # the shared experts' width
+        in_features["down_proj"] = expert_size(config) * config.n_shared_experts
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
            for lin in layer_linears(config)}
 
@@ -349,30 +444,17 @@ def head_saved_bytes(config, plan):
 def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0):
     """Bytes one decoder layer of these families saves for backward, by tensor, no checkpointing.
     Mirrors: autograd's saves in nanosft.families' olmo3, cohere2, gpt_neox, qwen3_moe, glm4_moe
-    and gpt_oss decoder layers"""
+    and gpt_oss decoder layers (and LFM2's, Gemma 4's, Qwen3.5's)"""
     C, I, T = config.hidden_size, config.intermediate_size, plan.max_length
-    H, D = config.num_attention_heads, config.head_dim
     N, wd = plan.per_device_train_batch_size * T, DTYPE_BYTES[plan.dtype]
-    ad = 2 if plan.bf16 else None
     t = config.model_type
     moe = is_moe_layer(config, layer_idx)
     if t == "lfm2":
         from nanosft.families.lfm2 import lfm2_intermediate_size
 
         I = lfm2_intermediate_size(config)
-    conv = t == "lfm2" and config.layer_types[layer_idx] == "conv"
-    in_features = {"o_proj": H * D, "dense": C, "down_proj": I, "dense_4h_to_h": I, "w2": I,
-                   "out_proj": C if conv else H * D}
-    if t == "glm4_moe" and moe:
-        in_features["down_proj"] = expert_size(config) * config.n_shared_experts
-    nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
-           for lin in layer_linears(config)}
-
-    def out_bytes(lin):  # a float base computes in the autocast dtype; a 4-bit one returns x's
-        return (ad or wd) if (plan.full or not nf4[lin]) else wd
-
-    ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4, "out_bytes": out_bytes,
-           "targets": lora_targets(config, plan), "param_targets": parameter_targets(config, plan)}
+    ctx = _context(config, plan, layer_idx, device_type, I)
+    out_bytes = ctx["out_bytes"]
     saved = _Saved()
     rg = plan.full or not first  # the first layer's input needs no grad unless the embedding trains
     if t == "olmo3":  # post-norm: h + norm(attn(h)), then h + norm(mlp(h)); no input norm
@@ -382,9 +464,17 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         _norm(saved, "post_feedforward_layernorm", N, C, m_rg, plan.full, out_bytes("down_proj"))
     elif t == "gemma4_text":
         _gemma4_layer(saved, ctx, config, layer_idx, first)
+    elif t == "qwen3_5_text":  # pre-norm; the mixer Gated DeltaNet or gated attention
+        n_rg = _norm(saved, "input_layernorm", N, C, rg, plan.full, wd)
+        if config.layer_types[layer_idx] == "linear_attention":
+            a_rg = _gated_deltanet(saved, ctx, config, "normed_1", n_rg)
+        else:
+            a_rg = _gated_attention(saved, ctx, config, layer_idx, "normed_1", n_rg)
+        n2_rg = _norm(saved, "post_attention_layernorm", N, C, rg or a_rg, plan.full, wd)
+        _swiglu(saved, ctx, "normed_2", n2_rg, C, I)
     elif t == "lfm2":  # pre-norm; the mixer a gated short convolution or attention
         n_rg = _norm(saved, "operator_norm", N, C, rg, plan.full, wd)
-        if conv:
+        if config.layer_types[layer_idx] == "conv":
             a_rg = _short_conv(saved, ctx, config, "normed_1", n_rg)
         else:
             a_rg = _attention(saved, ctx, config, layer_idx, "normed_1", n_rg)

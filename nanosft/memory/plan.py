@@ -28,6 +28,8 @@ ATTN_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
 # LFM2's own names: attention's out_proj, the conv's in_proj / out_proj, the SwiGLU w1 w3 w2
 LFM2_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w3", "w2")
 MOE_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
+# Qwen3.5's Gated DeltaNet layers: q, k, v fused, the output gate z, beta, the decay, the output
+GATED_DELTANET_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # Gemma 4's per-layer inputs: a gate and a projection in each layer, one projection in the model
 GEMMA4_PER_LAYER = ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection")
 # the parameters LoRA may target in an MoE layer (peft target_parameters), under mlp.
@@ -105,6 +107,8 @@ def layer_linears(config):
         return ATTN_ONLY
     if config.model_type == "lfm2":
         return LFM2_LINEARS
+    if config.model_type == "qwen3_5_text":
+        return LAYER_LINEARS + GATED_DELTANET_LINEARS
     if config.model_type == "gemma4_text" and config.hidden_size_per_layer_input:
         return LAYER_LINEARS + GEMMA4_PER_LAYER
     return LAYER_LINEARS
@@ -162,6 +166,35 @@ def _lfm2_layer_shapes(config, i):
                      (p + "ffn_norm.weight", (C,))]
 
 
+def _qwen3_5_layer_shapes(config, i):
+    """One Qwen3.5 layer: Gated DeltaNet (conv1d over q, k, v; decay and gate parameters; gated
+    norm; five projections) or attention whose q_proj also yields the output gate (2 H D).
+    Mirrors: transformers Qwen3_5DecoderLayer"""
+    C, I, H, KV, D = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                      config.num_key_value_heads, config.head_dim)
+    p = f"model.layers.{i}."
+    if config.layer_types[i] == "linear_attention":
+        a, Hv = p + "linear_attn.", config.linear_num_value_heads
+        Kd = config.linear_num_key_heads * config.linear_key_head_dim
+        Vd = Hv * config.linear_value_head_dim
+        shapes = [(a + "dt_bias", (Hv,)), (a + "A_log", (Hv,)),
+                  (a + "conv1d.weight", (2 * Kd + Vd, 1, config.linear_conv_kernel_dim)),
+                  (a + "norm.weight", (config.linear_value_head_dim,)),
+                  (a + "out_proj.weight", (C, Vd)), (a + "in_proj_qkv.weight", (2 * Kd + Vd, C)),
+                  (a + "in_proj_z.weight", (Vd, C)), (a + "in_proj_b.weight", (Hv, C)),
+                  (a + "in_proj_a.weight", (Hv, C))]
+    else:
+        a = p + "self_attn."
+        shapes = [(a + "q_proj.weight", (2 * H * D, C)), (a + "k_proj.weight", (KV * D, C)),
+                  (a + "v_proj.weight", (KV * D, C)), (a + "o_proj.weight", (C, H * D)),
+                  (a + "q_norm.weight", (D,)), (a + "k_norm.weight", (D,))]
+        if config.attention_bias:
+            shapes += [(a + "q_proj.bias", (2 * H * D,)), (a + "k_proj.bias", (KV * D,)),
+                       (a + "v_proj.bias", (KV * D,)), (a + "o_proj.bias", (C,))]
+    return shapes + _swiglu(p + "mlp.", C, I) + [(p + "input_layernorm.weight", (C,)),
+                                                 (p + "post_attention_layernorm.weight", (C,))]
+
+
 def _gemma4_layer_shapes(config, i):
     """One Gemma 4 layer: its own head_dim and kv heads, no k/v projections in a KV-shared layer
     (none for v in a full layer under attention_k_eq_v), a scale-free v_norm, Gemma 3's four
@@ -205,6 +238,8 @@ def _family_layer_shapes(config, i):
         return _lfm2_layer_shapes(config, i)
     if t == "gemma4_text":
         return _gemma4_layer_shapes(config, i)
+    if t == "qwen3_5_text":
+        return _qwen3_5_layer_shapes(config, i)
     if t == "gpt_neox":
         p, b = f"gpt_neox.layers.{i}.", config.attention_bias
         norms = ("input_layernorm", "post_attention_layernorm")
@@ -255,7 +290,8 @@ def _family_layer_shapes(config, i):
     return shapes
 
 
-FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox", "lfm2", "gemma4_text") + MOE_TYPES
+FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox", "lfm2", "gemma4_text",
+                      "qwen3_5_text") + MOE_TYPES
 
 
 def parameter_shapes(config):
