@@ -86,6 +86,17 @@ def test_ledger_rows_equal_a_real_step(name, method):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
+def test_activations_under_bf16_autocast(name):
+    """bf16 autocast over fp32 weights (the CLI's default): the casts of inputs and weights,
+    bf16 matmul outputs inside Gated DeltaNet's fp32 rule, the shared keys cast again in Gemma
+    4's KV-shared layers; full fine-tuning within 1%."""
+    model = _model(name, "full")
+    measured, _ = _step(model, bf16=True)
+    predicted = _activations(model.config, _plan(model, bf16=True))
+    assert abs(predicted - measured) <= 0.01 * measured
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_negative_control_the_layers_read_as_llama(name):
     """Read as Llama's layers (attention and a recomputed SwiGLU in every layer), the activations
     row misses the 1% full fine-tuning is held to."""

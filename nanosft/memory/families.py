@@ -244,36 +244,52 @@ def _gated_deltanet(saved, ctx, config, x_name, x_rg):
     if full:  # A_log trains: its exp, and softplus's output for the product's gradient
         saved.add("gdn.A_exp", Hv, 4)
         saved.add("gdn.softplus_out", N * Hv, 4)
-    saved.add("gdn.qkv_out", N * Cd, out("in_proj_qkv"))  # conv1d's input
-    saved.add("gdn.conv_out", B * Cd * (T + K - 1), wd)  # silu's input, before the slice
+    ad = ctx["ad"]
+    # conv1d's input: in_proj_qkv's output, or under autocast the bf16 copy of its fp32 cast,
+    # beside the weight's copy; silu's input is the conv's output before the slice
+    saved.add("gdn.qkv_out", N * Cd, ad or out("in_proj_qkv"))
+    if ad and ad != wd:
+        saved.add("gdn.conv_weight_cast", Cd * K, ad)
+    saved.add("gdn.conv_out", B * Cd * (T + K - 1), ad or wd)
     R, Cc = B * Hv, CHUNK_SIZE  # rows of value heads; the chunk
     n = -(-T // Cc)
     Tp = n * Cc
     for name in ("q", "k"):  # fp32 copies after repeat / transpose, and l2norm's 1 / norm
         saved.add(f"gdn.{name}_prepared", R * T * Dk, 4)
         saved.add(f"gdn.{name}_rnorm", R * T, 4)
-    square = R * n * Cc * Cc * 4
-    for name, numel in (("later_mask", Cc * Cc / 4), ("decay", square / 4),
-                        ("k_pad", R * Tp * Dk), ("beta_pad", R * Tp), ("beta_k", R * Tp * Dk),
-                        ("k_kT", square / 4), ("v_pad", R * Tp * Dv), ("A", square / 4),
-                        ("W", R * Tp * Dv), ("exp_G", R * Tp), ("beta_k_2", R * Tp * Dk),
-                        ("Kc", R * Tp * Dk), ("q_pad", R * Tp * Dk), ("q_kT", square / 4),
-                        ("scores", square / 4), ("exp_G_2", R * Tp), ("exp_to_end", R * Tp),
-                        ("k_write", R * Tp * Dk), ("U", R * Tp * Dv), ("exp_chunk_end", R * n),
-                        ("S0", R * Dk * Dv)):
+    sq, kd, vd = R * n * Cc * Cc, R * Tp * Dk, R * Tp * Dv
+    # the chunked rule runs in fp32 (_prepare); under autocast its matmuls keep bf16 copies of
+    # their operands and return bf16 (the triangular solves stay fp32)
+    m = ad or 4
+    fp32 = (("later_mask", Cc * Cc / 4), ("decay", sq), ("k_pad", kd), ("beta_pad", R * Tp),
+            ("v_pad", vd), ("A", sq), ("W", vd), ("exp_G", R * Tp), ("beta_k_2", kd),
+            ("Kc", kd), ("q_pad", kd), ("exp_G_2", R * Tp), ("exp_to_end", R * Tp),
+            ("exp_chunk_end", R * n), ("S0", R * Dk * Dv))
+    matmul = (("beta_k", kd), ("k_kT", sq), ("q_kT", sq), ("scores", sq), ("U", vd),
+              ("k_write", kd))
+    for name, numel in fp32:
         saved.add(f"gdn.{name}", int(numel), 4)
+    for name, numel in matmul:
+        saved.add(f"gdn.{name}", numel, m)
+    if ad:  # more copies: k^T twice, q, each state twice, U a second time
+        for name, numel in (("kT_cast", kd), ("kT_cast_2", kd), ("U_cast_2", vd),
+                            ("S_casts", 2 * n * R * Dk * Dv)):
+            saved.add(f"gdn.{name}", numel, ad)
     if n > 1:  # the states entering chunks 1 .. n - 1 carry grad: q_read and each S are kept
-        saved.add("gdn.q_read", R * Tp * Dk, 4)
+        saved.add("gdn.q_read", (kd if not ad else kd * (n - 1) // n), m)
         saved.add("gdn.states", (n - 1) * R * Dk * Dv, 4)
+        if ad:
+            saved.add("gdn.Kc_cast", kd * (n - 1) // n, ad)
     # gated RMSNorm over (N Hv, Dv): fp32 o, 1 / rms, (the normed o for its weight), the gate z
-    # and silu(z), and weight * normed o
+    # (fp32) and silu(z), and weight * normed o
+    od = ad or wd  # the rule's output returns to the conv's dtype
     saved.add("gdn.o", N * Vd, 4)
     saved.add("gdn.norm_rstd", N * Hv, 4)
     if full:
-        saved.add("gdn.norm_xn", N * Vd, wd)
+        saved.add("gdn.norm_xn", N * Vd, od)
     saved.add("gdn.z", N * Vd, 4)
     saved.add("gdn.silu_z", N * Vd, 4)
-    saved.add("gdn.weight_xn", N * Vd, wd)
+    saved.add("gdn.weight_xn", N * Vd, max(wd, od))
     return _linear(saved, ctx, "out_proj", "gdn.norm_out", wd, Vd, C, True)
 
 
@@ -357,6 +373,8 @@ def _gemma4_layer(saved, ctx, config, i, first):
         if attn_rg:
             saved.add("sdpa.k", N * KV * D, s)
             saved.add("sdpa.v", N * KV * D, s)
+    elif attn_rg and s != max(out("k_proj"), wd):  # SDPA casts the shared (RoPE'd) k anew
+        saved.add("sdpa.k_cast_again", N * KV * D, s)
     if attn_rg:
         saved.add("sdpa.q", N * H * D, s)
         saved.add("sdpa.out", N * H * D, s)
@@ -401,6 +419,8 @@ def gemma4_head_saved(config, plan, saved, ctx):
     _gemma4_norm(saved, "norm", N, C, True, full, "final_input", wd)
     if full:
         saved.add("lm_head.input", N * C, ctx["ad"] or wd)
+    if ctx["ad"] and ctx["ad"] != wd:
+        saved.add("lm_head.weight_cast", config.vocab_size * C, ctx["ad"])
     if config.final_logit_softcapping is not None:  # tanh keeps its (N, V) output
         saved.add("softcap.tanh", N * config.vocab_size, 2 if plan.bf16 else wd)
 
