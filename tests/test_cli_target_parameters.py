@@ -78,8 +78,10 @@ def lora_fields(config):
     ["--lora_target_parameters", *EXPERTS],
     ["--lora_target_modules", "q_proj", "v_proj", "--lora_target_parameters", *EXPERTS],
     ["--lora_target_modules", "all-linear", "--lora_target_parameters", "down_proj"],
+    # one module name: TRL makes it a string (a regex), target_parameters stays a list
+    ["--lora_target_modules", "q_proj", "--lora_target_parameters", "down_proj"],
     ["--lora_target_modules", "q_proj"],  # no target_parameters: None on both sides
-], ids=["one", "several", "with-modules", "with-all-linear", "absent"])
+], ids=["one", "several", "with-modules", "with-all-linear", "with-one-module", "absent"])
 def test_trl_flag_gives_the_lora_config_trl_get_peft_config_gives(lora, tmp_path):
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser, get_peft_config
     from trl.scripts.utils import DatasetMixtureConfig
