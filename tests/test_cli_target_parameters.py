@@ -10,7 +10,9 @@ tensor equal at fp32 tolerances. `nanosft train --target_parameters` on the tiny
 an adapter_config.json and adapter keys (and shapes) equal to those peft's get_peft_model gives the
 transformers model with the same LoraConfig, and the expert adapters trained. An entry naming no
 parameter stops the run with one paragraph naming the entry and the parameters there are (peft:
-NoMatchingPeftModuleError when nothing matched, a warning otherwise). Hermetic: a tiny random
+NoMatchingPeftModuleError when nothing matched, a warning otherwise). `nanosft memory
+--target_parameters`: the ledger's adapter row grows by the expert pairs' bytes written out in the
+test, and a wrong entry gets the same message from the config alone. Hermetic: a tiny random
 Qwen3-MoE (hidden 64, 2 layers, 4 experts, top 2) saved by transformers to tmp_path with the demo
 model's tokenizer; CPU, fp32, no network.
 Run: python -m pytest -q -s tests/test_cli_target_parameters.py (-s prints the differences)
@@ -188,3 +190,34 @@ def test_an_entry_naming_no_parameter_is_one_paragraph_naming_those_there_are(
     assert "'mlp.experts.up_proj' matches no parameter of Qwen3MoeForCausalLM" in err
     assert "model.layers.N.mlp.experts.gate_up_proj" in err  # what the entry could have named
     assert not (tmp_path / "o" / "adapter_model.safetensors").exists()
+
+
+
+def test_memory_command_counts_the_expert_adapters_it_is_given(moe_folder, monkeypatch, capsys):
+    """`nanosft memory --target_parameters` puts the names in the ledger's plan; the adapter row
+    grows by the ParamWrapper pairs written out here: A (r E, in) and B (out, r E) per layer."""
+    from nanosft import memory
+
+    ledgers = []
+    estimate = memory.estimate_memory
+
+    def spy(config, plan, **kwargs):
+        ledgers.append(estimate(config, plan, **kwargs))
+        return ledgers[-1]
+
+    monkeypatch.setattr(memory, "estimate_memory", spy)
+    base = ["memory", "--model", str(moe_folder), "--lora", "--target_modules", "q_proj,v_proj"]
+    assert main([*base, "--target_parameters", "mlp.experts.gate_up_proj"]) == 0
+    assert main(base) == 0
+    assert "gate_up_proj" in capsys.readouterr().out
+    assert ledgers[0].plan.target_parameters == ["mlp.experts.gate_up_proj"]
+    config = transformers.AutoConfig.from_pretrained(moe_folder)
+    E, C, I, r = config.num_experts, config.hidden_size, config.moe_intermediate_size, 8
+    pair = 4 * (r * E * C + 2 * I * r * E)  # fp32 A and B of gate_up_proj (E, 2 I, C)
+    grown = {k: ledgers[0].rows[k] - ledgers[1].rows[k] for k in ledgers[0].rows}
+    assert grown["trainable parameters"] == config.num_hidden_layers * pair
+    # an entry naming no parameter of the config: the training run's message, before any ledger
+    assert main([*base, "--target_parameters", "mlp.experts.up_proj"]) == 2
+    err = capsys.readouterr().err
+    assert "'mlp.experts.up_proj' matches no parameter" in err
+    assert "model.layers.N.mlp.experts.down_proj" in err and len(ledgers) == 2
