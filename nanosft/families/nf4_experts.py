@@ -144,8 +144,8 @@ class NF4Experts(Experts):
                 setattr(self, name, p)  # gpt-oss's biases stay float (and trainable)
                 continue
             # gpt-oss's (in, out) slices are quantized as W[e]^T, the (out, in) slice nn.Linear
-            # and Linear4bit hold: each block of 64 is one output's input weights, so its
-            # interleaved gate and up columns never share an absmax
+            # and Linear4bit hold: a block of 64 is one output's input weights (in % 64 == 0, as
+            # gpt-oss's 2880), so its interleaved gate and up columns never share an absmax
             W = p.transpose(1, 2) if self.is_transposed else p
             self.nf4[name] = NF4ExpertWeight(W, compress_statistics)
             setattr(self, name, placeholder(p.shape, p.dtype, p.device))
