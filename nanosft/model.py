@@ -360,7 +360,7 @@ class CausalLM(nn.Module):
         Differs: keys and shapes must match exactly, all checked from the file headers before any
         weight is read; device_map is one device. tp_plan="auto" (under torchrun) splits the
         decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
-        from nanosft.families import causal_lm_class, text_model_index
+        from nanosft.families import causal_lm_class, keep_in_fp32, text_model_index
         from nanosft.io import hub
 
         config = ModelConfig.from_pretrained(model_dir)  # or a family's: Qwen2, Qwen3, ...
@@ -378,7 +378,8 @@ class CausalLM(nn.Module):
         conversion = model.checkpoint_conversion  # None: file keys are the model's keys
         hub.check_state_dict(index if conversion is None else conversion.model_index(index),
                              expected, model_dir)
-        tensors = hub.iter_tensors(index, dtype, device=device_map or "cpu")
+        tensors = hub.iter_tensors(index, dtype, device=device_map or "cpu",
+                                   keep_fp32=keep_in_fp32(model, dtype))
         if conversion is not None:
             tensors = conversion.merge(tensors, index)
         for key, tensor in tensors:

@@ -45,11 +45,16 @@ def reference_mode(enabled: bool = True):
         _enabled = previous
 
 
+_resolved = {}  # name -> the speed path: looked up once per process, not per call
+
+
 def _speed_path(name: str):
     global _fast
-    if _fast is None:  # imported on first use, never at module level
-        _fast = importlib.import_module("nanosft.fast")
-    return getattr(_fast, name)
+    if (path := _resolved.get(name)) is None:
+        if _fast is None:  # imported on first use, never at module level
+            _fast = importlib.import_module("nanosft.fast")
+        path = _resolved[name] = getattr(_fast, name)
+    return path
 
 
 def fast_path(name: str, asked: bool = False):

@@ -1,13 +1,13 @@
 """SFTTrainer: TRL's supervised fine-tuning set-up (dataset preparation, LoRA wrapping) on Trainer.
 
-Walkthrough 2.1 (SFTTrainer.__init__ ends in Trainer.__init__). On the SFT path
-SFTTrainer.compute_loss overrides 2.5's Trainer.compute_loss (TRL's loss and token metrics).
+Walkthrough 2.1: SFTTrainer.__init__ is TRL's set-up steps, one call each as TRL names them,
+ending in the printed super().__init__; the checks and model-id loading the walkthrough does
+not print are in nanosft.io.sft_setup. On the SFT path SFTTrainer.compute_loss overrides 2.5's
+Trainer.compute_loss (TRL's loss and token metrics).
 Papers: LoRA 2106.09685, QLoRA 2305.14314 (a 4-bit base with bf16 adapters).
 Mirrors trl 1.16 SFTTrainer: __init__, compute_loss and log.
 """
 
-import os
-import warnings
 from collections import defaultdict
 from dataclasses import fields
 
@@ -18,7 +18,7 @@ from nanosft import distributed, nf4
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.data import (as_datasets_dataset, head_of_stream, is_datasets_object,
-                          load_examples, prepare_dataset, to_example_list)
+                          load_examples, prepare_dataset)
 from nanosft.peft import PeftModelForCausalLM, get_peft_model
 from nanosft.reference import fast_path
 from nanosft.trainer import Trainer
@@ -77,114 +77,6 @@ def with_virtual_prefix(labels, logits):
     return torch.cat([labels.new_full((labels.size(0), n_virtual), IGNORE_INDEX), labels], dim=1)
 
 
-def _dataset_name(dataset, default):
-    # what warnings and errors about the data call it: the file when it is one
-    return os.fspath(dataset) if isinstance(dataset, (str, os.PathLike)) else default
-
-
-def _tokenizer_of_built_model(model):
-    """The tokenizer beside the folder or Hub id a built model was loaded from (its name_or_path).
-    Mirrors: trl SFTTrainer.__init__ (AutoProcessor.from_pretrained(get_config_model_id(...)))"""
-    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
-    name = getattr(base, "name_or_path", None)
-    if not name:
-        raise ValueError("SFTTrainer: no processing_class, and the model was not loaded from a "
-                         "folder or Hub id (it has no name_or_path) to read the tokenizer from; "
-                         "fix: pass processing_class=AutoTokenizer.from_pretrained(model_dir)")
-    from nanosft.io.auto import AutoTokenizer  # product layer: loaders
-
-    return AutoTokenizer.from_pretrained(name)
-
-
-def _load_model_and_tokenizer(model, args, quantization_config, processing_class):
-    """A model id (folder or Hub-cache id) -> (model, its tokenizer unless one was passed), loaded
-    with args.model_init_kwargs (dtype float32 unless given) plus quantization_config.
-    Mirrors: trl SFTTrainer.__init__ (the model-id branch)"""
-    if not isinstance(model, (str, os.PathLike)):
-        if quantization_config is not None or args.model_init_kwargs is not None:
-            warnings.warn("SFTTrainer: the model is already built, so quantization_config and "
-                          "args.model_init_kwargs are not used (as in TRL); pass the model as a "
-                          "folder or Hub id to load it with them.", stacklevel=3)
-        if processing_class is None:
-            processing_class = _tokenizer_of_built_model(model)
-        return model, processing_class
-    from nanosft.io.auto import AutoModelForCausalLM, AutoTokenizer  # product layer: loaders
-
-    init_kwargs = dict(args.model_init_kwargs or {})
-    init_kwargs.setdefault("dtype", "float32")  # TRL's default, not transformers 5's "auto"
-    if quantization_config is not None:
-        if "quantization_config" in init_kwargs:
-            raise ValueError("SFTTrainer: quantization_config is set both as a trainer argument "
-                             "and in args.model_init_kwargs; keep one.")
-        init_kwargs["quantization_config"] = quantization_config
-    loaded = AutoModelForCausalLM.from_pretrained(os.fspath(model), **init_kwargs)
-    if processing_class is None:
-        processing_class = AutoTokenizer.from_pretrained(
-            os.fspath(model), revision=init_kwargs.get("revision"))
-    return loaded, processing_class
-
-
-def _read_chat_template_path(path, tokenizer) -> None:
-    """A .jinja / .j2 file's text replaces tokenizer.chat_template (in place, as TRL does).
-    Mirrors: trl SFTTrainer.__init__ (args.chat_template_path)
-    Differs: TRL's other branch (clone_chat_template from a tokenizer folder or Hub id: adds its
-    tokens, copies its EOS, resizes the embeddings to a multiple of 64) is refused."""
-    if not (os.path.isfile(path) and path.endswith((".jinja", ".j2"))):
-        raise ValueError(f"SFTConfig(chat_template_path={path!r}): nanosft takes a .jinja or .j2 "
-                         "template file; cloning a tokenizer folder's template (TRL's "
-                         "clone_chat_template) is not implemented yet. Pass its "
-                         "chat_template.jinja.")
-    with open(path, encoding="utf-8") as f:
-        tokenizer.chat_template = f.read()
-
-
-def _check_argument_types(processing_class, peft_config, formatting_func) -> None:
-    """Refuse, naming the argument, what TRL would take to a later, unrelated failure: a path as
-    processing_class, a dict as peft_config, a formatting_func that is not callable."""
-    if isinstance(processing_class, (str, os.PathLike)):
-        raise TypeError(f"SFTTrainer: processing_class={os.fspath(processing_class)!r} is a path; "
-                        "pass the tokenizer itself, processing_class=Tokenizer.from_pretrained("
-                        "path) (AutoTokenizer under transformers), or leave it None to load the "
-                        "one beside a model folder.")
-    if peft_config is not None and not hasattr(peft_config, "peft_type"):
-        raise TypeError(f"SFTTrainer: peft_config must be a peft config such as LoraConfig, got "
-                        f"{type(peft_config).__name__}; pass LoraConfig(**your_dict) (as TRL, "
-                        "which also refuses a plain dict).")
-    if formatting_func is not None and not callable(formatting_func):
-        raise TypeError(f"SFTTrainer: formatting_func must be a function row -> text, got "
-                        f"{type(formatting_func).__name__}.")
-
-
-def _formatted(dataset, formatting_func, max_steps):
-    """Each row plus "text" = formatting_func(row), or the dataset untouched when there is no
-    formatting_func or it is already tokenized. Mirrors: trl SFTTrainer._prepare_dataset"""
-    if formatting_func is None:
-        return dataset
-    name = _dataset_name(dataset, "the dataset")
-    rows, _ = to_example_list(dataset, name, max_steps)
-    if "input_ids" in rows[0]:
-        warnings.warn(f"SFTTrainer: {name} is already tokenized (input_ids), so formatting_func "
-                      "is not applied (as in TRL).", stacklevel=3)
-        return rows
-    formatted = [{**row, "text": formatting_func(row)} for row in rows]
-    for i, row in enumerate(formatted):
-        if not isinstance(row["text"], str):
-            raise TypeError(f"SFTTrainer: formatting_func returned {type(row['text']).__name__} "
-                            f"for {name}'s example {i}, not a string; make it return the "
-                            "example's text (e.g. a missing `return`).")
-    return formatted
-
-
-def _rows_trained_on(args):
-    """The most raw examples max_steps steps can use: one per row of each batch on each rank, or,
-    when packing, up to max_length of them per packed row (each holds at least one token)."""
-    rows = (args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
-            * args.world_size)
-    if args.packing:
-        return None if args.max_length is None else rows * args.max_length
-    return rows
-
-
 def dft_loss(logits, labels, num_items_in_batch=None):
     """DFT (arXiv 2508.05629): each supervised token's -log p weighted by p itself (detached),
     summed, over num_items_in_batch (None: the batch's supervised tokens). logits (B, T, V).
@@ -196,77 +88,6 @@ def dft_loss(logits, labels, num_items_in_batch=None):
     per_token_loss = -log_p * log_p.exp().detach()
     num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
     return per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
-
-
-def _check_token_ids_fit(model, tokenizer, rows) -> None:
-    """Refuse ids without an embedding row, naming both sizes (not torch's "index out of range")."""
-    rows_in_model = model.get_input_embeddings().num_embeddings
-    # a datasets.Dataset reads its column at once; a list (or a with_transform Dataset, whose
-    # stored columns are the transform's inputs) is walked row by row
-    stored = "input_ids" in (getattr(rows, "column_names", None) or ())
-    column = rows["input_ids"] if stored else (r["input_ids"] for r in rows)
-    largest = max((max(ids) for ids in column if len(ids)), default=-1)
-    if largest >= rows_in_model:
-        raise ValueError(f"SFTTrainer: the tokenizer ({len(tokenizer)} tokens) produced token id "
-                         f"{largest}, but the model's embedding has only {rows_in_model} rows; use "
-                         "the tokenizer saved with this model, or resize the model's embeddings to "
-                         "the tokenizer before training")
-
-
-def _refuse_with_transform(dataset, name) -> None:
-    """A Dataset.with_transform() dataset would be read once here, freezing a random transform
-    into the prepared rows. Mirrors: trl SFTTrainer._prepare_dataset (the same refusal)"""
-    if is_datasets_object(dataset) and (getattr(dataset, "format", None) or {}).get(
-            "type") == "custom":
-        raise ValueError(f"SFTTrainer: {name} uses Dataset.with_transform(); preparing it would "
-                         "read the transform once and freeze its output into the tokenized rows. "
-                         "Fix: pass SFTConfig(dataset_kwargs={'skip_prepare_dataset': True}) "
-                         "with a transform that returns trainer-ready rows (input_ids, labels), "
-                         "or materialize a deterministic transform with Dataset.map() first.")
-
-
-def _reject_skip_prepare_without_labels(datasets, skip, data_collator) -> None:
-    """With skip_prepare_dataset no labels are built, so a set with mask columns and no "labels"
-    would train on every token: refused. Mirrors: trl SFTTrainer._reject_skip_prepare_without_labels
-    """
-    if not (skip and isinstance(data_collator, DataCollatorForLanguageModeling)):
-        return
-    for name, dataset in datasets.items():
-        columns = getattr(dataset, "column_names", None)
-        if columns is None:  # a list of rows, or an iterable: the first row's keys
-            columns = list(next(iter(dataset), {}))
-        if "labels" not in columns and ("completion_mask" in columns
-                                        or "assistant_masks" in columns):
-            raise ValueError(f"SFTTrainer: the {name} dataset has mask columns but no 'labels', "
-                             "and skip_prepare_dataset=True skips label building, so it would "
-                             "train on the full sequence. Fix: Add a 'labels' column (-100 for "
-                             "tokens off the loss) or drop skip_prepare_dataset.")
-
-
-def _add_model_tags(model, tags) -> None:
-    """Append `tags` to the base model's model_tags (a PeftModelForCausalLM shows the same list,
-    as peft forwards the attribute). Mirrors: transformers PreTrainedModel.add_model_tags"""
-    base = model.get_base_model() if isinstance(model, PeftModelForCausalLM) else model
-    model_tags = getattr(base, "model_tags", None) or []
-    model_tags += [tag for tag in tags if tag not in model_tags]
-    base.model_tags = model_tags
-    if base is not model:
-        model.model_tags = model_tags
-
-
-def _check_arguments(args, data_collator, train_dataset, compute_loss_func) -> None:
-    """The arguments TRL refuses before it builds anything (a collator passed positionally in
-    train_dataset's place, no train_dataset, DFT with a loss function of one's own)."""
-    if data_collator is not None and not callable(data_collator):
-        raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
-                        f"must be callable, got {type(data_collator).__name__}; pass "
-                        "train_dataset= by keyword.")
-    if train_dataset is None:
-        raise ValueError("SFTTrainer: `train_dataset` is required (a datasets.Dataset, a JSONL "
-                         "path or a list of dicts).")
-    if args.loss_type == "dft" and compute_loss_func is not None:
-        raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
-                         "compute_loss_func or use loss_type='nll'.")
 
 
 class SFTTrainer(Trainer):
@@ -288,27 +109,21 @@ class SFTTrainer(Trainer):
                  compute_metrics=None, callbacks=None, optimizers=(None, None),
                  optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, formatting_func=None):
-        args = _as_sft_config(args, model)  # Args
-        _check_arguments(args, data_collator, train_dataset, compute_loss_func)
-        _check_argument_types(processing_class, peft_config, formatting_func)
-        set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
-        model, processing_class = self._create_model(model, args, quantization_config,
-                                                     processing_class)  # Model, Processing class
-        model = self._prepare_peft_model(model, args, peft_config)  # PEFT
-        # Dataset rows first: the data collator's completion_only_loss reads the first one
-        train_name = _dataset_name(train_dataset, "train_dataset")
-        returns_datasets = is_datasets_object(train_dataset)  # datasets in, datasets out
-        train_dataset = self._read_train_dataset(train_dataset, args, formatting_func)
-        data_collator = self._create_data_collator(data_collator, model, processing_class, args,
-                                                   next(iter(train_dataset)), formatting_func)
-        self._formatting_func = formatting_func
-        train_dataset, eval_dataset = self._prepare_datasets(
-            model, processing_class, args, train_dataset, train_name, eval_dataset,
-            data_collator, returns_datasets)  # Dataset
+        from nanosft.io.sft_setup import (add_model_tags, check_argument_types, check_arguments,
+                                          create_model, router_aux_loss)  # product layer
 
-        # TRL 1.16 passes optimizer_cls_and_kwargs by name; the walkthrough's call carries the
-        # arguments it does not print in **super_init_kwargs
-        super_init_kwargs = {"optimizer_cls_and_kwargs": optimizer_cls_and_kwargs}
+        args = _as_sft_config(args, model)  # Args
+        check_arguments(args, data_collator, train_dataset, compute_loss_func)  # TRL's refusals
+        check_argument_types(processing_class, peft_config, formatting_func)  # and nanosft's
+        set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
+        model, processing_class = create_model(model, args, quantization_config, processing_class)
+        model = self._prepare_peft_model(model, args, peft_config)  # PEFT
+        train_rows = self._read_train_dataset(train_dataset, args, formatting_func)  # its rows
+        data_collator = self._create_data_collator(data_collator, model, processing_class, args,
+                                                   train_rows)  # Data collator
+        train_dataset, eval_dataset = self._prepare_datasets(  # Dataset
+            model, processing_class, args, train_dataset, train_rows, eval_dataset, data_collator)
+        super_init_kwargs = {"optimizer_cls_and_kwargs": optimizer_cls_and_kwargs}  # as TRL's
         super().__init__(
             model=model,
             args=args,
@@ -323,58 +138,11 @@ class SFTTrainer(Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             **super_init_kwargs,
         )
-        # TRL's _set_signature_columns_if_needed
-        self._signature_columns = {"input_ids", "labels", "seq_lengths"}
-        # MoE load-balancing loss: the config's router_aux_loss_coef unless args set one
-        config = getattr(self.model, "config", None)
-        coef = args.router_aux_loss_coef
-        self.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None \
-            else coef
-        if coef and not hasattr(config, "output_router_logits"):
-            raise ValueError(f"SFTConfig.router_aux_loss_coef={coef} but "
-                             f"{type(self.model).__name__} is not a Mixture-of-Experts model that "
-                             "returns its router logits; leave router_aux_loss_coef unset")
-        self.aux_loss_enabled = (hasattr(config, "output_router_logits")
-                                 and self.router_aux_loss_coef != 0.0)
-        if hasattr(config, "router_aux_loss_coef"):  # the model's own forward reads these
-            config.output_router_logits = self.aux_loss_enabled
-            config.router_aux_loss_coef = self.router_aux_loss_coef
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._set_signature_columns_if_needed()
+        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(self.model, args)  # MoE
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # TRL metrics
         self._total_train_tokens = 0
-        _add_model_tags(self.model, self._tag_names)
-
-    def _read_train_dataset(self, train_dataset, args, formatting_func):
-        """Example rows of train_dataset (a stream cut to what max_steps trains on,
-        formatting_func applied), or the dataset as given under skip_prepare_dataset.
-        Mirrors: trl SFTTrainer._prepare_dataset's first steps (with_transform refused)"""
-        self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
-        if self._skip_prepare_dataset:
-            return train_dataset
-        _refuse_with_transform(train_dataset, "train_dataset")
-        train_dataset = head_of_stream(train_dataset, args.max_steps, _rows_trained_on(args))
-        return load_examples(_formatted(train_dataset, formatting_func, args.max_steps),
-                             args.dataset_text_field, args.max_steps, name="train_dataset")
-
-    def _prepare_eval_sets(self, eval_dataset, tokenizer, args):
-        """One eval set, or a dict of named ones (evaluate() reports eval_<name>_loss), each
-        through _prepare_eval. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
-        if isinstance(eval_dataset, dict):  # a DatasetDict too
-            return {name: self._prepare_eval(dataset, tokenizer, args, name)
-                    for name, dataset in eval_dataset.items()}
-        if eval_dataset is None:
-            return None
-        return self._prepare_eval(eval_dataset, tokenizer, args,
-                                  _dataset_name(eval_dataset, "eval_dataset"))
-
-    def _create_model(self, model, args, quantization_config, processing_class):
-        """(model, processing_class): a model id loaded with its tokenizer, the chat template of
-        args.chat_template_path read in. Mirrors: trl SFTTrainer.__init__ ("# Model",
-        "# Processing class": create_model_from_path, AutoProcessor.from_pretrained)"""
-        model, processing_class = _load_model_and_tokenizer(model, args, quantization_config,
-                                                            processing_class)
-        if args.chat_template_path is not None:
-            _read_chat_template_path(args.chat_template_path, processing_class)
-        return model, processing_class
+        add_model_tags(self.model, self._tag_names)
 
     def _prepare_peft_model(self, model, args, peft_config):
         """get_peft_model when peft_config is given; input grads for gradient checkpointing; a
@@ -390,23 +158,35 @@ class SFTTrainer(Trainer):
             _cast_trainable_to_bf16(model)
         return model
 
-    def _create_data_collator(self, data_collator, model, processing_class, args, first,
-                              formatting_func):
+    def _read_train_dataset(self, train_dataset, args, formatting_func):
+        """Example rows of train_dataset (a stream cut to what max_steps trains on,
+        formatting_func applied), or the dataset as given under skip_prepare_dataset.
+        Mirrors: trl SFTTrainer._prepare_dataset's first steps (with_transform refused)"""
+        from nanosft.io.sft_setup import formatted, refuse_with_transform, rows_trained_on
+
+        self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
+        self._formatting_func = formatting_func  # evaluate() formats a new eval set the same way
+        if self._skip_prepare_dataset:
+            return train_dataset
+        refuse_with_transform(train_dataset, "train_dataset")
+        train_dataset = head_of_stream(train_dataset, args.max_steps, rows_trained_on(args))
+        return load_examples(formatted(train_dataset, formatting_func, args.max_steps),
+                             args.dataset_text_field, args.max_steps, name="train_dataset")
+
+    def _create_data_collator(self, data_collator, model, processing_class, args, train_rows):
         """The caller's collator, or DataCollatorForLanguageModeling over the pad token; sets
-        padding_free and completion_only_loss (None: prompt-completion rows, read off `first`).
+        padding_free and completion_only_loss (None: prompt-completion rows, read off the first).
         Mirrors: trl SFTTrainer.__init__ ("# Data collator")"""
+        from nanosft.io.sft_setup import check_data_collator
+
         bfd_packing = args.packing and args.packing_strategy in ("bfd", "bfd_split")
         self.padding_free = args.padding_free or bfd_packing
-        if self.padding_free and data_collator is not None:
-            raise ValueError("SFTTrainer: a custom data_collator cannot be used with padding_free "
-                             "or bfd packing.")
+        first = next(iter(train_rows))
         self.completion_only_loss = args.completion_only_loss
         if self.completion_only_loss is None:
             self.completion_only_loss = "prompt" in first and "completion" in first
-        if self.completion_only_loss and formatting_func is not None:
-            raise ValueError("SFTTrainer: formatting_func turns rows into plain text, which has no "
-                             "completion to mask; set completion_only_loss=False, or format the "
-                             "data before passing it.")
+        check_data_collator(data_collator, self.padding_free, self.completion_only_loss,
+                            self._formatting_func)
         if data_collator is not None:
             return data_collator
         pad_token_id = _pad_token_id(args, processing_class)
@@ -417,36 +197,47 @@ class SFTTrainer(Trainer):
             pad_token_id=pad_token_id, completion_only_loss=self.completion_only_loss,
             padding_free=self.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
 
-    def _prepare_datasets(self, model, processing_class, args, train_dataset, train_name,
-                          eval_dataset, data_collator, as_dataset=False):
-        """(train, eval) through _prepare (tokenize, label, truncate or pack; datasets.Dataset out
-        when a datasets object came in), token ids checked against the embedding; eval: one set
-        or a dict of named sets; all handed through with skip_prepare_dataset.
-        Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset per set)"""
-        if self.padding_free and not args.packing and args.max_length is not None:
-            raise ValueError("SFTTrainer: with padding_free=True and no packing, `max_length` is "
-                             f"not enforced (max_length={args.max_length}), as in TRL; fix: enable "
-                             "packing (packing=True, packing_strategy='bfd'), or set "
-                             "max_length=None with already truncated rows.")
-        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
-            {"eval": eval_dataset} if eval_dataset is not None else {})
-        _reject_skip_prepare_without_labels({"train": train_dataset, **eval_sets},
-                                            self._skip_prepare_dataset, data_collator)
+    def _prepare_datasets(self, model, processing_class, args, train_dataset, train_rows,
+                          eval_dataset, data_collator):
+        """(train, eval): train_rows (read off train_dataset, which names them and, a datasets
+        object, makes the output one) and the eval set(s) through _prepare (tokenize, label,
+        truncate or pack), token ids checked against the embedding; all handed through with
+        skip_prepare_dataset. Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset)"""
+        from nanosft.io.sft_setup import check_datasets, check_token_ids_fit, dataset_name
+
+        check_datasets(args, self.padding_free, train_rows, eval_dataset,
+                       self._skip_prepare_dataset, data_collator)
         if not self._skip_prepare_dataset:
-            train_dataset = self._prepare(train_dataset, processing_class, args, train_name,
-                                          as_dataset=as_dataset)
+            train_rows = self._prepare(train_rows, processing_class, args,
+                                       dataset_name(train_dataset, "train_dataset"),
+                                       as_dataset=is_datasets_object(train_dataset))
             eval_dataset = self._prepare_eval_sets(eval_dataset, processing_class, args)
-        if "input_ids" in next(iter(train_dataset)):  # skip_prepare_dataset: rows as given
-            _check_token_ids_fit(model, processing_class, train_dataset)
-        return train_dataset, eval_dataset
+        if "input_ids" in next(iter(train_rows)):  # skip_prepare_dataset: rows as given
+            check_token_ids_fit(model, processing_class, train_rows)
+        return train_rows, eval_dataset
+
+    def _prepare_eval_sets(self, eval_dataset, tokenizer, args):
+        """One eval set, or a dict of named ones (evaluate() reports eval_<name>_loss), each
+        through _prepare_eval. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
+        from nanosft.io.sft_setup import dataset_name
+
+        if isinstance(eval_dataset, dict):  # a DatasetDict too
+            return {name: self._prepare_eval(dataset, tokenizer, args, name)
+                    for name, dataset in eval_dataset.items()}
+        if eval_dataset is None:
+            return None
+        return self._prepare_eval(eval_dataset, tokenizer, args,
+                                  dataset_name(eval_dataset, "eval_dataset"))
 
     def _prepare_eval(self, dataset, tokenizer, args, name):
         """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
         packing) asks. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
+        from nanosft.io.sft_setup import formatted, refuse_with_transform
+
         packing = args.packing if args.eval_packing is None else args.eval_packing
-        _refuse_with_transform(dataset, name)
+        refuse_with_transform(dataset, name)
         as_dataset = is_datasets_object(dataset)
-        return self._prepare(_formatted(dataset, self._formatting_func, args.max_steps),
+        return self._prepare(formatted(dataset, self._formatting_func, args.max_steps),
                              tokenizer, args, name, packing=packing, as_dataset=as_dataset)
 
     def _prepare(self, dataset, tokenizer, args, name=None, packing=None, as_dataset=False):
@@ -464,20 +255,27 @@ class SFTTrainer(Trainer):
             rows = [rows[i] for i in np.random.default_rng(args.seed).permutation(len(rows))]
         return as_datasets_dataset(rows) if as_dataset else rows
 
+    def _set_signature_columns_if_needed(self):
+        """The columns the collator keeps (remove_unused_columns): the prepared rows' own.
+        Mirrors: trl SFTTrainer._set_signature_columns_if_needed | Differs: called at the end of
+        __init__; transformers calls it when it first drops columns."""
+        if self._signature_columns is None:
+            self._signature_columns = {"input_ids", "labels", "seq_lengths"}
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval") -> dict:
         """Trainer.evaluate, after preparing a raw eval set (one, or a dict / DatasetDict of them)
         passed here as __init__ prepares its eval_dataset; prepared rows pass unchanged.
         Mirrors: trl SFTTrainer.evaluate"""
+        from nanosft.io.sft_setup import named_eval_sets, reject_skip_prepare_without_labels
+
         named = (isinstance(eval_dataset, str) and isinstance(self.eval_dataset, dict)
                  and eval_dataset in self.eval_dataset)
         if named:  # the name of a set prepared in __init__, as transformers selects it
             eval_dataset = self.eval_dataset[eval_dataset]
         elif not self._skip_prepare_dataset and eval_dataset is not None:
             eval_dataset = self._prepare_eval_sets(eval_dataset, self.processing_class, self.args)
-        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else (
-            {"eval": eval_dataset} if eval_dataset is not None else {})
-        _reject_skip_prepare_without_labels(eval_sets, self._skip_prepare_dataset,
-                                            self.data_collator)
+        reject_skip_prepare_without_labels(named_eval_sets(eval_dataset),
+                                           self._skip_prepare_dataset, self.data_collator)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

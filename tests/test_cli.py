@@ -343,9 +343,11 @@ def test_trace_prints_the_walkthrough_steps_in_order_for_the_first_step_only(tmp
     assert out.count("global_step += 1") == 1
     counted = re.search(r"num_items_in_batch=([\d.]+)", out)
     assert counted and float(counted.group(1)) > 0
-    assert out.index("***** Running training *****") > out.index(
+    # the trace reads the set-up at on_train_begin, the loop's first event, after the banner
+    assert out.index("***** Running training *****") < out.index(
         "Setting up training control variables"
-    )
+    ) < out.index("(banner above), then: for epoch in range(num_train_epochs)")
+    assert "loss.backward()  (accelerator.backward)  params_with_grad=" in out
     # zero output when off
     code, out, _ = run([*argv[:6], tmp_path / "o2", *argv[7:]], capsys)
     assert code == 0 and trace.PREFIX not in out

@@ -253,3 +253,16 @@ def test_a_reference_mode_seam_is_one_statement():
     assert ran and not any(line.startswith("import bitsandbytes") for line in ran)
     assert calls == [None]
     assert len([n for f, n in seen_switch if f.endswith("reference.py")]) == 1
+
+
+def test_a_speed_path_is_looked_up_once_per_process():
+    # with the speed paths on, a seam after the first call only reads the resolved table: the
+    # import and getattr lines of reference._speed_path run once, not per call
+    with reference_mode(False):
+        first = fast_path("recomputed")
+        seen = executed_lines(lambda: fast_path("recomputed"))
+        assert fast_path("recomputed") is first
+    source = open(os.path.join(PACKAGE, "reference.py"), encoding="utf-8").read().splitlines()
+    ran = [source[n - 1].strip() for f, n in seen if f.endswith("reference.py")]
+    assert ran and not any("getattr(_fast" in line or "import_module" in line for line in ran)
+    assert len(ran) == 3, ran  # fast_path's return, the table lookup, its return

@@ -1,13 +1,15 @@
-"""nanosft.monitoring.trace: silent unless enabled; attach() traces one optimizer step, then
-leaves no wrapper
-or hook behind.
+"""nanosft.monitoring.trace: silent unless enabled; attach() traces one optimizer step through
+callbacks and hooks, replacing no method, then leaves no hook behind.
 
-Compared: printed lines (none when off), the trainer's / model's / optimizer's instance state
-before and after a traced run (instance attributes shadowing methods, forward hooks, optimizer
-step hooks). Hermetic: the tiny default model in nanosft/cli/assets/default and four in-memory chat
-examples; CPU only.
+Compared: printed lines (none when off); the trainer's, model's, optimizer's and scheduler's
+instance attributes that shadow a method of their class, while the first step runs (a callback
+added after attach looks) and after; forward, gradient and optimizer step hooks after the run; the
+trace's pre-clip grad_norm against the one the loop logged. Hermetic: the tiny default model in
+nanosft/cli/assets/default and four in-memory chat examples; CPU only.
 Run: python -m pytest -q tests/test_trace.py
 """
+
+import re
 
 import pytest
 
@@ -19,6 +21,7 @@ from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
+from nanosft.trainer_callback import TrainerCallback
 
 CHATS = [{"messages": [{"role": "user", "content": f"What is {a} plus 2?"},
                        {"role": "assistant", "content": str(a + 2)}]} for a in range(4)]
@@ -41,6 +44,7 @@ def make_trainer(tmp_path):
         bf16=False,
         disable_tqdm=True,
         learning_rate=1e-3,
+        logging_steps=1,  # step 1 logs the grad_norm the trace's is checked against
     )
     return SFTTrainer(CausalLM.from_pretrained(demo.DEFAULT_DIR), args=args, train_dataset=CHATS,
                       processing_class=Tokenizer.from_pretrained(demo.DEFAULT_DIR),
@@ -48,7 +52,36 @@ def make_trainer(tmp_path):
 
 
 def hook_counts(model):
-    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    modules = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    return modules + [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()]
+
+
+def shadowed_methods(obj) -> set:
+    """Names of methods of obj's class that an attribute of the instance replaces."""
+    return {name for name, value in vars(obj).items()
+            if callable(value) and callable(getattr(type(obj), name, None))}
+
+
+def replaced_methods(trainer) -> dict:
+    """The shadowed methods of the trainer, each module of its model, its optimizer, scheduler."""
+    objects = {"trainer": trainer, "optimizer": trainer.optimizer,
+               "lr_scheduler": trainer.lr_scheduler,
+               **{f"model.{name}": m for name, m in trainer.model.named_modules()}}
+    return {key: shadowed_methods(obj) for key, obj in objects.items() if obj is not None}
+
+
+class MethodProbe(TrainerCallback):
+    """Added after attach: records replaced_methods while the traced first step runs, and whether
+    `trainer.training_step` is the class's own function (what a debugger's `s` steps into)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.seen = trainer, []
+
+    def look(self, *args, **kwargs):
+        self.seen.append((replaced_methods(self.trainer),
+                          self.trainer.training_step.__func__ is type(self.trainer).training_step))
+
+    on_substep_end = on_pre_optimizer_step = on_optimizer_step = look
 
 
 def test_trace_prints_nothing_and_attach_does_nothing_when_off(tmp_path, capsys):
@@ -61,18 +94,26 @@ def test_trace_prints_nothing_and_attach_does_nothing_when_off(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("mode", ["reference", "fast"])
-def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(
+def test_attach_traces_one_step_replacing_no_method_then_removes_every_hook(
     mode, tracing, tmp_path, capsys
 ):
     trainer = make_trainer(tmp_path)
     before = hook_counts(trainer.model)
     callbacks_before = len(trainer.callback_handler.callbacks)
     handle = trace.attach(trainer)
-    assert "training_step" in vars(trainer)  # wrapped on this instance only
+    assert not shadowed_methods(trainer)  # a callback, no instance wrapper
+    probe = MethodProbe(trainer)
+    trainer.add_callback(probe)
     assert reference_mode_enabled()  # enable_trace() switched reference mode on
     with reference_mode(mode == "reference"):
         trainer.train()
     out = capsys.readouterr().out
+    # while the traced step ran, nothing shadowed a method (the optimizer's `step` is torch's own
+    # LRScheduler wrapper, there with or without the trace) and training_step was the class's
+    assert len(probe.seen) >= 2 and all(is_class_step for _, is_class_step in probe.seen)
+    after = replaced_methods(trainer)
+    assert all(seen == after for seen, _ in probe.seen)
+    assert not any(names for key, names in after.items() if key != "optimizer")
     # 2 steps run, 1 traced
     assert out.count("training_step(model, inputs, num_items_in_batch)") == 1
     # an SFTTrainer: the trace shows the loss that runs, Trainer.compute_loss's outputs["loss"]
@@ -84,20 +125,11 @@ def test_attach_traces_one_step_then_removes_every_wrapper_and_hook(
     shown, hidden = (reference, fused) if mode == "reference" else (fused, reference)
     assert all(line in out for line in shown) and not any(line in out for line in hidden)
     assert "mean_token_accuracy=" in out
+    # the pre-clip norm the gradient hooks saw is the one _clip_grad_norm returned and logged
+    traced = float(re.search(r"clip gradients  grad_norm=(\S+)", out).group(1))
+    assert traced == pytest.approx(trainer.state.log_history[0]["grad_norm"], rel=1e-5)
     assert handle.done
-    wrapped = {
-        "train",
-        "_inner_training_loop",
-        "get_train_dataloader",
-        "set_initial_training_values",
-        "_prepare_for_training",
-        "get_batch_samples",
-        "training_step",
-        "compute_loss",
-        "_clip_grad_norm",
-    }
-    assert not wrapped & set(vars(trainer))  # the class methods show through again
+    trainer.remove_callback(probe)
     assert len(trainer.callback_handler.callbacks) == callbacks_before  # its callback is gone
-    assert "step" not in vars(trainer.lr_scheduler) and "zero_grad" not in vars(trainer.model)
     assert not trainer.optimizer._optimizer_step_pre_hooks
     assert hook_counts(trainer.model) == before

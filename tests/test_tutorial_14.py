@@ -7,14 +7,23 @@ the plain deep stack's first/last gradient ratio vanishes and the residual one's
 zero_grad doubles the gradient; the cross-rank checksum finds step 2; the hung all_reduce ends after
 the 3 s timeout; the mean max/min ratio of padded tokens per step across two simulated ranks
 falls from above 1.5 (random order) to below 1.2 with group_by_length, whose worst step stays
-under 1.5; both transformers comparisons ran (the zero-token loss, the grouped order).
+under 1.5; both transformers comparisons ran (the zero-token loss, the grouped order). The
+tutorial's recorder (its set-up cells, run in-process) replaces no method of the trainer instance
+while training and records each micro-batch, the bad one's loss 10^4 times the same batch's.
 Hermetic: a tiny CausalLM and hand-made rows in-process, two gloo ranks on localhost; no network.
 Run: python -m pytest -q tests/test_tutorial_14.py
 """
 
+import math
 import re
+from pathlib import Path
 
+import torch
 from run_tutorial import assert_reference_ran, run_tutorial
+
+from nanosft.trainer_callback import TrainerCallback
+
+TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "14_troubleshooting.py"
 
 
 def test_tutorial_14_nan_filter_and_clipping():
@@ -65,3 +74,42 @@ def test_tutorial_14_nan_filter_and_clipping():
     assert_reference_ran(out, "transformers Trainer (zero-token micro-batch)",
                          "transformers get_length_grouped_indices (group_by_length order)")
     assert "OK: troubleshooting checked" in out
+
+
+def shadowed_methods(obj) -> set:
+    """Names of methods of obj's class that an attribute of the instance replaces."""
+    return {name for name, value in vars(obj).items()
+            if callable(value) and callable(getattr(type(obj), name, None))}
+
+
+def test_tutorial_14_recorder_replaces_no_trainer_method():
+    # the tutorial's set-up cells (imports, its trainer, train(), run()), before story A
+    prelude = TUTORIAL.read_text().split("# %% [markdown]\n# ## A)")[0]
+    tutorial = {"__name__": "tutorial_14_setup"}
+    threads = torch.get_num_threads()
+    exec(compile(prelude, str(TUTORIAL), "exec"), tutorial)
+    torch.set_num_threads(threads)  # the tutorial sets 1 for itself
+
+    seen = []
+
+    class Probe(TrainerCallback):  # looks at the trainer after each micro-batch's training_step
+        def on_substep_end(self, args, state, control, **kwargs):
+            seen.append((shadowed_methods(trainer),
+                         trainer.training_step.__func__ is type(trainer).training_step))
+
+        on_pre_optimizer_step = on_substep_end
+
+    rows = [{"input_ids": [5, 17, 42, 8, 9], "labels": [-100, 17, 42, 8, 9]},
+            {"input_ids": [7, 33, 12], "labels": [-100, 33, 12]}] * 2
+    steps = {}
+    for bad in (None, 1):
+        trainer = tutorial["train"](rows, max_steps=2)
+        trainer.add_callback(Probe())
+        _, steps[bad] = tutorial["run"](trainer, bad_micro_batch=bad)
+    assert len(seen) == 8 and all(not names and own_step for names, own_step in seen)
+    # every micro-batch recorded as (supervised tokens, tr_loss_step); micro-batch 1 precedes the
+    # first optimizer step, so the bad run's loss there is the same batch's times 10^4
+    tokens = [n for n, _ in steps[None]]
+    assert [n for n, _ in steps[1]] == tokens and sorted(tokens) == [2, 2, 4, 4]
+    assert steps[1][0] == steps[None][0]
+    assert math.isclose(steps[1][1][1], 1e4 * steps[None][1][1], rel_tol=1e-6)

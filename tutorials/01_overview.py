@@ -105,9 +105,9 @@ assert trainer.train_dataset[0]["labels"][0] == -100
 
 # %% [markdown]
 # ## 执行 trainer.train(), traced
-# `nanosft.monitoring.trace.attach` wraps this one trainer's methods and hooks this one model
-# (nothing global
-# changes) and prints one line per walkthrough step until the first optimizer step is done.
+# `nanosft.monitoring.trace.attach` adds one callback to this trainer and hooks on this one model
+# (no method is replaced, nothing global changes) and prints one line per walkthrough step until
+# the first optimizer step is done.
 
 # %%
 banner("- 执行 trainer.train() -> inner_training_loop() -> training_step -> compute_loss"

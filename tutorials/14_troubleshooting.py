@@ -64,8 +64,27 @@ def tiny_model():
     return CausalLM(ModelConfig(**TINY))
 
 
+class RecordingTrainer(Trainer):
+    """A Trainer that records, per micro-batch, (supervised tokens, tr_loss_step) in `steps`, and
+    multiplies the loss of micro-batch `bad_micro_batch` by 10^4 (B: one bad batch). Overrides, so
+    `s` at the loop's `self.training_step(...)` lands here, then in Trainer.training_step."""
+
+    steps = None
+    bad_micro_batch = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.steps.append((int((inputs["labels"][:, 1:] != -100).sum()), loss.item()))
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss * 1e4 if len(self.steps) == self.bad_micro_batch else loss  # B: one bad batch
+
+
 def train(rows, **overrides):
-    """A Trainer over a fresh tiny model (plain SGD, constant lr, a log each step); run() trains."""
+    """A RecordingTrainer over a fresh tiny model (plain SGD, constant lr, a log each step); run()
+    trains."""
     settings = {
         "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 2,
@@ -80,7 +99,7 @@ def train(rows, **overrides):
         "seed": 0,
         **overrides,
     }
-    trainer = Trainer(
+    trainer = RecordingTrainer(
         tiny_model(),
         TrainingArguments(output_dir=tempfile.mkdtemp(), **settings),
         train_dataset=rows,
@@ -94,22 +113,11 @@ def run(trainer, per_batch_mean=False, bad_micro_batch=None):
     tr_loss_step)."""
     if per_batch_mean:  # a model that ignores num_items_in_batch and returns its own per-batch mean
         trainer.model_accepts_loss_kwargs = False
-    steps, original_step, original_loss = [], trainer.training_step, trainer.compute_loss
-
-    def training_step(model, inputs, num_items_in_batch=None):
-        loss = original_step(model, inputs, num_items_in_batch)
-        steps.append((int((inputs["labels"][:, 1:] != -100).sum()), loss.item()))
-        return loss
-
-    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = original_loss(model, inputs, return_outputs, num_items_in_batch)
-        return loss * 1e4 if len(steps) == bad_micro_batch else loss  # B: one bad batch
-
-    trainer.training_step, trainer.compute_loss = training_step, compute_loss
+    trainer.steps, trainer.bad_micro_batch = [], bad_micro_batch
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         trainer.train()
-    return printed.getvalue(), steps
+    return printed.getvalue(), trainer.steps
 
 
 # %% [markdown]

@@ -7,6 +7,10 @@ DecoderModel / CausalLM that name it through their `attention_class`, `layer_cla
 right one; model.py itself stays the Llama decoder.
 """
 
+import re
+
+import torch
+
 from nanosft.configuration import ARCHITECTURES, ModelConfig
 from nanosft.families.cohere2 import Cohere2Config, Cohere2ForCausalLM
 from nanosft.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -78,6 +82,18 @@ def text_model_index(config, index):
         return index
     return {("model." + k[len(prefix):] if k.startswith(prefix) else k): info
             for k, info in index.items() if k.startswith(prefix) or k == "lm_head.weight"}
+
+
+def keep_in_fp32(model, dtype):
+    """The pattern of checkpoint keys read in float32 when `dtype` (fp16 or bf16) loads the rest,
+    from the model's `_keep_in_fp32_modules_strict` names (GLM-4-MoE's router correction bias: a
+    bf16 copy would move the expert choice); None: every key in dtype.
+    Mirrors: transformers PreTrainedModel._get_dtype_plan (its names searched in each key)
+    Differs: `_keep_in_fp32_modules` (fp16 only; gpt-oss's norms) is not read."""
+    names = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    if not names or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return re.compile("|".join(names))
 
 
 def supported_model_types():

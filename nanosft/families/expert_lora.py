@@ -184,7 +184,11 @@ class ParamWrapper(nn.Module):
     def merge(self):
         """Fold the delta into the parameter. Mirrors: peft ParamWrapper.merge"""
         for adapter in self.active_adapters:
-            self.get_param().data += self.get_delta_weight(adapter)
+            param, delta = self.get_param(), self.get_delta_weight(adapter)
+            if 0 in param.stride():  # an NF4 expert placeholder (nf4_experts): the delta its own
+                param.data = param.data + delta
+            else:
+                param.data += delta
             self.merged_adapters.append(adapter)
 
     def unmerge(self):

@@ -202,6 +202,7 @@ class Glm4MoeForCausalLM(MoeCausalLM):
     """Mirrors: transformers Glm4MoeForCausalLM"""
 
     model_class = Glm4MoeModel
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]  # read in fp32 under bf16 / fp16
 
     @property
     def checkpoint_conversion(self):

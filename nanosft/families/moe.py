@@ -62,10 +62,15 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, C))
         self.down_proj = nn.Parameter(torch.empty(E, C, I))
 
+    def linear(self, x, name, e):
+        """x through expert e's slice of the 3-D parameter `name`: (n, in) -> (n, out).
+        (nf4_experts.NF4Experts reads that slice from 4-bit codes instead.)"""
+        return F.linear(x, getattr(self, name)[e])
+
     def expert(self, x, e):
         """Expert e on its tokens: (n, C) -> (n, C)."""
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        gate, up = self.linear(x, "gate_up_proj", e).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, "down_proj", e)
 
     def forward(self, x, top_k_index, top_k_weights):
         """(N, C) tokens, their (N, k) expert ids and weights -> (N, C): sum over each token's k

@@ -247,9 +247,10 @@ def check_finite_tensor(tensor, name, path, file_dtype):
                      "it, or load another checkpoint")
 
 
-def iter_tensors(index, dtype=None, device="cpu"):
-    """(name, tensor) one at a time, each file read in byte order, cast to dtype/device as read.
-    Mirrors: transformers' per-tensor loading (safe_open(...).get_slice)
+def iter_tensors(index, dtype=None, device="cpu", keep_fp32=None):
+    """(name, tensor) one at a time, each file read in byte order, cast to dtype/device as read;
+    names the `keep_fp32` pattern finds are cast to float32 instead.
+    Mirrors: transformers' per-tensor loading (safe_open(...).get_slice), its dtype_plan
     Differs: plain reads, not a memory map whose touched pages would all stay resident."""
     by_file = {}
     for name, info in index.items():
@@ -263,7 +264,9 @@ def iter_tensors(index, dtype=None, device="cpu"):
                 if f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != info.end - info.begin:
                     raise ValueError(f"{path}: tensor {name} is cut short; re-download the model")
                 if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(device, dtype)  # the file's copy is freed here, not later
+                    kept = keep_fp32 is not None and keep_fp32.search(name)
+                    # the file's copy is freed here, not later
+                    tensor = tensor.to(device, torch.float32 if kept else dtype)
                 tensor = tensor.to(device)
                 if tensor.is_floating_point():  # one pass, on the device: a nan base never trains
                     check_finite_tensor(tensor, name, path, info.dtype)

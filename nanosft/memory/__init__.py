@@ -4,27 +4,31 @@ QLoRA's arithmetic, with and without gradient checkpointing. `estimate_memory(co
 without building a model, the base weights (fp32 / bf16 / NF4 with absmax and double-quantization
 tables), trainable parameters, gradients, optimizer states, the tensors each decoder layer saves for
 backward (with and without checkpointing) and the logits / loss buffers (B x T x V), per FSDP rank.
-The plan and shapes live in nanosft.memory.plan, the per-layer saves in nanosft.memory.activations,
-the measuring tools (`MemoryTracker`, `PeakMemory`, ...) in nanosft.memory.measure; their names
-import from here too. Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
+The plan and shapes live in nanosft.memory.plan, the per-layer saves in nanosft.memory.activations
+(Llama's layer and its close variants) and nanosft.memory.families (OLMo 3, Cohere 2, GPT-NeoX,
+the mixture-of-experts layers), the measuring tools (`MemoryTracker`, `PeakMemory`, ...) in
+nanosft.memory.measure; their names import from here too.
+Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
 """
 
 import dataclasses
 import math
 
+from nanosft.memory import families
 from nanosft.memory.activations import head_saved_bytes, layer_saved_bytes
 from nanosft.memory.measure import (  # noqa: F401 (measuring tools, re-exported)
     MemoryTracker, PeakMemory, count_saved_tensors, cpu_memory, cpu_peak_reset, unique_bytes)
 from nanosft.memory.plan import (  # noqa: F401 (the plan and shapes, re-exported)
     DTYPE_BYTES, LAYER_LINEARS, OPTIMIZERS, MemoryPlan, _fail, layer_linears, lora_targets,
-    nf4_quantizable, parameter_shapes)
+    nf4_quantizable, parameter_shapes, parameter_targets)
 
 MiB = 2**20
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' optimizer states in fp32
 BNB_OPTIM_BLOCKSIZE = 256  # one fp32 absmax per 256 values of an 8-bit optimizer state
 NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-level absmax values
-# families whose layers the ledger does not model yet (experts, parallel blocks, other norms)
-NOT_MODELLED = ("qwen3_moe", "glm4_moe", "gpt_oss", "olmo3", "cohere2", "gpt_neox")
+# families whose layers the ledger does not model yet (Gated DeltaNet, short convolutions, Gemma 4's
+# shared KV and per-layer inputs): refused by name rather than predicted as Llama's
+NOT_MODELLED = ("qwen3_5_text", "lfm2", "gemma4_text")
 
 
 # ----------------------------------------------------------------------------- weights
@@ -101,8 +105,8 @@ def estimate_memory(config, plan, device_type="cpu"):
         raise ValueError(f"the memory ledger does not model model_type={config.model_type!r} "
                          "yet; measure a step instead (nanosft.memory.PeakMemory)")
     wd, world = DTYPE_BYTES[plan.dtype], plan.fsdp
-    targets = lora_targets(config, plan)
-    if not plan.full and not targets:
+    targets, param_targets = lora_targets(config, plan), parameter_targets(config, plan)
+    if not plan.full and not targets and not param_targets:
         _fail("target_modules", plan.target_modules,
               f"it matches none of {', '.join(layer_linears(config))}")
     ab = DTYPE_BYTES[plan.adapter_dtype]
@@ -123,17 +127,25 @@ def estimate_memory(config, plan, device_type="cpu"):
         if plan.full:
             trainable += nbytes
             grads += nbytes
-            embedding = name == "model.embed_tokens.weight"
+            embedding = name.endswith(("embed_tokens.weight", "embed_in.weight"))
             state = optimizer_state_bytes(numel, wd, plan.optim, plan.optim_args, embedding)
             optim += _shard(state, shape, world)
             any_8bit |= numel >= BNB_MIN_8BIT_SIZE and not embedding
         else:
             base += nbytes
-        if not plan.full and lin in targets and name.endswith("weight"):
+        adapter = []
+        leaf = ".".join(name.split(".")[-2:]) if lin != "experts" else name.split(".")[-1]
+        if not plan.full and lin in ("experts", "gate", "router") and leaf in param_targets:
+            # peft ParamWrapper: A (r E, in), B (out, r E) hold every expert's pair (E = 1: router)
+            r = param_targets[leaf]
+            E, (out_f, in_f) = (1, shape) if len(shape) == 2 else (shape[0], shape[1:])
+            adapter = [((r * E, in_f), ab), ((out_f, r * E), ab)]
+        elif not plan.full and lin in targets and name.endswith("weight"):
             out_f, in_f = shape
             adapter = [((plan.r, in_f), ab), ((out_f, plan.r), ab)]
             if plan.use_dora:
                 adapter.append(((out_f,), 4))  # the magnitude stays fp32
+        if adapter:
             for a_shape, a_bytes in adapter:
                 a_numel = math.prod(a_shape)
                 trainable += _shard(a_numel * a_bytes, a_shape, world)
@@ -144,8 +156,10 @@ def estimate_memory(config, plan, device_type="cpu"):
     if any_8bit and plan.optim in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         optim += 2 * 256 * 4  # the signed and unsigned dynamic maps, shared by every 8-bit state
     L = config.num_hidden_layers
-    per_layer = [layer_saved_bytes(config, plan, first=i == 0, device_type=device_type,
-                                   layer_idx=i) for i in range(L)]
+    layer_fn = (families.layer_saved_bytes if config.model_type in families.MODELLED
+                else layer_saved_bytes)
+    per_layer = [layer_fn(config, plan, first=i == 0, device_type=device_type, layer_idx=i)
+                 for i in range(L)]
     head, logprob_bytes = head_saved_bytes(config, plan)
     N = plan.per_device_train_batch_size * plan.max_length
     layer_input = N * config.hidden_size * wd
@@ -164,7 +178,8 @@ def estimate_memory(config, plan, device_type="cpu"):
                   if n_quant else f"{plan.dtype}")
     notes = {"base weights (frozen)": quant_note,
              "trainable parameters": "all weights" if plan.full else
-             f"{'DoRA' if plan.use_dora else 'LoRA'} r={plan.r} on {','.join(sorted(targets))} "
+             f"{'DoRA' if plan.use_dora else 'LoRA'} r={plan.r} on "
+             f"{','.join(sorted(targets) + sorted(param_targets))} "
              f"({plan.adapter_dtype})",
              "gradients": "one per trainable weight, same dtype",
              "optimizer states": plan.optim,
@@ -178,16 +193,33 @@ def estimate_memory(config, plan, device_type="cpu"):
     rows["logits and loss (B x T x V)"] = logits
     notes["logits and loss (B x T x V)"] = f"V={V}: logits, fp32 log-probs and their gradient"
     if world > 1:  # FSDP gathers one layer's full weights, and prefetches the next
-        layer_params = [math.prod(s) for n, s in parameter_shapes(config)
-                        if n.startswith("model.layers.0.")]
-        frozen_bytes = 0.5 if plan.load_in_4bit else wd
-        gather = 2 * int(sum(layer_params) * (wd if plan.full else frozen_bytes))
+        # the largest layer (an MoE layer's experts beside GLM's dense first layers); 4-bit
+        # linears travel at half a byte, the experts and router in their float dtype
+        layer_bytes = {}
+        for n, s in parameter_shapes(config):
+            if ".layers." in n:
+                i = int(n.split(".layers.")[1].split(".")[0])
+                half = plan.load_in_4bit and n.split(".")[-2] in layer_linears(config)
+                layer_bytes[i] = layer_bytes.get(i, 0) + math.prod(s) * (0.5 if half else wd)
+        gather = 2 * int(max(layer_bytes.values()))
         rows[f"FSDP all-gather ({world} ranks)"] = gather
         notes[f"FSDP all-gather ({world} ranks)"] = "two decoder layers unsharded at a time"
     return MemoryLedger(rows=rows, notes=notes, per_layer=per_layer, plan=plan)
 
 
 # ----------------------------------------------------------------------------- the Trainer's lines
+def _parameter_ranks(peft_config):
+    """{target parameter: rank} of a LoraConfig, its rank_pattern read on the full key (the
+    doubled rank peft gives a fused gate_up_proj)."""
+    from nanosft.adapter_files import pattern_value
+
+    ranks = {}
+    for name in peft_config.target_parameters or []:
+        key = "model.layers.0.mlp." + (name if "." in name else "experts." + name)
+        ranks[name] = pattern_value(peft_config.rank_pattern, key, peft_config.r)
+    return ranks
+
+
 def plan_from_model(model, args, max_length, device_type="cpu"):
     """A MemoryPlan read off a live (peft-wrapped or not, 4-bit or not) model and its arguments.
     Mirrors: what SFTTrainer.__init__ set up (peft_config, 4-bit base)"""
@@ -201,6 +233,7 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
     return MemoryPlan(full=peft_config is None, load_in_4bit=nf4.is_quantized(base),
                       use_dora=lora and peft_config.use_dora, r=peft_config.r if lora else 8,
                       target_modules=peft_config.target_modules if lora else None,
+                      target_parameters=_parameter_ranks(peft_config) if lora else None,
                       dtype=dtype if dtype in DTYPE_BYTES else "float32",
                       per_device_train_batch_size=args.per_device_train_batch_size,
                       max_length=max_length, optim=args.optim,
@@ -210,7 +243,8 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
 
 def predict_for_trainer(model, args):
     """The ledger of the run a Trainer is about to start, or None for a model it cannot read
-    (not a nanosft CausalLM, or prompt tuning). T is SFTConfig.max_length, else the context size.
+    (not a nanosft CausalLM, prompt tuning, a family not modelled, NF4 experts). T is
+    SFTConfig.max_length, else the context size.
     Mirrors: nothing in transformers, which predicts no memory"""
     from nanosft.model import ModelConfig
 
@@ -219,6 +253,9 @@ def predict_for_trainer(model, args):
     config = getattr(base, "config", None)
     if (not isinstance(config, ModelConfig) or config.model_type in NOT_MODELLED
             or peft_config is not None and not hasattr(peft_config, "r")):
+        return None
+    # NF4 experts (families.nf4_experts.quantize_experts): the ledger counts experts in float
+    if any(type(m).__name__ == "NF4Experts" for m in base.modules()):
         return None
     if args.optim not in OPTIMIZERS:  # Lion, RMSprop, AdEMAMix, 32-bit bitsandbytes: not modelled
         return None

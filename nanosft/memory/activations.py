@@ -30,6 +30,23 @@ def _norm(saved, tag, N, C, rg, trainable, wd):
     return rg or trainable
 
 
+def _layer_norm(saved, tag, N, C, rg, trainable, x_bytes, fp32_copies):
+    """A LayerNorm's saves. nn.LayerNorm keeps its input and the (N,) mean and 1 / std;
+    Cohere's hand-written one (fp32, no bias) keeps the centred input and 1 / std, and, for its
+    weight's gradient, the normalised copy."""
+    if not (rg or trainable):
+        return False
+    if fp32_copies:
+        saved.add(f"{tag}.centred", N * C, 4)
+        saved.add(f"{tag}.rstd", N, 4)
+        if trainable:
+            saved.add(f"{tag}.normalized", N * C, 4)
+    else:
+        saved.add(f"{tag}.input", N * C, x_bytes)
+        saved.add(f"{tag}.mean_rstd", 2 * N, 4)
+    return True
+
+
 def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
     """Saves of one (LoRA) linear on input `x_name`; returns whether its output needs grad."""
     N, plan, ad, wd = ctx["N"], ctx["plan"], ctx["ad"], ctx["wd"]
@@ -152,8 +169,11 @@ def head_saved_bytes(config, plan):
     saved = _Saved()
     if plan.full:
         saved.add("embed_tokens.input_ids", N, 8)
-    _norm(saved, "norm", N, C, True, plan.full, wd)
-    if plan.full:
+    if config.model_type in ("cohere2", "gpt_neox"):  # a LayerNorm (Cohere's: fp32 copies)
+        _layer_norm(saved, "norm", N, C, True, plan.full, wd, config.model_type == "cohere2")
+    else:
+        _norm(saved, "norm", N, C, True, plan.full, wd)
+    if plan.full:  # (Cohere 2: h times logit_scale, a new tensor of the same size)
         saved.add("lm_head.input", N * C, ad or wd)
     if ad and ad != wd:
         saved.add("lm_head.weight_cast", V * C, ad)

@@ -22,6 +22,12 @@ ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 # those with Gemma's two extra norms around the feed-forward block.
 QK_NORM_TYPES = ("qwen3", "gemma3_text")
 FFN_NORM_TYPES = ("gemma3_text",)
+# GPT-NeoX's own names: the fused query_key_value, the output `dense`, the gelu MLP's two
+NEOX_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+ATTN_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
+MOE_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
+# the parameters LoRA may target in an MoE layer (peft target_parameters), under mlp.
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj", "gate.weight", "router.weight")
 
 
 def _fail(field, value, fix):
@@ -40,6 +46,8 @@ class MemoryPlan:
     use_dora: bool = False
     r: int = 8
     target_modules: list | str | None = None  # None -> peft's default for the model type
+    # peft's target_parameters (LoRA on the 3-D experts, the router): names, or {name: rank}
+    target_parameters: list | dict | None = None
     dtype: str = "float32"  # base weights as loaded (from_pretrained dtype)
     per_device_train_batch_size: int = 8
     max_length: int = 1024
@@ -69,10 +77,108 @@ class MemoryPlan:
 
 
 def layer_linears(config):
-    """Short names of one decoder layer's linears: Llama's seven, or Phi-3's four (fused)."""
+    """Short names of the decoder layers' linears: Llama's seven, Phi-3's four (fused), GPT-NeoX's
+    four; an MoE model's attention four plus the SwiGLU three where a dense MLP or shared experts
+    exist (the 3-D experts and the router are parameters, not linears)."""
     if config.model_type in FUSED_TYPES:
         return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    if config.model_type == "gpt_neox":
+        return NEOX_LINEARS
+    if config.model_type == "qwen3_moe":
+        dense = any(not config.is_sparse(i) for i in range(config.num_hidden_layers))
+        return LAYER_LINEARS if dense else ATTN_ONLY
+    if config.model_type == "glm4_moe":
+        dense = config.first_k_dense_replace > 0 or config.n_shared_experts > 0
+        return LAYER_LINEARS if dense else ATTN_ONLY
+    if config.model_type == "gpt_oss":
+        return ATTN_ONLY
     return LAYER_LINEARS
+
+
+def is_moe_layer(config, i):
+    """Whether decoder layer i has routed experts (the families' own rule)."""
+    if config.model_type == "qwen3_moe":
+        return config.is_sparse(i)
+    if config.model_type == "glm4_moe":
+        return i >= config.first_k_dense_replace
+    return config.model_type == "gpt_oss"
+
+
+def expert_size(config):
+    """Each routed expert's intermediate size: gpt-oss's intermediate_size, else
+    moe_intermediate_size."""
+    if config.model_type == "gpt_oss":
+        return config.intermediate_size
+    return config.moe_intermediate_size
+
+
+def _swiglu(p, C, I, bias=False):
+    shapes = [(p + "gate_proj.weight", (I, C)), (p + "up_proj.weight", (I, C)),
+              (p + "down_proj.weight", (C, I))]
+    if bias:
+        shapes += [(p + "gate_proj.bias", (I,)), (p + "up_proj.bias", (I,)),
+                   (p + "down_proj.bias", (C,))]
+    return shapes
+
+
+def _family_layer_shapes(config, i):
+    """One layer's (name, shape) for OLMo 3, Cohere 2, GPT-NeoX and the MoE families.
+    Mirrors: transformers Olmo3DecoderLayer, Cohere2DecoderLayer, GPTNeoXLayer,
+    Qwen3MoeDecoderLayer, Glm4MoeDecoderLayer, GptOssDecoderLayer"""
+    C, I = config.hidden_size, config.intermediate_size
+    H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    t = config.model_type
+    if t == "gpt_neox":
+        p, b = f"gpt_neox.layers.{i}.", config.attention_bias
+        norms = ("input_layernorm", "post_attention_layernorm")
+        shapes = [(p + n + leaf, (C,)) for leaf in (".weight", ".bias") for n in norms]
+        shapes += [(p + "attention.query_key_value.weight", (3 * C, C)),
+                   (p + "attention.dense.weight", (C, C)),
+                   (p + "mlp.dense_h_to_4h.weight", (I, C)), (p + "mlp.dense_h_to_4h.bias", (I,)),
+                   (p + "mlp.dense_4h_to_h.weight", (C, I)), (p + "mlp.dense_4h_to_h.bias", (C,))]
+        if b:
+            shapes += [(p + "attention.query_key_value.bias", (3 * C,)),
+                       (p + "attention.dense.bias", (C,))]
+        return shapes
+    p = f"model.layers.{i}."
+    a, bias = p + "self_attn.", config.attention_bias
+    shapes = [(a + "q_proj.weight", (H * D, C)), (a + "k_proj.weight", (KV * D, C)),
+              (a + "v_proj.weight", (KV * D, C)), (a + "o_proj.weight", (C, H * D))]
+    if bias:
+        shapes += [(a + "q_proj.bias", (H * D,)), (a + "k_proj.bias", (KV * D,)),
+                   (a + "v_proj.bias", (KV * D,))]
+        if t != "glm4_moe":  # GLM's o_proj has no bias
+            shapes.append((a + "o_proj.bias", (C,)))
+    if t == "olmo3":  # norms over the whole projections, on the sublayer outputs
+        shapes += [(a + "q_norm.weight", (H * D,)), (a + "k_norm.weight", (KV * D,)),
+                   (p + "post_attention_layernorm.weight", (C,)),
+                   (p + "post_feedforward_layernorm.weight", (C,))]
+        return shapes + _swiglu(p + "mlp.", C, I, config.mlp_bias)
+    shapes.append((p + "input_layernorm.weight", (C,)))
+    if t == "cohere2":  # one LayerNorm feeds attention and MLP side by side
+        return shapes + _swiglu(p + "mlp.", C, I, config.mlp_bias)
+    shapes.append((p + "post_attention_layernorm.weight", (C,)))
+    if t == "qwen3_moe" or t == "glm4_moe" and config.use_qk_norm:
+        shapes += [(a + "q_norm.weight", (D,)), (a + "k_norm.weight", (D,))]
+    if t == "gpt_oss":
+        shapes.append((a + "sinks", (H,)))
+    if not is_moe_layer(config, i):
+        return shapes + _swiglu(p + "mlp.", C, I)
+    E, Ie, m = config.num_experts, expert_size(config), p + "mlp."
+    if t == "gpt_oss":  # transposed (E, in, out), with biases; the router has a bias
+        return shapes + [(m + "router.weight", (E, C)), (m + "router.bias", (E,)),
+                         (m + "experts.gate_up_proj", (E, C, 2 * Ie)),
+                         (m + "experts.gate_up_proj_bias", (E, 2 * Ie)),
+                         (m + "experts.down_proj", (E, Ie, C)),
+                         (m + "experts.down_proj_bias", (E, C))]
+    shapes += [(m + "gate.weight", (E, C)), (m + "experts.gate_up_proj", (E, 2 * Ie, C)),
+               (m + "experts.down_proj", (E, C, Ie))]
+    if t == "glm4_moe":
+        shapes += _swiglu(m + "shared_experts.", C, Ie * config.n_shared_experts)
+    return shapes
+
+
+FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox") + MOE_TYPES
 
 
 def parameter_shapes(config):
@@ -86,6 +192,20 @@ def parameter_shapes(config):
            "up_proj": I, "down_proj": C, "qkv_proj": (H + 2 * KV) * D, "gate_up_proj": 2 * I}
     inp = {"q_proj": C, "k_proj": C, "v_proj": C, "o_proj": H * D, "gate_proj": C, "up_proj": C,
            "down_proj": I, "qkv_proj": C, "gate_up_proj": C}
+    if config.model_type in FAMILY_SHAPE_TYPES:
+        top = "gpt_neox." if config.model_type == "gpt_neox" else "model."
+        shapes = [(top + ("embed_in" if top == "gpt_neox." else "embed_tokens") + ".weight",
+                   (V, C))]
+        for i in range(config.num_hidden_layers):
+            shapes += _family_layer_shapes(config, i)
+        if config.model_type == "gpt_neox":
+            shapes += [("gpt_neox.final_layer_norm.weight", (C,)),
+                       ("gpt_neox.final_layer_norm.bias", (C,))]
+        else:
+            shapes.append(("model.norm.weight", (C,)))
+        if not config.tie_word_embeddings:
+            shapes.append(("lm_head.weight", (V, C)))
+        return shapes
     shapes = [("model.embed_tokens.weight", (V, C))]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -108,25 +228,54 @@ def parameter_shapes(config):
     return shapes
 
 
-def lora_targets(config, plan):
-    """Short names of the layer linears LoRA wraps: target_modules, "all-linear", or peft's default.
-    Mirrors: peft check_target_module_exists (list: suffix match, str: regex)"""
+def _resolved_target(config, plan):
+    """(target_modules as peft matches them, {targeted parameter: rank}) after the rewrite peft
+    applies to Qwen3-MoE / GLM-4-MoE configs (expert and router names -> target_parameters)."""
+    from types import SimpleNamespace
+
+    from nanosft.families.expert_lora import moe_target_conversion
     from nanosft.peft import DEFAULT_TARGET_MODULES
 
-    if plan.full:
-        return set()
-    linears = layer_linears(config)
     target = plan.target_modules
     if target is None:
         if config.model_type not in DEFAULT_TARGET_MODULES:
             _fail("target_modules", None, f"there is no default for model_type="
                   f"{config.model_type!r}; set target_modules (e.g. all-linear)")
         target = DEFAULT_TARGET_MODULES[config.model_type]
+    given = plan.target_parameters or {}
+    given = given if isinstance(given, dict) else {name: plan.r for name in given}
+    lora = SimpleNamespace(target_modules=target, target_parameters=None, rank_pattern={},
+                           alpha_pattern={}, r=plan.r, lora_alpha=plan.r)
+    moe_target_conversion(lora, config.model_type, layer_linears(config))
+    ranks = {name: plan.r * (2 if name == "gate_up_proj" and lora.rank_pattern else 1)
+             for name in lora.target_parameters or []}
+    for name, rank in given.items():  # "gate_up_proj", "experts.down_proj", "mlp.gate.weight"
+        for leaf in EXPERT_PARAMETERS:
+            if leaf == name or leaf.endswith("." + name) or name.endswith("." + leaf):
+                ranks[leaf.removeprefix("experts.")] = rank
+    return lora.target_modules, ranks
+
+
+def lora_targets(config, plan):
+    """Short names of the layer linears LoRA wraps: target_modules, "all-linear", or peft's default.
+    Mirrors: peft check_target_module_exists (list: suffix match, str: regex)"""
+    if plan.full:
+        return set()
+    linears = layer_linears(config)
+    target, _ = _resolved_target(config, plan)
     if isinstance(target, str) and target.lower() == "all-linear":
         return set(linears)
     if isinstance(target, str):
         return {lin for lin in linears if re.fullmatch(target, f"model.layers.0.x.{lin}")}
     return {lin for lin in linears if any(t == lin or t.endswith("." + lin) for t in target)}
+
+
+def parameter_targets(config, plan):
+    """{parameter: LoRA rank} of the parameters peft wraps (ParamWrapper): for Qwen3-MoE and
+    GLM-4-MoE the experts' gate_up_proj (rank doubled: gate and up fused) and down_proj, and the
+    router's gate.weight, as peft rewrites their target_modules. Mirrors: peft
+    _convert_peft_config_moe"""
+    return {} if plan.full else _resolved_target(config, plan)[1]
 
 
 def nf4_quantizable(shape, device_type):

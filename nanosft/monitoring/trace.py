@@ -5,15 +5,17 @@
 get_batch_samples -> training_step -> compute_loss (SFTTrainer's: TRL's loss and token metrics) ->
 PeftModelForCausalLM.forward -> Linear4bit.forward (LoRA) -> backward -> do_sync_step ->
 optimizer.step -> lr_scheduler.step -> zero_grad -> global_step += 1, each line tagged with its
-section. Library code is untouched: `attach` wraps methods of this one trainer instance and puts
-forward hooks on this one model, and takes them all off after the first optimizer step.
+section. Library code is untouched and no method is replaced (a debugger's `s` at the loop's
+`self.training_step(...)` lands in training_step): `attach` adds one callback, which reads the
+loop's events (on_train_begin, on_step_begin, on_substep_end, on_pre_optimizer_step, on_step_end)
+and puts forward hooks on this one model, post-accumulate-grad hooks on its trainable parameters
+and a step pre-hook on its optimizer; all come off after the first optimizer step. The set-up lines
+print at on_train_begin, the loop's first event, so after the "***** Running training *****" banner.
 """
-
-import functools
 
 import torch
 
-from nanosft.reference import reference_mode_enabled, set_reference_mode, start_reference_mode
+from nanosft.reference import set_reference_mode, start_reference_mode
 from nanosft.trainer_callback import TrainerCallback
 
 # Every printed line of walkthrough 1 and 2.1-2.7 that nanosft mirrors, as (section, module,
@@ -115,126 +117,94 @@ def _first_lora_layer(model):
     return next((m for m in model.modules() if hasattr(m, "lora_A") and len(m.lora_A)), None)
 
 
-class _TrainerTrace:
-    """The instance wrappers and hooks of one traced `trainer.train()`; `detach()` removes them."""
+class _TrainerTrace(TrainerCallback):
+    """The trace of one `trainer.train()`, read through the loop's callback events, forward hooks
+    on the model, post-accumulate-grad hooks on its trainable parameters and a step pre-hook on
+    the optimizer; no method of the trainer, model, optimizer or scheduler is replaced, so `s` at
+    the loop's `self.training_step(...)` lands in training_step. `detach()` removes it all after
+    the first optimizer step (or at on_train_end, when training ends before one)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.wrapped = []
         self.hooks = []
-        self.micro_step = -1
-        self.steps_in_epoch = None
+        self.micro_step = -1  # the loop's `step`: micro-batches since train() began
+        self.window = []  # the micro-batches of this update step (on_step_begin's batch_samples)
+        self.index = -1  # `i` of `for i, inputs in enumerate(batch_samples)`
+        self.num_batches = None  # what get_batch_samples was asked for
+        self.steps_in_epoch = self.per_epoch = None  # micro-batches, update steps per epoch
         self.forwards = 0
         self.in_forward = False
+        self.fused = False
+        self.num_items_in_batch = None
+        self.grad_norms = {}  # id(param) -> norm of its .grad after its latest accumulation
+        self.scheduler_steps = None
         self.done = False
-        self.callback = None
 
-    # ----- plumbing: wrap a bound method of one instance, put it back later -----
-    def wrap(self, owner, name, before=None, after=None):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if before is not None and not self.done:
-                before(*args, **kwargs)
-            result = original(*args, **kwargs)
-            if after is not None and not self.done:
-                after(result, *args, **kwargs)
-            return result
-
-        had_own = name in vars(owner)
-        self.wrapped.append((owner, name, original if had_own else None))
-        setattr(owner, name, wrapper)
+    def remove_hooks(self):
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def detach(self):
         self.done = True
-        for owner, name, original in reversed(self.wrapped):
-            if original is None:
-                delattr(owner, name)  # the class method shows through again
-            else:
-                setattr(owner, name, original)
-        for hook in self.hooks:
-            hook.remove()
-        self.wrapped, self.hooks = [], []
+        self.remove_hooks()
         handler = self.trainer.callback_handler  # a new list: call_event may be iterating the old
-        handler.callbacks = [cb for cb in handler.callbacks if cb is not self.callback]
+        handler.callbacks = [cb for cb in handler.callbacks if cb is not self]
 
-    # ----- walkthrough 2.2 / 2.3: the loop around the micro-batches -----
-    def install(self):
+    # ----- walkthrough 2.2 / 2.3: the set-up, read at on_train_begin (after the banner) -----
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         t = self.trainer
-        self.wrap(t, "train", before=lambda *a, **k: trace(
-            "2.2", "Trainer.train()  -> _inner_training_loop"))
-        self.wrap(t, "_inner_training_loop", before=lambda *a, **k: trace(
-            "2.3", "_inner_training_loop()"))
-        self.wrap(t, "get_train_dataloader", after=self.on_dataloader)
-        self.wrap(t, "set_initial_training_values", after=self.on_initial_values)
-        self.wrap(t, "_prepare_for_training", after=lambda model, *a, **k: self.on_prepared(model))
-        self.wrap(t, "get_batch_samples",
-                  after=lambda result, *a, **k: self.on_batch_samples(result, a))
-        self.wrap(t, "training_step", before=self.on_training_step, after=self.on_training_step_end)
-        self.wrap(t, "compute_loss", before=self.on_compute_loss, after=self.on_loss)
-        self.wrap(t, "_clip_grad_norm", after=lambda norm, *a, **k: trace(
-            "2.3", "  do_sync_step: clip gradients", grad_norm=norm,
-            max_grad_norm=t.args.max_grad_norm))
-        self.callback = _StepEndCallback(self.on_step_end)
-        t.add_callback(self.callback)
-
-    def on_dataloader(self, dataloader, *args, **kwargs):
-        self.steps_in_epoch = len(dataloader)
+        self.remove_hooks()  # auto_find_batch_size restarted the loop: a new optimizer, hooks anew
+        trace("2.2", "Trainer.train()  -> _inner_training_loop")
+        trace("2.3", "_inner_training_loop()")
         trace("2.3", "train_dataloader = self.get_train_dataloader()",
-              micro_batches_per_epoch=len(dataloader),
-              per_device_train_batch_size=self.trainer.args.per_device_train_batch_size)
-
-    def on_initial_values(self, values, *args, **kwargs):
-        epochs, per_epoch, examples, _, total_batch, _, max_steps = values
+              micro_batches_per_epoch=len(train_dataloader),
+              per_device_train_batch_size=args.per_device_train_batch_size)
+        # a pure function of args and the dataloader: the numbers the loop got from it
+        epochs, per_epoch, examples, _, total_batch, steps_in_epoch, max_steps = (
+            t.set_initial_training_values(args, train_dataloader))
         trace("2.3", "Setting up training control variables", num_train_epochs=epochs,
               num_update_steps_per_epoch=per_epoch, max_steps=max_steps, num_examples=examples)
         trace("2.3", "total_train_batch_size = _train_batch_size * gradient_accumulation_steps * "
               "world_size", total_train_batch_size=total_batch)
-
-    def on_prepared(self, model):
-        t = self.trainer
+        self.steps_in_epoch, self.per_epoch = steps_in_epoch, per_epoch
         trace("2.3", "optimizer and lr_scheduler created", optimizer=type(t.optimizer).__name__,
-              lr_scheduler=t.args.lr_scheduler_type)
-        self.wrap(t.lr_scheduler, "step", before=lambda *a, **k: trace(
-            "2.3", "  self.lr_scheduler.step()  (only when the optimizer step was not skipped)"))
-        self.wrap(model, "zero_grad", before=lambda *a, **k: trace("2.3", "  model.zero_grad()"))
+              lr_scheduler=args.lr_scheduler_type)
         self.hooks.append(t.optimizer.register_step_pre_hook(
             lambda *a: trace("2.3", "  self.optimizer.step()", lr=t.lr_scheduler.get_last_lr()[0])))
-        self.install_model_hooks(model)
-        trace("2.3", "***** Running training ***** (banner below), then: for epoch in "
+        self.install_model_hooks(getattr(t, "model_wrapped", t.model))
+        trace("2.3", "***** Running training ***** (banner above), then: for epoch in "
               "range(num_train_epochs)")
+        trace("2.3", "  model.zero_grad()")
 
-    def on_batch_samples(self, result, args):
-        batch_samples, num_items_in_batch = result
-        asked = args[1] if len(args) > 1 else self.trainer.args.gradient_accumulation_steps
-        trace("2.3", "batch_samples, num_items_in_batch = self.get_batch_samples(epoch_iterator, "
-              "num_batches)", num_batches=asked, got=len(batch_samples),
-              num_items_in_batch=num_items_in_batch if num_items_in_batch is not None else "None")
+    def on_step_begin(self, args, state, control, batch_samples=None, **kwargs):
+        self.window, self.index = list(batch_samples or []), -1
+        # section 1's num_batches: gradient_accumulation_steps, the remainder in an epoch's last
+        update_step = state.global_step % self.per_epoch
+        remainder = self.steps_in_epoch % args.gradient_accumulation_steps
+        last = update_step == self.per_epoch - 1 and remainder
+        self.num_batches = remainder if last else args.gradient_accumulation_steps
 
-    # ----- walkthrough 2.4 / 2.5: one micro-batch -----
-    def on_training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+    # ----- walkthrough 2.4 / 2.5: one micro-batch, from the model's forward hooks -----
+    def on_micro_batch(self, model, kwargs):
+        """At the model's forward, called by compute_loss inside training_step."""
         self.micro_step += 1
+        self.index += 1
+        self.num_items_in_batch = kwargs.get("num_items_in_batch")
+        if self.index == 0:
+            trace("2.3", "batch_samples, num_items_in_batch = self.get_batch_samples("
+                  "epoch_iterator, num_batches)", num_batches=self.num_batches,
+                  got=len(self.window), num_items_in_batch=self._items())
+        inputs = self.window[self.index] if self.index < len(self.window) else {}
         shapes = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
         trace("2.4", "for i, inputs in enumerate(batch_samples): training_step(model, inputs, "
               "num_items_in_batch)",
               step=self.micro_step, **shapes)
-
-    def is_sft(self) -> bool:
-        """SFTTrainer (TRL's own loss and token metrics) rather than the plain Trainer."""
-        return hasattr(self.trainer, "_metrics")
-
-    def is_fused(self) -> bool:
-        """SFTTrainer taking the fused LM head (a speed path: off in reference mode)."""
-        return (self.is_sft() and self.trainer.args.label_smoothing_factor == 0
-                and not reference_mode_enabled())
-
-    def on_compute_loss(self, model, inputs, *args, **kwargs):
         owner = type(self.trainer).__name__
         trace("2.5", f"compute_loss -> outputs = model(**inputs)  ({owner}.compute_loss)",
-              model=type(model).__name__,
-              num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
-        if self.is_fused():
+              model=type(model).__name__, num_items_in_batch=self._items())
+        self.fused = bool(kwargs.get("fused_lm_head"))
+        if self.fused:
             trace("2.5", "  SFTTrainer.compute_loss overrides Trainer.compute_loss: "
                   "outputs = model(**inputs, fused_lm_head=True), per-token log p without the "
                   "(B, T, V) logits (speed path)")
@@ -242,47 +212,79 @@ class _TrainerTrace:
             trace("2.5", "  SFTTrainer.compute_loss -> Trainer.compute_loss (reference mode): "
                   'outputs = model(**inputs); loss = outputs["loss"]')
 
-    def on_loss(self, loss, *args, **kwargs):
-        value = loss[0] if isinstance(loss, tuple) else loss
-        if not self.is_fused():
+    def _items(self):
+        """num_items_in_batch as the model received it (None: the loss is the model's own mean)."""
+        return "None" if self.num_items_in_batch is None else self.num_items_in_batch
+
+    def is_sft(self) -> bool:
+        """SFTTrainer (TRL's own loss and token metrics) rather than the plain Trainer."""
+        return hasattr(self.trainer, "_metrics")
+
+    def on_outputs(self, outputs):
+        """At the model's forward hook: `outputs["loss"]`, the loss compute_loss returns."""
+        loss = _field(outputs, "loss")
+        if not self.fused:
             trace("2.5", 'loss = outputs["loss"]  (sum of token losses / num_items_in_batch)',
-                  loss=value)
+                  loss=loss)
         else:
             trace("2.5", "  loss = outputs.loss  (the model's -log_probs.sum() / "
-                  "num_items_in_batch; log p is zero on ignored positions)", loss=value,
-                  num_items_in_batch=kwargs.get("num_items_in_batch", "None"))
-        if not self.is_sft():
-            return
-        metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
-        if metrics.get("mean_token_accuracy"):
-            trace("2.5", "  token metrics of this micro-batch (logged as their mean)",
-                  entropy=metrics["entropy"][-1],
-                  mean_token_accuracy=metrics["mean_token_accuracy"][-1])
+                  "num_items_in_batch; log p is zero on ignored positions)", loss=loss,
+                  num_items_in_batch=self._items())
 
-    def on_training_step_end(self, loss, *args, **kwargs):
+    def after_micro_batch(self, args, do_sync_step):
+        """At on_substep_end / on_pre_optimizer_step: training_step has returned."""
         t = self.trainer
-        gradient_accumulation_steps = t.args.gradient_accumulation_steps
+        if self.is_sft():
+            metrics = t._metrics["train" if t.model.training else "eval"]
+            if metrics.get("mean_token_accuracy"):
+                trace("2.5", "  token metrics of this micro-batch (logged as their mean)",
+                      entropy=metrics["entropy"][-1],
+                      mean_token_accuracy=metrics["mean_token_accuracy"][-1])
         grads = [p.grad for p in t.model.parameters() if p.requires_grad and p.grad is not None]
-        trace("2.4", "loss.backward()  (accelerator.backward)", loss_returned=loss,
-              params_with_grad=len(grads))
-        step = self.micro_step
-        do_sync_step = ((step + 1) % gradient_accumulation_steps == 0
-                        or (self.steps_in_epoch is not None and step + 1 == self.steps_in_epoch))
+        trace("2.4", "loss.backward()  (accelerator.backward)", params_with_grad=len(grads))
         trace("2.3", "do_sync_step = (step + 1) % gradient_accumulation_steps == 0 or "
-              "(step + 1) == steps_in_epoch", step=step,
-              gradient_accumulation_steps=gradient_accumulation_steps,
+              "(step + 1) == steps_in_epoch", step=self.micro_step,
+              gradient_accumulation_steps=args.gradient_accumulation_steps,
               do_sync_step=do_sync_step)
 
-    def on_step_end(self, *args, **kwargs):
-        trace("2.3", "  self.state.global_step += 1", global_step=self.trainer.state.global_step)
+    # ----- walkthrough 2.3: the sync step -----
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.after_micro_batch(args, do_sync_step=False)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.after_micro_batch(args, do_sync_step=True)
+        # _clip_grad_norm's pre-clip norm, from the norms the gradient hooks saw before clipping
+        norm = torch.nn.utils.get_total_norm(list(self.grad_norms.values()))
+        if self.trainer.scaler is not None:
+            norm = norm / self.trainer.scaler.get_scale()  # fp16: the clip unscales first
+        # under DDP the hooks see this rank's gradients before the all-reduce
+        key = "grad_norm" if args.world_size == 1 else "this_rank_grad_norm_before_all_reduce"
+        trace("2.3", "  do_sync_step: clip gradients", **{key: norm},
+              max_grad_norm=args.max_grad_norm)
+
+    def on_optimizer_step(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.scheduler_steps = getattr(lr_scheduler, "last_epoch", None)
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        if getattr(lr_scheduler, "last_epoch", None) != self.scheduler_steps:
+            trace("2.3", "  self.lr_scheduler.step()  (only when the optimizer step was not "
+                  "skipped)")
+        trace("2.3", "  model.zero_grad()")
+        trace("2.3", "  self.state.global_step += 1", global_step=state.global_step)
         trace("1", "first optimizer step done; trace off (the loop goes on as above)")
         self.detach()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()  # training ended before an optimizer step
 
     # ----- walkthrough 2.6 / 2.7: inside the model, first forward only -----
     def install_model_hooks(self, model):
         inner = getattr(model, "module", model)  # DDP keeps the model in .module
         self.hooks.append(inner.register_forward_pre_hook(self.on_model_forward, with_kwargs=True))
         self.hooks.append(inner.register_forward_hook(self.on_model_output))
+        for param in inner.parameters():
+            if param.requires_grad:
+                self.hooks.append(param.register_post_accumulate_grad_hook(self.on_grad))
         lora = _first_lora_layer(inner)
         if lora is None:
             return
@@ -319,27 +321,35 @@ class _TrainerTrace:
             trace("2.7", message, **values)
 
     def on_model_forward(self, module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return  # an evaluation (eval_on_start), not a training step
         self.forwards += 1
         self.in_forward = True
+        self.on_micro_batch(module, kwargs)
         if self.forwards == 1:
             shapes = {k: v for k, v in kwargs.items() if torch.is_tensor(v)}
             trace("2.6", f"{type(module).__name__}.forward(**inputs) -> return "
                   "self.base_model(...)", **shapes)
 
     def on_model_output(self, module, args, output):
+        if not self.in_forward:
+            return
         self.in_forward = False
         if self.forwards == 1:
-            trace("2.6", f"{type(module).__name__}.forward returns", logits=output["logits"])
+            trace("2.6", f"{type(module).__name__}.forward returns",
+                  logits=_field(output, "logits"))
+        self.on_outputs(output)
+
+    def on_grad(self, param):
+        self.grad_norms[id(param)] = torch.linalg.vector_norm(param.grad.detach())
 
 
-class _StepEndCallback(TrainerCallback):
-    """Calls `on_step_end()` after the first optimizer step (the trace then detaches)."""
-
-    def __init__(self, on_step_end):
-        self.step_end = on_step_end
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_end()
+def _field(outputs, key):
+    """outputs[key] of a dict or CausalLMOutput; None for other outputs (a tuple)."""
+    try:
+        return outputs[key]
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return None
 
 
 def attach(trainer):
@@ -351,6 +361,6 @@ def attach(trainer):
     if not _enabled:
         return None
     handle = _TrainerTrace(trainer)
-    handle.install()
+    trainer.add_callback(handle)  # the rest is installed at on_train_begin
     trace("1", f"{type(trainer).__name__} ready (walkthrough 2.1 done); calling trainer.train()")
     return handle

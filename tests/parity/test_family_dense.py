@@ -7,11 +7,12 @@ the sliding layer, logit_scale 0.5, tied embeddings), GPT-NeoX with the parallel
 and without it (partial rotary 0.5). Compared: logits within 1e-5 both load directions (plain,
 left-padded, packed with position_ids, and nanosft's unpadded training forward; rows longer
 than the window); greedy generation with the KV cache token for token; quantize-while-loading
-bitwise equal to transformers + bitsandbytes; a LoRA on GPT-NeoX's fused query_key_value (peft's
-default target) trained by one library loading in the other; GPT-NeoX files keep transformers'
-`embed_out`; the older config.json spellings (Pythia's rotary_pct, OLMo's flat rope_theta) read
-as transformers reads them. Negative control: Cohere 2 with RoPE in its full layer changes the
-logits.
+bitwise equal to transformers + bitsandbytes (OLMo 3, Cohere 2, GPT-NeoX); a LoRA on GPT-NeoX's
+fused query_key_value (peft's default target) trained by one library loading in the other, and an
+all-linear LoRA on OLMo 3 and Cohere 2 the same way (peft's file keys, logits within 1e-6);
+GPT-NeoX files keep transformers' `embed_out`; the older config.json spellings (Pythia's
+rotary_pct, OLMo's flat rope_theta) read as transformers reads them. Negative control: Cohere 2
+with RoPE in its full layer changes the logits.
 Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_dense.py
 """
@@ -86,7 +87,7 @@ def test_negative_control_rope_in_cohere2_full_layers_changes_the_logits(tmp_pat
         assert (ours(x).logits - hf(x).logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["olmo3", "gpt_neox"])
+@pytest.mark.parametrize("name", ["olmo3", "cohere2", "gpt_neox"])
 def test_quantize_while_loading_is_bitwise_transformers(name, tmp_path):
     _, folder = hf_folder(name, tmp_path)
     assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))
@@ -100,6 +101,25 @@ def test_gpt_neox_lora_on_query_key_value_moves_both_ways(tmp_path):
     with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
         with safe_open(str(folder / "model.safetensors"), "pt") as g:
             assert sorted(f.keys()) == sorted(g.keys()) and "embed_out.weight" in f.keys()
+
+
+def adapter_keys(folder):
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+        return sorted(f.keys())
+
+
+@pytest.mark.parametrize("name", ["olmo3", "cohere2"])
+def test_all_linear_adapters_move_both_ways_with_peft_keys(name, tmp_path):
+    """all-linear LoRA (q/k/v/o and gate/up/down_proj; OLMo 3's q/k norms and Cohere 2's
+    LayerNorm carry none): the file nanosft writes holds peft's keys, and each library's trained
+    adapter gives the other's fp32 logits within 1e-6."""
+    hf, folder = hf_folder(name, tmp_path)
+    x = torch.randint(3, V, (2, 12))
+    diff = assert_adapters_move_both_ways(hf, folder, tmp_path, x, "all-linear", name)
+    assert diff <= 1e-6
+    keys = adapter_keys(tmp_path / "ours_adapter")
+    assert keys == adapter_keys(tmp_path / "peft_adapter")
+    assert len(keys) == 2 * 2 * 7  # 2 layers x 7 linears x (lora_A, lora_B)
 
 
 def test_older_config_spellings_read_as_transformers_reads_them():

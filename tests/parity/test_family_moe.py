@@ -17,7 +17,10 @@ library load in the other, merge_and_unload keeps the logits; rank_pattern / alp
 modules as peft. Negative controls: dropping the renormalisation, and disabling the expert
 adapters, change the logits. GLM-4-MoE (sigmoid router whose correction bias picks the experts
 within the best of 2 groups, routed_scaling_factor 2.5, shared experts, a dense first layer,
-partial RoPE, q/k norms): logits both ways, generation, NF4 load bitwise, all-linear LoRA as peft.
+partial RoPE, q/k norms): logits both ways, generation, NF4 load bitwise, all-linear LoRA as peft;
+loaded in bf16 or fp16, the correction bias stays fp32 with transformers' bits and the bf16 logits
+equal transformers' (eager experts) bit for bit; negative control: the bias read through bf16
+flips a token's expert group.
 gpt-oss (attention sinks, sliding and full layers, YaRN, biased router, transposed interleaved
 experts with the clamped SwiGLU): logits both ways, aux loss, generation, LoRA on the transposed
 experts as peft, NF4 load bitwise; negative controls: without sinks, without the clamp.
@@ -34,6 +37,7 @@ from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, save_random)
 
+from nanosft.families.glm4_moe import Glm4MoeForCausalLM
 from nanosft.families.moe import load_balancing_loss
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
@@ -294,6 +298,62 @@ def test_glm4_moe_all_linear_lora_equals_peft(tmp_path):
     random_adapters(ref, ours)
     x = torch.randint(3, V, (2, 12))
     torch.testing.assert_close(ours(x).logits, ref(x).logits, **TOL)
+
+
+def fp32_bias_flipped_by_bf16(folder, x):
+    """A correction bias whose last fp32 bits decide token 0's expert group: the router's sigmoid
+    scores of x under bf16 loading give the gap between group 1 (experts 2, 3) and group 0; expert
+    0's bias lands just across that gap from its nearest bfloat16 value, so the fp32 bias picks
+    one group and its bf16 copy the other (each by > 1e-5, far above fp32 rounding)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    seen = []
+    hf.model.layers[1].mlp.gate.register_forward_hook(lambda m, i, out: seen.append(out[0]))
+    with torch.no_grad():
+        hf(x)
+    s = seen[0][0].sigmoid()  # token 0's scores (E,), fp32
+    gap = float(s[2] + s[3] - s[0] - s[1])  # group 0 wins iff its bias > gap
+    for step in range(1, 2000):
+        for b in (gap + step * 1e-5, gap - step * 1e-5):
+            rounded = float(torch.tensor(b).bfloat16())
+            if (b - gap) * (rounded - gap) < 0 and abs(rounded - gap) > 1e-5:
+                return torch.tensor([b, 0.0, 0.0, 0.0])
+    raise AssertionError("no bias flips the choice")
+
+
+def test_glm4_moe_correction_bias_stays_fp32_under_bf16_loading(tmp_path, monkeypatch):
+    """transformers keeps e_score_correction_bias in fp32 under dtype=bfloat16 or float16
+    (Glm4MoePreTrainedModel._keep_in_fp32_modules_strict): so does nanosft, read from the file in
+    fp32, every bit equal; bf16 logits bit for bit against transformers' eager experts (the
+    per-expert loop nanosft writes; its default grouped_mm rounds bf16 differently: printed).
+    Negative control: the bias read through bf16 flips token 0's group and moves its logits."""
+    hf, folder = save_random(transformers.Glm4MoeConfig(**GLM), tmp_path)
+    x = torch.randint(3, V, (2, 40))
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(fp32_bias_flipped_by_bf16(
+            folder, x))
+    hf.save_pretrained(folder)
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    for dtype in (torch.float16, torch.bfloat16):
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        ours = CausalLM.from_pretrained(folder, dtype=dtype)
+        want, got = ref.state_dict()[key], ours.state_dict()[key]
+        assert want.dtype == got.dtype == torch.float32
+        assert torch.equal(got, want) and torch.equal(got, hf.state_dict()[key])
+        assert ours.state_dict()["model.layers.1.mlp.gate.weight"].dtype == dtype
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, experts_implementation="eager").eval()
+    grouped = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, got = ref(x).logits, ours.eval()(x).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        grouped_diff = (grouped.eval()(x).logits - got).abs().max().item()
+        monkeypatch.setattr(Glm4MoeForCausalLM, "_keep_in_fp32_modules_strict", [])
+        rounded = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+        assert not torch.equal(rounded.state_dict()[key], want_bias := hf.state_dict()[key])
+        assert rounded.state_dict()[key].dtype == want_bias.dtype  # a buffer keeps its dtype
+        assert (rounded(x).logits[0, 0] - want[0, 0]).abs().max() > 1e-2
+    print(f"\n[glm4_moe] bf16 logits: {(got - want).abs().max():.1e} vs eager experts, "
+          f"{grouped_diff:.2e} vs grouped_mm")
 
 
 OSS = {**BASE, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
