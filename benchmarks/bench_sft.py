@@ -585,9 +585,9 @@ def run_reference(fx, case, workdir, attn_implementation="sdpa"):
     )
 
 
-def run_nanosft(fx, case, workdir):
+def run_nanosft(fx, case, workdir, callbacks=()):
     """nanosft Trainer (full) or nanosft SFTTrainer + LoRA / DoRA / QLoRA
-    (nanosft.nf4 over bitsandbytes)."""
+    (nanosft.nf4 over bitsandbytes); `callbacks`: extra nanosft TrainerCallbacks."""
     from nanosft.args import SFTConfig, TrainingArguments
     from nanosft.collator import DataCollatorForLanguageModeling
     from nanosft.peft import LoraConfig
@@ -605,6 +605,7 @@ def run_nanosft(fx, case, workdir):
             TrainingArguments(**kwargs),
             train_dataset=rows,
             data_collator=DataCollatorForLanguageModeling(pad_token_id=PAD_ID),
+            callbacks=list(callbacks),
         )
     else:
         peft_config = LoraConfig(
@@ -621,6 +622,7 @@ def run_nanosft(fx, case, workdir):
             train_dataset=rows,
             processing_class=Tokenizer.from_pretrained(fx.tokenizer_dir),
             peft_config=peft_config,
+            callbacks=list(callbacks),
         )
     return measure(
         lambda: (trainer.train(), _logged_losses(trainer.state.log_history))[1],
@@ -1228,6 +1230,65 @@ def profile(fx, case, stack, workdir, top=25):
     return run
 
 
+def _op_cpu_timer():
+    """A TorchDispatchMode adding up the calling thread's CPU time per aten op (backward included:
+    on CPU autograd runs on the caller's thread). Thread CPU time does not count the time a
+    process waits for a core, which wall-clock profiles of a shared machine are full of."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCpuTimes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}  # op -> [CPU ms, calls]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            start = time.thread_time_ns()
+            out = func(*args, **(kwargs or {}))
+            entry = self.ops.setdefault(str(func.overloadpacket), [0.0, 0])
+            entry[0] += (time.thread_time_ns() - start) / 1e6
+            entry[1] += 1
+            return out
+
+    return OpCpuTimes()
+
+
+def profile_ops(fx, case, workdir, step=None, top=25, log=print):
+    """nanosft on `case`, one thread: the CPU time of each aten op over one optimizer step (the
+    first timed one unless `step`), ranked. Returns (the step's CPU ms, {op: [CPU ms, calls]}).
+    What --profile cannot give on a shared machine: there a 0.1 ms op read 10-17 ms, OpenMP
+    threads waiting for a descheduled sibling. Time outside aten ops (Python, bitsandbytes' ctypes
+    kernels) is the step's CPU time minus the ops' sum."""
+    from nanosft.trainer_callback import TrainerCallback
+
+    step = fx.opts.warmup if step is None else step
+    timer, seen = _op_cpu_timer(), {}
+
+    class OneStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                seen["start"] = time.thread_time_ns()
+                timer.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if "start" in seen and "ms" not in seen:
+                timer.__exit__(None, None, None)
+                seen["ms"] = (time.thread_time_ns() - seen["start"]) / 1e6
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_nanosft(fx, case, workdir, callbacks=[OneStep()])
+    finally:
+        torch.set_num_threads(threads)
+    ops = timer.ops
+    total = sum(ms for ms, _ in ops.values())
+    log(f"nano {case.name}, optimizer step {step}, one thread: {seen['ms']:.0f} CPU ms, "
+        f"aten ops {total:.0f} ms, outside them {seen['ms'] - total:.0f} ms")
+    for name, (ms, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
+        log(f"  {name:58s} {ms:9.1f} ms {100 * ms / seen['ms']:5.1f} % {calls:6d} calls")
+    return seen["ms"], ops
+
+
 def parse_args(argv=None):
     """The command line (see the module docstring for a run)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1259,6 +1320,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--profile", default=None, help="STACK:CASE, e.g. nano:lora or ref:full; prints top ops"
     )
+    p.add_argument(
+        "--profile-ops", default=None,
+        help="CASE, e.g. qlora+bf16w: nanosft's CPU time per aten op over one step, one thread "
+             "(for a shared machine; with --real and --real-layers for the real widths)")
     p.add_argument(
         "--stacks", default=None, help="run only these stacks: ref,nano,bare-hf,bare-nano"
     )
@@ -1304,7 +1369,15 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     info_before = machine_info()
+    if args.real_layers:
+        SIZES[REAL_SIZE] = {**SIZES[REAL_SIZE], "num_hidden_layers": args.real_layers}
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as workdir:
+        if args.profile_ops:
+            known = build_cases(MODES, EXTRAS) + real_cases()
+            case = next(c for c in known if c.name == args.profile_ops)
+            profile_ops(Fixture(REAL_SIZE if args.real else sizes[-1], opts, workdir), case,
+                        workdir)
+            return
         if args.profile:
             stack, case_name = args.profile.split(":")
             known = build_cases(MODES, EXTRAS) + real_cases()
@@ -1324,8 +1397,6 @@ def main(argv=None):
             modes = [m for m in args.real_modes.split(",") if m]
             only = set(args.stacks.split(",")) if args.stacks else None
             dtypes = tuple(d for d in args.real_dtypes.split(",") if d)
-            if args.real_layers:
-                SIZES[REAL_SIZE] = {**SIZES[REAL_SIZE], "num_hidden_layers": args.real_layers}
             dequantize = []
 
             def report_real(results, calibration, fx, final=False):

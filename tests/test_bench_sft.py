@@ -173,3 +173,25 @@ def test_dequantize_per_call_compares_the_same_bits_with_bitsandbytes_direct():
     lines = bench.dequantize_lines(Fx(), ["fp32", "bf16"], calls=3)
     assert len(lines) == 2 and all("same bits: yes" in line for line in lines)
     assert lines[0].startswith("- fp32, (128, 64): nanosft ")
+
+
+def test_profile_ops_times_the_aten_ops_of_exactly_one_optimizer_step(tmp_path, monkeypatch):
+    """--profile-ops: nanosft's bf16 QLoRA step on one thread, per-op CPU time. The ops counted
+    are one optimizer step's: one fused AdamW call, one embedding lookup per micro-batch (2), the
+    4-bit layers' bf16 products among the matmuls; their times add up to no more than the step's
+    CPU time, and the thread count is restored. No time is asserted against a number."""
+    monkeypatch.setitem(bench.SIZES, "tiny64", {"hidden_size": 64, "intermediate_size": 128,
+                                               "num_hidden_layers": 1, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "vocab_size": VOCAB})
+    opts = bench.Options(steps=1, warmup=1, batch_size=2, grad_accum=2)
+    fx = bench.Fixture("tiny64", opts, str(tmp_path))
+    case = bench.Case("qlora", bf16=True, weights_bf16=True)
+    threads = torch.get_num_threads()
+    lines = []
+    step_ms, ops = bench.profile_ops(fx, case, str(tmp_path), log=lines.append)
+    assert torch.get_num_threads() == threads
+    assert ops["aten._fused_adamw_"][1] == 1
+    assert ops["aten.embedding"][1] == 2
+    assert ops["aten.mm"][1] > 0
+    assert 0 < sum(ms for ms, _ in ops.values()) <= step_ms
+    assert lines[0].startswith("nano qlora+bf16w, optimizer step 1, one thread")

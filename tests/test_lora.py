@@ -513,3 +513,58 @@ def test_speed_path_under_bf16_autocast_equals_reference_mode_bit_for_bit(kind, 
                         layer.lora_B["default"].weight.grad])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **EXACT)
+
+
+@pytest.mark.parametrize("kind", ["float", "4bit"])
+@pytest.mark.parametrize("alpha", [2 * R, 6])  # scaling 2 (folded into the add) and 1.5
+def test_bf16_recipe_adds_the_adapter_into_its_own_product_bit_for_bit(kind, alpha):
+    """TRL's bf16 QLoRA recipe (a bf16 base output, bf16 adapters, bf16 autocast): the speed
+    path writes result + s * B(A x) over B's fresh (..., out) product, so a forward makes two
+    (..., out) tensors (the base output and that product), not three as the walkthrough's
+    clone-free sum would; output, x's gradient and the adapter gradients equal reference mode's
+    bit for bit. Negative control: reference mode makes more (its clone and the sum)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanosft.reference import reference_mode
+
+    class FreshOutputs(TorchDispatchMode):
+        """Counts op results of shape (..., OUT) in storage none of the op's inputs hold."""
+
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [a for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)]
+            held = {a.untyped_storage().data_ptr() for a in inputs}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if (isinstance(t, torch.Tensor) and t.shape[-1:] == (OUT,) and t.dim() > 1
+                        and t.untyped_storage().data_ptr() not in held):
+                    self.count += 1
+            return out
+
+    torch.manual_seed(0)
+    base = nn.Linear(IN, OUT).to(torch.bfloat16)
+    if kind == "4bit":
+        base = Linear4bit.from_linear(base, compute_dtype=torch.bfloat16)
+    layer = LoraLinear(base.requires_grad_(False), r=R, lora_alpha=alpha)
+    randomize_B(layer)
+    layer.lora_A.to(torch.bfloat16), layer.lora_B.to(torch.bfloat16)
+    x0, g = torch.randn(2, 5, IN, dtype=torch.bfloat16), torch.randn(2, 5, OUT)
+    results, counts = [], []
+    for reference in (True, False):
+        layer.zero_grad()
+        leaf = x0.clone().requires_grad_()
+        with reference_mode(reference), torch.autocast("cpu", dtype=torch.bfloat16):
+            x = leaf * 1
+            with FreshOutputs() as mode:
+                y = layer(x)
+        counts.append(mode.count)
+        assert y.dtype == torch.bfloat16
+        (y.float() * g).sum().backward()
+        results.append([y, leaf.grad, layer.lora_A["default"].weight.grad,
+                        layer.lora_B["default"].weight.grad])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **EXACT)
+    assert counts[1] == 2 and counts[0] > 2

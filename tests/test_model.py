@@ -377,14 +377,99 @@ def test_corrupt_safetensors_header_and_bad_shard_size(tmp_path, model):
         model.save_pretrained(tmp_path, max_shard_size="lots")
 
 
-def test_training_under_cpu_autocast_keeps_the_padded_path(model):
-    """Unpadding measured slower under CPU bf16 autocast (benchmarks/README.md), so there the
-    padded batch runs with its mask: pad positions get real (nonzero) logits, unlike the unpadded
-    fp32 training forward."""
-    x = torch.randint(3, 96, (2, 6))
-    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
-    model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        pads = model(x, attention_mask=mask).logits[1, 3:]
-    assert not (pads == 0).all()
-    assert (model(x, attention_mask=mask).logits[1, 3:] == 0).all()  # control: fp32 training unpads
+def _bf16_ulp(t):
+    # the spacing of bf16 values at |t|: 2^(exponent - 7), as tests/test_lora.py
+    return torch.ldexp(torch.ones_like(t, dtype=torch.float32),
+                       torch.frexp(t.float().abs().clamp(min=1e-30)).exponent - 8)
+
+
+def _float64_sdpa(self, q, k, v, mask=None, is_causal=False):
+    # softmax(q k^T) v in float64, rounded once to q's dtype: row for row the same numbers whether
+    # a row sits in a padded batch or in one packed row (a kernel's blocking depends on T)
+    with torch.autocast("cpu", enabled=False):
+        rep = q.shape[1] // k.shape[1]
+        q64, k64, v64 = q.double(), k.double().repeat_interleave(rep, 1), v.double()
+        scores = (q64 @ k64.transpose(-1, -2)) * self.scaling
+        T, S = scores.shape[-2:]
+        if is_causal:
+            mask = torch.ones(T, S, dtype=torch.bool).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1) @ v64.repeat_interleave(rep, 1)).to(q.dtype)
+
+
+def _bf16_qlora_model():
+    """TRL's bf16 QLoRA recipe on the tiny model: bf16 weights, NF4 computing in bf16, bf16
+    adapters (B random, so every adapter gradient is nonzero)."""
+    from nanosft.nf4 import quantize_model
+    from nanosft.peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = quantize_model(CausalLM(tiny_config()).to(torch.bfloat16),
+                           compute_dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+    return model.train()
+
+
+def test_training_under_cpu_bf16_autocast_unpads_and_equals_reference_mode(monkeypatch):
+    """Under CPU bf16 autocast a right-padded training batch runs unpadded too (1.6x a bf16 QLoRA
+    step at SmolLM2-135M's widths, CPU time). With one attention arithmetic for both layouts
+    (float64, rounded once), the logits at real positions and the loss equal reference mode's
+    (the padded batch with its mask) bit for bit: every other op works row by row. The adapter
+    gradients are within 1 bf16 ulp of each value, the bound tests/test_lora.py holds torch's own
+    bf16 GEMMs to: their sums over tokens see the real rows with and without pad rows between."""
+    from nanosft.model import Attention
+    from nanosft.reference import reference_mode
+
+    monkeypatch.setattr(Attention, "sdpa", _float64_sdpa)
+    model = _bf16_qlora_model()
+    x = torch.randint(3, 96, (3, 9))
+    mask = torch.tensor([[1] * 9, [1] * 5 + [0] * 4, [1] * 2 + [0] * 7])
+    labels = x.masked_fill(mask == 0, -100)
+    runs = {}
+    for reference in (True, False):
+        model.zero_grad()
+        with reference_mode(reference), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runs[reference] = out, grads
+    (fast, fast_grads), (ref, ref_grads) = runs[False], runs[True]
+    real = mask.bool()
+    assert (fast.logits[~real] == 0).all() and not (ref.logits[~real] == 0).all()  # unpadded
+    torch.testing.assert_close(fast.logits[real], ref.logits[real], rtol=0, atol=0)
+    torch.testing.assert_close(fast.loss, ref.loss, rtol=0, atol=0)
+    assert fast_grads.keys() == ref_grads.keys() and len(ref_grads) == 2 * 7 * 2
+    for name, g in ref_grads.items():
+        assert g.dtype == torch.bfloat16 and g.abs().max() > 0, name
+        assert ((fast_grads[name].float() - g.float()).abs() <= _bf16_ulp(g)).all(), name
+
+
+def test_bf16_attention_per_document_is_the_masked_attention_to_one_ulp():
+    """The one kernel whose numbers the unpadded layout changes: torch's bf16 SDPA over each
+    document (is_causal) against the padded batch under its dense mask, real positions within
+    1 bf16 ulp of each value (the kernel blocks by T); in fp32 within 1e-6."""
+    from nanosft.masking import build_attention_mask
+    from nanosft.model import Attention
+
+    attn = Attention(tiny_config())
+    lengths = [37, 20, 9]
+    pad = torch.tensor([[1] * n + [0] * (37 - n) for n in lengths])
+    dense_mask = build_attention_mask(pad, torch.arange(37)[None], 37, 0)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(3, h, 37, 16, generator=g).to(dtype) for h in (4, 2, 2))
+        dense = attn.sdpa(q, k, v, dense_mask)
+        for i, n in enumerate(lengths):
+            doc = attn.sdpa(q[i:i + 1, :, :n], k[i:i + 1, :, :n], v[i:i + 1, :, :n],
+                            is_causal=True)
+            want = dense[i:i + 1, :, :n]
+            if dtype == torch.bfloat16:
+                assert ((doc.float() - want.float()).abs() <= _bf16_ulp(want)).all()
+            else:
+                torch.testing.assert_close(doc, want, rtol=1e-6, atol=1e-6)

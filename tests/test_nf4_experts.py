@@ -9,7 +9,10 @@ gradient and the input gradient; only the experts the router chose are dequantiz
 bytes, measured, against the formula from shapes, and that formula on a Qwen3-30B-A3B layer
 against QLoRA's 4.127 bits a weight; GLM-4-MoE's logits the same way; backward keeps no float
 expert weight (against plain F.linear, which does). A short QLoRA SFT run with NF4 experts
-lowers the loss.
+lowers the loss. gpt-oss (transposed (E, in, out) experts with biases): each slice stored as
+bitsandbytes' round trip of its transpose, logits / loss / aux loss / bias and embedding gradients
+against the round-trip model (1e-6), LoRA on its transposed experts (target_parameters) with
+every gradient, the merge, save / reload in its own layout, and a gpt-oss-20b layer's bytes.
 Hermetic: tiny models built in-process, CPU, fixed seeds; `-s` prints the byte counts.
 Run: python -m pytest -q -s tests/test_nf4_experts.py
 """
@@ -24,7 +27,7 @@ from nanosft.args import SFTConfig
 from nanosft.io.auto import AutoModelForCausalLM
 from nanosft.families.expert_lora import ParamWrapper
 from nanosft.families.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
-from nanosft.families.gpt_oss import GptOssConfig, GptOssForCausalLM
+from nanosft.families.gpt_oss import GptOssConfig, GptOssExperts, GptOssForCausalLM
 from nanosft.families.moe import Experts, SparseMoeBlock
 from nanosft.families.nf4_experts import (NF4Experts, NF4ExpertWeight, dequantize_experts,
                                           experts_nbytes, nf4_nbytes, quantize_experts)
@@ -56,7 +59,8 @@ def round_trip(W):
 
 
 def round_trip_model(model):
-    """A copy of `model` whose every expert slice is replaced by its NF4 round trip (float)."""
+    """A copy of `model` whose every expert slice is replaced by its NF4 round trip (float);
+    gpt-oss's (in, out) slices round-trip as their (out, in) transpose."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for m in ref.modules():
@@ -64,6 +68,10 @@ def round_trip_model(model):
                 for W in (m.gate_up_proj, m.down_proj):
                     for e in range(len(W)):
                         W[e] = round_trip(W[e])
+            elif type(m) is GptOssExperts:
+                for W in (m.gate_up_proj, m.down_proj):
+                    for e in range(len(W)):
+                        W[e] = round_trip(W[e].T).T
     return ref
 
 
@@ -274,13 +282,6 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="before get_peft_model"):
         quantize_experts(get_peft_model(tiny_moe(), LoraConfig(
             r=2, target_modules=["q_proj"], target_parameters=["down_proj"])))
-    torch.manual_seed(0)
-    gpt_oss = GptOssForCausalLM(GptOssConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2))
-    with pytest.raises(ValueError, match="GptOssExperts.*do not call quantize_experts"):
-        quantize_experts(gpt_oss)
     with pytest.raises(ValueError, match="no MoE experts"):
         quantize_experts(tiny_moe(mlp_only_layers=[0, 1]))
 
@@ -342,3 +343,153 @@ def test_qlora_sft_with_nf4_experts_lowers_the_loss(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print(f"\nQLoRA SFT with NF4 experts, losses: {[round(v, 4) for v in losses]}")
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1
+
+
+# gpt-oss: experts held transposed, W[e] (in, out) read as x @ W[e], with float biases and the
+# clamped SwiGLU; each slice is quantized as W[e]^T (Linear4bit's (out, in) orientation)
+
+
+def tiny_gpt_oss(seed=0):
+    torch.manual_seed(seed)
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1))
+
+
+def test_gpt_oss_logits_loss_aux_and_bias_grads_equal_the_round_trip_model():
+    model = tiny_gpt_oss()
+    ref = round_trip_model(model)
+    quantize_experts(model)
+    experts = [m for m in model.modules() if isinstance(m, NF4Experts)]
+    assert len(experts) == 2 and not any(type(m) is GptOssExperts for m in model.modules())
+    refs = [m for m in ref.modules() if type(m) is GptOssExperts]
+    float_experts = [m for m in tiny_gpt_oss().modules() if type(m) is GptOssExperts]
+    for m, r, f in zip(experts, refs, float_experts):
+        # gate_up_proj (E, C, 2 I) = (4, 64, 128) is stored as four (2 I, C) = (128, 64) slices
+        assert m.nf4["gate_up_proj"].shape == (4, 128, 64) and m.is_transposed
+        assert m.gate_up_proj.shape == (4, 64, 128)  # the placeholder keeps the float layout
+        for e in range(4):
+            W = f.gate_up_proj[e].detach()
+            assert torch.equal(m.nf4["gate_up_proj"].dequantize(e), round_trip(W.T))
+            assert torch.equal(m.nf4["down_proj"].dequantize(e), r.down_proj[e].T)
+            # negative control: the stored (in, out) orientation quantizes other blocks (each of
+            # 32 gate and 32 up columns of one input row), so it decodes to other weights
+            assert not torch.equal(round_trip(W), round_trip(W.T).T)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):  # float, trainable, unchanged
+            b = getattr(m, name)
+            assert b.dtype == torch.float32 and b.requires_grad
+            assert torch.equal(b, getattr(r, name))
+    x = torch.randint(2, V, (2, 12))
+    mask = torch.ones_like(x)
+    mask[0, :4] = 0
+    got = model(x, attention_mask=mask, labels=x, output_router_logits=True)
+    want = ref(x, attention_mask=mask, labels=x, output_router_logits=True)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    got.loss.backward()
+    want.loss.backward()
+    for m, r in zip(experts, refs):
+        torch.testing.assert_close(m.gate_up_proj_bias.grad, r.gate_up_proj_bias.grad, **TOL)
+        torch.testing.assert_close(m.down_proj_bias.grad, r.down_proj_bias.grad, **TOL)
+        assert m.down_proj_bias.grad.abs().sum() > 0 and m.gate_up_proj.grad is None
+    torch.testing.assert_close(model.get_input_embeddings().weight.grad,
+                               ref.get_input_embeddings().weight.grad, **TOL)
+    # negative control: the float model is not what the NF4 model computes
+    with torch.no_grad():
+        assert (tiny_gpt_oss()(x).logits - got.logits).abs().max() > 1e-3
+
+
+def test_gpt_oss_lora_on_transposed_experts_equals_the_round_trip_model():
+    model = quantize_experts(tiny_gpt_oss())
+    ref = round_trip_model(tiny_gpt_oss())
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+              "target_parameters": ["gate_up_proj", "down_proj"]}
+    model = get_peft_model(model, LoraConfig(**config))
+    ref = get_peft_model(ref, LoraConfig(**config))
+    with torch.no_grad():
+        torch.manual_seed(3)
+        for (n, p), (n_ref, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+            assert n == n_ref
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.1)
+                p_ref.copy_(p)
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    assert len(wrappers) == 4 and all(w.is_transposed for w in wrappers)
+    assert {(w.parameter_name, w.in_features, w.out_features) for w in wrappers} == {
+        ("gate_up_proj", 64, 128), ("down_proj", 64, 64)}  # (in, out) read from (E, in, out)
+    x = torch.randint(2, V, (2, 12))
+    outs = {}
+    for m in (model, ref):
+        h = m.get_input_embeddings()(x).detach().requires_grad_()
+        out = m(inputs_embeds=h, labels=x)
+        out.loss.backward()
+        outs[m] = (out.logits.detach(), h.grad)
+    torch.testing.assert_close(outs[model][0], outs[ref][0], **TOL)
+    torch.testing.assert_close(outs[model][1], outs[ref][1], **TOL)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert sorted(grads) == sorted(ref_grads)
+    assert sum(".mlp.experts." in n for n in grads) == 8  # A, B x 2 parameters x 2 layers
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], **TOL, msg=n)
+    # merged straight onto the NF4 experts: the (E, in, out) delta is read as x @ D[e]
+    with torch.no_grad():
+        want = ref(x).logits
+        merged = model.merge_and_unload()
+        assert any(isinstance(m, NF4Experts) for m in merged.modules())
+        torch.testing.assert_close(merged(x).logits, want, rtol=0, atol=1e-5)
+
+
+def test_gpt_oss_saves_float_weights_in_its_layout_and_reloads(tmp_path):
+    model = quantize_experts(tiny_gpt_oss())
+    ref = round_trip_model(tiny_gpt_oss())
+    model.to(torch.float64)  # placeholders stay one value; the biases follow as any parameter
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.untyped_storage().nbytes() == 8
+    assert experts.gate_up_proj_bias.dtype == torch.float64
+    model.to(torch.float32)
+    state, want = model.state_dict(), ref.state_dict()
+    assert list(state) == list(want)  # the float model's keys, in its order
+    for key in want:
+        if ".experts." in key:
+            assert state[key].shape == want[key].shape  # (E, in, out) again
+            assert torch.equal(state[key], want[key]), key
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is GptOssForCausalLM
+    x = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, **TOL)
+        torch.testing.assert_close(loaded(x).logits, ref(x).logits, **TOL)
+        # dequantize_experts gives GptOssExperts back, the same weights
+        dequantize_experts(model)
+        assert sum(type(m) is GptOssExperts for m in model.modules()) == 2
+        torch.testing.assert_close(model(x).logits, ref(x).logits, **TOL)
+
+
+def test_gpt_oss_bytes_measured_and_for_a_20b_layer():
+    model = tiny_gpt_oss()
+    before = experts_nbytes(model)
+    quantize_experts(model)
+    E, C, I = 4, 64, 64
+    assert before == 2 * 4 * E * (C * 2 * I + I * C)  # 2 layers, fp32
+    assert experts_nbytes(model) == 2 * (nf4_nbytes((E, 2 * I, C)) + nf4_nbytes((E, C, I)) + 8)
+    # gpt-oss-20b's MoE layer: 32 experts, hidden 2880, 2880 each, built on the meta device
+    config = GptOssConfig(num_local_experts=32, hidden_size=2880, intermediate_size=2880)
+    with torch.device("meta"):
+        experts = GptOssExperts(config).to(torch.bfloat16)
+    bf16 = experts_nbytes(experts)
+    weights = 32 * 3 * 2880 * 2880
+    assert bf16 == 2 * weights
+    nf4 = sum(nf4_nbytes(getattr(experts, n).transpose(1, 2).shape)
+              for n in ("gate_up_proj", "down_proj"))
+    # 2880 * 2880 and 2880 * 5760 are whole blocks of 64 and 16,384: QLoRA's bits a weight
+    assert abs(8 * nf4 / weights - (4 + 8 / 64 + 32 / (64 * 256))) < 1e-4
+    biases = 2 * 32 * (2 * 2880 + 2880)  # bf16, kept in float either way
+    print(f"\ngpt-oss tiny (2 layers, 4 experts, fp32): {before} -> {experts_nbytes(model)} "
+          f"bytes; gpt-oss-20b layer (32 x 2880 x 2880), bf16 {bf16 / 2**20:.1f} MiB -> NF4 "
+          f"{nf4 / 2**20:.1f} MiB ({nf4 / bf16:.3f}, {8 * nf4 / weights:.4f} bits a weight), "
+          f"{(bf16 - nf4) / 2**20:.1f} MiB saved (biases {biases / 2**20:.2f} MiB stay bf16); "
+          f"x24 layers: {24 * (bf16 - nf4) / 2**30:.2f} GiB saved")

@@ -361,10 +361,12 @@ def run_memory(args):
     config = ModelConfig.from_pretrained(resolve_folder("--model", args.model))
     plan = memory.MemoryPlan(
         full=args.full, load_in_4bit=args.qlora or not (args.full or args.lora or args.dora),
-        use_dora=args.dora, r=args.r, target_modules=args.target_modules, dtype=args.dtype,
+        use_dora=args.dora, r=args.r, target_modules=args.target_modules,
+        target_parameters=args.target_parameters, dtype=args.dtype,
         per_device_train_batch_size=args.per_device_train_batch_size, max_length=args.max_length,
         gradient_checkpointing=args.gradient_checkpointing, optim=args.optim, bf16=args.bf16,
         fsdp=ranks)
+    _check_memory_target_parameters(config, args.target_parameters)
     ledger = memory.estimate_memory(config, plan, device_type=args.device)
     kind = "full" if plan.full else ("Q" if plan.load_in_4bit else "") + ("DoRA" if plan.use_dora
                                                                            else "LoRA")
@@ -372,6 +374,24 @@ def run_memory(args):
           f"per rank of {plan.fsdp}")
     print(ledger.format())
     return 0
+
+
+def _check_memory_target_parameters(config, entries):
+    """Each --target_parameters entry names a parameter of the config, as training checks on the
+    model, and one the ledger counts LoRA on (an MoE layer's experts or router)."""
+    from nanosft.families.expert_lora import no_parameter_message
+    from nanosft.memory.plan import EXPERT_PARAMETERS, parameter_shapes
+
+    names = [name for name, _ in parameter_shapes(config)]
+    for entry in entries or []:
+        hits = [n for n in names if n == entry or n.endswith("." + entry)]
+        if not hits:
+            owner = f"the --model config (model_type {config.model_type!r})"
+            raise ValueError(no_parameter_message(entry, owner, names))
+        if not all(n.endswith(tuple("." + p for p in EXPERT_PARAMETERS)) for n in hits):
+            raise ValueError(f"--target_parameters {entry!r}: the ledger counts LoRA on an MoE "
+                             f"layer's {', '.join(EXPERT_PARAMETERS)} only; name a linear layer "
+                             "with --target_modules instead")
 
 
 # ----------------------------------------------------------------------------- parser and main
@@ -489,6 +509,9 @@ def build_parser(train_fields=True):
                          metavar="BOOL", help="default: true (as SFTConfig)")
     mem.add_argument("--target_modules", type=value_parser("target_modules", list | str),
                      default=None, help="default: peft's for the model type; or all-linear")
+    mem.add_argument("--target_parameters", type=value_parser("target_parameters", list | None),
+                     default=None, help="as `train --target_parameters`: LoRA on MoE experts, "
+                     "e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj")
     mem.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="cpu keeps linears whose in_features is not a multiple of 64 in float")
     mem.set_defaults(run=run_memory)

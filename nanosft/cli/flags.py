@@ -34,7 +34,7 @@ def _kinds(annotation) -> tuple:
 def value_parser(name, annotation):
     """A function turning the text of `--name` into a value of the field's type (errors name both).
     Mirrors: transformers HfArgumentParser (one flag per dataclass field)
-    Differs: unions parsed left to right."""
+    Differs: unions parsed left to right; a list is `a,b`, JSON or one name (not nargs="+")."""
     kinds = _kinds(annotation)
 
     def parse(text):
@@ -59,6 +59,8 @@ def value_parser(name, annotation):
             return [part.strip() for part in text.split(",") if part.strip()]
         if str in kinds:
             return text
+        if list in kinds and text.strip():  # one name of a list field (--target_parameters x)
+            return [text.strip()]
         names = " or ".join(k.__name__ for k in kinds)
         raise argparse.ArgumentTypeError(f"--{name} expects {names}, got {text!r}")
 

@@ -3,9 +3,10 @@
 `add_trl_flags` gives `nanosft train` the flags of trl's `examples/scripts/sft.py` that nanosft
 does not already have under the same name (--lora_r, --lora_alpha, --lora_dropout, --use_dora,
 --use_rslora and the SFTConfig fields already are flags); `apply_trl_flags` turns them into
-nanosft's own (--model, --data, --eval_data, --full, --qlora, LoraConfig fields) before the configs
-are built, so `trl sft ARGS` and `nanosft train ARGS` run the same. A TRL flag nanosft does not act
-on is refused by name with its reason. Standard library only until a dataset is loaded.
+nanosft's own (--model, --data, --eval_data, --full, --qlora, LoraConfig fields such as
+--lora_target_parameters -> target_parameters, LoRA on MoE experts) before the configs are built,
+so `trl sft ARGS` and `nanosft train ARGS` run the same. A TRL flag nanosft does not act on is
+refused by name with its reason. Standard library only until a dataset is loaded.
 """
 
 import argparse
@@ -23,7 +24,6 @@ REFUSED = {
     "model_revision": ("main", "give a local folder or a cached Hub id at the revision you want"),
     "attn_implementation": (None, "nanosft has one attention (torch SDPA); drop the flag"),
     "trust_remote_code": ("false", "nanosft runs no model code from the Hub; drop the flag"),
-    "lora_target_parameters": (None, "LoRA on parameters (MoE experts) is not implemented"),
     "lora_task_type": ("CAUSAL_LM", "nanosft trains causal LMs only (CAUSAL_LM)"),
     "load_in_8bit": ("false", "nanosft quantizes to 4 bits only: use --load_in_4bit"),
     "bnb_4bit_quant_storage": (None, "nanosft stores 4-bit codes as uint8 only"),
@@ -55,6 +55,9 @@ def add_trl_flags(parser):
                        ("use_bnb_nested_quant", "double quantization (default: false)")):
         add(name, help, type=flag_bool, nargs="?", const=True, metavar="BOOL")
     add("lora_target_modules", "LoraConfig target_modules (= --target_modules)", nargs="+")
+    # a list as given (one name too), as trl get_peft_config passes it to LoraConfig
+    add("lora_target_parameters", "LoraConfig target_parameters (= --target_parameters): LoRA on "
+        "parameters such as MoE experts' mlp.experts.gate_up_proj", nargs="+")
     add("lora_modules_to_save", "LoraConfig modules_to_save (= --modules_to_save)", nargs="+")
     add("bnb_4bit_quant_type", "default: 'nf4'", choices=("nf4", "fp4"))
     add("dtype", "the model's load dtype (default: float32)",
@@ -80,6 +83,8 @@ def apply_trl_flags(args):
     if len(trl.get("lora_target_modules", ())) == 1:  # as trl ModelConfig.__post_init__
         trl["lora_target_modules"] = trl["lora_target_modules"][0]  # e.g. "all-linear"
     _move(args, trl, "lora_target_modules", "LoraConfig.target_modules", "--target_modules")
+    _move(args, trl, "lora_target_parameters", "LoraConfig.target_parameters",
+          "--target_parameters")
     _move(args, trl, "lora_modules_to_save", "LoraConfig.modules_to_save", "--modules_to_save")
     if "dataset_name" in trl:
         if args.data is not None:

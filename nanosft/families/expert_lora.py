@@ -11,6 +11,7 @@ Paper: LoRA 2106.09685.
 """
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -212,13 +213,34 @@ def find_target_parameters(model, target_parameters):
     return found
 
 
+def no_parameter_message(entry, owner, parameter_names):
+    """The error for a target_parameters entry that names none of `parameter_names` (of `owner`),
+    listing them with layer numbers as N."""
+    names = dict.fromkeys(re.sub(r"\.\d+\.", ".N.", n.replace(".base_layer", ""))
+                          for n in parameter_names if ".lora_" not in n)
+    return (f"LoraConfig.target_parameters entry {entry!r} matches no parameter of {owner}: an "
+            "entry is a parameter's full name or its ending after a dot (e.g. "
+            f"'mlp.experts.gate_up_proj'), and this model's parameters are {', '.join(names)}; fix "
+            "the entry (--target_parameters / --lora_target_parameters on the command line)")
+
+
+def check_each_target_parameter(model, target_parameters, found):
+    """Refuse an entry of target_parameters that names no parameter. Mirrors: peft's
+    "target_parameters=... were set but no parameter was matched" (NoMatchingPeftModuleError when
+    nothing else matched either)
+    Differs: per entry and always an error, as nanosft's target_modules check."""
+    keys = [f"{module_name}.{param_name}" for module_name, param_name in found]
+    for t in target_parameters:
+        if not any(k == t or k.endswith("." + t) for k in keys):
+            names = (n for n, _ in model.named_parameters())
+            raise ValueError(no_parameter_message(t, type(model).__name__, names))
+
+
 def inject_parameter_adapters(model, config, adapter_name, replace_module):
     """Wrap every targeted parameter's module in a ParamWrapper (the second parameter of a module
     wraps the first's wrapper). Mirrors: peft BaseTuner._inject_parameters"""
     found = find_target_parameters(model, config.target_parameters)
-    if not found:
-        raise ValueError(f"LoraConfig.target_parameters={config.target_parameters} matches no "
-                         f"parameter of {type(model).__name__}")
+    check_each_target_parameter(model, config.target_parameters, found)
     wrapped = {}  # module name -> its current outermost wrapper
     for module_name, param_name in found:
         target = wrapped.get(module_name) or model.get_submodule(module_name)

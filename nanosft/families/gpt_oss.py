@@ -193,14 +193,18 @@ class GptOssExperts(Experts):
         self.down_proj_bias = nn.Parameter(torch.zeros(E, C))
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
 
+    def linear(self, x, name, e):
+        """x through expert e's (in, out) slice of `name`: (n, in) -> (n, out)."""
+        return x @ getattr(self, name)[e]
+
     def expert(self, x, e):
         """Expert e on its tokens: (n, C) -> (n, C)."""
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate_up = self.linear(x, "gate_up_proj", e) + self.gate_up_proj_bias[e]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # interleaved (Qwen3-MoE: halves)
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
+        return self.linear((up + 1) * glu, "down_proj", e) + self.down_proj_bias[e]
 
 
 class GptOssMLP(SparseMoeBlock):

@@ -2,13 +2,13 @@
 only, so transformers + bitsandbytes QLoRA keeps the 3-D experts, most of an MoE model's bytes, in
 the compute dtype). `quantize_experts(model)` stores each expert's (out, in) slice as its own NF4
 tensor (blocks of 64 inside one expert, absmax double-quantized per expert: ~4.13 bits a weight),
-dequantized only for the experts that got tokens, in forward and again in backward. The 3-D names
-stay as zero-storage placeholders that LoRA's ParamWrapper finds and parametrizes: expert e's
-weight is dequant(e) + placeholder[e]. Merging needs `dequantize_experts` first. QLoRA 2305.14314.
+dequantized only for the experts that got tokens, in forward and again in backward. gpt-oss's
+transposed (in, out) slices are quantized as their transpose, Linear4bit's orientation; its
+biases stay float. The 3-D names stay as zero-storage placeholders that LoRA's ParamWrapper finds
+and parametrizes: expert e's weight is dequant(e) + placeholder[e]. QLoRA 2305.14314.
 """
 
 import math
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -119,66 +119,103 @@ def placeholder(shape, dtype, device):
 
 
 class NF4Experts(Experts):
-    """Experts whose 3-D weights live as NF4 codes (`nf4[name]`); `gate_up_proj` and `down_proj`
-    are zero placeholders of the float shape and dtype, which LoRA's ParamWrapper parametrizes.
+    """Experts whose 3-D weights live as NF4 codes (`nf4[name]`, each expert's (out, in) slice);
+    `gate_up_proj` and `down_proj` are zero placeholders of the float shape and dtype, which
+    LoRA's ParamWrapper parametrizes. The expert maths is the quantized module's own `expert`
+    (Qwen3-MoE / GLM-4-MoE's SwiGLU, gpt-oss's clamped one with its float biases).
     Differs: not in transformers or bitsandbytes (they keep 3-D experts in float).
 
     Args:
-        experts: the float Experts module to quantize ((E, out, in) slices, read by F.linear).
+        experts: the float module to quantize: Experts ((E, out, in) slices, read by F.linear)
+            or gpt-oss's (E, in, out) ones (`is_transposed`, x @ W[e]).
         compress_statistics: double-quantize each expert's absmax (QLoRA's double quantization).
     """
 
     def __init__(self, experts, compress_statistics=True):
         nn.Module.__init__(self)
-        self.num_experts = experts.num_experts
+        self.expert_class = type(experts)  # whose expert() this module runs
+        self.is_transposed = getattr(experts, "is_transposed", False)  # ParamWrapper reads it
+        for key, value in vars(experts).items():  # num_experts; gpt-oss's alpha and limit
+            if not key.startswith("_") and key != "training":
+                setattr(self, key, value)
         self.nf4 = {}
-        for name in EXPERT_WEIGHTS:
-            weight = getattr(experts, name)
-            self.nf4[name] = NF4ExpertWeight(weight, compress_statistics)
-            setattr(self, name, placeholder(weight.shape, weight.dtype, weight.device))
+        for name, p in experts.named_parameters(recurse=False):  # in order: the same keys
+            if name not in EXPERT_WEIGHTS:
+                setattr(self, name, p)  # gpt-oss's biases stay float (and trainable)
+                continue
+            # gpt-oss's (in, out) slices are quantized as W[e]^T, the (out, in) slice nn.Linear
+            # and Linear4bit hold: a block of 64 is one output's input weights (in % 64 == 0, as
+            # gpt-oss's 2880), so its interleaved gate and up columns never share an absmax
+            W = p.transpose(1, 2) if self.is_transposed else p
+            self.nf4[name] = NF4ExpertWeight(W, compress_statistics)
+            setattr(self, name, placeholder(p.shape, p.dtype, p.device))
 
     def linear(self, x, name, e):
         """x through dequant(W[e]) + D[e], D what `name` reads: the stride-0 zero placeholder
         (skipped), or a real tensor: LoRA's delta while ParamWrapper's forward parametrizes it,
         or a placeholder something materialized (deepcopy, a merge). x @ (Q + D)^T is computed as
-        x @ Q^T + x @ D^T, so no float Q is kept for backward."""
+        x @ Q^T + x @ D^T, so no float Q is kept for backward. D[e] is (in, out) for gpt-oss."""
         out = DequantizedLinear.apply(x, self.nf4[name], e)
         D = getattr(self, name)
         if any(D.stride()):  # an expanded zero has strides (0, 0, 0) and cannot be written to
-            out = out + F.linear(x, D[e])
+            out = out + (x @ D[e] if self.is_transposed else F.linear(x, D[e]))
         return out
 
+    def expert(self, x, e):
+        """Expert e on its tokens, as the quantized module's class computes it: (n, C) -> (n, C)."""
+        return self.expert_class.expert(self, x, e)
+
+    def float_weight(self, name):
+        """The dequantized 3-D weight `name` in the float module's layout and the placeholder's
+        dtype (which follows model.to(dtype))."""
+        weight = self.nf4[name]
+        W = torch.stack([weight.dequantize(e) for e in range(self.num_experts)])
+        W = W.transpose(1, 2).contiguous() if self.is_transposed else W
+        return W.to(getattr(self, name).dtype)
+
     def dequantize(self):
-        """A float Experts module with the dequantized weights (for merging, saving in float)."""
-        E, two_i, C = self.nf4["gate_up_proj"].shape
-        experts = Experts(SimpleNamespace(num_experts=E, hidden_size=C), two_i // 2)
-        for name, weight in self.nf4.items():
-            W = torch.stack([weight.dequantize(e) for e in range(E)])
-            W = W.to(getattr(self, name).dtype)  # the placeholder follows model.to(dtype)
-            setattr(experts, name, nn.Parameter(W, requires_grad=False))
+        """A float module of the quantized class with the dequantized weights (for merging,
+        saving in float); the other parameters (gpt-oss's biases) are shared, not copied."""
+        experts = self.expert_class.__new__(self.expert_class)  # no __init__: no empty weights
+        nn.Module.__init__(experts)
+        for key, value in vars(self).items():
+            if not key.startswith("_") and key not in ("training", "nf4", "expert_class",
+                                                       "is_transposed"):
+                setattr(experts, key, value)
+        for name, p in self.named_parameters(recurse=False):
+            if name in EXPERT_WEIGHTS:
+                p = nn.Parameter(self.float_weight(name), requires_grad=False)
+            setattr(experts, name, p)
         return experts
 
     def _apply(self, fn, recurse=True):
         # .to(device / dtype) re-expands each placeholder from its one value (converting the
-        # expanded view would allocate the full shape); the NF4 tensors follow the device only
-        for name in EXPERT_WEIGHTS:
-            p = self._parameters[name]
+        # expanded view would allocate the full shape); the NF4 tensors follow the device only;
+        # the other parameters (gpt-oss's biases) move as in any module
+        order = list(self._parameters)
+        placeholders = {name: self._parameters.pop(name) for name in EXPERT_WEIGHTS}
+        super()._apply(fn, recurse)
+        for name, p in placeholders.items():
             value = fn(p.as_strided((), ()))
             self._parameters[name] = placeholder(p.shape, value.dtype, value.device)
             self.nf4[name].to(value.device)
+        for name in order:  # the original order, so state-dict and parameter order are kept
+            self._parameters[name] = self._parameters.pop(name)
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # the weights the forward uses, dequantized to float under the 3-D names: a saved model
         # loads in any float loader (transformers' too); quantize_experts again after loading
-        for name, weight in self.nf4.items():
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # gpt-oss's biases
+        for name in EXPERT_WEIGHTS:
             D = getattr(self, name)
-            W = torch.stack([weight.dequantize(e) for e in range(self.num_experts)]).to(D.dtype)
+            W = self.float_weight(name)
             destination[f"{prefix}{name}"] = W + D if any(D.stride()) else W
 
     def extra_repr(self):
         shapes = {name: w.shape for name, w in self.nf4.items()}
-        return f"num_experts={self.num_experts}, nf4={shapes}, blocksize={BLOCKSIZE}"
+        return (f"{self.expert_class.__name__}, num_experts={self.num_experts}, nf4={shapes} "
+                f"(out, in), blocksize={BLOCKSIZE}")
 
 
 def _children(model):
@@ -200,17 +237,12 @@ def quantize_experts(model, compress_statistics=True):
     for parent, name, child in list(_children(model)):
         if not isinstance(child, Experts) or isinstance(child, NF4Experts):
             continue
-        if type(child).expert is not Experts.expert:
-            raise ValueError(
-                f"quantize_experts: {type(child).__name__} computes its experts itself (gpt-oss: "
-                "transposed (E, in, out) weights with biases); NF4 experts are built for the "
-                "(E, out, in) layout of qwen3_moe and glm4_moe. Leave this model's experts in "
-                "float: do not call quantize_experts on it.")
         setattr(parent, name, NF4Experts(child, compress_statistics))
         found += 1
     if not found:
         raise ValueError(f"quantize_experts: {type(model).__name__} has no MoE experts to "
-                         "quantize (families.moe.Experts); it applies to qwen3_moe and glm4_moe")
+                         "quantize (families.moe.Experts); it applies to qwen3_moe, glm4_moe and "
+                         "gpt_oss")
     return model
 
 

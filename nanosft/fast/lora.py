@@ -179,9 +179,14 @@ class LowRankAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, ax, weight_B, scaling, dtype):
         wb = weight_B.to(dtype)
-        term = _mm(ax, wb.t(), dtype)  # (..., out) in dtype
+        term = _mm(ax, wb.t(), dtype)  # (..., out) in dtype, a fresh tensor
         exact = math.frexp(scaling)[0] == 0.5  # 2^k: term * scaling rounds exactly
-        out = torch.add(result, term, alpha=scaling) if exact else result + term * scaling
+        if term.dtype == result.dtype and term.shape == result.shape:
+            # the sum written over B's product (the same roundings): no third (..., out) tensor
+            out = (torch.add(result, term, alpha=scaling, out=term) if exact
+                   else term.mul_(scaling).add_(result))
+        else:
+            out = torch.add(result, term, alpha=scaling) if exact else result + term * scaling
         ctx.save_for_backward(ax, wb)
         ctx.scaling, ctx.exact, ctx.dtype, ctx.weight_dtype = scaling, exact, dtype, weight_B.dtype
         return out.to(result.dtype)
