@@ -226,10 +226,12 @@ def _nf4_expert_weights(model):
 
 @pytest.mark.parametrize("name,method,bf16", [("qwen3_moe", "full", True),
                                               ("qwen3_moe", "lora", False),
-                                              ("glm4_moe", "qlora", True)])
+                                              ("glm4_moe", "qlora", True),
+                                              ("gpt_oss", "lora", False)])
 def test_nf4_experts_rows_equal_a_real_step(name, method, bf16):
     """Experts stored by quantize_experts: the weights row holds nf4_nbytes per 3-D weight (codes,
-    double-quantized statistics) plus each placeholder's one value, exactly; the experts neither
+    double-quantized statistics) plus each placeholder's one value, exactly (gpt-oss's biases
+    stay float); the experts neither
     train nor keep a float weight for backward (dequantized again there), so the activations row
     (LoRA's delta D[e] and its input rows where target_parameters reach the experts) is within 5%.
     Negative control: the same step predicted with the experts in float misses the weights row by
