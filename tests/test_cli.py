@@ -127,8 +127,11 @@ def test_demo_sft_beats_the_base_on_held_out_prompts(tmp_path, capsys):
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.5, summary
     assert "***** Running training *****" in out
     assert re.search(r"held-out exact match: before [\d.]+% -> after [\d.]+%", out)
+    # the peak is the calibration, or (on a loaded machine, where the calibration reads low) the
+    # training's own best rate; the line names which
     assert re.search(r"speed: [\d.]+ GFLOP/s of model FLOPs, MFU [\d.]+% of [\d.]+ GFLOP/s "
-                     r"\(a matmul calibration at train start\)", out)
+                     r"\((a matmul calibration at train start|the training's own best rate: "
+                     r"the matmul calibration at train start read lower, under load)\)", out)
     assert 0 < summary["mfu"] < 1 and summary["train_model_flops_per_second"] > 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(
         os.listdir(tmp_path / "adapter")
