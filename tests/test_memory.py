@@ -62,6 +62,20 @@ def _quant_tensors(model):
     return out
 
 
+def measured_state_rows(model, optimizer, extra_frozen=()):
+    """The ledger's four state rows as the distinct storage bytes of a model after a step: frozen
+    weights (with 4-bit statistics and `extra_frozen`), trainable parameters, their gradients and
+    the optimizer's states."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model) + \
+        list(extra_frozen)
+    return {"base weights (frozen)": _storages(frozen),
+            "trainable parameters": _storages(trainable),
+            "gradients": _storages([p.grad for p in trainable]),
+            "optimizer states": _storages([v for s in optimizer.state.values()
+                                           for v in s.values()])}
+
+
 CASES = [  # (method, optim, optim_args, target_modules, double_quant)
     ("full", "adamw_torch", None, None, True),
     ("full", "adamw_bnb_8bit", None, None, True),
@@ -84,13 +98,7 @@ def test_state_rows_equal_a_real_run(tmp_path, method, optim, optim_args, target
     # one more backward: gradients exist between backward and zero_grad
     ids = torch.tensor([data[0]["input_ids"]] * B)
     model(input_ids=ids, labels=ids).loss.backward()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model)
-    measured = {"base weights (frozen)": _storages(frozen),
-                "trainable parameters": _storages(trainable),
-                "gradients": _storages([p.grad for p in trainable]),
-                "optimizer states": _storages([v for s in trainer.optimizer.state.values()
-                                               for v in s.values()])}
+    measured = measured_state_rows(model, trainer.optimizer)
     plan = memory.MemoryPlan(full=method == "full", load_in_4bit=method.startswith("q"),
                              bnb_4bit_use_double_quant=double_quant,
                              use_dora=method.endswith("dora"), r=4, target_modules=targets,
@@ -350,3 +358,27 @@ def test_the_banner_line_says_which_batch_shape_it_predicts_not_an_upper_bound()
     # adds memory it does not count, so it is no bound of a run's peak
     assert "tensors of a step at 3 x 40 tokens" in line and "upper bound" not in line
     assert f"= {ledger.total / memory.MiB:.1f} (" in line
+
+
+def test_saved_tensor_count_keeps_only_what_backward_holds():
+    """A save whose graph the forward drops (a branch that feeds no output) is freed before
+    backward and does not count, and its address handed to the next save does not hide that
+    one: the count is the same however the allocator places them."""
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(256))
+
+        def forward(self, x):
+            for _ in range(4):  # four dropped branches, each freeing a (256,) fp32 save
+                torch.exp(x * self.w)  # exp keeps its output; nothing reads it
+            return torch.exp(x * self.w)  # kept: 1 KiB for exp, and x for the product
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([Layer()])
+    x = torch.randn(256)
+    with memory.count_saved_tensors(model) as saved:
+        out = model.model.layers[0](x)
+    assert saved.per_layer == [2 * 256 * 4] and saved.total == 2 * 256 * 4
+    out.sum().backward()

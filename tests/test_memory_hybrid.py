@@ -19,7 +19,7 @@ Run: python -m pytest -q tests/test_memory_hybrid.py
 import pytest
 import torch
 import transformers
-from test_memory_moe import TINY, _activations, _plan, _quant_tensors, _step, _storages
+from test_memory_moe import TINY, _activations, _plan, _step, assert_ledger_rows_equal_a_real_step
 from tiny import one_thread  # noqa: F401  (autouse fixture)
 
 from nanosft import memory, nf4
@@ -65,24 +65,7 @@ def _model(name, method):
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_ledger_rows_equal_a_real_step(name, method):
-    model = _model(name, method)
-    base = model if method == "full" else model.get_base_model()
-    if method == "full":
-        real = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        assert dict(memory.parameter_shapes(base.config)) == real
-    measured_saved, optimizer = _step(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model)
-    measured = {"base weights (frozen)": _storages(frozen),
-                "trainable parameters": _storages(trainable),
-                "gradients": _storages([p.grad for p in trainable]),
-                "optimizer states": _storages([v for s in optimizer.state.values()
-                                               for v in s.values()])}
-    plan = _plan(model)
-    ledger = memory.estimate_memory(base.config, plan)
-    assert {row: ledger.rows[row] for row in measured} == measured
-    predicted = _activations(base.config, plan)
-    assert abs(predicted - measured_saved) <= (0.01 if method == "full" else 0.05) * measured_saved
+    assert_ledger_rows_equal_a_real_step(_model(name, method), method)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from test_memory import _storages, measured_state_rows
 from tiny import one_thread  # noqa: F401  (autouse fixture)
 
 from nanosft import memory, nf4
@@ -73,21 +74,6 @@ def _model(name, method, **lora):
     return model.train()
 
 
-def _storages(tensors):
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if torch.is_tensor(t)}.values())
-
-
-def _quant_tensors(model):
-    out = []
-    for m in model.modules():
-        if isinstance(m, nf4.Linear4bit):
-            qs = m.quant_state
-            out += [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset]
-                                           if qs.nested else [])
-    return out
-
-
 def _step(model, bf16=False):
     """One AdamW step; the bytes autograd saved for its backward (less the model's own state)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -112,29 +98,29 @@ def _activations(config, plan):  # the loss's fp32 log-probs are the logits row'
         B * T * V * 4
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_ledger_rows_equal_a_real_step(name, method):
-    model = _model(name, method)
+def assert_ledger_rows_equal_a_real_step(model, method):
+    """Parameter shapes (full), the four state rows exactly and the activations row within 1%
+    (full) / 5% (LoRA, QLoRA) of one real step of `model`; returns the plan read off it."""
     base = model if method == "full" else model.get_base_model()
     if method == "full":
         real = {n: tuple(p.shape) for n, p in model.named_parameters()}
         assert dict(memory.parameter_shapes(base.config)) == real
     measured_saved, optimizer = _step(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model)
-    measured = {"base weights (frozen)": _storages(frozen),
-                "trainable parameters": _storages(trainable),
-                "gradients": _storages([p.grad for p in trainable]),
-                "optimizer states": _storages([v for s in optimizer.state.values()
-                                               for v in s.values()])}
+    measured = measured_state_rows(model, optimizer)
     plan = _plan(model)
-    if method != "full" and name in ("qwen3_moe", "glm4_moe"):  # peft's rewrite of all-linear
-        assert plan.target_parameters == {"gate_up_proj": 8, "down_proj": 4, "gate.weight": 4}
     ledger = memory.estimate_memory(base.config, plan)
     assert {row: ledger.rows[row] for row in measured} == measured
     predicted = _activations(base.config, plan)
     assert abs(predicted - measured_saved) <= (0.01 if method == "full" else 0.05) * measured_saved
+    return plan
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_ledger_rows_equal_a_real_step(name, method):
+    plan = assert_ledger_rows_equal_a_real_step(_model(name, method), method)
+    if method != "full" and name in ("qwen3_moe", "glm4_moe"):  # peft's rewrite of all-linear
+        assert plan.target_parameters == {"gate_up_proj": 8, "down_proj": 4, "gate.weight": 4}
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
@@ -239,14 +225,8 @@ def test_nf4_experts_rows_equal_a_real_step(name, method, bf16):
     model = _nf4_experts_model(name, method)
     base = model if method == "full" else model.get_base_model()
     measured_saved, optimizer = _step(model, bf16=bf16)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad] + _quant_tensors(model) + \
-        [t for w in _nf4_expert_weights(model) for t in w.tensors()]
-    measured = {"base weights (frozen)": _storages(frozen),
-                "trainable parameters": _storages(trainable),
-                "gradients": _storages([p.grad for p in trainable]),
-                "optimizer states": _storages([v for s in optimizer.state.values()
-                                               for v in s.values()])}
+    measured = measured_state_rows(
+        model, optimizer, [t for w in _nf4_expert_weights(model) for t in w.tensors()])
     plan = _plan(model, bf16=bf16)
     assert plan.nf4_experts
     ledger = memory.estimate_memory(base.config, plan)

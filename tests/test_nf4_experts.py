@@ -202,7 +202,11 @@ def test_backward_keeps_no_float_expert_weight():
 def lora_pair():
     """(NF4-expert, round-trip reference) models under the same LoRA on experts (gate_up_proj,
     down_proj, ParamWrapper) and q_proj, B drawn non-zero so the deltas count."""
-    model, ref = nf4_pair()
+    return same_lora(*nf4_pair())
+
+
+def same_lora(model, ref):
+    """`model` and `ref` under the same LoRA on experts and q_proj, with equal random weights."""
     config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
               "target_parameters": ["gate_up_proj", "down_proj"]}
     model = get_peft_model(model, LoraConfig(**config))
@@ -402,19 +406,7 @@ def test_gpt_oss_logits_loss_aux_and_bias_grads_equal_the_round_trip_model():
 
 
 def test_gpt_oss_lora_on_transposed_experts_equals_the_round_trip_model():
-    model = quantize_experts(tiny_gpt_oss())
-    ref = round_trip_model(tiny_gpt_oss())
-    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
-              "target_parameters": ["gate_up_proj", "down_proj"]}
-    model = get_peft_model(model, LoraConfig(**config))
-    ref = get_peft_model(ref, LoraConfig(**config))
-    with torch.no_grad():
-        torch.manual_seed(3)
-        for (n, p), (n_ref, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
-            assert n == n_ref
-            if p.requires_grad:
-                p.copy_(torch.randn_like(p) * 0.1)
-                p_ref.copy_(p)
+    model, ref = same_lora(quantize_experts(tiny_gpt_oss()), round_trip_model(tiny_gpt_oss()))
     wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
     assert len(wrappers) == 4 and all(w.is_transposed for w in wrappers)
     assert {(w.parameter_name, w.in_features, w.out_features) for w in wrappers} == {

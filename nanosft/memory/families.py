@@ -261,18 +261,22 @@ def _gated_deltanet(saved, ctx, config, x_name, x_rg):
     # the chunked rule runs in fp32 (_prepare); under autocast its matmuls keep bf16 copies of
     # their operands and return bf16 (the triangular solves stay fp32)
     m = ad or 4
+    # the last chunk's state update feeds only the final state, which a training forward drops:
+    # what it alone saved is freed when the forward ends (in fp32 the state it scales, and
+    # k_write when one chunk holds it all; under autocast its bf16 copies of k_write and U)
     fp32 = (("later_mask", Cc * Cc / 4), ("decay", sq), ("k_pad", kd), ("beta_pad", R * Tp),
             ("v_pad", vd), ("A", sq), ("W", vd), ("exp_G", R * Tp), ("beta_k_2", kd),
             ("Kc", kd), ("q_pad", kd), ("exp_G_2", R * Tp), ("exp_to_end", R * Tp),
-            ("exp_chunk_end", R * n), ("S0", R * Dk * Dv))
+            ("exp_chunk_end", R * n), ("S0", R * Dk * Dv if ad else 0))
+    k_write = kd * (n - 1) // n if ad else (kd if n > 1 else 0)
     matmul = (("beta_k", kd), ("k_kT", sq), ("q_kT", sq), ("scores", sq), ("U", vd),
-              ("k_write", kd))
+              ("k_write", k_write))
     for name, numel in fp32:
         saved.add(f"gdn.{name}", int(numel), 4)
     for name, numel in matmul:
         saved.add(f"gdn.{name}", numel, m)
     if ad:  # more copies: k^T twice, q, each state twice, U a second time
-        for name, numel in (("kT_cast", kd), ("kT_cast_2", kd), ("U_cast_2", vd),
+        for name, numel in (("kT_cast", kd), ("kT_cast_2", kd), ("U_cast_2", vd * (n - 1) // n),
                             ("S_casts", 2 * n * R * Dk * Dv)):
             saved.add(f"gdn.{name}", numel, ad)
     if n > 1:  # the states entering chunks 1 .. n - 1 carry grad: q_read and each S are kept

@@ -68,8 +68,11 @@ class _SavedTensorCounter:
     def _pack(self, t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self.state_ptrs and ptr not in self.seen:
-            self.seen[ptr] = (self.where, t.untyped_storage().nbytes())
-        return t
+            storage = t.untyped_storage()
+            # held until the count ends, so a save whose node is dropped mid-forward cannot give
+            # its address to a later save; it counts only if autograd still holds it at the end
+            self.seen[ptr] = (self.where, storage.nbytes(), storage)
+        return t.detach()  # the tensor itself would close a cycle through a saved output's grad_fn
 
     def __enter__(self):
         self.seen, self.where = {}, "outside"
@@ -86,8 +89,11 @@ class _SavedTensorCounter:
         self.hooks.__exit__(*exc)
         for h in self.handles:
             h.remove()
-        self.per_layer = [sum(b for w, b in self.seen.values() if w == i)
-                          for i in range(len(self.layers))]
-        self.outside = sum(b for w, b in self.seen.values() if w == "outside")
-        self.total = sum(b for _, b in self.seen.values())
+        # alive: something besides this counter's own reference holds the storage
+        alive = [(w, b) for w, b, storage in self.seen.values()
+                 if torch._C._storage_Use_Count(storage._cdata) > 1]
+        self.seen = {}
+        self.per_layer = [sum(b for w, b in alive if w == i) for i in range(len(self.layers))]
+        self.outside = sum(b for w, b in alive if w == "outside")
+        self.total = sum(b for _, b in alive)
         return False
