@@ -143,7 +143,12 @@ def test_negative_control_the_window_changes_the_logits(tmp_path):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_generation_is_token_identical(name, tmp_path):
-    hf, folder = hf_folder(name, tmp_path)
+    assert_greedy_generation_matches(*hf_folder(name, tmp_path))
+
+
+def assert_greedy_generation_matches(hf, folder):
+    """nanosft's generate equals transformers' greedy generate token for token: one 8-token
+    prompt (with a window, the cache outgrows it) and a left-padded batch, 20 new tokens each."""
     ours = CausalLM.from_pretrained(folder).eval()
     prompt = torch.randint(3, V, (1, 8))  # the cache outgrows the window after the prompt
     want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)

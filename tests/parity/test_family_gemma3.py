@@ -19,7 +19,8 @@ import peft
 import pytest
 import torch
 import transformers
-from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
+from test_families import assert_greedy_generation_matches
+from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
@@ -90,15 +91,7 @@ def test_negative_control_one_rope_for_all_layers_changes_the_logits(tmp_path):
 
 
 def test_greedy_generation_is_token_identical(tmp_path):
-    hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
-    prompt = torch.randint(3, V, (1, 8))  # the cache outgrows the window after the prompt
-    want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
-    assert ours.generate(prompt, max_new_tokens=20).tolist() == want.tolist()
-    padded, mask = left_padded_batch()
-    want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                       pad_token_id=PAD)
-    assert ours.generate(padded, attention_mask=mask, max_new_tokens=20).tolist() == want.tolist()
+    assert_greedy_generation_matches(*hf_folder(tmp_path))
 
 
 def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(tmp_path):

@@ -20,7 +20,8 @@ import peft
 import pytest
 import torch
 import transformers
-from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
+from test_families import assert_greedy_generation_matches
+from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
                            assert_bf16_logits_equal_transformers,
                            assert_checkpointing_keeps_gradients,
                            assert_quantize_while_loading_matches, left_padded_batch,
@@ -95,15 +96,7 @@ def test_cached_steps_equal_one_forward(tmp_path):
 
 
 def test_greedy_generation_is_token_identical(tmp_path):
-    hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
-    prompt = torch.randint(3, V, (1, 8))
-    want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
-    assert ours.generate(prompt, max_new_tokens=20).tolist() == want.tolist()
-    padded, mask = left_padded_batch()
-    want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                       pad_token_id=PAD)
-    assert ours.generate(padded, attention_mask=mask, max_new_tokens=20).tolist() == want.tolist()
+    assert_greedy_generation_matches(*hf_folder(tmp_path))
 
 
 def test_quantize_while_loading_is_bitwise_load_then_quantize_and_transformers(tmp_path):
