@@ -12,6 +12,7 @@ Imports nothing of nanosft, so every layer above can use it.
 
 import array
 import contextlib
+import gc
 import hashlib
 import os
 import sys
@@ -84,11 +85,14 @@ def cleanup(barrier: bool = True) -> None:
     """Destroy the process group if there is one, after a barrier: a rank that tears gloo down
     while a peer is still inside a collective or writing can abort that peer at exit (SIGABRT,
     "terminate called without an active exception"). barrier=False on error paths, where a peer
-    may never come. Guide: distributed training
-    Mirrors: torch.distributed.destroy_process_group"""
+    may never come. A DDP wrapper left in a reference cycle (a trainer and a hook closing over it)
+    keeps its reducer, and through it the group, alive until interpreter finalization, where
+    freeing it can abort the process the same way: collect such cycles before destroying.
+    Guide: distributed training | Mirrors: torch.distributed.destroy_process_group"""
     if is_initialized():
         if barrier:
             dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 

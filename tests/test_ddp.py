@@ -94,3 +94,37 @@ def test_two_ranks_equal_one_process(tmp_path):
     # weight the ranks equally
     local = results[False]["state"]
     assert max((local[k] - v).abs().max().item() for k, v in single_state.items()) > 1e-5
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(),
+                    reason="torch.distributed is not built in")
+def test_cleanup_frees_a_ddp_wrapper_left_in_a_cycle():
+    """A DDP wrapper kept only by a reference cycle must be gone once cleanup() returns: left to
+    interpreter finalization, its reducer frees the gloo group there, which can abort the process
+    (SIGABRT, "terminate called without an active exception") after the work succeeded."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    was_enabled = gc.isenabled()
+    gc.disable()  # the cycle must survive until cleanup(), as it may between two automatic passes
+    try:
+        holder = {"ddp": DistributedDataParallel(torch.nn.Linear(2, 2))}
+        holder["self"] = holder  # the cycle: nothing outside it refers to the wrapper
+        alive = weakref.ref(holder["ddp"])
+        del holder
+        assert alive() is not None
+        cleanup()
+        assert alive() is None
+        assert not dist.is_initialized()
+    finally:
+        if was_enabled:
+            gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()
