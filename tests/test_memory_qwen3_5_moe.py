@@ -8,8 +8,9 @@ rows equal the distinct storage bytes after one step (the plan read off the mode
 activations row equals the bytes autograd saves (saved_tensors_hooks) within 1% for full
 fine-tuning (also under bf16 autocast) and 5% for LoRA / QLoRA. Negative controls: the layers read
 as dense Qwen3.5 (the shared expert as the MLP, no routed experts), and a ledger routing each
-token to one expert, miss the 1%. Tiny model (hidden 64, a Gated DeltaNet and a gated attention
-layer, 4 experts, top 2), CPU, seeded.
+token to one expert, miss the 1%. With the experts stored as NF4 (quantize_experts) under LoRA
+on them: the weights row holds their NF4 bytes exactly, the activations within 5%. Tiny model
+(hidden 64, a Gated DeltaNet and a gated attention layer, 4 experts, top 2), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_qwen3_5_moe.py
 """
 
@@ -18,6 +19,7 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from test_memory import measured_state_rows
 from test_memory_moe import TINY, _activations, _plan, _step, assert_ledger_rows_equal_a_real_step
 from tiny import one_thread  # noqa: F401  (autouse fixture)
 
@@ -34,10 +36,14 @@ EXPERTS = {"target_modules": "all-linear",
            "target_parameters": ["experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight"]}
 
 
-def _model(method, **lora):
+def _model(method, nf4_experts=False, **lora):
+    from nanosft.families.nf4_experts import quantize_experts
+
     torch.manual_seed(0)
     config = transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE)
     model = from_config(config_from_dict(config.to_dict()))
+    if nf4_experts:
+        quantize_experts(model)
     if method == "qlora":
         nf4.quantize_model(model)
     if method != "full":
@@ -84,3 +90,25 @@ def test_negative_controls_dense_reading_and_top_1_routing():
     print(f"\ndense reading {_activations(dense, plan) / measured:.3f}, top-1 "
           f"{_activations(top1, plan) / measured:.3f} of the measured bytes")
     memory.estimate_memory(model.config, memory.MemoryPlan(full=True))  # modelled: no refusal
+
+
+def test_nf4_experts_rows_equal_a_real_step():
+    """quantize_experts on this family, then LoRA on the NF4 experts and all-linear: the weights,
+    adapter, gradient and AdamW rows exactly (the experts at nf4_nbytes plus each placeholder's
+    one value), the activations within 5%; the ledger reading the experts as float misses."""
+    from nanosft.families.nf4_experts import NF4Experts
+
+    model = _model("lora", nf4_experts=True, **EXPERTS)
+    stored = [t for m in model.modules() if isinstance(m, NF4Experts) for w in m.nf4.values()
+              for t in w.tensors()]
+    assert stored
+    measured_saved, optimizer = _step(model)
+    measured = measured_state_rows(model, optimizer, stored)
+    plan = _plan(model)
+    assert plan.nf4_experts
+    config = model.get_base_model().config
+    ledger = memory.estimate_memory(config, plan)
+    assert {row: ledger.rows[row] for row in measured} == measured
+    assert abs(_activations(config, plan) - measured_saved) <= 0.05 * measured_saved
+    as_float = memory.estimate_memory(config, dataclasses.replace(plan, nf4_experts=False))
+    assert as_float.rows["base weights (frozen)"] > measured["base weights (frozen)"] + 10_000
