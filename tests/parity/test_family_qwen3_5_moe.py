@@ -7,7 +7,9 @@ dt_bias randomized). Compared: logits within 1e-5 both ways on a plain batch of 
 delta-rule chunks), a left-padded batch and a right-padded training forward (nanosft's unpadded
 speed path), and a packed row against transformers run on each document alone (its torch path
 carries the state across documents); the auxiliary load-balancing loss and the loss with it added
-(output_router_logits, over the real tokens), within 1e-6; greedy generation token for token; the
+(output_router_logits, over the real tokens), within 1e-6, and the gradient of loss + aux loss on
+every parameter, also with gradient checkpointing; bf16 logits bit for bit; greedy generation
+token for token; the
 checkpoint files (transformers' per-expert keys both ways), the multimodal qwen3_5_moe folder's
 language model and its mtp.* weights left unread; quantize-while-loading bitwise equal to
 transformers + bitsandbytes (experts and router stay float; the shared expert and its one-output
@@ -27,7 +29,8 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_families import (BASE, TOL, V, assert_greedy_generation_matches,
+from test_families import (BASE, TOL, V, assert_bf16_logits_equal_transformers,
+                           assert_greedy_generation_matches,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, save_random, train_a_few_steps)
 from test_family_moe import random_adapters
@@ -85,6 +88,39 @@ def test_logits_and_aux_loss_match_transformers_both_ways(tmp_path):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
             aux_worst = max(aux_worst, (g - w).abs().item())
     print(f"\n[qwen3_5_moe] max |logit diff| = {worst:.3e}, aux loss {aux_worst:.3e}")
+
+
+def test_loss_and_aux_loss_gradients_match_transformers_with_checkpointing(tmp_path):
+    """The gradient of loss + router_aux_loss_coef * aux_loss (coef 0.5, so the aux loss weighs)
+    on every parameter, against transformers', also with checkpointed layers (recomputed in
+    backward, the routers' logits kept only from the first pass)."""
+    hf, folder = save_random(transformers.Qwen3_5MoeTextConfig(
+        **QWEN3_5_MOE, router_aux_loss_coef=0.5), tmp_path)
+    padded, mask = left_padded_batch()
+    labels = padded.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100  # a padded query's prediction: not read
+    out = hf.train()(padded, attention_mask=mask, labels=labels, output_router_logits=True)
+    out.loss.backward()
+    want = {n: p.grad for n, p in hf.named_parameters()}
+    worst = 0.0
+    for checkpointing in (False, True):
+        ours = CausalLM.from_pretrained(folder).train()
+        if checkpointing:
+            ours.gradient_checkpointing_enable()
+        ours(padded, attention_mask=mask, labels=labels, output_router_logits=True).loss.backward()
+        got = {n: p.grad for n, p in ours.named_parameters()}
+        assert sorted(got) == sorted(want)
+        for n, grad in want.items():
+            torch.testing.assert_close(got[n], grad, rtol=0, atol=1e-6, msg=n)
+            worst = max(worst, (got[n] - grad).abs().max().item())
+        assert all(layer.mlp.router_logits is None for layer in ours.model.layers)
+    assert want["model.layers.0.mlp.gate.weight"].abs().max() > 1e-4
+    print(f"\n[qwen3_5_moe] loss + aux loss gradients: max |diff| = {worst:.2e}")
+
+
+def test_bf16_logits_equal_transformers_bitwise(tmp_path):
+    """Loaded in bfloat16, the same casts in the same places: logits bit for bit."""
+    assert_bf16_logits_equal_transformers(hf_folder(tmp_path)[1])
 
 
 def test_packed_row_equals_its_documents_run_alone(tmp_path):
