@@ -17,8 +17,8 @@ Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.0065
 
 from nanosft.memory.activations import _layer_norm, _linear, _norm, _Saved, _sliding_window
 from nanosft.memory.plan import (
-    DTYPE_BYTES, expert_size, is_moe_layer, layer_linears, lora_targets, nf4_quantizable,
-    parameter_targets,
+    DTYPE_BYTES, GATED_DELTANET_LINEARS, expert_size, is_moe_layer, layer_linears, lora_targets,
+    nf4_quantizable, parameter_targets,
 )
 
 HEAD_TYPES = ("gemma4_text",)  # their own saves outside the layers
@@ -66,7 +66,7 @@ def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
     partial = getattr(config, "partial_rotary_factor", None) if t in ("gpt_neox",
                                                                       "glm4_moe") else None
     rope = _sliding_window(config, layer_idx) is not None if t == "cohere2" else True
-    if rope and _rope_owner(config, layer_idx):
+    if rope and (q_rg or k_rg) and _rope_owner(config, layer_idx):  # RoPE reads q and k only
         rot = int(D * partial) if partial else D
         saved.add("rope_cos_sin", 2 * T * rot, wd)
     window = _sliding_window(config, layer_idx)
@@ -128,9 +128,9 @@ def _short_conv(saved, ctx, config, x_name, x_rg):
     C, B, K = config.hidden_size, plan.per_device_train_batch_size, config.conv_L_cache
     rg = _linear(saved, ctx, "in_proj", x_name, ctx["wd"], C, 3 * C, x_rg)
     conv_trains = plan.full
-    if not (rg or conv_trains):
-        return False
     g = ctx["out_bytes"]("in_proj")
+    if not (rg or conv_trains):  # a frozen branch: only out_proj's own LoRA keeps its input
+        return _linear(saved, ctx, "out_proj", "conv.out_proj.input", g, C, C, False)
     s = ad or wd  # conv1d works in the autocast dtype
     saved.add("conv.in_proj_out", N * 3 * C, g)  # b * h and c * y read their views
     saved.add("conv.Bx", N * C, s if s != g else g)  # conv1d's input (a cast copy under autocast)
@@ -240,80 +240,116 @@ def _gated_shared_expert(saved, ctx, config, x_name, x_rg):
 
 def _gated_deltanet(saved, ctx, config, x_name, x_rg):
     """Saves of Qwen3.5's Gated DeltaNet on `x_name`: the projections, the decay's softplus, the
-    conv over q, k, v and its silu, the l2-normed q and k, then chunk_gated_delta_rule op by op
-    (T padded to whole chunks: the (C, C) decay, k k^T and q k^T per chunk, the two triangular
-    solves, the state entering each chunk after the first), and the gated RMSNorm.
+    conv over q, k, v and its silu, the l2-normed q and k, the chunked rule (_delta_rule_saved)
+    and the gated RMSNorm. On a frozen input only the branches whose projection carries LoRA
+    (q, k, v; beta; the decay; the gate z) need grad, and each op keeps what those ask for.
     Mirrors: autograd's saves in nanosft.families.gated_deltanet GatedDeltaNet.forward"""
-    from nanosft.families.gated_deltanet import CHUNK_SIZE
-
-    plan, N, wd, full = ctx["plan"], ctx["N"], ctx["wd"], ctx["plan"].full
+    plan, N, wd, ad, full = ctx["plan"], ctx["N"], ctx["wd"], ctx["ad"], ctx["plan"].full
     C, T, B, K = (config.hidden_size, plan.max_length, plan.per_device_train_batch_size,
                   config.linear_conv_kernel_dim)
     Hv, Dk, Dv = config.linear_num_value_heads, config.linear_key_head_dim, \
         config.linear_value_head_dim
     Kd, Vd = config.linear_num_key_heads * Dk, Hv * Dv
     Cd, out = 2 * Kd + Vd, ctx["out_bytes"]
-    rgs = [_linear(saved, ctx, lin, x_name, wd, C, o, x_rg) for lin, o in
-           (("in_proj_qkv", Cd), ("in_proj_z", Vd), ("in_proj_b", Hv), ("in_proj_a", Hv))]
-    if not any(rgs) and not full:
-        return False
-    saved.add("gdn.beta", N * Hv, out("in_proj_b"))  # sigmoid keeps its output
-    saved.add("gdn.softplus_in", N * Hv, 4)  # g = -exp(A_log) * softplus(a + dt_bias), fp32
-    saved.add("gdn.neg_A_exp", Hv, 4)
+    qkv_rg, z_rg, b_rg, a_rg = (_linear(saved, ctx, lin, x_name, wd, C, o, x_rg) for lin, o in
+                                (("in_proj_qkv", Cd), ("in_proj_z", Vd), ("in_proj_b", Hv),
+                                 ("in_proj_a", Hv)))
+    c_rg = qkv_rg or full  # q, k, v after the conv (its weight trains in full fine-tuning)
+    g_rg = a_rg or full  # the decay g = -exp(A_log) * softplus(a + dt_bias), in fp32
+    if b_rg:
+        saved.add("gdn.beta", N * Hv, out("in_proj_b"))  # sigmoid keeps its output
+    if g_rg:
+        saved.add("gdn.softplus_in", N * Hv, 4)
+        saved.add("gdn.neg_A_exp", Hv, 4)
     if full:  # A_log trains: its exp, and softplus's output for the product's gradient
         saved.add("gdn.A_exp", Hv, 4)
         saved.add("gdn.softplus_out", N * Hv, 4)
-    ad = ctx["ad"]
-    # conv1d's input: in_proj_qkv's output, or under autocast the bf16 copy of its fp32 cast,
-    # beside the weight's copy; silu's input is the conv's output before the slice
-    saved.add("gdn.qkv_out", N * Cd, ad or out("in_proj_qkv"))
-    if ad and ad != wd:
-        saved.add("gdn.conv_weight_cast", Cd * K, ad)
-    saved.add("gdn.conv_out", B * Cd * (T + K - 1), ad or wd)
+    if c_rg:
+        # conv1d's input: in_proj_qkv's output, or under autocast the bf16 copy of its fp32
+        # cast, beside the weight's copy; silu's input is the conv's output before the slice
+        saved.add("gdn.qkv_out", N * Cd, ad or out("in_proj_qkv"))
+        if ad and ad != wd:
+            saved.add("gdn.conv_weight_cast", Cd * K, ad)
+        saved.add("gdn.conv_out", B * Cd * (T + K - 1), ad or wd)
+        R = B * Hv
+        for name in ("q", "k"):  # fp32 copies after repeat / transpose, and l2norm's 1 / norm
+            saved.add(f"gdn.{name}_prepared", R * T * Dk, 4)
+            saved.add(f"gdn.{name}_rnorm", R * T, 4)
+    o_rg = c_rg or b_rg or g_rg
+    if o_rg:
+        _delta_rule_saved(saved, config, plan, ad, c_rg, b_rg, g_rg)
+    # gated RMSNorm over (N Hv, Dv): fp32 o and 1 / rms, (the normed o for its weight), the
+    # gate z (fp32) and silu(z), weight * normed o
+    od = ad or wd  # the rule's output returns to the conv's dtype
+    if o_rg:
+        saved.add("gdn.o", N * Vd, 4)
+        saved.add("gdn.norm_rstd", N * Hv, 4)
+    if full:
+        saved.add("gdn.norm_xn", N * Vd, od)
+    if z_rg:  # silu's input, and what it multiplies
+        saved.add("gdn.z", N * Vd, 4)
+        saved.add("gdn.weight_xn", N * Vd, max(wd, od))
+    if o_rg or full:
+        saved.add("gdn.silu_z", N * Vd, 4)
+    return _linear(saved, ctx, "out_proj", "gdn.norm_out", wd, Vd, C, o_rg or z_rg or full)
+
+
+def _delta_rule_saved(saved, config, plan, ad, c_rg, b_rg, g_rg):
+    """Saves of chunk_gated_delta_rule, op by op, T padded to whole chunks: the (C, C) decay,
+    k k^T and q k^T per chunk, the two triangular solves, the chunk loop. `c_rg`: q, k, v need
+    grad; `b_rg`: beta; `g_rg`: the decay. Each product keeps one side for the other's gradient,
+    under autocast a bf16 copy of it (the triangular solves stay fp32). The last chunk's state
+    update feeds only the final state, which a training forward drops: what it alone saved is
+    freed when the forward ends."""
+    from nanosft.families.gated_deltanet import CHUNK_SIZE
+
+    B, T, Hv = plan.per_device_train_batch_size, plan.max_length, config.linear_num_value_heads
+    Dk, Dv = config.linear_key_head_dim, config.linear_value_head_dim
     R, Cc = B * Hv, CHUNK_SIZE  # rows of value heads; the chunk
     n = -(-T // Cc)
     Tp = n * Cc
-    for name in ("q", "k"):  # fp32 copies after repeat / transpose, and l2norm's 1 / norm
-        saved.add(f"gdn.{name}_prepared", R * T * Dk, 4)
-        saved.add(f"gdn.{name}_rnorm", R * T, 4)
-    sq, kd, vd = R * n * Cc * Cc, R * Tp * Dk, R * Tp * Dv
-    # the chunked rule runs in fp32 (_prepare); under autocast its matmuls keep bf16 copies of
-    # their operands and return bf16 (the triangular solves stay fp32)
-    m = ad or 4
-    # the last chunk's state update feeds only the final state, which a training forward drops:
-    # what it alone saved is freed when the forward ends (in fp32 the state it scales, and
-    # k_write when one chunk holds it all; under autocast its bf16 copies of k_write and U)
-    fp32 = (("later_mask", Cc * Cc / 4), ("decay", sq), ("k_pad", kd), ("beta_pad", R * Tp),
-            ("v_pad", vd), ("A", sq), ("W", vd), ("exp_G", R * Tp), ("beta_k_2", kd),
-            ("Kc", kd), ("q_pad", kd), ("exp_G_2", R * Tp), ("exp_to_end", R * Tp),
-            ("exp_chunk_end", R * n), ("S0", R * Dk * Dv if ad else 0))
-    k_write = kd * (n - 1) // n if ad else (kd if n > 1 else 0)
-    matmul = (("beta_k", kd), ("k_kT", sq), ("q_kT", sq), ("scores", sq), ("U", vd),
-              ("k_write", k_write))
-    for name, numel in fp32:
-        saved.add(f"gdn.{name}", int(numel), 4)
-    for name, numel in matmul:
-        saved.add(f"gdn.{name}", numel, m)
-    if ad:  # more copies: k^T twice, q, each state twice, U a second time
-        for name, numel in (("kT_cast", kd), ("kT_cast_2", kd), ("U_cast_2", vd * (n - 1) // n),
-                            ("S_casts", 2 * n * R * Dk * Dv)):
-            saved.add(f"gdn.{name}", numel, ad)
-    if n > 1:  # the states entering chunks 1 .. n - 1 carry grad: q_read and each S are kept
-        saved.add("gdn.q_read", (kd if not ad else kd * (n - 1) // n), m)
-        saved.add("gdn.states", (n - 1) * R * Dk * Dv, 4)
-        if ad:
-            saved.add("gdn.Kc_cast", kd * (n - 1) // n, ad)
-    # gated RMSNorm over (N Hv, Dv): fp32 o, 1 / rms, (the normed o for its weight), the gate z
-    # (fp32) and silu(z), and weight * normed o
-    od = ad or wd  # the rule's output returns to the conv's dtype
-    saved.add("gdn.o", N * Vd, 4)
-    saved.add("gdn.norm_rstd", N * Hv, 4)
-    if full:
-        saved.add("gdn.norm_xn", N * Vd, od)
-    saved.add("gdn.z", N * Vd, 4)
-    saved.add("gdn.silu_z", N * Vd, 4)
-    saved.add("gdn.weight_xn", N * Vd, max(wd, od))
-    return _linear(saved, ctx, "out_proj", "gdn.norm_out", wd, Vd, C, True)
+    sq, kd, vd, S = R * n * Cc * Cc, R * Tp * Dk, R * Tp * Dv, R * Dk * Dv
+    any_rg, qk_rg = c_rg or b_rg or g_rg, c_rg or g_rg
+    later = (n - 1) / n  # the share of chunks whose state update is kept
+    m = ad or 4  # a matmul's saved operand: the fp32 tensor, or its bf16 copy
+    rows = (  # (name, numel, bytes, kept when)
+        ("later_mask", Cc * Cc / 4, 4, g_rg),  # masked_fill's (C, C) bool mask
+        ("decay", sq, 4, any_rg),  # exp keeps its output; both products read it
+        ("beta_pad", R * Tp, 4, c_rg),  # b * k and b * v
+        ("k_pad", kd, 4, b_rg or (not ad and c_rg) or (g_rg and n > 1)),  # (k_write reads it)
+        ("kT_cast", kd, ad, ad and (b_rg or c_rg)),  # (b k) @ k^T
+        ("beta_k", kd, m, c_rg),
+        ("k_kT", sq, m, g_rg),  # times the decay
+        ("v_pad", vd, 4, b_rg),
+        ("A", sq, 4, any_rg),  # both solves read A and keep their outputs
+        ("W", vd, 4, any_rg),
+        ("Kc", kd, 4, any_rg),
+        ("exp_G", R * Tp, 4, any_rg),  # b k e^G
+        ("beta_k_2", kd, 4, g_rg),
+        ("kT_cast_2", kd, ad, ad and c_rg),  # q @ k^T
+        ("q_cast", kd, ad, ad and c_rg),
+        ("q_kT", sq, m, g_rg),  # times the decay
+        ("q_pad", kd, 4, g_rg or (not ad and c_rg)),  # q e^G
+        ("exp_G_2", R * Tp, 4, qk_rg),
+        ("scores", sq, m, any_rg),  # scores @ U
+        ("U", vd, m, qk_rg),
+        # the state updates of chunks 0 .. n - 2: k_write = k e^(G_C - G), its copy and U's
+        ("exp_to_end", R * Tp, 4, qk_rg and n > 1),
+        ("k_write", kd * (later if ad else 1), m, any_rg and n > 1),
+        ("U_cast_2", vd * later, ad, ad and qk_rg),
+        ("exp_chunk_end", R * ((n - 1) if g_rg else max(n - 2, 0)), 4, any_rg),
+        # the states: S0 (zeros) and S_1 .. S_{n-1} read by Kc @ S and q_read @ S (two bf16
+        # copies each under autocast), and by S e^(G_C); from chunk 1 on S carries grad, so
+        # Kc and q_read are kept for it
+        ("S0", S, 4, any_rg and (not ad or g_rg and n > 1)),
+        ("states", (n - 1) * S if not ad else max(n - 2, 0) * S if g_rg else 0, 4, any_rg),
+        ("S_casts", n * S * (2 if qk_rg else 1), ad, ad and any_rg),
+        ("q_read", kd * (later if ad else 1), m, any_rg and n > 1),
+        ("Kc_cast", kd * later, ad, ad and any_rg),
+    )
+    for name, numel, nbytes, kept in rows:
+        if kept and numel:
+            saved.add(f"gdn.{name}", int(numel), nbytes)
 
 
 def _gated_attention(saved, ctx, config, layer_idx, x_name, x_rg):
@@ -329,19 +365,30 @@ def _gated_attention(saved, ctx, config, layer_idx, x_name, x_rg):
     v_rg = _linear(saved, ctx, "v_proj", x_name, wd, C, KV * D, x_rg)
     _norm(saved, "q_norm", N * 2 * H, D, q_rg, plan.full, out("q_proj"))  # (its input: the view)
     _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out("k_proj"))
-    if not (q_rg or k_rg or v_rg):
-        return False
-    if config.layer_types.index("full_attention") == layer_idx:
+    attn_rg = q_rg or k_rg or v_rg
+    if (q_rg or k_rg) and _rope_saved_first(config, ctx, layer_idx):  # RoPE reads q and k only
         rot = int(D * config.partial_rotary_factor)
         saved.add("rope_cos_sin", 2 * T * rot, wd)
-    saved.add("sdpa.q", N * H * D, s)
-    saved.add("sdpa.k", N * KV * D, s)
-    saved.add("sdpa.v", N * KV * D, s)
-    saved.add("sdpa.out", N * H * D, s)
-    saved.add("sdpa.logsumexp", B * H * T, 4)
-    saved.add("attn.y", N * H * D, s)  # SDPA's output transposed to (B, T, H D): a copy
-    saved.add("attn.gate_sigmoid", N * H * D, out("q_proj"))
-    return _linear(saved, ctx, "o_proj", "o_proj.input", s, H * D, C, True)
+    if attn_rg:  # SDPA keeps all it reads once any of q, k, v needs grad
+        saved.add("sdpa.q", N * H * D, s)
+        saved.add("sdpa.k", N * KV * D, s)
+        saved.add("sdpa.v", N * KV * D, s)
+        saved.add("sdpa.out", N * H * D, s)
+        saved.add("sdpa.logsumexp", B * H * T, 4)
+        saved.add("attn.gate_sigmoid", N * H * D, out("q_proj"))  # (y's gradient reads it)
+    if q_rg:  # the gate's gradient reads SDPA's output transposed to (B, T, H D): a copy
+        saved.add("attn.y", N * H * D, s)
+    return _linear(saved, ctx, "o_proj", "o_proj.input", s, H * D, C, attn_rg)
+
+
+def _rope_saved_first(config, ctx, layer_idx):
+    """Whether this full-attention layer is the first to keep the shared cos / sin tables: the
+    first whose q or k needs grad (LoRA on q_proj / k_proj, or an input that needs grad)."""
+    qk_lora = ctx["plan"].full or "q_proj" in ctx["targets"] or "k_proj" in ctx["targets"]
+    for j, kind in enumerate(config.layer_types):
+        if kind == "full_attention" and (qk_lora or _earlier_layer_trains(config, ctx, j)):
+            return j == layer_idx
+    return False
 
 
 def _gemma4_norm(saved, tag, rows, D, rg, trainable, x_name, x_bytes, scale=True):
@@ -486,6 +533,23 @@ def head_saved_bytes(config, plan):
     return saved.bytes, ctx["N"] * config.vocab_size * 4
 
 
+def _earlier_layer_trains(config, ctx, layer_idx):
+    """Whether a layer before `layer_idx` holds LoRA, so this layer's input needs grad. The hybrid
+    families' mixers have their own linears: attention-only LoRA leaves a first Gated DeltaNet
+    or short-conv layer frozen, and the next layer's input without grad."""
+    lfm2 = config.model_type == "lfm2"
+    mixers = {"linear_attention": GATED_DELTANET_LINEARS, "conv": ("in_proj", "out_proj"),
+              "full_attention": ("q_proj", "k_proj", "v_proj", "out_proj" if lfm2 else "o_proj")}
+    ffn = ("w1", "w3", "w2") if lfm2 else ("gate_proj", "up_proj", "down_proj",
+                                          "shared_expert_gate")
+    for j in range(layer_idx):
+        if is_moe_layer(config, j) and ctx["param_targets"]:
+            return True
+        if any(lin in ctx["targets"] for lin in mixers[config.layer_types[j]] + ffn):
+            return True
+    return False
+
+
 def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0):
     """Bytes one decoder layer of these families saves for backward, by tensor, no checkpointing.
     Mirrors: autograd's saves in nanosft.families' olmo3, cohere2, gpt_neox, qwen3_moe, glm4_moe
@@ -510,6 +574,7 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     elif t == "gemma4_text":
         _gemma4_layer(saved, ctx, config, layer_idx, first)
     elif t in ("qwen3_5_text", "qwen3_5_moe_text"):  # pre-norm; Gated DeltaNet or attention
+        rg = plan.full or _earlier_layer_trains(config, ctx, layer_idx)
         n_rg = _norm(saved, "input_layernorm", N, C, rg, plan.full, wd)
         if config.layer_types[layer_idx] == "linear_attention":
             a_rg = _gated_deltanet(saved, ctx, config, "normed_1", n_rg)
@@ -521,6 +586,7 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         else:
             _swiglu(saved, ctx, "normed_2", n2_rg, C, I)
     elif t == "lfm2":  # pre-norm; the mixer a gated short convolution or attention
+        rg = plan.full or _earlier_layer_trains(config, ctx, layer_idx)
         n_rg = _norm(saved, "operator_norm", N, C, rg, plan.full, wd)
         if config.layer_types[layer_idx] == "conv":
             a_rg = _short_conv(saved, ctx, config, "normed_1", n_rg)
