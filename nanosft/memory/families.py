@@ -10,7 +10,9 @@ rows add up to N * top_k however the router splits them, so the bytes need no ro
 hybrid and newer layers: LFM2's gated short convolution, Qwen3.5's Gated DeltaNet (through the
 chunked delta rule) and gated attention (Qwen3.5-MoE: those layers with the MoE block and a
 sigmoid-gated shared expert), Gemma 4's layer (fp32 norms by hand, shared keys and
-values, per-layer inputs) and its saves outside the layers.
+values, per-layer inputs) and its saves outside the layers. Where a layer's input needs no grad
+(the first layer, or one after layers LoRA leaves frozen) the Qwen3.5 and LFM2 walks keep only
+what the branches LoRA makes need grad ask for.
 Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656, Gated DeltaNet
 2412.06464.
 """
@@ -313,10 +315,11 @@ def _delta_rule_saved(saved, config, plan, ad, c_rg, b_rg, g_rg):
     later = (n - 1) / n  # the share of chunks whose state update is kept
     m = ad or 4  # a matmul's saved operand: the fp32 tensor, or its bf16 copy
     rows = (  # (name, numel, bytes, kept when)
-        ("later_mask", Cc * Cc / 4, 4, g_rg),  # masked_fill's (C, C) bool mask
+        ("later_mask", Cc * Cc, 1, g_rg),  # masked_fill's (C, C) bool mask
         ("decay", sq, 4, any_rg),  # exp keeps its output; both products read it
         ("beta_pad", R * Tp, 4, c_rg),  # b * k and b * v
-        ("k_pad", kd, 4, b_rg or (not ad and c_rg) or (g_rg and n > 1)),  # (k_write reads it)
+        # b * k; (b k) @ k^T and q @ k^T in fp32; k_write = k e^(G_C - G)
+        ("k_pad", kd, 4, b_rg or (not ad and c_rg) or (g_rg and n > 1)),
         ("kT_cast", kd, ad, ad and (b_rg or c_rg)),  # (b k) @ k^T
         ("beta_k", kd, m, c_rg),
         ("k_kT", sq, m, g_rg),  # times the decay
