@@ -6,7 +6,8 @@ N * top_k dispatched rows; the three extra norms), for full fine-tuning, LoRA (a
 router.proj, plus target_parameters on the 3-D experts) and QLoRA: the parameter list equals the
 model's names and shapes; the weights, adapters, gradients and AdamW rows equal the distinct
 storage bytes after one step; the activations row equals the bytes autograd saves
-(saved_tensors_hooks) within 1% (full) and 5% (LoRA / QLoRA), and under bf16 autocast.
+(saved_tensors_hooks) within 1% (full) and 5% (LoRA / QLoRA), and under bf16 autocast; the same
+with the experts stored as NF4 by quantize_experts (codes and statistics in the weights row).
 Negative control: the same config without its MoE rows (read as the dense Gemma 4) is short by
 more than 5%. Tiny models (hidden 64, 2 layers, 4 experts, top 2), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_gemma4_moe.py

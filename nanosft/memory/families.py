@@ -9,7 +9,8 @@ row's input, gate_up output, activation products, the expert output and its weig
 rows add up to N * top_k however the router splits them, so the bytes need no routing. Then the
 hybrid and newer layers: LFM2's gated short convolution, Qwen3.5's Gated DeltaNet (through the
 chunked delta rule) and gated attention, Gemma 4's layer (fp32 norms by hand, shared keys and
-values, per-layer inputs) and its saves outside the layers.
+values, per-layer inputs, the experts beside the MLP under enable_moe_block) and its saves outside
+the layers.
 Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656, Gated DeltaNet
 2412.06464.
 """
@@ -342,8 +343,9 @@ def _gemma4_norm(saved, tag, rows, D, rg, trainable, x_name, x_bytes, scale=True
 
 def _gemma4_layer(saved, ctx, config, i, first):
     """Saves of one Gemma 4 layer: attention at this layer's head_dim (a KV-shared layer reads
-    the keys and values an earlier layer saved), Gemma 3's four norms and GeGLU, and the gated
-    per-layer input (its (N, C + L P) embeddings storage counted in the first layer)."""
+    the keys and values an earlier layer saved), Gemma 3's four norms and GeGLU (and the experts
+    branch beside it), and the gated per-layer input (its (N, C + L P) embeddings storage counted
+    in the first layer)."""
     plan, N, wd, ad = ctx["plan"], ctx["N"], ctx["wd"], ctx["ad"]
     C, H, P, T = (config.hidden_size, config.num_attention_heads,
                   config.hidden_size_per_layer_input, plan.max_length)

@@ -15,8 +15,10 @@ names and shapes, logits and every LoRA gradient, and adapters trained by one li
 the other; QLoRA SFT per-step losses and fp32 LoRA gradients against TRL + peft + bitsandbytes
 (test_family_sft's harness, with the experts' target_parameters); no auxiliary loss (transformers
 computes none for Gemma 4: TRL's aux_loss_enabled is False in both); NF4 experts (quantize_experts)
-against bitsandbytes' round trip of each expert's slice. Negative controls: the router reading the
-MLP's normed input instead of the residual, and per_expert_scale dropped, each move the logits.
+against bitsandbytes' round trip of each expert's slice; a multimodal gemma4 folder (how 26B-A4B
+ships) loading its MoE text model; config errors naming the field. Negative controls: the router
+reading the MLP's normed input instead of the residual, and per_expert_scale dropped, each move
+the logits.
 Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_gemma4_moe.py
 """
@@ -34,6 +36,7 @@ from test_families import (BASE, TOL, V, assert_greedy_generation_matches,
                            models_both_ways, packed_row, save_random, train_a_few_steps)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
+from nanosft.families import config_from_dict
 from nanosft.families.gemma4_moe import Gemma4Experts
 from nanosft.families.nf4_experts import NF4Experts, dequantize_experts, quantize_experts
 from nanosft.model import CausalLM
@@ -247,3 +250,31 @@ def test_nf4_experts_equal_the_bitsandbytes_round_trip(tmp_path):
     assert not any(isinstance(m, NF4Experts) for m in model.modules())
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, want.logits.detach(), rtol=0, atol=1e-6)
+
+
+def test_multimodal_gemma4_folder_loads_its_moe_language_model(tmp_path):
+    """model_type gemma4 (how 26B-A4B ships: vision tower beside the language model, keys
+    model.language_model.*, experts among them): nanosft loads the text model, with the logits of
+    transformers' AutoModelForCausalLM on text."""
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+              "position_embedding_size": 64}
+    config = transformers.Gemma4Config(text_config=VARIANTS["moe-plain"], vision_config=vision,
+                                       audio_config=None)
+    torch.manual_seed(0)
+    transformers.Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path / "vlm")
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
+    ours = CausalLM.from_pretrained(tmp_path / "vlm").eval()
+    assert ours.config.enable_moe_block and ours.config.num_experts == 4
+    x = torch.randint(3, V, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, want(input_ids=x).logits, **TOL)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_experts": None}, "enable_moe_block=true needs num_experts"),
+    ({"moe_intermediate_size": 0}, "needs moe_intermediate_size"),
+    ({"top_k_experts": 5}, "top_k_experts=5 must be at most num_experts=4")])
+def test_moe_config_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_dict({"model_type": "gemma4_text", **MOE, **fields})
