@@ -16,10 +16,10 @@ the other; QLoRA SFT per-step losses and fp32 LoRA gradients against TRL + peft 
 (test_family_sft's harness, with the experts' target_parameters); no auxiliary loss (transformers
 computes none for Gemma 4: TRL's aux_loss_enabled is False in both); NF4 experts (quantize_experts)
 against bitsandbytes' round trip of each expert's slice; a multimodal gemma4 folder (how 26B-A4B
-ships) loading its MoE text model; config errors naming the field. Negative controls: the router
-reading the MLP's normed input instead of the residual, and per_expert_scale dropped, each move
-the logits.
-Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
+ships) loading its MoE text model; bf16 logits bit for bit against transformers' eager experts;
+config errors naming the field. Negative controls: the router reading the MLP's normed input
+instead of the residual, and per_expert_scale dropped, each move the logits. Hermetic: tmp
+folders, no downloads; `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_gemma4_moe.py
 """
 
@@ -278,3 +278,21 @@ def test_multimodal_gemma4_folder_loads_its_moe_language_model(tmp_path):
 def test_moe_config_errors_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         config_from_dict({"model_type": "gemma4_text", **MOE, **fields})
+
+
+def test_bf16_logits_equal_transformers_eager_experts_bitwise(tmp_path):
+    """Loaded in bfloat16: the same casts in the same places (fp32 router softmax and top-k
+    weights, bf16 experts, the weighted rows cast back before the combine), so the logits equal
+    transformers' eager experts (the per-expert loop nanosft writes) bit for bit; its default
+    grouped_mm rounds bf16 otherwise (printed)."""
+    _, folder = hf_folder(tmp_path)
+    x = torch.randint(3, V, (2, 80))
+    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    eager = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, experts_implementation="eager").eval()
+    grouped = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = ours(x).logits
+        torch.testing.assert_close(got, eager(x).logits, rtol=0, atol=0)
+        diff = (grouped.eval()(x).logits - got).abs().max().item()
+    print(f"\n[gemma4 moe] bf16 logits: 0 vs eager experts, {diff:.2e} vs grouped_mm")
