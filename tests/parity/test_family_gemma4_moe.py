@@ -17,9 +17,10 @@ the other; QLoRA SFT per-step losses and fp32 LoRA gradients against TRL + peft 
 computes none for Gemma 4: TRL's aux_loss_enabled is False in both); NF4 experts (quantize_experts)
 against bitsandbytes' round trip of each expert's slice; a multimodal gemma4 folder (how 26B-A4B
 ships) loading its MoE text model; bf16 logits bit for bit against transformers' eager experts;
-config errors naming the field. Negative controls: the router reading the MLP's normed input
-instead of the residual, and per_expert_scale dropped, each move the logits. Hermetic: tmp
-folders, no downloads; `-s` prints the largest differences.
+gradient checkpointing giving the plain backward's gradients; config errors naming the field.
+Negative controls: the router reading the MLP's normed input instead of the residual, and
+per_expert_scale dropped, each move the logits. Hermetic: tmp folders, no downloads; `-s` prints
+the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_gemma4_moe.py
 """
 
@@ -31,7 +32,8 @@ import transformers
 from safetensors.torch import load_file
 from test_family_moe import random_adapters
 from test_nf4_experts import round_trip, same_lora
-from test_families import (BASE, TOL, V, assert_greedy_generation_matches,
+from test_families import (BASE, TOL, V, assert_checkpointing_keeps_gradients,
+                           assert_greedy_generation_matches,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, save_random, train_a_few_steps)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
@@ -296,3 +298,9 @@ def test_bf16_logits_equal_transformers_eager_experts_bitwise(tmp_path):
         torch.testing.assert_close(got, eager(x).logits, rtol=0, atol=0)
         diff = (grouped.eval()(x).logits - got).abs().max().item()
     print(f"\n[gemma4 moe] bf16 logits: 0 vs eager experts, {diff:.2e} vs grouped_mm")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    """Checkpointed layers (router and experts recomputed in backward) give the plain backward's
+    gradients, on a right-padded batch."""
+    assert_checkpointing_keeps_gradients(hf_folder(tmp_path)[1])
