@@ -485,3 +485,44 @@ def test_gpt_oss_bytes_measured_and_for_a_20b_layer():
           f"{nf4 / 2**20:.1f} MiB ({nf4 / bf16:.3f}, {8 * nf4 / weights:.4f} bits a weight), "
           f"{(bf16 - nf4) / 2**20:.1f} MiB saved (biases {biases / 2**20:.2f} MiB stay bf16); "
           f"x24 layers: {24 * (bf16 - nf4) / 2**30:.2f} GiB saved")
+
+
+def test_qwen3_5_moe_experts_quantize_beside_the_shared_expert():
+    """Qwen3.5-MoE (Gated DeltaNet and gated attention layers, experts plus the gated shared
+    expert, a linear left alone): quantize_experts takes its 3-D experts; logits, loss, aux loss
+    and, with LoRA on the NF4 experts and q_proj, every LoRA gradient equal the round-trip model's
+    (1e-6); the experts' bytes shrink to nf4_nbytes."""
+    from nanosft.families.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        layer_types=["linear_attention", "full_attention"]))
+    ref = round_trip_model(model)
+    float_bytes = experts_nbytes(model)
+    quantize_experts(model)
+    assert sum(isinstance(m, NF4Experts) for m in model.modules()) == 2
+    assert type(model.model.layers[0].mlp.shared_expert.gate_proj) is torch.nn.Linear
+    assert experts_nbytes(model) == 2 * (nf4_nbytes((4, 128, 64)) + nf4_nbytes((4, 64, 64)) + 8)
+    assert experts_nbytes(model) < float_bytes / 7
+    lora = {"r": 2, "target_modules": ["q_proj"], "target_parameters": ["gate_up_proj",
+                                                                        "down_proj"]}
+    model, ref = (get_peft_model(m, LoraConfig(**lora)) for m in (model, ref))
+    for m in (model, ref):  # the same non-zero adapters
+        torch.manual_seed(1)
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                p.data = torch.randn(p.shape) * 0.1
+    x = torch.randint(2, V, (2, 12))
+    outs = [m(x, labels=x, output_router_logits=True) for m in (model, ref)]
+    for key in ("logits", "loss", "aux_loss"):
+        torch.testing.assert_close(getattr(outs[0], key), getattr(outs[1], key), **TOL)
+    for out in outs:
+        out.loss.backward()
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (model, ref)]
+    assert sorted(grads[0]) == sorted(grads[1]) and any(".experts." in n for n in grads[0])
+    for n, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][n], grad, **TOL, msg=n)

@@ -209,6 +209,7 @@ def _train(args, sft_config, peft_config):
         print(f"saved the {kind} and tokenizer to {sft_config.output_dir} "
               f"(train_loss {result.training_loss:.4f}, {result.global_step} steps)")
         print(speed_summary(trainer, result.metrics))  # model GFLOP/s and MFU
+    del trainer, model  # the DDP wrapper's reducer holds the group: freed before it (cleanup)
     distributed.cleanup()
     return 0
 

@@ -25,6 +25,7 @@ from nanosft.families.phi3 import Phi3Config, Phi3ForCausalLM
 from nanosft.families.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from nanosft.families.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from nanosft.families.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from nanosft.families.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
 from nanosft.families.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from nanosft.families.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from nanosft.model import CausalLM
@@ -44,15 +45,13 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3_5_text": (Qwen3_5Config, Qwen3_5ForCausalLM),
+    "qwen3_5_moe_text": (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
 }
 
 # model_type -> why it is refused (the families' blocks it would need are not built here)
 REFUSED = {
-    "qwen3_5_moe": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 model",
-    "qwen3_5_moe_text": "Qwen3.5's MoE variant needs a sparse MoE block; load a dense qwen3_5 "
-                        "model",
     "nemotron_h": "its hybrid Mamba-2 state-space layers are not implemented",
 }
 
@@ -61,13 +60,14 @@ REFUSED = {
 # text model (its model_type, peft's defaults and adapter keys are the text model's)
 TEXT_MODELS = {
     "qwen3_5": ("qwen3_5_text", "model.language_model."),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "model.language_model."),
     "gemma4": ("gemma4_text", "model.language_model."),
 }
 
 
 # model_type -> key prefixes a checkpoint may hold that the model never reads (Qwen3.5's
 # multi-token-prediction head)
-IGNORED_KEYS = {"qwen3_5_text": ("mtp.",)}
+IGNORED_KEYS = {"qwen3_5_text": ("mtp.",), "qwen3_5_moe_text": ("mtp.",)}
 
 
 def text_model_index(config, index):

@@ -5,7 +5,7 @@ What changes from Llama: `layer_types` (by default three "linear_attention" laye
 state in the cache) or attention whose q_proj also yields an output gate (o_proj reads
 attn * sigmoid(gate)), with Qwen3's q_norm / k_norm and RoPE on the first partial_rotary_factor
 (0.25) of each head; every RMSNorm but the gated one multiplies by (1 + weight). The layers run
-under families.hybrid's forward. The MoE variant (`qwen3_5_moe`) is refused.
+under families.hybrid's forward. The MoE variant (`qwen3_5_moe_text`) is families.qwen3_5_moe.
 """
 
 from dataclasses import dataclass
@@ -116,6 +116,8 @@ class Qwen3_5DecoderLayer(nn.Module):
     """Pre-norm block whose token mixer is `linear_attn` (Gated DeltaNet) or `self_attn` by
     layer type; zero-centred norms. Mirrors: transformers Qwen3_5DecoderLayer"""
 
+    mlp_class = MLP  # built as mlp_class(config) (qwen3_5_moe: its sparse MoE block)
+
     def __init__(self, config, layer_idx=0):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
@@ -123,7 +125,7 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, layer_idx)
         else:
             self.self_attn = Qwen3_5Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = self.mlp_class(config)
         self.input_layernorm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
 

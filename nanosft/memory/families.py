@@ -8,9 +8,10 @@ block: the router's probabilities and top-k choice, then the T * top_k rows the 
 row's input, gate_up output, activation products, the expert output and its weighted copy). The
 rows add up to N * top_k however the router splits them, so the bytes need no routing. Then the
 hybrid and newer layers: LFM2's gated short convolution, Qwen3.5's Gated DeltaNet (through the
-chunked delta rule) and gated attention, Gemma 4's layer (fp32 norms by hand, shared keys and
-values, per-layer inputs, the experts beside the MLP under enable_moe_block) and its saves outside
-the layers.
+chunked delta rule) and gated attention (Qwen3.5-MoE: those layers with the MoE block and a
+sigmoid-gated shared expert), Gemma 4's layer (fp32 norms by hand, shared keys and values,
+per-layer inputs, the experts beside the MLP under enable_moe_block) and its saves outside the
+layers.
 Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656, Gated DeltaNet
 2412.06464.
 """
@@ -23,7 +24,8 @@ from nanosft.memory.plan import (
 
 HEAD_TYPES = ("gemma4_text",)  # their own saves outside the layers
 MODELLED = ("olmo3", "cohere2", "gpt_neox", "qwen3_moe", "glm4_moe", "gpt_oss", "lfm2",
-            "gemma4_text", "qwen3_5_text")
+            "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text")
+SOFTMAX_ROUTERS = ("qwen3_moe", "qwen3_5_moe_text")  # fp32 softmax, renormalised in fp32
 
 
 def _rope_owner(config, layer_idx):
@@ -165,6 +167,8 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     shared_rg = False
     if t == "glm4_moe" and config.n_shared_experts:  # a dense SwiGLU every token passes
         shared_rg = _swiglu(saved, ctx, x_name, x_rg, C, Ie * config.n_shared_experts)
+    if t == "qwen3_5_moe_text":  # the same, times sigmoid(shared_expert_gate(x))
+        shared_rg = _gated_shared_expert(saved, ctx, config, x_name, x_rg)
     if not (x_rg or router_trains or gate_up_trains or down_trains):
         return shared_rg
     # the router: (N, E) logits, top k of them (ids (N, k) int64), their weights
@@ -183,9 +187,9 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     if t == "gpt_oss":  # softmax over the k chosen logits only
         saved.add("router.top_k_weights", N * k, mm)
     else:  # softmax (Qwen, in fp32) or sigmoid (GLM) over all E
-        saved.add("router.probs", N * E, 4 if t == "qwen3_moe" else rd)
+        saved.add("router.probs", N * E, 4 if t in SOFTMAX_ROUTERS else rd)
         if config.norm_topk_prob:  # the k weights and their (N, 1) sum, for the division
-            nd = 4 if t == "qwen3_moe" else rd
+            nd = 4 if t in SOFTMAX_ROUTERS else rd
             saved.add("router.top_k_values", N * k, nd)
             saved.add("router.top_k_sum", N, nd)
     # dispatch: each of the R = N k (token, choice) rows, expert by expert
@@ -218,6 +222,21 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
             if ab != wd:  # the adapters cast to the experts' dtype for the baddbmm
                 saved.add(f"experts.{name}_factors", E * (out_f + in_f) * ptargets[name], wd)
     return True
+
+
+def _gated_shared_expert(saved, ctx, config, x_name, x_rg):
+    """Saves of Qwen3.5-MoE's shared expert on `x_name`: the SwiGLU of
+    shared_expert_intermediate_size, the (N, 1) gate linear, its sigmoid's output (which the
+    product also reads) and, for the gate's gradient, the expert's (N, C) output.
+    Mirrors: autograd's saves in nanosft.families.qwen3_5_moe Qwen3_5MoeSparseMoeBlock.forward"""
+    N, C, out = ctx["N"], config.hidden_size, ctx["out_bytes"]
+    d_rg = _swiglu(saved, ctx, x_name, x_rg, C, config.shared_expert_intermediate_size)
+    g_rg = _linear(saved, ctx, "shared_expert_gate", x_name, ctx["wd"], C, 1, x_rg)
+    if g_rg or d_rg:
+        saved.add("shared_expert.gate_sigmoid", N, out("shared_expert_gate"))
+    if g_rg:
+        saved.add("shared_expert.out", N * C, out("down_proj"))
+    return g_rg or d_rg
 
 
 def _gated_deltanet(saved, ctx, config, x_name, x_rg):
@@ -511,6 +530,8 @@ def _context(config, plan, layer_idx, device_type, I):
                    "per_layer_projection": getattr(config, "hidden_size_per_layer_input", 0)}
     if t == "glm4_moe" and is_moe_layer(config, layer_idx):  # the shared experts' width
         in_features["down_proj"] = expert_size(config) * config.n_shared_experts
+    if t == "qwen3_5_moe_text":
+        in_features["down_proj"] = config.shared_expert_intermediate_size
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
            for lin in layer_linears(config)}
 
@@ -554,14 +575,17 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         _norm(saved, "post_feedforward_layernorm", N, C, m_rg, plan.full, out_bytes("down_proj"))
     elif t == "gemma4_text":
         _gemma4_layer(saved, ctx, config, layer_idx, first)
-    elif t == "qwen3_5_text":  # pre-norm; the mixer Gated DeltaNet or gated attention
+    elif t in ("qwen3_5_text", "qwen3_5_moe_text"):  # pre-norm; Gated DeltaNet or attention
         n_rg = _norm(saved, "input_layernorm", N, C, rg, plan.full, wd)
         if config.layer_types[layer_idx] == "linear_attention":
             a_rg = _gated_deltanet(saved, ctx, config, "normed_1", n_rg)
         else:
             a_rg = _gated_attention(saved, ctx, config, layer_idx, "normed_1", n_rg)
         n2_rg = _norm(saved, "post_attention_layernorm", N, C, rg or a_rg, plan.full, wd)
-        _swiglu(saved, ctx, "normed_2", n2_rg, C, I)
+        if moe:  # Qwen3.5-MoE: the sparse block and its gated shared expert
+            moe_saved(saved, ctx, config, "normed_2", n2_rg)
+        else:
+            _swiglu(saved, ctx, "normed_2", n2_rg, C, I)
     elif t == "lfm2":  # pre-norm; the mixer a gated short convolution or attention
         n_rg = _norm(saved, "operator_norm", N, C, rg, plan.full, wd)
         if config.layer_types[layer_idx] == "conv":

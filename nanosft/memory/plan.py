@@ -109,6 +109,8 @@ def layer_linears(config):
         return LFM2_LINEARS
     if config.model_type == "qwen3_5_text":
         return LAYER_LINEARS + GATED_DELTANET_LINEARS
+    if config.model_type == "qwen3_5_moe_text":  # the shared expert's three and its gate
+        return LAYER_LINEARS + GATED_DELTANET_LINEARS + ("shared_expert_gate",)
     if config.model_type == "gemma4_text":  # (the MoE block's router: one more linear, proj)
         return (LAYER_LINEARS + (GEMMA4_PER_LAYER if config.hidden_size_per_layer_input else ())
                 + (("proj",) if config.enable_moe_block else ()))
@@ -121,7 +123,7 @@ def is_moe_layer(config, i):
         return config.is_sparse(i)
     if config.model_type == "glm4_moe":
         return i >= config.first_k_dense_replace
-    return config.model_type == "gpt_oss"
+    return config.model_type in ("gpt_oss", "qwen3_5_moe_text")
 
 
 def expert_size(config):
@@ -169,8 +171,9 @@ def _lfm2_layer_shapes(config, i):
 
 def _qwen3_5_layer_shapes(config, i):
     """One Qwen3.5 layer: Gated DeltaNet (conv1d over q, k, v; decay and gate parameters; gated
-    norm; five projections) or attention whose q_proj also yields the output gate (2 H D).
-    Mirrors: transformers Qwen3_5DecoderLayer"""
+    norm; five projections) or attention whose q_proj also yields the output gate (2 H D); then
+    the SwiGLU MLP, or Qwen3.5-MoE's router, 3-D experts, shared expert and its (1, C) gate.
+    Mirrors: transformers Qwen3_5DecoderLayer, Qwen3_5MoeDecoderLayer"""
     C, I, H, KV, D = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
     p = f"model.layers.{i}."
@@ -192,8 +195,17 @@ def _qwen3_5_layer_shapes(config, i):
         if config.attention_bias:
             shapes += [(a + "q_proj.bias", (2 * H * D,)), (a + "k_proj.bias", (KV * D,)),
                        (a + "v_proj.bias", (KV * D,)), (a + "o_proj.bias", (C,))]
-    return shapes + _swiglu(p + "mlp.", C, I) + [(p + "input_layernorm.weight", (C,)),
-                                                 (p + "post_attention_layernorm.weight", (C,))]
+    m = p + "mlp."
+    if config.model_type == "qwen3_5_moe_text":
+        E, Ie = config.num_experts, config.moe_intermediate_size
+        shapes += [(m + "gate.weight", (E, C)), (m + "experts.gate_up_proj", (E, 2 * Ie, C)),
+                   (m + "experts.down_proj", (E, C, Ie))]
+        shapes += _swiglu(m + "shared_expert.", C, config.shared_expert_intermediate_size)
+        shapes.append((m + "shared_expert_gate.weight", (1, C)))
+    else:
+        shapes += _swiglu(m, C, I)
+    return shapes + [(p + "input_layernorm.weight", (C,)),
+                     (p + "post_attention_layernorm.weight", (C,))]
 
 
 def _gemma4_layer_shapes(config, i):
@@ -247,7 +259,7 @@ def _family_layer_shapes(config, i):
         return _lfm2_layer_shapes(config, i)
     if t == "gemma4_text":
         return _gemma4_layer_shapes(config, i)
-    if t == "qwen3_5_text":
+    if t in ("qwen3_5_text", "qwen3_5_moe_text"):
         return _qwen3_5_layer_shapes(config, i)
     if t == "gpt_neox":
         p, b = f"gpt_neox.layers.{i}.", config.attention_bias
@@ -300,7 +312,7 @@ def _family_layer_shapes(config, i):
 
 
 FAMILY_SHAPE_TYPES = ("olmo3", "cohere2", "gpt_neox", "lfm2", "gemma4_text",
-                      "qwen3_5_text") + MOE_TYPES
+                      "qwen3_5_text", "qwen3_5_moe_text") + MOE_TYPES
 
 
 def parameter_shapes(config):

@@ -3,7 +3,8 @@ families beyond Llama: Qwen3 (q/k norms, head_dim != hidden / heads), SmolLM3 (l
 RoPE), Mistral and Qwen2 with a sliding window shorter than the rows, Phi-3 (partial RoPE;
 all-linear targets the fused qkv_proj and gate_up_proj), Gemma 3 (a sliding and a full layer,
 (1 + w) norms around zero, the sublayer outputs normed), Qwen3.5 (a Gated DeltaNet layer and a
-gated full-attention layer), LFM2 (a gated short-convolution layer and an attention layer),
+gated full-attention layer; Qwen3.5-MoE the same with 4 experts, top 2, and the gated shared
+expert, its aux loss too), LFM2 (a gated short-convolution layer and an attention layer),
 Gemma 4 (per-layer inputs, a layer reading another's keys and values), OLMo 3, Cohere 2, GPT-NeoX,
 GLM-4-MoE, gpt-oss (its aux loss too) and Qwen3-MoE (4 experts, top 2; all-linear is LoRA on the
 attention, the 3-D experts and the router, as peft rewrites it; the load-balancing loss at
@@ -84,6 +85,14 @@ FAMILIES = {  # name: (transformers config class, overrides)
                      {"head_dim": 32, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                       "layer_types": ["linear_attention", "full_attention"]}),
+    # Qwen3.5-MoE: the same two mixers, each layer's MLP 4 experts (top 2) plus the gated shared
+    # expert; coef 0.1 so the load-balancing loss moves the loss
+    "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig,
+                         {"head_dim": 32, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                          "layer_types": ["linear_attention", "full_attention"],
+                          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "shared_expert_intermediate_size": 64, "router_aux_loss_coef": 0.1}),
     # a short-convolution layer then an attention layer; MLP width 2/3 * 192 = 128
     "lfm2": (transformers.Lfm2Config, {"intermediate_size": 192, "block_multiple_of": 64,
                                        "layer_types": ["conv", "full_attention"]}),
@@ -104,7 +113,8 @@ ARGS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max
         "optim": "adamw_torch", "seed": 11, "report_to": "none", "disable_tqdm": True,
         "gradient_checkpointing": False, "max_length": None}
 KEYS = ("loss", "grad_norm", "learning_rate")
-AUX_LOSS = ("qwen3_moe", "gpt_oss")  # configs with router_aux_loss_coef: TRL adds and logs it
+# configs with router_aux_loss_coef: TRL adds and logs it
+AUX_LOSS = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text")
 # Gemma 3's loss after step 1: both stacks train the same bf16 adapters, and a last-bit fp32
 # difference (nanosft's fused LM head and unpadded attention against TRL's chunked log-probs and
 # padded SDPA; <1e-7 in the gradients, test_lora_gradients_match_peft) flips the bf16 rounding of
