@@ -8,7 +8,8 @@ second embedding table, num_hidden_layers slices of hidden_size_per_layer_input 
 with a projection of the embeddings and fed to each layer through a gated residual. The last
 num_kv_shared_layers layers reuse the keys and values of the last earlier layer of their type
 (no k_proj, v_proj of their own). Each layer's output is multiplied by its `layer_scalar`.
-Refused: the MoE block (`enable_moe_block`) and bidirectional attention over text ("all").
+With `enable_moe_block` each layer adds routed experts beside its MLP (families/gemma4_moe.py).
+Refused: bidirectional attention over text ("all").
 """
 
 from dataclasses import dataclass, replace
@@ -20,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from nanosft.configuration import ModelConfig
 from nanosft.families.gemma3 import Gemma3MLP, Gemma3ScaledEmbedding
+from nanosft.families.gemma4_moe import add_moe_block, moe_block
+from nanosft.families.moe import init_moe_weights
 from nanosft.families.sliding_window import SlidingWindowAttention
 from nanosft.masking import build_attention_mask
 from nanosft.loss import causal_lm_loss
@@ -36,7 +39,7 @@ DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_0
 class Gemma4Config(ModelConfig):
     """ModelConfig plus Gemma 4's text fields, with Gemma4TextConfig's defaults.
     Mirrors: transformers Gemma4TextConfig
-    Differs: enable_moe_block and use_bidirectional_attention="all" are refused."""
+    Differs: use_bidirectional_attention="all" is refused."""
 
     ARCHITECTURES = {"gemma4_text": "Gemma4ForCausalLM"}
     model_type: str = "gemma4_text"
@@ -75,8 +78,7 @@ class Gemma4Config(ModelConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.enable_moe_block:
-            raise ValueError("config: enable_moe_block=true (Gemma 4's MoE variant) is not "
-                             "supported; load a dense Gemma 4 model")
+            self.check_moe_fields()
         if self.use_bidirectional_attention not in (None, "vision"):  # "vision": text is causal
             raise ValueError(f"config: use_bidirectional_attention="
                              f"{self.use_bidirectional_attention!r} is not supported: nanosft's "
@@ -102,6 +104,17 @@ class Gemma4Config(ModelConfig):
             self.per_layer_config = {i: dict(full) for i, t in enumerate(self.layer_types)
                                      if t == "full_attention"}
         self.per_layer_config = {int(i): c for i, c in self.per_layer_config.items()}
+
+    def check_moe_fields(self):
+        """Refuse an MoE config without its experts' sizes, or top_k_experts out of range."""
+        for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config: enable_moe_block=true needs {name} (a whole number "
+                                 f">= 1), got {value!r}; set it in config.json")
+        if self.top_k_experts > self.num_experts:
+            raise ValueError(f"config: top_k_experts={self.top_k_experts} must be at most "
+                             f"num_experts={self.num_experts}; fix config.json")
 
     def layer_config(self, i):
         """(head_dim, num_key_value_heads) of layer i."""
@@ -212,8 +225,9 @@ class Gemma4Attention(SlidingWindowAttention):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    """Gemma 3's four-norm layer, then the per-layer input's gated residual, all times
-    layer_scalar. Mirrors: transformers Gemma4TextDecoderLayer"""
+    """Gemma 3's four-norm layer (experts beside the MLP under enable_moe_block), then the
+    per-layer input's gated residual, all times layer_scalar.
+    Mirrors: transformers Gemma4TextDecoderLayer"""
 
     def __init__(self, config, layer_idx=0):
         super().__init__()
@@ -231,12 +245,17 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = nn.Linear(C, P, bias=False)
             self.per_layer_projection = nn.Linear(P, C, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(C, eps)
+        self.enable_moe_block = config.enable_moe_block
+        if self.enable_moe_block:  # router, experts and three more norms
+            add_moe_block(self, config)
 
     def forward(self, h, per_layer_input, cos, sin, mask, past=None, shared=None):
         """(B, T, C) residual stream in and out, plus this layer's (k, v)."""
         a, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, past, shared)
         h = h + self.post_attention_layernorm(a)
         m = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.enable_moe_block:  # the experts read h, the residual before the MLP
+            m = moe_block(self, h, m)
         h = h + self.post_feedforward_layernorm(m)
         if per_layer_input is not None:  # gelu(gate(h)) * this layer's input, projected back
             g = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
@@ -350,6 +369,10 @@ class Gemma4ForCausalLM(CausalLM):
     """Mirrors: transformers Gemma4ForCausalLM"""
 
     model_class = Gemma4Model
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        init_moe_weights(module, self.config.initializer_range)  # the 3-D experts: Normal(0, std)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 labels=None, num_items_in_batch=None, past_key_values=None, use_cache=False,

@@ -122,7 +122,8 @@ class NF4Experts(Experts):
     """Experts whose 3-D weights live as NF4 codes (`nf4[name]`, each expert's (out, in) slice);
     `gate_up_proj` and `down_proj` are zero placeholders of the float shape and dtype, which
     LoRA's ParamWrapper parametrizes. The expert maths is the quantized module's own `expert`
-    (Qwen3-MoE / GLM-4-MoE / Qwen3.5-MoE's SwiGLU, gpt-oss's clamped one with its float biases).
+    (Qwen3-MoE / GLM-4-MoE / Qwen3.5-MoE's SwiGLU, Gemma 4's GeGLU, gpt-oss's clamped one with
+    its float biases).
     Differs: not in transformers or bitsandbytes (they keep 3-D experts in float).
 
     Args:
@@ -242,7 +243,7 @@ def quantize_experts(model, compress_statistics=True):
     if not found:
         raise ValueError(f"quantize_experts: {type(model).__name__} has no MoE experts to "
                          "quantize (families.moe.Experts); it applies to qwen3_moe, glm4_moe, "
-                         "gpt_oss and qwen3_5_moe_text")
+                         "gpt_oss, qwen3_5_moe_text and gemma4_text with enable_moe_block")
     return model
 
 

@@ -30,7 +30,7 @@ NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 first-lev
 # (none today: a family added to nanosft.families without its walk here belongs in this list)
 NOT_MODELLED = ()
 # the families whose (E, out, in) experts families.nf4_experts.quantize_experts stores as NF4
-NF4_EXPERT_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_5_moe_text")
+NF4_EXPERT_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "gemma4_text")
 
 
 # ----------------------------------------------------------------------------- weights

@@ -9,10 +9,10 @@ row's input, gate_up output, activation products, the expert output and its weig
 rows add up to N * top_k however the router splits them, so the bytes need no routing. Then the
 hybrid and newer layers: LFM2's gated short convolution, Qwen3.5's Gated DeltaNet (through the
 chunked delta rule) and gated attention (Qwen3.5-MoE: those layers with the MoE block and a
-sigmoid-gated shared expert), Gemma 4's layer (fp32 norms by hand, shared keys and
-values, per-layer inputs) and its saves outside the layers. Where a layer's input needs no grad
-(the first layer, or one after layers LoRA leaves frozen) the Qwen3.5 and LFM2 walks keep only
-what the branches LoRA makes need grad ask for.
+sigmoid-gated shared expert), Gemma 4's layer (fp32 norms by hand, shared keys and values,
+per-layer inputs, the experts beside the MLP under enable_moe_block) and its saves outside the
+layers. Where a layer's input needs no grad (the first layer, or one after layers LoRA leaves
+frozen) the Qwen3.5 and LFM2 walks keep only what the branches LoRA makes need grad ask for.
 Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656, Gated DeltaNet
 2412.06464.
 """
@@ -411,8 +411,9 @@ def _gemma4_norm(saved, tag, rows, D, rg, trainable, x_name, x_bytes, scale=True
 
 def _gemma4_layer(saved, ctx, config, i, first):
     """Saves of one Gemma 4 layer: attention at this layer's head_dim (a KV-shared layer reads
-    the keys and values an earlier layer saved), Gemma 3's four norms and GeGLU, and the gated
-    per-layer input (its (N, C + L P) embeddings storage counted in the first layer)."""
+    the keys and values an earlier layer saved), Gemma 3's four norms and GeGLU (and the experts
+    branch beside it), and the gated per-layer input (its (N, C + L P) embeddings storage counted
+    in the first layer)."""
     plan, N, wd, ad = ctx["plan"], ctx["N"], ctx["wd"], ctx["ad"]
     C, H, P, T = (config.hidden_size, config.num_attention_heads,
                   config.hidden_size_per_layer_input, plan.max_length)
@@ -459,8 +460,15 @@ def _gemma4_layer(saved, ctx, config, i, first):
     h_rg = rg or o_rg
     n2_rg = _gemma4_norm(saved, "pre_feedforward_layernorm", N, C, h_rg, full, "h_mid", wd)
     d_rg = _swiglu(saved, ctx, "normed_2", n2_rg, C, I)
-    _gemma4_norm(saved, "post_feedforward_layernorm", N, C, d_rg, full, "down_proj.out",
-                 out("down_proj"))
+    if config.enable_moe_block:  # norm_1(mlp) + norm_2(experts(norm(h))), then normed again
+        m_rg = _gemma4_norm(saved, "post_feedforward_layernorm_1", N, C, d_rg, full,
+                            "down_proj.out", out("down_proj"))
+        d_rg = _gemma4_moe(saved, ctx, config, h_rg) or m_rg
+        _gemma4_norm(saved, "post_feedforward_layernorm", N, C, d_rg, full, "ffn_sum",
+                     max(out("down_proj"), wd))
+    else:
+        _gemma4_norm(saved, "post_feedforward_layernorm", N, C, d_rg, full, "down_proj.out",
+                     out("down_proj"))
     if not P:
         return
     h_rg = h_rg or d_rg
@@ -474,6 +482,63 @@ def _gemma4_layer(saved, ctx, config, i, first):
                    out("per_layer_input_gate"), P, C, g_rg or pli_rg)
     _gemma4_norm(saved, "post_per_layer_input_norm", N, C, p_rg, full, "per_layer_projection.out",
                  out("per_layer_projection"))
+
+
+def _gemma4_moe(saved, ctx, config, h_rg):
+    """Saves of Gemma 4's experts branch on the residual h ("h_mid", (N, C)): the router (its
+    scale-free fp32 norm, the scaled input proj reads, fp32 softmax, top-k, the renormalising
+    division, the per_expert_scale product), pre_feedforward_layernorm_2, the N * top_k rows the
+    experts get (as moe_saved counts them, GeGLU in place of SwiGLU) and
+    post_feedforward_layernorm_2 over their combined (N, C) output. Returns whether that output
+    needs grad.
+    Mirrors: autograd's saves in nanosft.families.gemma4_moe moe_block"""
+    plan, N, wd, ad, full = ctx["plan"], ctx["N"], ctx["wd"], ctx["ad"], ctx["plan"].full
+    C, E, k, Ie = config.hidden_size, config.num_experts, config.top_k_experts, \
+        config.moe_intermediate_size
+    R, ptargets = N * k, ctx["param_targets"]
+    cast = ad is not None and ad != wd  # autocast makes copies of inputs and weights
+    mm = ad or wd  # a matmul's output dtype
+    gate_up_trains = plan.experts_train() or "gate_up_proj" in ptargets
+    down_trains = plan.experts_train() or "down_proj" in ptargets
+    r_rg = _gemma4_norm(saved, "router.norm", N, C, h_rg, False, "h_mid", wd, scale=False)
+    if full:  # norm(h) * scale: the normed h for scale's gradient
+        saved.add("router.normalized", N * C, wd)
+    p_rg = _linear(saved, ctx, "proj", "router.scaled", wd, C, E, r_rg or full)
+    if not (p_rg or gate_up_trains or down_trains):
+        return False
+    saved.add("router.probs", N * E, 4)  # softmax in fp32 keeps its output
+    saved.add("router.top_k_index", N * k, 8)
+    saved.add("router.top_k_values", N * k, 4)  # the division keeps both sides
+    saved.add("router.top_k_sum", N, 4)
+    saved.add("router.expert_scale", N * k, wd)  # per_expert_scale[top_k_index]
+    if full:
+        saved.add("router.top_k_normalized", N * k, 4)
+    x_rg = _gemma4_norm(saved, "pre_feedforward_layernorm_2", N, C, h_rg, full, "h_mid", wd)
+    saved.add("experts.row_ids", R * 2, 8)  # torch.where's (token, slot) pairs, int64
+    if gate_up_trains:
+        saved.add("experts.input_rows", R * C, mm)
+    for name, numel in (("gate_up_proj", E * 2 * Ie * C), ("down_proj", E * C * Ie)):
+        if cast and x_rg and (not plan.nf4_experts or name in ptargets):
+            saved.add(f"experts.{name}_cast", numel, ad)  # each expert's slice cast anew
+    saved.add("experts.gate_up_out", R * 2 * Ie, mm)  # gelu reads the gate half of it
+    saved.add("experts.gelu", R * Ie, mm)
+    if down_trains:
+        saved.add("experts.act_product", R * Ie, mm)
+    saved.add("experts.route_weight", R, 4)  # (R, 1) slice of the fp32 top-k weights
+    saved.add("experts.out", R * C, mm)
+    saved.add("experts.weighted_out", R * C, wd)  # index_add_ keeps its source, in x's dtype
+    if not full:  # LoRA on the 3-D experts: W + B A is a new (E, out, in) tensor per forward
+        ab = DTYPE_BYTES[plan.adapter_dtype]
+        for name, out_f, in_f in (("gate_up_proj", 2 * Ie, C), ("down_proj", C, Ie)):
+            if name not in ptargets:
+                continue
+            if not cast:
+                saved.add(f"experts.{name}_plus_delta", E * out_f * in_f, wd)
+            if ab != wd:  # the adapters cast to the experts' dtype for the baddbmm
+                saved.add(f"experts.{name}_factors", E * (out_f + in_f) * ptargets[name], wd)
+    _gemma4_norm(saved, "post_feedforward_layernorm_2", N, C, True, full, "experts.combined",
+                 wd)
+    return True
 
 
 def gemma4_head_saved(config, plan, saved, ctx):

@@ -111,8 +111,9 @@ def layer_linears(config):
         return LAYER_LINEARS + GATED_DELTANET_LINEARS
     if config.model_type == "qwen3_5_moe_text":  # the shared expert's three and its gate
         return LAYER_LINEARS + GATED_DELTANET_LINEARS + ("shared_expert_gate",)
-    if config.model_type == "gemma4_text" and config.hidden_size_per_layer_input:
-        return LAYER_LINEARS + GEMMA4_PER_LAYER
+    if config.model_type == "gemma4_text":  # (the MoE block's router: one more linear, proj)
+        return (LAYER_LINEARS + (GEMMA4_PER_LAYER if config.hidden_size_per_layer_input else ())
+                + (("proj",) if config.enable_moe_block else ()))
     return LAYER_LINEARS
 
 
@@ -236,6 +237,14 @@ def _gemma4_layer_shapes(config, i):
         shapes += [(p + "per_layer_input_gate.weight", (P, C)),
                    (p + "per_layer_projection.weight", (C, P)),
                    (p + "post_per_layer_input_norm.weight", (C,))]
+    if config.enable_moe_block:  # router, 3-D experts, three more norms (families.gemma4_moe)
+        E, Ie = config.num_experts, config.moe_intermediate_size
+        shapes += [(p + "router.scale", (C,)), (p + "router.per_expert_scale", (E,)),
+                   (p + "router.proj.weight", (E, C)), (p + "experts.gate_up_proj", (E, 2 * Ie, C)),
+                   (p + "experts.down_proj", (E, C, Ie))]
+        shapes += [(p + n + ".weight", (C,)) for n in ("post_feedforward_layernorm_1",
+                                                       "post_feedforward_layernorm_2",
+                                                       "pre_feedforward_layernorm_2")]
     return shapes
 
 

@@ -12,10 +12,10 @@ unpadded speed path, packed and right-padded); greedy generation with the cache 
 (the shared layers read the producers' cache); quantize-while-loading bitwise equal to
 load-then-quantize and transformers + bitsandbytes; "all-linear" naming peft's modules; a LoRA
 adapter trained 3 steps by one library loading in the other; layer_scalar loaded as a buffer, not
-a trainable parameter; the MoE block and bidirectional text attention refused by name; a
-multimodal gemma4 folder loading its text model with transformers' logits; gradient checkpointing
-giving the plain backward's gradients; bf16 logits bit for bit; prefix tuning refused where layers
-share keys and values. Hermetic: tmp folders, no downloads.
+a trainable parameter; bidirectional text attention refused by name; a multimodal gemma4 folder
+loading its text model with transformers' logits; gradient checkpointing giving the plain
+backward's gradients; bf16 logits bit for bit; prefix tuning refused where layers share keys and
+values (the MoE block: test_family_gemma4_moe.py). Hermetic: tmp folders, no downloads.
 Helpers come from test_families.py (same folder).
 Run: python -m pytest -q -s tests/parity/test_family_gemma4.py
 """
@@ -123,10 +123,7 @@ def test_layer_scalar_loads_as_a_buffer(tmp_path):
         [1 + 0.1 * i for i in range(5)])
 
 
-def test_moe_block_and_bidirectional_text_are_refused_by_name():
-    with pytest.raises(ValueError, match="enable_moe_block"):
-        config_from_dict({"model_type": "gemma4_text", **GEMMA4, "enable_moe_block": True,
-                          "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32})
+def test_bidirectional_text_is_refused_by_name():
     with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
         config_from_dict({"model_type": "gemma4_text", **GEMMA4,
                           "use_bidirectional_attention": "all"})
