@@ -15,9 +15,13 @@ chunks without the second chunk's saves is short. LoRA on some projections only 
 Gated DeltaNet input projection, out_proj, attention alone, LFM2's in_proj / out_proj / v_proj):
 the first layer's input needs no grad, so what autograd keeps follows the branches LoRA makes
 need grad; each layer's prediction within 1% of what that layer saved (fp32, and bf16 autocast
-over 1, 2 and 4 chunks). Tiny models (hidden 64, 2-4 layers), CPU, seeded.
+over 1, 2 and 4 chunks). Gradient checkpointing (LFM2, Qwen3.5): each layer's input, the cos /
+sin tables at Qwen3.5's partial rotary width and the saves outside the layers, within 1%. Tiny
+models (hidden 64, 2-4 layers), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_hybrid.py
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -180,6 +184,29 @@ def test_partial_targets_bf16_and_later_chunks(monkeypatch, targets, chunk):
 
     monkeypatch.setattr(gated_deltanet, "CHUNK_SIZE", chunk)
     _assert_each_layer_matches(_model("qwen3_5_text", "lora", targets), bf16=True)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("name", ["lfm2", "qwen3_5_text"])
+def test_activations_under_gradient_checkpointing(name, method):
+    """Every layer checkpointed: what stays is each layer's input, the cos / sin tables (Qwen3.5:
+    partial_rotary_factor of head_dim wide) and the saves outside the layers, within 1%. Negative
+    control: (T, head_dim) tables read Qwen3.5's tiny model 3% over."""
+    model = _model(name, method)
+    base = model if method == "full" else model.get_base_model()
+    if method != "full":
+        base.enable_input_require_grads()  # what the Trainer does for a checkpointed LoRA model
+    base.gradient_checkpointing_enable()
+    measured, _ = _step(model)
+    plan = dataclasses.replace(_plan(model), gradient_checkpointing=True)
+    predicted = _activations(base.config, plan)
+    assert abs(predicted - measured) <= 0.01 * measured
+    if name == "qwen3_5_text":
+        T, wd = plan.max_length, 4
+        whole_heads = predicted + 2 * T * (base.config.head_dim - memory.families.rotary_dim(
+            base.config)) * wd
+        print(f"(T, head_dim) tables: {whole_heads / measured:.4f}")
+        assert whole_heads > 1.01 * measured
 
 
 def test_every_family_is_modelled():

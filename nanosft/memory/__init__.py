@@ -177,7 +177,7 @@ def estimate_memory(config, plan, device_type="cpu"):
     N = plan.per_device_train_batch_size * plan.max_length
     layer_input = N * config.hidden_size * wd
     if plan.gradient_checkpointing:  # each layer keeps only its input (and the shared RoPE tables)
-        T, D = plan.max_length, config.head_dim
+        T, D = plan.max_length, families.rotary_dim(config)
         activations = L * layer_input + 2 * T * D * wd + sum(head.values())
     else:
         activations = sum(sum(d.values()) for d in per_layer) + sum(head.values())

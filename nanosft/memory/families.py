@@ -370,8 +370,7 @@ def _gated_attention(saved, ctx, config, layer_idx, x_name, x_rg):
     _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out("k_proj"))
     attn_rg = q_rg or k_rg or v_rg
     if (q_rg or k_rg) and _rope_saved_first(config, ctx, layer_idx):  # RoPE reads q and k only
-        rot = int(D * config.partial_rotary_factor)
-        saved.add("rope_cos_sin", 2 * T * rot, wd)
+        saved.add("rope_cos_sin", 2 * T * rotary_dim(config), wd)
     if attn_rg:  # SDPA keeps all it reads once any of q, k, v needs grad
         saved.add("sdpa.q", N * H * D, s)
         saved.add("sdpa.k", N * KV * D, s)
@@ -392,6 +391,14 @@ def _rope_saved_first(config, ctx, layer_idx):
         if kind == "full_attention" and (qk_lora or _earlier_layer_trains(config, ctx, j)):
             return j == layer_idx
     return False
+
+
+def rotary_dim(config):
+    """Width of the cos / sin tables every (checkpointed) layer receives: head_dim, or for
+    Qwen3.5 its partial_rotary_factor share (a quarter: (T, 64) tables beside 256-wide heads)."""
+    if config.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        return int(config.head_dim * config.partial_rotary_factor)
+    return config.head_dim
 
 
 def _gemma4_norm(saved, tag, rows, D, rg, trainable, x_name, x_bytes, scale=True):
