@@ -1230,10 +1230,26 @@ def profile(fx, case, stack, workdir, top=25):
     return run
 
 
-def _op_cpu_timer():
+def _op_key(func, args, shapes):
+    """The op's name, and with `shapes` its tensor arguments' dtypes and shapes, which tell apart
+    the same op at different places (a norm's mul from rotary's, a weight's cast from x's)."""
+    name = str(func.overloadpacket)
+    if not shapes:
+        return name
+    dtypes = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a[:2]
+                if isinstance(t, torch.Tensor)]
+    described = [f"{dtypes.get(t.dtype, str(t.dtype).removeprefix('torch.'))}"
+                 f"{list(t.shape)}" for t in tensors[:3]]
+    return f"{name} {' '.join(described)}"
+
+
+def _op_cpu_timer(shapes=False):
     """A TorchDispatchMode adding up the calling thread's CPU time per aten op (backward included:
     on CPU autograd runs on the caller's thread). Thread CPU time does not count the time a
-    process waits for a core, which wall-clock profiles of a shared machine are full of."""
+    process waits for a core, which wall-clock profiles of a shared machine are full of.
+    shapes=True: one row per op and argument dtypes / shapes (_op_key)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class OpCpuTimes(TorchDispatchMode):
@@ -1244,7 +1260,7 @@ def _op_cpu_timer():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             start = time.thread_time_ns()
             out = func(*args, **(kwargs or {}))
-            entry = self.ops.setdefault(str(func.overloadpacket), [0.0, 0])
+            entry = self.ops.setdefault(_op_key(func, args, shapes), [0.0, 0])
             entry[0] += (time.thread_time_ns() - start) / 1e6
             entry[1] += 1
             return out
@@ -1252,16 +1268,17 @@ def _op_cpu_timer():
     return OpCpuTimes()
 
 
-def profile_ops(fx, case, workdir, step=None, top=25, log=print):
+def profile_ops(fx, case, workdir, step=None, top=25, log=print, shapes=False):
     """nanosft on `case`, one thread: the CPU time of each aten op over one optimizer step (the
     first timed one unless `step`), ranked. Returns (the step's CPU ms, {op: [CPU ms, calls]}).
     What --profile cannot give on a shared machine: there a 0.1 ms op read 10-17 ms, OpenMP
     threads waiting for a descheduled sibling. Time outside aten ops (Python, bitsandbytes' ctypes
-    kernels) is the step's CPU time minus the ops' sum."""
+    kernels) is the step's CPU time minus the ops' sum. shapes=True: one row per op and argument
+    dtypes / shapes, which says where in the model an op runs."""
     from nanosft.trainer_callback import TrainerCallback
 
     step = fx.opts.warmup if step is None else step
-    timer, seen = _op_cpu_timer(), {}
+    timer, seen = _op_cpu_timer(shapes), {}
 
     class OneStep(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -1285,7 +1302,8 @@ def profile_ops(fx, case, workdir, step=None, top=25, log=print):
     log(f"nano {case.name}, optimizer step {step}, one thread: {seen['ms']:.0f} CPU ms, "
         f"aten ops {total:.0f} ms, outside them {seen['ms'] - total:.0f} ms")
     for name, (ms, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
-        log(f"  {name:58s} {ms:9.1f} ms {100 * ms / seen['ms']:5.1f} % {calls:6d} calls")
+        width = 100 if shapes else 58
+        log(f"  {name:{width}s} {ms:9.1f} ms {100 * ms / seen['ms']:5.1f} % {calls:6d} calls")
     return seen["ms"], ops
 
 
@@ -1324,6 +1342,9 @@ def parse_args(argv=None):
         "--profile-ops", default=None,
         help="CASE, e.g. qlora+bf16w: nanosft's CPU time per aten op over one step, one thread "
              "(for a shared machine; with --real and --real-layers for the real widths)")
+    p.add_argument("--profile-top", type=int, default=25, help="--profile-ops: rows printed")
+    p.add_argument("--profile-shapes", action="store_true",
+                   help="--profile-ops: one row per op and argument dtypes / shapes")
     p.add_argument(
         "--stacks", default=None, help="run only these stacks: ref,nano,bare-hf,bare-nano"
     )
@@ -1376,7 +1397,7 @@ def main(argv=None):
             known = build_cases(MODES, EXTRAS) + real_cases()
             case = next(c for c in known if c.name == args.profile_ops)
             profile_ops(Fixture(REAL_SIZE if args.real else sizes[-1], opts, workdir), case,
-                        workdir)
+                        workdir, top=args.profile_top, shapes=args.profile_shapes)
             return
         if args.profile:
             stack, case_name = args.profile.split(":")
