@@ -254,3 +254,64 @@ def test_bf16_autocast_casts_a_frozen_head_once_and_reuses_one_bf16_product_buff
     loss.backward()
     tiles = -(-int((labels[:, 1:] != -100).sum()) // 7)
     assert tiles > 10 and mode.weight_casts == 1 and mode.fresh_products == 0
+
+
+def test_top1_follows_argmax_through_ties_and_nan():
+    """is_top1 is argmax's first maximum: a target tied with an earlier vocabulary entry at the
+    row's peak is no hit (TileLogProbs only runs argmax over rows whose target logit is the peak,
+    on CPU); a NaN row follows argmax too. Negative control: 'target logit == peak' differs."""
+    from nanosft.fast.lm_head import fused_lm_head_outputs
+
+    hidden, head, labels = _inputs()
+    with torch.no_grad():
+        head.weight[300] = head.weight[7]  # entries 7 and 300 give equal logits everywhere
+        hidden[0] = head.weight[7] * 5  # rows 0-2 peak at 7 (and 300)
+        hidden[1, :3] = head.weight[7] * 5
+        hidden[2, :3] = float("nan")
+    labels[:, 1:4] = torch.tensor([7, 300, 0])  # the tied pair and argmax's pick of a NaN row
+    labels[0, 1:11] = torch.tensor([7, 300, 7, 300, 7, 300, 7, 300, 7, 300])
+    _, _, is_top1, mask = fused_lm_head_outputs(hidden, head, labels, chunk_size=7)
+    logits = head(hidden).detach()[:, :-1]
+    targets = labels[:, 1:]
+    expected = (logits.argmax(-1) == targets) & mask
+    assert torch.equal(is_top1, expected)
+    peak_only = (logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+                 == logits.amax(-1)) & mask
+    assert expected.sum() >= 5 and (peak_only & ~expected).sum() >= 5  # both kinds of tied row
+    assert expected[2, 2]  # the NaN row's argmax (index 0) is its target
+
+
+def test_tile_metrics_take_cheap_ops_and_entropy_is_closer_to_float64():
+    """At a real vocabulary (49,152) on CPU the tile's entropy uses one dot product per row, not
+    torch.bmm (whose sequential sum was 2.8e-4 off float64 at this size), and argmax runs over the
+    hit rows only: per-token entropy within 2e-5 of float64."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanosft.fast.lm_head import fused_lm_head_outputs
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bmm, self.argmax_rows = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.bmm:
+                self.bmm += 1
+            if func.overloadpacket is torch.ops.aten.argmax:
+                self.argmax_rows += args[0].shape[0]
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(3)
+    vocab, rows = 49_152, 40
+    head = torch.nn.Linear(C, vocab, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, C, generator=g) * 0.4)
+    hidden = torch.randn(1, rows + 1, C, generator=g)
+    labels = torch.randint(0, vocab, (1, rows + 1), generator=g)
+    logits = head(hidden)[0, :-1].double()
+    labels[0, 1:6] = logits[:5].argmax(-1)  # five hits
+    with Ops() as ops:
+        _, entropy, is_top1, _ = fused_lm_head_outputs(hidden, head, labels, chunk_size=16)
+    assert ops.bmm == 0 and ops.argmax_rows == 5 and is_top1.sum() == 5
+    expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(entropy[0].double(), expected, rtol=0, atol=2e-5)

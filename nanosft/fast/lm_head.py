@@ -31,6 +31,27 @@ def _tile_logits(h, weight, dtype, out=None, low=None):
     return logits.float() if out is None else out.copy_(logits)
 
 
+def _is_top1(logits, targets, target_logit, peak):
+    """logits.argmax(1) == targets (argmax: the first maximum, as trl's test). On CPU argmax (10 ms
+    of a (256, 49152) tile, one thread) runs only over rows whose target logit is the row's
+    peak, or NaN (argmax takes NaN for the maximum): no other row can be a hit."""
+    if logits.device.type != "cpu":
+        return logits.argmax(1) == targets
+    is_top1 = (target_logit == peak) | target_logit.isnan()
+    rows = is_top1.nonzero().squeeze(1)
+    if len(rows):  # a tie at the peak before the target makes argmax pick the earlier index
+        is_top1[rows] = logits[rows].argmax(1) == targets[rows]
+    return is_top1
+
+
+def _row_dots(a, b):
+    """(n, V), (n, V) -> (n,) row-wise dot products. On CPU one BLAS dot per row: 2.7x faster
+    than torch.bmm's (n, 1, V) @ (n, V, 1) at V = 49,152, and closer to the float64 sum."""
+    if a.device.type != "cpu":
+        return torch.bmm(a[:, None, :], b[:, :, None]).view(a.shape[0])
+    return torch.stack([torch.dot(x, y) for x, y in zip(a, b)]) if len(a) else a.new_zeros(0)
+
+
 class TileLogProbs(torch.autograd.Function):
     """One tile of supervised tokens through a bias-free lm_head: log p(target) (differentiable),
     entropy and top-1 hit (metrics); the (n, V) logits live in `workspace` only during the call.
@@ -48,13 +69,13 @@ class TileLogProbs(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             logits = _tile_logits(h, weight, dtype, out=workspace[0][:n], low=low)  # (n, V)
             target_logit = logits.gather(1, targets[:, None]).squeeze(1)
-            is_top1 = logits.argmax(1) == targets  # argmax is the first maximum, as trl's test
             peak = logits.amax(1, keepdim=True)
+            is_top1 = _is_top1(logits, targets, target_logit, peak.squeeze(1))
             p = torch.sub(logits, peak, out=workspace[1][:n]).exp_()  # unnormalised softmax
             z = p.sum(1)
             log_z = peak.squeeze(1) + z.log()
             # H = log Z - E_p[logit]; the dot product per row without an (n, V) temporary
-            entropy = log_z - torch.bmm(p[:, None, :], logits[:, :, None]).view(n) / z
+            entropy = log_z - _row_dots(p, logits) / z
             needs_h, needs_weight = ctx.needs_input_grad[:2]
             if needs_weight:  # the head trains: backward recomputes the tile (its p is needed)
                 ctx.save_for_backward(h, weight, targets, log_z)
