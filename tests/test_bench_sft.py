@@ -195,3 +195,13 @@ def test_profile_ops_times_the_aten_ops_of_exactly_one_optimizer_step(tmp_path, 
     assert ops["aten.mm"][1] > 0
     assert 0 < sum(ms for ms, _ in ops.values()) <= step_ms
     assert lines[0].startswith("nano qlora+bf16w, optimizer step 1, one thread")
+
+
+def test_profile_shapes_key_names_the_op_and_its_tensor_arguments():
+    """--profile-shapes: one row per op and its tensor arguments' dtypes and shapes."""
+    a, b = torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(3, 4)
+    assert bench._op_key(torch.ops.aten.mm.default, (a, b), shapes=False) == "aten.mm"
+    key = bench._op_key(torch.ops.aten.mm.default, (a, b), shapes=True)
+    assert key == "aten.mm bf16[2, 3] f32[3, 4]"
+    key = bench._op_key(torch.ops.aten.cat.default, ([b, b], 0), shapes=True)
+    assert key == "aten.cat f32[3, 4] f32[3, 4]"
