@@ -241,7 +241,8 @@ def test_bf16_autocast_casts_a_frozen_head_once_and_reuses_one_bf16_product_buff
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == (V, C):
+            if (func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+                    and tuple(args[0].shape) == (V, C)):  # .to(bf16), or a copy into a buffer
                 self.weight_casts += 1
             if func is torch.ops.aten.mm.default and args[1].shape[-1] == V:
                 self.fresh_products += 1  # mm without out=: a new (n, V) tensor
@@ -315,3 +316,37 @@ def test_tile_metrics_take_cheap_ops_and_entropy_is_closer_to_float64():
     assert ops.bmm == 0 and ops.argmax_rows == 5 and is_top1.sum() == 5
     expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
     torch.testing.assert_close(entropy[0].double(), expected, rtol=0, atol=2e-5)
+
+
+def test_cpu_tiles_reuse_their_buffers_across_calls_and_two_forwards_then_backward_agree():
+    """On CPU every call writes its tiles into the same buffers (no fresh (chunk, V) allocation
+    after the first: fresh pages fault in on first touch), also under bf16 autocast; a trained
+    head's backward recomputes its tiles, so two forwards before one backward (the second call
+    overwrote the buffers) still give the full path's loss and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class VocabAllocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided):
+                self.count += torch.Size(args[0]).numel() >= 7 * V
+            return func(*args, **(kwargs or {}))
+
+    hidden, head, labels = _inputs()
+    second = _inputs(seed=1)[0]
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            chunked_causal_lm_loss(hidden, head, labels, chunk_size=7)  # buffers exist now
+            with VocabAllocations() as mode:
+                chunked_causal_lm_loss(second, head, labels, chunk_size=7)
+        assert mode.count == 0
+    params = [hidden, second, head.weight]
+    ours = (chunked_causal_lm_loss(hidden, head, labels, chunk_size=7)
+            + chunked_causal_lm_loss(second, head, labels, chunk_size=7))
+    full = causal_lm_loss(head(hidden), labels) + causal_lm_loss(head(second), labels)
+    torch.testing.assert_close(ours, full, rtol=0, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(full, params)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

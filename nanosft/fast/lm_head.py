@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nanosft.fast.nf4 import workspace
+
 
 # supervised tokens per lm_head tile: (256, V) fp32 logits at a time, 48 MiB at V = 49,152
 # (a LoRA step on that vocabulary peaked at 449 MiB RSS with 256, 1,020 with 1,024, same speed)
@@ -29,6 +31,17 @@ def _tile_logits(h, weight, dtype, out=None, low=None):
         return torch.mm(h.float(), weight.float().t(), out=out)
     logits = torch.mm(h.to(dtype), weight.to(dtype).t(), out=low)
     return logits.float() if out is None else out.copy_(logits)
+
+
+def _tile_buffer(name, shape, dtype, device):
+    """An empty tensor of `shape` for the tiles. On CPU the same pages on every call (one buffer
+    per name, thread and dtype): a fresh 48 MiB buffer is mapped anew by glibc and faults in
+    every page on first touch (22 ms against 5 ms for the same subtraction into warm pages).
+    Elsewhere a fresh tensor (the CUDA caching allocator already reuses freed blocks)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    return workspace(shape.numel(), dtype, device, name="lm_head." + name).view(shape)
 
 
 def _is_top1(logits, targets, target_logit, peak):
@@ -136,16 +149,17 @@ def fused_lm_head_outputs(hidden, lm_head, labels, chunk_size=LOSS_CHUNK_SIZE):
     if type(lm_head) is nn.Linear and lm_head.bias is None:
         # two (chunk, V) fp32 buffers shared by the tiles: fresh ones would fault in their pages
         # on every tile (48 MiB each at V = 49,152); under bf16 autocast a third in bf16, and a
-        # frozen head's weight cast once for all tiles (not twice a tile: 54 MiB a cast)
+        # frozen head's weight cast once for all tiles (not twice a tile: 54 MiB a cast). On CPU
+        # the same buffers serve every call (_tile_buffer): no page faults per micro-batch
         rows = min(chunk_size, max(len(y), 1))
         weight, V = lm_head.weight, lm_head.out_features
-        workspace = torch.empty(2, rows, V, device=h.device)
+        tiles_buffer = _tile_buffer("logits", torch.Size((2, rows, V)), torch.float32, h.device)
         dtype, low = _compute_dtype(h, weight), None
         if dtype != torch.float32:
-            low = torch.empty(rows, V, device=h.device, dtype=dtype)
-            if not weight.requires_grad:
-                weight = weight.detach().to(dtype)
-        tiles = [TileLogProbs.apply(hc, weight, yc, workspace, low) for hc, yc in pairs]
+            low = _tile_buffer("low", torch.Size((rows, V)), dtype, h.device)
+            if not weight.requires_grad and weight.dtype != dtype:  # a cast rounds as .to(dtype)
+                weight = _tile_buffer("weight", weight.shape, dtype, h.device).copy_(weight)
+        tiles = [TileLogProbs.apply(hc, weight, yc, tiles_buffer, low) for hc, yc in pairs]
     else:
         tiles = [checkpoint(_tile_token_stats, lm_head, hc, yc, use_reentrant=False)
                  for hc, yc in pairs]

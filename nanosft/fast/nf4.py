@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-_workspace = threading.local()  # {(device, dtype): flat buffer}, per thread
+_workspace = threading.local()  # {(name, device, dtype): flat buffer}, per thread
 
 
 @functools.cache
@@ -57,9 +57,10 @@ def _kernel_for(packed, quant_state, dtype):
     return _cpu_kernels().get((quant_state.quant_type, dtype))
 
 
-def workspace(numel, dtype, device):
-    """A flat buffer of at least `numel` values, the same one on every call (grown when short)."""
-    key = (torch.device(device), dtype)
+def workspace(numel, dtype, device, name="dequantize"):
+    """A flat buffer of at least `numel` values, the same one on every call with this `name`
+    (grown when short)."""
+    key = (name, torch.device(device), dtype)
     buffers = _workspace.__dict__.setdefault("buffers", {})
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
