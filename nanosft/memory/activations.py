@@ -68,8 +68,9 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
         else:
             saved.add(f"{lin}.lora_input_cast", N * in_f, ca)  # one cast copy per adapter
         saved.add(f"{lin}.lora_A_out", N * r, ca)
-        if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:
-            saved.add(f"{lin}.lora_weight_cast", r * (in_f + out_f), ad)
+        if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:  # autocast's copies of the adapters:
+            # lora_B's for lora_A's output; lora_A's only where its input needs grad
+            saved.add(f"{lin}.lora_weight_cast", r * ((in_f if rg_in else 0) + out_f), ad)
         if plan.use_dora:  # B A through an identity (in, in), and the two outputs m scales
             saved.add(f"{lin}.dora_eye", in_f * in_f, ca)
             saved.add(f"{lin}.dora_eye_A", in_f * r, ca)
@@ -120,9 +121,13 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out_bytes("k_proj"))
     attn_rg = q_rg or k_rg or v_rg
     s = ad or wd  # SDPA works in the autocast dtype, else in the stream's
+    # the cos / sin tables are shared by every layer: the first whose RoPE products need grad
+    # keeps them (the first layer's q or k needs grad only with LoRA on q_proj or k_proj; every
+    # later layer's input needs grad once the first layer holds LoRA)
+    qk_lora = plan.full or bool({"q_proj", "k_proj", "qkv_proj"} & ctx["targets"])
+    if (q_rg or k_rg) and layer_idx == (0 if qk_lora else 1):
+        saved.add("rope_cos_sin", 2 * T * D, wd)
     if attn_rg:
-        if first:
-            saved.add("rope_cos_sin", 2 * T * D, wd)  # shared by every layer, counted in the first
         saved.add("sdpa.q", N * H * D, s)
         saved.add("sdpa.k", N * KV * D, s)
         # v is not copied on its way to SDPA: with qkv fused, it keeps the whole output alive
