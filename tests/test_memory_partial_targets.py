@@ -9,18 +9,21 @@ LoRA, so what autograd keeps follows the branches LoRA makes need grad: o_proj's
 nothing before it trained, no RoPE tables in a layer whose q and k need no grad (they then go to
 the first layer that rotates a q or k needing grad), lora_A's weight copy under autocast only
 where its input needs grad, the router's and the experts' saves by which of them train. The
-state rows are exact; each layer within 0.1% (GLM's group choice saves a little the ledger leaves
-out). Tiny models (hidden 64, 2 layers), CPU, seeded.
+state rows are exact; each layer within 0.1%. QLoRA under bf16 autocast (OLMo 3, Gemma 3, Phi-3,
+Qwen3-MoE): a 4-bit linear returns its input's dtype, which the norms after o_proj and Phi-3's
+fused v read. Tiny models (hidden 64, 2 layers), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_partial_targets.py
 """
 
 import pytest
-from test_memory import SIZES
+from test_memory import SIZES, _family_model
 from test_memory_hybrid import _assert_each_layer_matches
 from test_memory_moe import _model
 from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
 
+from nanosft import nf4
 from nanosft.peft import LoraConfig, get_peft_model
+from nanosft.sft import _cast_trainable_to_bf16
 
 ROUTER = {"qwen3_moe": "gate.weight", "glm4_moe": "gate.weight", "gpt_oss": "router.weight"}
 CASES = [  # (family, target_modules or target_parameters)
@@ -62,3 +65,27 @@ def test_partial_targets_each_layer(name, targets, bf16):
     old walks read 0 for o_proj alone in the first layer, put the RoPE tables in layer 0 when it
     rotated nothing needing grad, and counted the whole MoE block for a router alone."""
     _assert_each_layer_matches(_lora_model(name, targets), bf16=bf16, rel=0.001)
+
+
+def _qlora_model(name, targets):
+    if name in ("olmo3", "qwen3_moe"):
+        return _model(name, "qlora", target_modules=targets)
+    model = _family_model(name)
+    nf4.quantize_model(model)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=targets)).train()
+    _cast_trainable_to_bf16(model)  # what SFTTrainer does to adapters on a 4-bit base
+    return model
+
+
+QLORA_CASES = [("olmo3", ["o_proj"]), ("olmo3", "all-linear"), ("Gemma3TextConfig", ["o_proj"]),
+               ("Phi3Config", "all-linear"), ("qwen3_moe", ["o_proj"])]
+
+
+@pytest.mark.parametrize("name,targets", QLORA_CASES, ids=[
+    f"{n}-{t if isinstance(t, str) else ','.join(t)}" for n, t in QLORA_CASES])
+def test_qlora_under_bf16_autocast_each_layer(name, targets):
+    """A 4-bit linear returns its input's dtype: o_proj's output is SDPA's bf16 under autocast
+    (OLMo 3's and Gemma 3's norms after it read it so), and Phi-3's fused qkv output is float32,
+    so SDPA gets a bf16 copy of v, not a view keeping the whole output. Each layer within 0.1%
+    (the old walks read OLMo 3's and Gemma 3's layers 8 KiB over, Phi-3's 12 KiB)."""
+    _assert_each_layer_matches(_qlora_model(name, targets), bf16=True, rel=0.001)

@@ -130,8 +130,10 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     if attn_rg:
         saved.add("sdpa.q", N * H * D, s)
         saved.add("sdpa.k", N * KV * D, s)
-        # v is not copied on its way to SDPA: with qkv fused, it keeps the whole output alive
-        saved.add("sdpa.v", N * ((H + 2 * KV) if fused else KV) * D, s)
+        # v is not copied on its way to SDPA: with qkv fused, it keeps the whole output alive,
+        # unless autocast hands SDPA a copy (a 4-bit base returns float32)
+        whole = fused and out_bytes("qkv_proj") == s
+        saved.add("sdpa.v", N * ((H + 2 * KV) if whole else KV) * D, s)
         saved.add("sdpa.out", N * H * D, s)
         saved.add("sdpa.logsumexp", B * H * T, 4)
         window = _sliding_window(config, layer_idx)
@@ -144,7 +146,8 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     o_rg = _linear(saved, ctx, "o_proj", o_input, s, H * D, C, attn_rg)
     h_rg = rg or o_rg
     if config.model_type in FFN_NORM_TYPES:  # Gemma 3 norms the attention output before the add
-        _norm(saved, "post_attention_layernorm", N, C, o_rg, plan.full, out_bytes("o_proj"))
+        # o_proj's output is in SDPA's dtype: a float base's under autocast, a 4-bit one's as x
+        _norm(saved, "post_attention_layernorm", N, C, o_rg, plan.full, s)
         n2_rg = _norm(saved, "pre_feedforward_layernorm", N, C, h_rg, plan.full, wd)
     else:
         n2_rg = _norm(saved, "post_attention_layernorm", N, C, h_rg, plan.full, wd)

@@ -12,7 +12,9 @@ chunked delta rule) and gated attention (Qwen3.5-MoE: those layers with the MoE 
 sigmoid-gated shared expert), Gemma 4's layer (fp32 norms by hand, shared keys and values,
 per-layer inputs, the experts beside the MLP under enable_moe_block) and its saves outside the
 layers. Where a layer's input needs no grad (the first layer, or one after layers LoRA leaves
-frozen) the Qwen3.5 and LFM2 walks keep only what the branches LoRA makes need grad ask for.
+frozen) the walks (but Gemma 4's) keep only what the branches LoRA makes need grad ask for: o_proj's
+LoRA input alone, the router's saves alone, the RoPE tables in the first layer rotating a q or k
+that needs grad.
 Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656, Gated DeltaNet
 2412.06464.
 """
@@ -161,6 +163,8 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     slice W[e] is cast anew (no autocast cache for a view), so every expert's bf16 copy is kept.
     NF4 experts (nf4_experts.DequantizedLinear) save no weight: each chosen expert is dequantized
     in forward and again in backward; what LoRA's delta D adds (x @ D[e]^T) saves as on float.
+    On an input that needs no grad, each part keeps what the parts LoRA trains ask for: the
+    router's saves for its logits, each expert's for its gate_up output or its own output.
     Left out: what GLM's group choice saves (its ops end in integer ids, so those saves are freed
     when the router returns: 0.6% of a tiny layer).
     Mirrors: autograd's saves in nanosft.families.moe SparseMoeBlock (Qwen3MoeSparseMoeBlock,
@@ -676,7 +680,8 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     rg = plan.full or _earlier_layer_trains(config, ctx, layer_idx)
     if t == "olmo3":  # post-norm: h + norm(attn(h)), then h + norm(mlp(h)); no input norm
         a_rg = _attention(saved, ctx, config, layer_idx, "layer_input", rg)
-        _norm(saved, "post_attention_layernorm", N, C, a_rg, plan.full, out_bytes("o_proj"))
+        # o_proj's output is in SDPA's dtype (a 4-bit base returns its input's)
+        _norm(saved, "post_attention_layernorm", N, C, a_rg, plan.full, ctx["ad"] or wd)
         m_rg = _swiglu(saved, ctx, "mlp_input", rg or a_rg, C, I)
         _norm(saved, "post_feedforward_layernorm", N, C, m_rg, plan.full, out_bytes("down_proj"))
     elif t == "gemma4_text":
