@@ -11,12 +11,14 @@ the first layer that rotates a q or k needing grad), lora_A's weight copy under 
 where its input needs grad, the router's and the experts' saves by which of them train. The
 state rows are exact; each layer within 0.1%. QLoRA under bf16 autocast (OLMo 3, Gemma 3, Phi-3,
 Qwen3-MoE): a 4-bit linear returns its input's dtype, which the norms after o_proj and Phi-3's
-fused v read. Tiny models (hidden 64, 2 layers), CPU, seeded.
+fused v read. DoRA on Llama (the weight norm's scale kept, B A through the identity not), fp32
+and bf16. Tiny models (hidden 64, 2 layers), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_partial_targets.py
 """
 
 import pytest
 from test_memory import SIZES, _family_model
+from test_memory import _model as _llama_model
 from test_memory_hybrid import _assert_each_layer_matches
 from test_memory_moe import _model
 from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
@@ -89,3 +91,19 @@ def test_qlora_under_bf16_autocast_each_layer(name, targets):
     so SDPA gets a bf16 copy of v, not a view keeping the whole output. Each layer within 0.1%
     (the old walks read OLMo 3's and Gemma 3's layers 8 KiB over, Phi-3's 12 KiB)."""
     _assert_each_layer_matches(_qlora_model(name, targets), bf16=True, rel=0.001)
+
+
+DORA_CASES = [("dora", ["o_proj"], False), ("dora", ["o_proj"], True), ("dora", "all-linear", True),
+              ("qdora", "all-linear", False), ("qdora", ["down_proj"], True)]
+
+
+@pytest.mark.parametrize("method,targets,bf16", DORA_CASES, ids=[
+    f"{m}-{t if isinstance(t, str) else ','.join(t)}-{'bf16' if b else 'fp32'}"
+    for m, t, b in DORA_CASES])
+def test_dora_each_layer(method, targets, bf16):
+    """DoRA (Llama): B A through the identity feeds only the detached weight norm, so autograd
+    drops it; the norm, m / norm and, where the input needs grad, m / norm - 1 are kept. peft
+    casts x to the adapters' dtype unless CUDA's autocast is on, so under CPU autocast lora_A
+    reads a copy of x. Each layer within 0.1% (the old walk read 8 KiB over per DoRA linear
+    of 64 inputs, and 8 KiB short for fp32 adapters under autocast)."""
+    _assert_each_layer_matches(_llama_model(method, targets).train(), bf16=bf16, rel=0.001)

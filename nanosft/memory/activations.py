@@ -61,9 +61,14 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
     if float_base and ad and ad != wd and (rg_in or trains_base):
         saved.add(f"{lin}.weight_cast", out_f * in_f, ad)  # autocast's copy of the weight
     if has_lora:
-        ca = ad or DTYPE_BYTES[plan.adapter_dtype]
+        ab = DTYPE_BYTES[plan.adapter_dtype]
+        ca = ad or ab
         r = plan.r
-        if ca == x_bytes:
+        # peft's layer casts x to the adapters' dtype unless CUDA's autocast is on (it asks
+        # CUDA's only): DoRA, which no speed path takes, then reads that cast (x's dtype
+        # under CUDA autocast), and under CPU autocast lora_A casts it back, a copy of x
+        x_dora = x_bytes if ad and ctx["device_type"] != "cpu" else ab
+        if ca == x_bytes and not (plan.use_dora and x_dora != x_bytes):
             saved.add(x_name, N * in_f, x_bytes)  # lora_A reads the same input
         else:
             saved.add(f"{lin}.lora_input_cast", N * in_f, ca)  # one cast copy per adapter
@@ -71,9 +76,13 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
         if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:  # autocast's copies of the adapters:
             # lora_B's for lora_A's output; lora_A's only where its input needs grad
             saved.add(f"{lin}.lora_weight_cast", r * ((in_f if rg_in else 0) + out_f), ad)
-        if plan.use_dora:  # B A through an identity (in, in), and the two outputs m scales
-            saved.add(f"{lin}.dora_eye", in_f * in_f, ca)
-            saved.add(f"{lin}.dora_eye_A", in_f * r, ca)
+        if plan.use_dora:  # m / ||W + s B A|| scales the base and LoRA outputs: the norm (its
+            # B A through an identity is detached, so dropped), the (1, out) fp32 scale, and the
+            # scale less one for the base output's gradient
+            saved.add(f"{lin}.dora_weight_norm", out_f, x_dora)
+            saved.add(f"{lin}.dora_scale", out_f, 4)
+            if rg_in or trains_base:
+                saved.add(f"{lin}.dora_scale_minus_one", out_f, 4)
             saved.add(f"{lin}.dora_base_result", N * out_f, cb if float_base else x_bytes)
             saved.add(f"{lin}.dora_lora_result", N * out_f, ca)
     return rg_in or trains_base or has_lora
@@ -101,7 +110,7 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
            for lin in layer_linears(config)}
     ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4,
-           "targets": lora_targets(config, plan)}
+           "targets": lora_targets(config, plan), "device_type": device_type}
 
     def out_bytes(lin):  # a float base computes in the autocast dtype; a 4-bit one returns x's
         return (ad or wd) if (plan.full or not nf4[lin]) else wd

@@ -616,7 +616,8 @@ def _context(config, plan, layer_idx, device_type, I):
         return (ad or wd) if (plan.full or not nf4[lin]) else wd
 
     return {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4, "out_bytes": out_bytes,
-            "targets": lora_targets(config, plan), "param_targets": parameter_targets(config, plan)}
+            "targets": lora_targets(config, plan), "param_targets": parameter_targets(config, plan),
+            "device_type": device_type}
 
 
 def head_saved_bytes(config, plan):
