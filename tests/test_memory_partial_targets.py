@@ -11,8 +11,8 @@ the first layer that rotates a q or k needing grad), lora_A's weight copy under 
 where its input needs grad, the router's and the experts' saves by which of them train. The
 state rows are exact; each layer within 0.1%. QLoRA under bf16 autocast (OLMo 3, Gemma 3, Phi-3,
 Qwen3-MoE): a 4-bit linear returns its input's dtype, which the norms after o_proj and Phi-3's
-fused v read. DoRA on Llama (the weight norm's scale kept, B A through the identity not), fp32
-and bf16. Tiny models (hidden 64, 2 layers), CPU, seeded.
+fused v read. DoRA on Llama and Qwen2 (the weight norm's scale kept, B A through the identity
+not), fp32 and bf16. Tiny models (hidden 64, 2 layers), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_partial_targets.py
 """
 
@@ -94,16 +94,26 @@ def test_qlora_under_bf16_autocast_each_layer(name, targets):
 
 
 DORA_CASES = [("dora", ["o_proj"], False), ("dora", ["o_proj"], True), ("dora", "all-linear", True),
-              ("qdora", "all-linear", False), ("qdora", ["down_proj"], True)]
+              ("qdora", "all-linear", False), ("qdora", ["down_proj"], True),
+              ("Qwen2Config", ["v_proj"], True)]  # a biased v_proj
+
+
+def _dora_model(method, targets):
+    if method in ("dora", "qdora"):
+        return _llama_model(method, targets).train()
+    model = get_peft_model(_family_model(method), LoraConfig(r=4, target_modules=targets,
+                                                             use_dora=True))
+    return model.train()
 
 
 @pytest.mark.parametrize("method,targets,bf16", DORA_CASES, ids=[
     f"{m}-{t if isinstance(t, str) else ','.join(t)}-{'bf16' if b else 'fp32'}"
     for m, t, b in DORA_CASES])
 def test_dora_each_layer(method, targets, bf16):
-    """DoRA (Llama): B A through the identity feeds only the detached weight norm, so autograd
-    drops it; the norm, m / norm and, where the input needs grad, m / norm - 1 are kept. peft
+    """DoRA (Llama, and Qwen2's biased v_proj): B A through the identity feeds only the detached
+    weight norm, so autograd drops it; the norm, m / norm and, where the input needs grad,
+    m / norm - 1 are kept, with W x less its bias (a bf16 output less an fp32 bias: fp32). peft
     casts x to the adapters' dtype unless CUDA's autocast is on, so under CPU autocast lora_A
-    reads a copy of x. Each layer within 0.1% (the old walk read 8 KiB over per DoRA linear
-    of 64 inputs, and 8 KiB short for fp32 adapters under autocast)."""
-    _assert_each_layer_matches(_llama_model(method, targets).train(), bf16=bf16, rel=0.001)
+    reads a copy of x. Each layer within 0.1% (the old walk read 8 KiB over per DoRA linear of
+    64 inputs, and 8 KiB short for fp32 adapters under autocast)."""
+    _assert_each_layer_matches(_dora_model(method, targets), bf16=bf16, rel=0.001)

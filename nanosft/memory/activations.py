@@ -9,7 +9,7 @@ Paper: activation recomputation 1604.06174.
 
 from nanosft.memory.plan import (
     DTYPE_BYTES, FFN_NORM_TYPES, FUSED_TYPES, QK_NORM_TYPES, layer_linears, lora_targets,
-    nf4_quantizable,
+    nf4_quantizable, parameter_shapes,
 )
 
 
@@ -83,9 +83,17 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
             saved.add(f"{lin}.dora_scale", out_f, 4)
             if rg_in or trains_base:
                 saved.add(f"{lin}.dora_scale_minus_one", out_f, 4)
-            saved.add(f"{lin}.dora_base_result", N * out_f, cb if float_base else x_bytes)
+            rb = cb if float_base else x_bytes  # W x; less its bias (weights' dtype), promoted
+            saved.add(f"{lin}.dora_base_result", N * out_f,
+                      max(rb, wd) if lin in ctx["biased"] else rb)
             saved.add(f"{lin}.dora_lora_result", N * out_f, ca)
     return rg_in or trains_base or has_lora
+
+
+def _biased_linears(config):
+    """Short names of the decoder layers' linears with a bias."""
+    return {name.split(".")[-2] for name, _ in parameter_shapes(config)
+            if ".layers." in name and name.endswith(".bias")}
 
 
 def _sliding_window(config, layer_idx):
@@ -110,7 +118,8 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
            for lin in layer_linears(config)}
     ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4,
-           "targets": lora_targets(config, plan), "device_type": device_type}
+           "targets": lora_targets(config, plan), "device_type": device_type,
+           "biased": _biased_linears(config)}
 
     def out_bytes(lin):  # a float base computes in the autocast dtype; a 4-bit one returns x's
         return (ad or wd) if (plan.full or not nf4[lin]) else wd

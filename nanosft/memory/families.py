@@ -19,7 +19,9 @@ Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.0065
 2412.06464.
 """
 
-from nanosft.memory.activations import _layer_norm, _linear, _norm, _Saved, _sliding_window
+from nanosft.memory.activations import (
+    _biased_linears, _layer_norm, _linear, _norm, _Saved, _sliding_window,
+)
 from nanosft.memory.plan import (
     DTYPE_BYTES, GATED_DELTANET_LINEARS, expert_size, is_moe_layer, layer_linears, lora_targets,
     nf4_quantizable, parameter_targets,
@@ -617,7 +619,7 @@ def _context(config, plan, layer_idx, device_type, I):
 
     return {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4, "out_bytes": out_bytes,
             "targets": lora_targets(config, plan), "param_targets": parameter_targets(config, plan),
-            "device_type": device_type}
+            "device_type": device_type, "biased": _biased_linears(config)}
 
 
 def head_saved_bytes(config, plan):
