@@ -573,14 +573,18 @@ def _gemma4_moe(saved, ctx, config, h_rg):
 
 def gemma4_head_saved(config, plan, saved, ctx):
     """Gemma 4's saves outside the layers: the two scaled embeddings' scales, the per-layer
-    projection and its norm (rows N L of P), the final norm, and the soft-capped logits' tanh."""
+    projection and its norm (rows N L of P), the final norm, and the soft-capped logits' tanh.
+    Under checkpointing the Trainer makes a LoRA model's embedding output need grad
+    (enable_input_require_grads), so the per-layer projection keeps what its input's gradient
+    reads (under autocast, the bf16 copy of its frozen float weight)."""
     N, wd, full = ctx["N"], ctx["wd"], plan.full
     C, P, L = config.hidden_size, config.hidden_size_per_layer_input, config.num_hidden_layers
     if full:
         saved.add("embed_tokens.input_ids", N, 8)
         saved.add("embed_scales", 2 if P else 1, wd)
     if P:
-        rg = _linear(saved, ctx, "per_layer_model_projection", "embeddings", wd, C, L * P, full)
+        x_rg = full or plan.gradient_checkpointing
+        rg = _linear(saved, ctx, "per_layer_model_projection", "embeddings", wd, C, L * P, x_rg)
         _gemma4_norm(saved, "per_layer_projection_norm", N * L, P, rg, full,
                      "per_layer_model_projection.out", ctx["out_bytes"](
                          "per_layer_model_projection"))
@@ -591,6 +595,38 @@ def gemma4_head_saved(config, plan, saved, ctx):
         saved.add("lm_head.weight_cast", config.vocab_size * C, ctx["ad"])
     if config.final_logit_softcapping is not None:  # tanh keeps its (N, V) output
         saved.add("softcap.tanh", N * config.vocab_size, 2 if plan.bf16 else wd)
+
+
+def gemma4_checkpointed_saved(config, plan, device_type="cpu"):
+    """{tensor: bytes} a checkpointed Gemma 4 step holds between forward and backward inside the
+    layers (the saves outside them are gemma4_head_saved's). torch.utils.checkpoint saves each
+    layer's tensor arguments: h, the first layer's a view of cat(embeddings, per-layer inputs),
+    the (N, C + L P) storage every layer's per_layer_input also views. Its other arguments stay in
+    the recompute closure until that layer's backward, alive but outside autograd's saves
+    ("held."): the {layer type: (1, 1, T, D)} cos / sin tables, and the (k, v) each KV-shared
+    layer reads from the last earlier layer of its type (k after RoPE, so in the tables' dtype
+    or wider; v the v_norm output).
+    Mirrors: what Gemma4Model.forward hands checkpoint() (nanosft.families.gemma4)"""
+    C, L, P, T = (config.hidden_size, config.num_hidden_layers,
+                  config.hidden_size_per_layer_input, plan.max_length)
+    N, wd = plan.per_device_train_batch_size * T, DTYPE_BYTES[plan.dtype]
+    types, modes = config.layer_types, config.kv_sharing_modes
+    saved = _Saved()
+    saved.add("layer_input.first", N * (C + L * P), wd)
+    saved.add("layer_input.later", (L - 1) * N * C, wd)
+    for kind in sorted(set(types)):  # each type's tables, computed once in the model's dtype
+        saved.add(f"held.rope_cos_sin.{kind}", 2 * T * config.layer_config(types.index(kind))[0],
+                  wd)
+    for i, mode in enumerate(modes):
+        if mode != "store" or not any(m == "reuse" and types[j] == types[i]
+                                      for j, m in enumerate(modes)):
+            continue
+        D, KV = config.layer_config(i)
+        out = _context(config, plan, i, device_type, config.intermediate_size)["out_bytes"]
+        v_lin = "k_proj" if config.attention_k_eq_v and types[i] == "full_attention" else "v_proj"
+        saved.add(f"held.shared_k.{i}", N * KV * D, max(out("k_proj"), wd))
+        saved.add(f"held.shared_v.{i}", N * KV * D, out(v_lin))
+    return saved.bytes
 
 
 def _context(config, plan, layer_idx, device_type, I):
