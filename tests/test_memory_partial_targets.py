@@ -12,7 +12,8 @@ where its input needs grad, the router's and the experts' saves by which of them
 state rows are exact; each layer within 0.1%. QLoRA under bf16 autocast (OLMo 3, Gemma 3, Phi-3,
 Qwen3-MoE): a 4-bit linear returns its input's dtype, which the norms after o_proj and Phi-3's
 fused v read. DoRA on Llama and Qwen2 (the weight norm's scale kept, B A through the identity
-not), fp32 and bf16. Tiny models (hidden 64, 2 layers), CPU, seeded.
+not), fp32 and bf16. LFM2's short convolution under bf16 autocast (the conv weight's copy; its
+output cast back over a 4-bit in_proj). Tiny models (hidden 64, 2-3 layers), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_partial_targets.py
 """
 
@@ -20,6 +21,7 @@ import pytest
 from test_memory import SIZES, _family_model
 from test_memory import _model as _llama_model
 from test_memory_hybrid import _assert_each_layer_matches
+from test_memory_hybrid import _model as _hybrid_model
 from test_memory_moe import _model
 from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
 
@@ -117,3 +119,13 @@ def test_dora_each_layer(method, targets, bf16):
     reads a copy of x. Each layer within 0.1% (the old walk read 8 KiB over per DoRA linear of
     64 inputs, and 8 KiB short for fp32 adapters under autocast)."""
     _assert_each_layer_matches(_dora_model(method, targets), bf16=bf16, rel=0.001)
+
+
+@pytest.mark.parametrize("method,targets", [("lora", ["out_proj"]), ("qlora", "all-linear")],
+                         ids=["lora-out_proj", "qlora-all-linear"])
+def test_lfm2_short_conv_under_bf16_autocast_each_layer(method, targets):
+    """LFM2's short convolution under bf16 autocast: conv1d keeps its (C, 1, K) weight's bf16
+    copy where its input needs grad; over a 4-bit in_proj (float32 gates) its output is cast
+    back to float32, and c * y keeps that (B, C, T) copy instead of the padded bf16 output.
+    Each layer within 0.1% (the old walk read the conv layers 384 B and 7,680 B short)."""
+    _assert_each_layer_matches(_hybrid_model("lfm2", method, targets), bf16=True, rel=0.001)

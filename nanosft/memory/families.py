@@ -155,7 +155,12 @@ def _short_conv(saved, ctx, config, x_name, x_rg):
     s = ad or wd  # conv1d works in the autocast dtype
     saved.add("conv.in_proj_out", N * 3 * C, g)  # b * h and c * y read their views
     saved.add("conv.Bx", N * C, s if s != g else g)  # conv1d's input (a cast copy under autocast)
-    saved.add("conv.y", B * C * (plan.max_length + K - 1), s)  # the padded conv output, sliced
+    if rg and ad and ad != wd:  # ... and its (C, 1, K) weight's copy, for the input's gradient
+        saved.add("conv.weight_cast", C * K, ad)
+    if g == s:  # c * y keeps y: the padded conv output, sliced
+        saved.add("conv.y", B * C * (plan.max_length + K - 1), s)
+    else:  # (a 4-bit in_proj under autocast: y cast back to Bx's float32, a copy)
+        saved.add("conv.y", B * C * plan.max_length, g)
     return _linear(saved, ctx, "out_proj", "conv.out_proj.input", g, C, C, True)
 
 
