@@ -13,7 +13,8 @@ state rows are exact; each layer within 0.1%. QLoRA under bf16 autocast (OLMo 3,
 Qwen3-MoE): a 4-bit linear returns its input's dtype, which the norms after o_proj and Phi-3's
 fused v read. DoRA on Llama and Qwen2 (the weight norm's scale kept, B A through the identity
 not), fp32 and bf16. LFM2's short convolution under bf16 autocast (the conv weight's copy; its
-output cast back over a 4-bit in_proj). Tiny models (hidden 64, 2-3 layers), CPU, seeded.
+output cast back over a 4-bit in_proj). Qwen3.5-MoE with the router or one expert parameter alone.
+Tiny models (hidden 64, 2-3 layers), CPU, seeded.
 Run: python -m pytest -q tests/test_memory_partial_targets.py
 """
 
@@ -23,6 +24,7 @@ from test_memory import _model as _llama_model
 from test_memory_hybrid import _assert_each_layer_matches
 from test_memory_hybrid import _model as _hybrid_model
 from test_memory_moe import _model
+from test_memory_qwen3_5_moe import _model as _qwen3_5_moe_model
 from tiny import one_thread, tiny_model  # noqa: F401  (one_thread: autouse fixture)
 
 from nanosft import nf4
@@ -129,3 +131,12 @@ def test_lfm2_short_conv_under_bf16_autocast_each_layer(method, targets):
     back to float32, and c * y keeps that (B, C, T) copy instead of the padded bf16 output.
     Each layer within 0.1% (the old walk read the conv layers 384 B and 7,680 B short)."""
     _assert_each_layer_matches(_hybrid_model("lfm2", method, targets), bf16=True, rel=0.001)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("parameter", ["mlp.gate.weight", "experts.down_proj"])
+def test_qwen3_5_moe_router_or_experts_alone_each_layer(parameter, bf16):
+    """Qwen3.5-MoE with LoRA on the router or the experts' down_proj alone: the MoE block keeps
+    what that part asks for, beside a frozen shared expert (each layer within 0.1%)."""
+    model = _qwen3_5_moe_model("lora", target_modules=[], target_parameters=[parameter])
+    _assert_each_layer_matches(model, bf16=bf16, rel=0.001)
