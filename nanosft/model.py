@@ -7,8 +7,8 @@ loss.py (the causal-LM loss, whole or in lm_head tiles), masking.py (attention m
 rows), generation.py (decoding with the (k, v) cache), hub.py (safetensors files;
 `from_pretrained` streams them and can quantize to NF4 while loading, nf4.py).
 Other families (qwen2, qwen3, smollm3, mistral with a window, gemma3_text, phi3, qwen3_5_text,
-lfm2, gemma4_text, olmo3, cohere2, gpt_neox, qwen3_moe, glm4_moe, gpt_oss) subclass these pieces
-in nanosft.families.
+qwen3_5_moe_text, lfm2, gemma4_text, olmo3, cohere2, gpt_neox, qwen3_moe, glm4_moe, gpt_oss)
+subclass these pieces in nanosft.families.
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 

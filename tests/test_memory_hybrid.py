@@ -137,8 +137,8 @@ PARTIAL = [  # (family, target_modules): the first layer's input needs no grad, 
 ]
 
 
-def _assert_each_layer_matches(model, bf16=False):
-    """State rows exact; each decoder layer's predicted saves within 1% of what autograd kept in
+def _assert_each_layer_matches(model, bf16=False, rel=0.01):
+    """State rows exact; each decoder layer's predicted saves within `rel` of what autograd kept in
     that layer (0 where it kept nothing)."""
     torch.manual_seed(0)
     measured, optimizer = _step_per_layer(model, bf16)
@@ -149,7 +149,7 @@ def _assert_each_layer_matches(model, bf16=False):
     predicted = [sum(d.values()) for d in ledger.per_layer]
     print("predicted / measured per layer:", predicted, measured)
     for p, m in zip(predicted, measured):
-        assert abs(p - m) <= 0.01 * m
+        assert abs(p - m) <= rel * m
 
 
 def _step_per_layer(model, bf16):

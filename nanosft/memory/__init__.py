@@ -176,7 +176,11 @@ def estimate_memory(config, plan, device_type="cpu"):
     head, logprob_bytes = head_fn(config, plan)
     N = plan.per_device_train_batch_size * plan.max_length
     layer_input = N * config.hidden_size * wd
-    if plan.gradient_checkpointing:  # each layer keeps only its input (and the shared RoPE tables)
+    if plan.gradient_checkpointing and config.model_type == "gemma4_text":
+        # the per-layer inputs ride in the first input; RoPE tables and shared (k, v) per type
+        activations = (sum(families.gemma4_checkpointed_saved(config, plan, device_type).values())
+                       + sum(head.values()))
+    elif plan.gradient_checkpointing:  # each layer keeps only its input (and the RoPE tables)
         T, D = plan.max_length, families.rotary_dim(config)
         activations = L * layer_input + 2 * T * D * wd + sum(head.values())
     else:

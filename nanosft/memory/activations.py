@@ -9,7 +9,7 @@ Paper: activation recomputation 1604.06174.
 
 from nanosft.memory.plan import (
     DTYPE_BYTES, FFN_NORM_TYPES, FUSED_TYPES, QK_NORM_TYPES, layer_linears, lora_targets,
-    nf4_quantizable,
+    nf4_quantizable, parameter_shapes,
 )
 
 
@@ -61,21 +61,39 @@ def _linear(saved, ctx, lin, x_name, x_bytes, in_f, out_f, rg_in):
     if float_base and ad and ad != wd and (rg_in or trains_base):
         saved.add(f"{lin}.weight_cast", out_f * in_f, ad)  # autocast's copy of the weight
     if has_lora:
-        ca = ad or DTYPE_BYTES[plan.adapter_dtype]
+        ab = DTYPE_BYTES[plan.adapter_dtype]
+        ca = ad or ab
         r = plan.r
-        if ca == x_bytes:
+        # peft's layer casts x to the adapters' dtype unless CUDA's autocast is on (it asks
+        # CUDA's only): DoRA, which no speed path takes, then reads that cast (x's dtype
+        # under CUDA autocast), and under CPU autocast lora_A casts it back, a copy of x
+        x_dora = x_bytes if ad and ctx["device_type"] != "cpu" else ab
+        if ca == x_bytes and not (plan.use_dora and x_dora != x_bytes):
             saved.add(x_name, N * in_f, x_bytes)  # lora_A reads the same input
         else:
             saved.add(f"{lin}.lora_input_cast", N * in_f, ca)  # one cast copy per adapter
         saved.add(f"{lin}.lora_A_out", N * r, ca)
-        if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:
-            saved.add(f"{lin}.lora_weight_cast", r * (in_f + out_f), ad)
-        if plan.use_dora:  # B A through an identity (in, in), and the two outputs m scales
-            saved.add(f"{lin}.dora_eye", in_f * in_f, ca)
-            saved.add(f"{lin}.dora_eye_A", in_f * r, ca)
-            saved.add(f"{lin}.dora_base_result", N * out_f, cb if float_base else x_bytes)
+        if ad and ad != DTYPE_BYTES[plan.adapter_dtype]:  # autocast's copies of the adapters:
+            # lora_B's for lora_A's output; lora_A's only where its input needs grad
+            saved.add(f"{lin}.lora_weight_cast", r * ((in_f if rg_in else 0) + out_f), ad)
+        if plan.use_dora:  # m / ||W + s B A|| scales the base and LoRA outputs: the norm (its
+            # B A through an identity is detached, so dropped), the (1, out) fp32 scale, and the
+            # scale less one for the base output's gradient
+            saved.add(f"{lin}.dora_weight_norm", out_f, x_dora)
+            saved.add(f"{lin}.dora_scale", out_f, 4)
+            if rg_in or trains_base:
+                saved.add(f"{lin}.dora_scale_minus_one", out_f, 4)
+            rb = cb if float_base else x_bytes  # W x; less its bias (weights' dtype), promoted
+            saved.add(f"{lin}.dora_base_result", N * out_f,
+                      max(rb, wd) if lin in ctx["biased"] else rb)
             saved.add(f"{lin}.dora_lora_result", N * out_f, ca)
     return rg_in or trains_base or has_lora
+
+
+def _biased_linears(config):
+    """Short names of the decoder layers' linears with a bias."""
+    return {name.split(".")[-2] for name, _ in parameter_shapes(config)
+            if ".layers." in name and name.endswith(".bias")}
 
 
 def _sliding_window(config, layer_idx):
@@ -100,7 +118,8 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     nf4 = {lin: plan.load_in_4bit and nf4_quantizable((0, in_features.get(lin, C)), device_type)
            for lin in layer_linears(config)}
     ctx = {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4,
-           "targets": lora_targets(config, plan)}
+           "targets": lora_targets(config, plan), "device_type": device_type,
+           "biased": _biased_linears(config)}
 
     def out_bytes(lin):  # a float base computes in the autocast dtype; a 4-bit one returns x's
         return (ad or wd) if (plan.full or not nf4[lin]) else wd
@@ -120,13 +139,19 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out_bytes("k_proj"))
     attn_rg = q_rg or k_rg or v_rg
     s = ad or wd  # SDPA works in the autocast dtype, else in the stream's
+    # the cos / sin tables are shared by every layer: the first whose RoPE products need grad
+    # keeps them (the first layer's q or k needs grad only with LoRA on q_proj or k_proj; every
+    # later layer's input needs grad once the first layer holds LoRA)
+    qk_lora = plan.full or bool({"q_proj", "k_proj", "qkv_proj"} & ctx["targets"])
+    if (q_rg or k_rg) and layer_idx == (0 if qk_lora else 1):
+        saved.add("rope_cos_sin", 2 * T * D, wd)
     if attn_rg:
-        if first:
-            saved.add("rope_cos_sin", 2 * T * D, wd)  # shared by every layer, counted in the first
         saved.add("sdpa.q", N * H * D, s)
         saved.add("sdpa.k", N * KV * D, s)
-        # v is not copied on its way to SDPA: with qkv fused, it keeps the whole output alive
-        saved.add("sdpa.v", N * ((H + 2 * KV) if fused else KV) * D, s)
+        # v is not copied on its way to SDPA: with qkv fused, it keeps the whole output alive,
+        # unless autocast hands SDPA a copy (a 4-bit base returns float32)
+        whole = fused and out_bytes("qkv_proj") == s
+        saved.add("sdpa.v", N * ((H + 2 * KV) if whole else KV) * D, s)
         saved.add("sdpa.out", N * H * D, s)
         saved.add("sdpa.logsumexp", B * H * T, 4)
         window = _sliding_window(config, layer_idx)
@@ -139,7 +164,8 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     o_rg = _linear(saved, ctx, "o_proj", o_input, s, H * D, C, attn_rg)
     h_rg = rg or o_rg
     if config.model_type in FFN_NORM_TYPES:  # Gemma 3 norms the attention output before the add
-        _norm(saved, "post_attention_layernorm", N, C, o_rg, plan.full, out_bytes("o_proj"))
+        # o_proj's output is in SDPA's dtype: a float base's under autocast, a 4-bit one's as x
+        _norm(saved, "post_attention_layernorm", N, C, o_rg, plan.full, s)
         n2_rg = _norm(saved, "pre_feedforward_layernorm", N, C, h_rg, plan.full, wd)
     else:
         n2_rg = _norm(saved, "post_attention_layernorm", N, C, h_rg, plan.full, wd)

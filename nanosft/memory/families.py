@@ -12,12 +12,16 @@ chunked delta rule) and gated attention (Qwen3.5-MoE: those layers with the MoE 
 sigmoid-gated shared expert), Gemma 4's layer (fp32 norms by hand, shared keys and values,
 per-layer inputs, the experts beside the MLP under enable_moe_block) and its saves outside the
 layers. Where a layer's input needs no grad (the first layer, or one after layers LoRA leaves
-frozen) the Qwen3.5 and LFM2 walks keep only what the branches LoRA makes need grad ask for.
+frozen) the walks (but Gemma 4's) keep only what the branches LoRA makes need grad ask for: o_proj's
+LoRA input alone, the router's saves alone, the RoPE tables in the first layer rotating a q or k
+that needs grad.
 Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.00656, Gated DeltaNet
 2412.06464.
 """
 
-from nanosft.memory.activations import _layer_norm, _linear, _norm, _Saved, _sliding_window
+from nanosft.memory.activations import (
+    _biased_linears, _layer_norm, _linear, _norm, _Saved, _sliding_window,
+)
 from nanosft.memory.plan import (
     DTYPE_BYTES, GATED_DELTANET_LINEARS, expert_size, is_moe_layer, layer_linears, lora_targets,
     nf4_quantizable, parameter_targets,
@@ -29,18 +33,31 @@ MODELLED = ("olmo3", "cohere2", "gpt_neox", "qwen3_moe", "glm4_moe", "gpt_oss", 
 SOFTMAX_ROUTERS = ("qwen3_moe", "qwen3_5_moe_text")  # fp32 softmax, renormalised in fp32
 
 
-def _rope_owner(config, layer_idx):
-    """Whether this layer is the first to read its cos / sin tables (each table counts once)."""
-    t = config.model_type
-    types = getattr(config, "layer_types", None)
+def _rope_table(config, layer_idx):
+    """Which cos / sin table a layer rotates q and k with (None: no RoPE in this layer)."""
+    t, kind = config.model_type, (getattr(config, "layer_types", None) or [None] * (
+        layer_idx + 1))[layer_idx]
     if t == "olmo3":  # one table per layer type
-        return types.index(types[layer_idx]) == layer_idx
-    if t == "lfm2":  # only the attention layers rotate
-        return types.index("full_attention") == layer_idx
+        return kind
+    if t in ("lfm2", "qwen3_5_text", "qwen3_5_moe_text"):  # only the attention layers rotate
+        return "rope" if kind == "full_attention" else None
     if t == "cohere2":  # only the sliding layers rotate
-        return types[layer_idx] == "sliding_attention" and types.index(types[layer_idx]) == \
-            layer_idx
-    return layer_idx == 0
+        return "rope" if kind == "sliding_attention" else None
+    return "rope"
+
+
+def _rope_saved_first(config, ctx, layer_idx):
+    """Whether this layer is the first to keep its cos / sin table (each table counts once): the
+    first rotating with it whose q or k needs grad (LoRA on q_proj / k_proj / query_key_value,
+    or an input that needs grad)."""
+    table = _rope_table(config, layer_idx)
+    if table is None:
+        return False
+    qk_lora = ctx["plan"].full or bool({"q_proj", "k_proj", "query_key_value"} & ctx["targets"])
+    for j in range(config.num_hidden_layers):
+        if _rope_table(config, j) == table and (qk_lora or _earlier_layer_trains(config, ctx, j)):
+            return j == layer_idx
+    return False
 
 
 def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
@@ -63,12 +80,9 @@ def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
         _norm(saved, "q_norm", N * H, D, q_rg, plan.full, out("q_proj"))
         _norm(saved, "k_norm", N * KV, D, k_rg, plan.full, out("k_proj"))
     attn_rg = q_rg or k_rg or v_rg
-    if not attn_rg:
-        return False
     partial = getattr(config, "partial_rotary_factor", None) if t in ("gpt_neox",
                                                                       "glm4_moe") else None
-    rope = _sliding_window(config, layer_idx) is not None if t == "cohere2" else True
-    if rope and (q_rg or k_rg) and _rope_owner(config, layer_idx):  # RoPE reads q and k only
+    if (q_rg or k_rg) and _rope_saved_first(config, ctx, layer_idx):  # RoPE reads q and k only
         rot = int(D * partial) if partial else D
         saved.add("rope_cos_sin", 2 * T * rot, wd)
     window = _sliding_window(config, layer_idx)
@@ -77,31 +91,36 @@ def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
             saved.add("attn.q", N * H * D, s)
         if q_rg:
             saved.add("attn.k_repeated", N * H * D, s)  # repeat_interleave copies of the kv heads
+        # the sinks (weights' dtype) join the scores: the softmax runs in the wider dtype, and
+        # its probabilities are cast back to v's for the product
+        pd = max(s, wd)
         if q_rg or k_rg:
             saved.add("attn.mask", T * T, 1)  # the causal or windowed (T, T) boolean mask
             saved.add("attn.max_index", B * H * T, 8)
-            # the sinks (weights' dtype) join the scores: the softmax runs in the wider dtype,
-            # and its probabilities are cast back to v's for the product
-            pd = max(s, wd)
-            saved.add("attn.probs", B * H * T * (T + 1), pd)
+            saved.add("attn.probs", B * H * T * (T + 1), pd)  # softmax keeps its output
+            saved.add("attn.v_repeated", N * H * D, s)  # probs @ v: v for the probs' gradient
+        if v_rg:  # ... and the probabilities v's gradient reads (their cast copy, or a view)
             if pd != s:
                 saved.add("attn.probs_cast", B * H * T * T, s)
-            saved.add("attn.v_repeated", N * H * D, s)
+            else:
+                saved.add("attn.probs", B * H * T * (T + 1), pd)
         o_input = "o_proj.input"  # (B, H, T, D) out, transposed to (B, T, H * D): a copy
     else:
-        saved.add("sdpa.q", N * H * D, s)
-        saved.add("sdpa.k", N * KV * D, s)
-        # GPT-NeoX's v is a view of the fused (N, 3 C) output and keeps all of it alive, unless
-        # autocast hands SDPA a copy (a 4-bit base returns float32)
-        whole = t == "gpt_neox" and out("query_key_value") == s
-        saved.add("sdpa.v", N * (3 * C if whole else KV * D), s)
-        saved.add("sdpa.out", N * H * D, s)
-        saved.add("sdpa.logsumexp", B * H * T, 4)
-        if window is not None and T > window:
-            saved.add("sdpa.window_mask", T * T, s)
+        if attn_rg:  # SDPA keeps all it reads once any of q, k, v needs grad
+            saved.add("sdpa.q", N * H * D, s)
+            saved.add("sdpa.k", N * KV * D, s)
+            # GPT-NeoX's v is a view of the fused (N, 3 C) output and keeps all of it alive,
+            # unless autocast hands SDPA a copy (a 4-bit base returns float32)
+            whole = t == "gpt_neox" and out("query_key_value") == s
+            saved.add("sdpa.v", N * (3 * C if whole else KV * D), s)
+            saved.add("sdpa.out", N * H * D, s)
+            saved.add("sdpa.logsumexp", B * H * T, 4)
+            if window is not None and T > window:
+                saved.add("sdpa.window_mask", T * T, s)
         # partial RoPE concatenates q (B, H, T, D): o_proj's (B, T, H * D) input is then a copy
         o_input = "o_proj.input" if partial else "sdpa.out"
     o_lin = {"gpt_neox": "dense", "lfm2": "out_proj"}.get(t, "o_proj")
+    # with nothing before it needing grad, o_proj's own LoRA still keeps its input
     return _linear(saved, ctx, o_lin, o_input, s, H * D, C, attn_rg)
 
 
@@ -136,7 +155,12 @@ def _short_conv(saved, ctx, config, x_name, x_rg):
     s = ad or wd  # conv1d works in the autocast dtype
     saved.add("conv.in_proj_out", N * 3 * C, g)  # b * h and c * y read their views
     saved.add("conv.Bx", N * C, s if s != g else g)  # conv1d's input (a cast copy under autocast)
-    saved.add("conv.y", B * C * (plan.max_length + K - 1), s)  # the padded conv output, sliced
+    if rg and ad and ad != wd:  # ... and its (C, 1, K) weight's copy, for the input's gradient
+        saved.add("conv.weight_cast", C * K, ad)
+    if g == s:  # c * y keeps y: the padded conv output, sliced
+        saved.add("conv.y", B * C * (plan.max_length + K - 1), s)
+    else:  # (a 4-bit in_proj under autocast: y cast back to Bx's float32, a copy)
+        saved.add("conv.y", B * C * plan.max_length, g)
     return _linear(saved, ctx, "out_proj", "conv.out_proj.input", g, C, C, True)
 
 
@@ -146,6 +170,8 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
     slice W[e] is cast anew (no autocast cache for a view), so every expert's bf16 copy is kept.
     NF4 experts (nf4_experts.DequantizedLinear) save no weight: each chosen expert is dequantized
     in forward and again in backward; what LoRA's delta D adds (x @ D[e]^T) saves as on float.
+    On an input that needs no grad, each part keeps what the parts LoRA trains ask for: the
+    router's saves for its logits, each expert's for its gate_up output or its own output.
     Left out: what GLM's group choice saves (its ops end in integer ids, so those saves are freed
     when the router returns: 0.6% of a tiny layer).
     Mirrors: autograd's saves in nanosft.families.moe SparseMoeBlock (Qwen3MoeSparseMoeBlock,
@@ -170,7 +196,10 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
         shared_rg = _swiglu(saved, ctx, x_name, x_rg, C, Ie * config.n_shared_experts)
     if t == "qwen3_5_moe_text":  # the same, times sigmoid(shared_expert_gate(x))
         shared_rg = _gated_shared_expert(saved, ctx, config, x_name, x_rg)
-    if not (x_rg or router_trains or gate_up_trains or down_trains):
+    w_rg = x_rg or router_trains  # the router's logits, so the routing weights
+    gu_rg = x_rg or gate_up_trains  # each expert's gate_up output
+    d_rg = gu_rg or down_trains  # each expert's output
+    if not (w_rg or d_rg):
         return shared_rg
     # the router: (N, E) logits, top k of them (ids (N, k) int64), their weights
     if router_trains:  # its weight's gradient reads the input (a cast copy of it)
@@ -184,44 +213,53 @@ def moe_saved(saved, ctx, config, x_name, x_rg):
         saved.add("router.weight_cast", E * C, rd)
     elif x_rg and router in ptargets:  # W + B A, a new (E, C) tensor
         saved.add("router.weight_plus_delta", E * C, wd)
-    saved.add("router.top_k_index", N * k, 8)
-    if t == "gpt_oss":  # softmax over the k chosen logits only
-        saved.add("router.top_k_weights", N * k, mm)
-    else:  # softmax (Qwen, in fp32) or sigmoid (GLM) over all E
-        saved.add("router.probs", N * E, 4 if t in SOFTMAX_ROUTERS else rd)
-        if config.norm_topk_prob:  # the k weights and their (N, 1) sum, for the division
-            nd = 4 if t in SOFTMAX_ROUTERS else rd
-            saved.add("router.top_k_values", N * k, nd)
-            saved.add("router.top_k_sum", N, nd)
-    # dispatch: each of the R = N k (token, choice) rows, expert by expert
-    saved.add("experts.row_ids", R * 2, 8)  # torch.where's (token, slot) pairs, int64
+    if cast and router in ptargets and DTYPE_BYTES[plan.adapter_dtype] != ad:
+        # B @ A runs under autocast: it keeps both factors' bf16 copies, (E, r) and (r, C)
+        saved.add("router.lora_factors_cast", (E + C) * ptargets[router], ad)
+    if w_rg:
+        saved.add("router.top_k_index", N * k, 8)
+        if t == "gpt_oss":  # softmax over the k chosen logits only
+            saved.add("router.top_k_weights", N * k, mm)
+        else:  # softmax (Qwen, in fp32) or sigmoid (GLM) over all E
+            saved.add("router.probs", N * E, 4 if t in SOFTMAX_ROUTERS else rd)
+            if config.norm_topk_prob:  # the k weights and their (N, 1) sum, for the division
+                nd = 4 if t in SOFTMAX_ROUTERS else rd
+                saved.add("router.top_k_values", N * k, nd)
+                saved.add("router.top_k_sum", N, nd)
+    # dispatch: each of the R = N k (token, choice) rows, expert by expert; index_add_ keeps the
+    # rows' ids (torch.where's (token, slot) pairs, one int64 storage) and its source, the
+    # weighted output, in x's dtype
+    saved.add("experts.row_ids", R * 2, 8)
+    saved.add("experts.weighted_out", R * C, wd)
     if gate_up_trains:
         saved.add("experts.input_rows", R * C, mm)
-    for name, numel in (("gate_up_proj", E * 2 * Ie * C), ("down_proj", E * C * Ie)):
+    for name, numel, in_rg in (("gate_up_proj", E * 2 * Ie * C, x_rg),
+                               ("down_proj", E * C * Ie, gu_rg)):
         # the bf16 copy of each expert's slice, for the input's gradient; NF4 experts dequantize
         # again in backward, and only a LoRA delta's slice is cast and kept
-        if cast and x_rg and (not plan.nf4_experts or name in ptargets):
+        if cast and in_rg and (not plan.nf4_experts or name in ptargets):
             saved.add(f"experts.{name}_cast", numel, ad)
-    saved.add("experts.gate_up_out", R * 2 * Ie, ed)
-    if t == "gpt_oss":  # clamped gate, sigmoid(alpha gate), up + 1, and the glu product
-        for name in ("clamped_gate", "sigmoid", "up_plus_one", "glu"):
-            saved.add(f"experts.{name}", R * Ie, ed)
-    else:
-        saved.add("experts.silu", R * Ie, ed)
+        # LoRA on the 3-D experts: W + B A is a new (E, out, in) tensor per forward (under
+        # autocast only its per-expert bf16 copies are kept)
+        if not plan.full and not cast and in_rg and name in ptargets:
+            saved.add(f"experts.{name}_plus_delta", numel, wd)
+        if not plan.full and name in ptargets and DTYPE_BYTES[plan.adapter_dtype] != wd:
+            # the adapters cast to the experts' dtype for the baddbmm
+            out_f, in_f = (2 * Ie, C) if name == "gate_up_proj" else (C, Ie)
+            saved.add(f"experts.{name}_factors", E * (out_f + in_f) * ptargets[name], wd)
+    if gu_rg:
+        saved.add("experts.gate_up_out", R * 2 * Ie, ed)
+        if t == "gpt_oss":  # clamped gate, sigmoid(alpha gate), up + 1, and the glu product
+            for name in ("clamped_gate", "sigmoid", "up_plus_one", "glu"):
+                saved.add(f"experts.{name}", R * Ie, ed)
+        else:
+            saved.add("experts.silu", R * Ie, ed)
     if down_trains:
         saved.add("experts.act_product", R * Ie, mm)  # (gpt-oss: the cast copy under autocast)
-    saved.add("experts.route_weight", R, rd)  # (R, 1) slice of the top-k weights
-    saved.add("experts.out", R * C, ed)  # times the weight: both saved
-    saved.add("experts.weighted_out", R * C, wd)  # index_add_ keeps its source, in x's dtype
-    if not plan.full:  # LoRA on the 3-D experts: W + B A is a new (E, out, in) tensor per forward
-        ab = DTYPE_BYTES[plan.adapter_dtype]
-        for name, out_f, in_f in (("gate_up_proj", 2 * Ie, C), ("down_proj", C, Ie)):
-            if name not in ptargets:
-                continue
-            if not cast:  # (under autocast only its per-expert bf16 copies are kept)
-                saved.add(f"experts.{name}_plus_delta", E * out_f * in_f, wd)
-            if ab != wd:  # the adapters cast to the experts' dtype for the baddbmm
-                saved.add(f"experts.{name}_factors", E * (out_f + in_f) * ptargets[name], wd)
+    if d_rg:  # out * weight: the weight for the output's gradient, and the output for its own
+        saved.add("experts.route_weight", R, rd)  # (R, 1) slice of the top-k weights
+    if w_rg:
+        saved.add("experts.out", R * C, ed)
     return True
 
 
@@ -383,16 +421,6 @@ def _gated_attention(saved, ctx, config, layer_idx, x_name, x_rg):
     return _linear(saved, ctx, "o_proj", "o_proj.input", s, H * D, C, attn_rg)
 
 
-def _rope_saved_first(config, ctx, layer_idx):
-    """Whether this full-attention layer is the first to keep the shared cos / sin tables: the
-    first whose q or k needs grad (LoRA on q_proj / k_proj, or an input that needs grad)."""
-    qk_lora = ctx["plan"].full or "q_proj" in ctx["targets"] or "k_proj" in ctx["targets"]
-    for j, kind in enumerate(config.layer_types):
-        if kind == "full_attention" and (qk_lora or _earlier_layer_trains(config, ctx, j)):
-            return j == layer_idx
-    return False
-
-
 def rotary_dim(config):
     """Width of the cos / sin tables every (checkpointed) layer receives: head_dim, or for
     Qwen3.5 its partial_rotary_factor share (a quarter: (T, 64) tables beside 256-wide heads)."""
@@ -550,14 +578,18 @@ def _gemma4_moe(saved, ctx, config, h_rg):
 
 def gemma4_head_saved(config, plan, saved, ctx):
     """Gemma 4's saves outside the layers: the two scaled embeddings' scales, the per-layer
-    projection and its norm (rows N L of P), the final norm, and the soft-capped logits' tanh."""
+    projection and its norm (rows N L of P), the final norm, and the soft-capped logits' tanh.
+    Under checkpointing the Trainer makes a LoRA model's embedding output need grad
+    (enable_input_require_grads), so the per-layer projection keeps what its input's gradient
+    reads (under autocast, the bf16 copy of its frozen float weight)."""
     N, wd, full = ctx["N"], ctx["wd"], plan.full
     C, P, L = config.hidden_size, config.hidden_size_per_layer_input, config.num_hidden_layers
     if full:
         saved.add("embed_tokens.input_ids", N, 8)
         saved.add("embed_scales", 2 if P else 1, wd)
     if P:
-        rg = _linear(saved, ctx, "per_layer_model_projection", "embeddings", wd, C, L * P, full)
+        x_rg = full or plan.gradient_checkpointing
+        rg = _linear(saved, ctx, "per_layer_model_projection", "embeddings", wd, C, L * P, x_rg)
         _gemma4_norm(saved, "per_layer_projection_norm", N * L, P, rg, full,
                      "per_layer_model_projection.out", ctx["out_bytes"](
                          "per_layer_model_projection"))
@@ -568,6 +600,38 @@ def gemma4_head_saved(config, plan, saved, ctx):
         saved.add("lm_head.weight_cast", config.vocab_size * C, ctx["ad"])
     if config.final_logit_softcapping is not None:  # tanh keeps its (N, V) output
         saved.add("softcap.tanh", N * config.vocab_size, 2 if plan.bf16 else wd)
+
+
+def gemma4_checkpointed_saved(config, plan, device_type="cpu"):
+    """{tensor: bytes} a checkpointed Gemma 4 step holds between forward and backward inside the
+    layers (the saves outside them are gemma4_head_saved's). torch.utils.checkpoint saves each
+    layer's tensor arguments: h, the first layer's a view of cat(embeddings, per-layer inputs),
+    the (N, C + L P) storage every layer's per_layer_input also views. Its other arguments stay in
+    the recompute closure until that layer's backward, alive but outside autograd's saves
+    ("held."): the {layer type: (1, 1, T, D)} cos / sin tables, and the (k, v) each KV-shared
+    layer reads from the last earlier layer of its type (k after RoPE, so in the tables' dtype
+    or wider; v the v_norm output).
+    Mirrors: what Gemma4Model.forward hands checkpoint() (nanosft.families.gemma4)"""
+    C, L, P, T = (config.hidden_size, config.num_hidden_layers,
+                  config.hidden_size_per_layer_input, plan.max_length)
+    N, wd = plan.per_device_train_batch_size * T, DTYPE_BYTES[plan.dtype]
+    types, modes = config.layer_types, config.kv_sharing_modes
+    saved = _Saved()
+    saved.add("layer_input.first", N * (C + L * P), wd)
+    saved.add("layer_input.later", (L - 1) * N * C, wd)
+    for kind in sorted(set(types)):  # each type's tables, computed once in the model's dtype
+        saved.add(f"held.rope_cos_sin.{kind}", 2 * T * config.layer_config(types.index(kind))[0],
+                  wd)
+    for i, mode in enumerate(modes):
+        if mode != "store" or not any(m == "reuse" and types[j] == types[i]
+                                      for j, m in enumerate(modes)):
+            continue
+        D, KV = config.layer_config(i)
+        out = _context(config, plan, i, device_type, config.intermediate_size)["out_bytes"]
+        v_lin = "k_proj" if config.attention_k_eq_v and types[i] == "full_attention" else "v_proj"
+        saved.add(f"held.shared_k.{i}", N * KV * D, max(out("k_proj"), wd))
+        saved.add(f"held.shared_v.{i}", N * KV * D, out(v_lin))
+    return saved.bytes
 
 
 def _context(config, plan, layer_idx, device_type, I):
@@ -595,7 +659,8 @@ def _context(config, plan, layer_idx, device_type, I):
         return (ad or wd) if (plan.full or not nf4[lin]) else wd
 
     return {"N": N, "plan": plan, "ad": ad, "wd": wd, "nf4": nf4, "out_bytes": out_bytes,
-            "targets": lora_targets(config, plan), "param_targets": parameter_targets(config, plan)}
+            "targets": lora_targets(config, plan), "param_targets": parameter_targets(config, plan),
+            "device_type": device_type, "biased": _biased_linears(config)}
 
 
 def head_saved_bytes(config, plan):
@@ -608,19 +673,33 @@ def head_saved_bytes(config, plan):
     return saved.bytes, ctx["N"] * config.vocab_size * 4
 
 
+def _layer_lora_linears(config, j):
+    """The LoRA-able linears decoder layer j holds. The hybrid families' mixers have their own
+    linears; an MoE layer holds the SwiGLU three only as shared experts (GLM's)."""
+    t = config.model_type
+    if t in ("lfm2", "qwen3_5_text", "qwen3_5_moe_text"):
+        lfm2 = t == "lfm2"
+        mixers = {"linear_attention": GATED_DELTANET_LINEARS, "conv": ("in_proj", "out_proj"),
+                  "full_attention": ("q_proj", "k_proj", "v_proj",
+                                     "out_proj" if lfm2 else "o_proj")}
+        ffn = ("w1", "w3", "w2") if lfm2 else ("gate_proj", "up_proj", "down_proj",
+                                              "shared_expert_gate")
+        return mixers[config.layer_types[j]] + ffn
+    shared = t == "glm4_moe" and config.n_shared_experts
+    if is_moe_layer(config, j) and not shared:
+        return tuple(lin for lin in layer_linears(config)
+                     if lin not in ("gate_proj", "up_proj", "down_proj"))
+    return layer_linears(config)
+
+
 def _earlier_layer_trains(config, ctx, layer_idx):
-    """Whether a layer before `layer_idx` holds LoRA, so this layer's input needs grad. The hybrid
-    families' mixers have their own linears: attention-only LoRA leaves a first Gated DeltaNet
-    or short-conv layer frozen, and the next layer's input without grad."""
-    lfm2 = config.model_type == "lfm2"
-    mixers = {"linear_attention": GATED_DELTANET_LINEARS, "conv": ("in_proj", "out_proj"),
-              "full_attention": ("q_proj", "k_proj", "v_proj", "out_proj" if lfm2 else "o_proj")}
-    ffn = ("w1", "w3", "w2") if lfm2 else ("gate_proj", "up_proj", "down_proj",
-                                          "shared_expert_gate")
+    """Whether a layer before `layer_idx` holds LoRA, so this layer's input needs grad: LoRA on
+    attention only leaves a first Gated DeltaNet or short-conv layer frozen and the next layer's
+    input without grad; LoRA on the experts only, GLM's dense first layers."""
     for j in range(layer_idx):
         if is_moe_layer(config, j) and ctx["param_targets"]:
             return True
-        if any(lin in ctx["targets"] for lin in mixers[config.layer_types[j]] + ffn):
+        if any(lin in ctx["targets"] for lin in _layer_lora_linears(config, j)):
             return True
     return False
 
@@ -640,16 +719,18 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     ctx = _context(config, plan, layer_idx, device_type, I)
     out_bytes = ctx["out_bytes"]
     saved = _Saved()
-    rg = plan.full or not first  # the first layer's input needs no grad unless the embedding trains
+    # the first layer's input needs no grad unless the embedding trains; a later one's, unless
+    # a layer before it holds LoRA
+    rg = plan.full or _earlier_layer_trains(config, ctx, layer_idx)
     if t == "olmo3":  # post-norm: h + norm(attn(h)), then h + norm(mlp(h)); no input norm
         a_rg = _attention(saved, ctx, config, layer_idx, "layer_input", rg)
-        _norm(saved, "post_attention_layernorm", N, C, a_rg, plan.full, out_bytes("o_proj"))
+        # o_proj's output is in SDPA's dtype (a 4-bit base returns its input's)
+        _norm(saved, "post_attention_layernorm", N, C, a_rg, plan.full, ctx["ad"] or wd)
         m_rg = _swiglu(saved, ctx, "mlp_input", rg or a_rg, C, I)
         _norm(saved, "post_feedforward_layernorm", N, C, m_rg, plan.full, out_bytes("down_proj"))
     elif t == "gemma4_text":
         _gemma4_layer(saved, ctx, config, layer_idx, first)
     elif t in ("qwen3_5_text", "qwen3_5_moe_text"):  # pre-norm; Gated DeltaNet or attention
-        rg = plan.full or _earlier_layer_trains(config, ctx, layer_idx)
         n_rg = _norm(saved, "input_layernorm", N, C, rg, plan.full, wd)
         if config.layer_types[layer_idx] == "linear_attention":
             a_rg = _gated_deltanet(saved, ctx, config, "normed_1", n_rg)
@@ -661,7 +742,6 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
         else:
             _swiglu(saved, ctx, "normed_2", n2_rg, C, I)
     elif t == "lfm2":  # pre-norm; the mixer a gated short convolution or attention
-        rg = plan.full or _earlier_layer_trains(config, ctx, layer_idx)
         n_rg = _norm(saved, "operator_norm", N, C, rg, plan.full, wd)
         if config.layer_types[layer_idx] == "conv":
             a_rg = _short_conv(saved, ctx, config, "normed_1", n_rg)
