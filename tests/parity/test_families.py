@@ -247,12 +247,13 @@ def train_a_few_steps(model, batch):
     return model.eval()
 
 
-def assert_adapters_move_both_ways(hf, folder, tmp_path, x, target_modules, label):
+def assert_adapters_move_both_ways(hf, folder, tmp_path, x, target_modules, label, **lora):
     """A LoRA adapter trained a few steps by nanosft loads in peft, and one trained by peft loads
-    in nanosft: logits equal within TOL both ways. Returns the largest logit difference; the
+    in nanosft: logits equal within TOL both ways, and disabling the loaded adapter moves them.
+    `lora`: more LoraConfig fields (target_parameters). Returns the largest logit difference; the
     adapters are left in tmp_path / "ours_adapter" and "peft_adapter"."""
     batch = {"input_ids": x, "labels": x}
-    config = {"r": 4, "lora_alpha": 8, "target_modules": target_modules}
+    config = {"r": 4, "lora_alpha": 8, "target_modules": target_modules, **lora}
     torch.manual_seed(1)
     ours = train_a_few_steps(get_peft_model(CausalLM.from_pretrained(folder),
                                             LoraConfig(**config)), batch)
@@ -271,6 +272,8 @@ def assert_adapters_move_both_ways(hf, folder, tmp_path, x, target_modules, labe
         want, got = theirs(x).logits, ours_loads_peft(x).logits
         torch.testing.assert_close(got, want, **TOL)
         diff = max(diff, (got - want).abs().max().item())
+        with ours_loads_peft.disable_adapter():  # the trained adapter is not a no-op
+            assert (ours_loads_peft(x).logits - want).abs().max() > 1e-4
     print(f"\n[{label}] adapter max |logit diff| = {diff:.3e}")
     return diff
 

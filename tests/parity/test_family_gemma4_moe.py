@@ -30,12 +30,13 @@ import test_family_sft
 import torch
 import transformers
 from safetensors.torch import load_file
-from test_family_moe import random_adapters
+from test_family_moe import assert_lora_matches_peft
 from test_nf4_experts import round_trip, same_lora
 from test_families import (BASE, TOL, V, assert_checkpointing_keeps_gradients,
                            assert_greedy_generation_matches,
                            assert_quantize_while_loading_matches, left_padded_batch,
-                           models_both_ways, packed_row, save_random, train_a_few_steps)
+                           assert_adapters_move_both_ways, models_both_ways, packed_row,
+                           save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.families import config_from_dict
@@ -147,20 +148,7 @@ def test_lora_on_router_and_experts_equals_peft(tmp_path):
     assert "base_model.model.model.layers.0.router.proj.lora_A.default.weight" in names
     assert ("base_model.model.model.layers.0.experts.base_layer.lora_A.default.weight",
             (2 * 4, 64)) in shapes[1]  # gate_up_proj: rank 2 per expert, 4 experts, in C
-    random_adapters(ref, ours)
-    x = torch.randint(3, V, (2, 12))
-    a, b = ref(x, labels=x), ours(x, labels=x)
-    torch.testing.assert_close(b.logits, a.logits, **TOL)
-    a.loss.backward()
-    b.loss.backward()
-    theirs = dict(ref.named_parameters())
-    worst = 0.0
-    for n, p in ours.named_parameters():
-        if "lora_" in n:
-            torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=1e-7, msg=n)
-            worst = max(worst, (p.grad - theirs[n].grad).abs().max().item())
-    print(f"\n[gemma4 moe] LoRA logits {(b.logits - a.logits).abs().max():.2e}, "
-          f"gradients {worst:.2e}")
+    assert_lora_matches_peft(ref, ours, "gemma4 moe")
 
 
 def test_trained_expert_adapters_move_both_ways(tmp_path):
@@ -168,28 +156,13 @@ def test_trained_expert_adapters_move_both_ways(tmp_path):
     the other: logits within 1e-5; merge_and_unload keeps them."""
     hf, folder = hf_folder(tmp_path)
     x = torch.randint(3, V, (2, 12))
-    batch = {"input_ids": x, "labels": x}
-    torch.manual_seed(1)
-    ours = train_a_few_steps(get_peft_model(CausalLM.from_pretrained(folder),
-                                            LoraConfig(**LORA)), batch)
-    ours.save_pretrained(tmp_path / "ours_adapter")
-    theirs = train_a_few_steps(peft.get_peft_model(
-        hf, peft.LoraConfig(task_type="CAUSAL_LM", **LORA)), batch)
-    theirs.save_pretrained(tmp_path / "peft_adapter")
-    fresh = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    peft_loads_ours = peft.PeftModel.from_pretrained(fresh, tmp_path / "ours_adapter")
+    lora = {k: v for k, v in LORA.items() if k not in ("r", "lora_alpha")}
+    assert_adapters_move_both_ways(hf, folder, tmp_path, x, label="gemma4 moe", **lora)
     ours_loads_peft = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
                                                            tmp_path / "peft_adapter").eval()
     with torch.no_grad():
-        pairs = [(ours(x).logits, peft_loads_ours(x).logits),
-                 (theirs(x).logits, ours_loads_peft(x).logits)]
-        pairs.append((pairs[1][1], ours_loads_peft.merge_and_unload()(x).logits))
-        with ours.disable_adapter():  # the adapters change the logits
-            assert (ours(x).logits - pairs[0][0]).abs().max() > 1e-3
-    for want, got in pairs:
-        torch.testing.assert_close(got, want, **TOL)
-    print(f"\n[gemma4 moe] adapters both ways: max |logit diff| "
-          f"{max((g - w).abs().max().item() for w, g in pairs):.3e}")
+        want = ours_loads_peft(x).logits
+        torch.testing.assert_close(ours_loads_peft.merge_and_unload()(x).logits, want, **TOL)
 
 
 def test_qlora_sft_losses_and_lora_gradients_match_trl(tmp_path, monkeypatch):

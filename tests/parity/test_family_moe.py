@@ -181,6 +181,26 @@ def random_adapters(ref, ours):
                 theirs[n].copy_(p)
 
 
+def assert_lora_matches_peft(ref, ours, label):
+    """With the same random adapters in peft's model `ref` and nanosft's `ours`: logits within
+    TOL and every LoRA gradient of the loss within 1e-7. Returns the logit and gradient maxima."""
+    random_adapters(ref, ours)
+    x = torch.randint(3, V, (2, 12))
+    a, b = ref(x, labels=x), ours(x, labels=x)
+    torch.testing.assert_close(b.logits, a.logits, **TOL)
+    a.loss.backward()
+    b.loss.backward()
+    theirs = dict(ref.named_parameters())
+    worst = 0.0
+    for n, p in ours.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=1e-7, msg=n)
+            worst = max(worst, (p.grad - theirs[n].grad).abs().max().item())
+    logits = (b.logits - a.logits).abs().max().item()
+    print(f"\n[{label}] LoRA logits {logits:.2e}, gradients {worst:.2e}")
+    return logits, worst
+
+
 def test_all_linear_lora_on_experts_and_router_equals_peft(tmp_path):
     """peft 0.21 turns "all-linear" on Qwen3-MoE into LoRA on the attention linears plus
     target_parameters on gate_up_proj (rank and alpha doubled: gate and up fused), down_proj and
@@ -199,20 +219,7 @@ def test_all_linear_lora_on_experts_and_router_equals_peft(tmp_path):
         "down_proj", "gate.weight", "gate_up_proj"]
     assert sorted(want.target_modules) == got.target_modules
     assert (want.rank_pattern, want.alpha_pattern) == (got.rank_pattern, got.alpha_pattern)
-    random_adapters(ref, ours)
-    x = torch.randint(3, V, (2, 12))
-    a, b = ref(x, labels=x), ours(x, labels=x)
-    torch.testing.assert_close(b.logits, a.logits, **TOL)
-    a.loss.backward()
-    b.loss.backward()
-    theirs = dict(ref.named_parameters())
-    worst = 0.0
-    for n, p in ours.named_parameters():
-        if "lora_" in n:
-            torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=1e-7, msg=n)
-            worst = max(worst, (p.grad - theirs[n].grad).abs().max().item())
-    print(f"\n[qwen3_moe] expert LoRA logits {(b.logits - a.logits).abs().max():.2e}, "
-          f"gradients {worst:.2e}")
+    assert_lora_matches_peft(ref, ours, "qwen3_moe experts")
 
 
 def test_expert_adapters_move_both_ways_and_merge(tmp_path):
@@ -425,14 +432,5 @@ def test_gpt_oss_lora_on_transposed_experts_equals_peft(tmp_path):
     assert shapes[0] == shapes[1]
     assert ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default.weight",
             (2 * 4, 64)) in shapes[1]  # gate_up_proj (E, C, 2 I): in = C
-    random_adapters(ref, ours)
-    x = torch.randint(3, V, (2, 12))
-    a, b = ref(x, labels=x), ours(x, labels=x)
-    torch.testing.assert_close(b.logits, a.logits, **TOL)
-    a.loss.backward()
-    b.loss.backward()
-    theirs = dict(ref.named_parameters())
-    for n, p in ours.named_parameters():
-        if "lora_" in n:
-            torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=1e-7, msg=n)
+    assert_lora_matches_peft(ref, ours, "gpt_oss experts")
     assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))

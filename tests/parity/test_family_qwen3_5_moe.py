@@ -32,12 +32,12 @@ from safetensors.torch import load_file, save_file
 from test_families import (BASE, TOL, V, assert_bf16_logits_equal_transformers,
                            assert_greedy_generation_matches,
                            assert_quantize_while_loading_matches, left_padded_batch,
-                           models_both_ways, save_random, train_a_few_steps)
-from test_family_moe import random_adapters
+                           assert_adapters_move_both_ways, models_both_ways, save_random)
+from test_family_moe import assert_lora_matches_peft
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.model import CausalLM
-from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
+from nanosft.peft import LoraConfig, get_peft_model
 
 QWEN3_5_MOE = {**BASE, "num_hidden_layers": 4, "head_dim": 32, "linear_key_head_dim": 16,
                "linear_value_head_dim": 16, "linear_num_key_heads": 2,
@@ -221,49 +221,15 @@ def test_lora_on_experts_router_and_linears_equals_peft(tmp_path):
     assert shapes[0] == shapes[1]
     assert ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default.weight",
             (2 * 4, 64)) in shapes[1]  # gate_up_proj: rank 2 per expert, 4 experts, in C
-    random_adapters(ref, ours)
-    x = torch.randint(3, V, (2, 12))
-    a, b = ref(x, labels=x), ours(x, labels=x)
-    torch.testing.assert_close(b.logits, a.logits, **TOL)
-    a.loss.backward()
-    b.loss.backward()
-    theirs = dict(ref.named_parameters())
-    worst = 0.0
-    for n, p in ours.named_parameters():
-        if "lora_" in n:
-            torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=1e-7, msg=n)
-            worst = max(worst, (p.grad - theirs[n].grad).abs().max().item())
-    print(f"\n[qwen3_5_moe] LoRA logits {(b.logits - a.logits).abs().max():.2e}, "
-          f"gradients {worst:.2e}")
+    assert_lora_matches_peft(ref, ours, "qwen3_5_moe")
 
 
 def test_trained_adapters_move_both_ways_with_peft(tmp_path):
     """An adapter (linears and 3-D experts) trained 3 steps by nanosft loads in peft, and one
     trained by peft loads in nanosft: logits within 1e-5; disabling the adapters moves them."""
     hf, folder = hf_folder(tmp_path)
-    x = torch.randint(3, V, (2, 12))
-    batch = {"input_ids": x, "labels": x}
-    config = {"r": 4, "lora_alpha": 8, **TARGETS}
-    torch.manual_seed(1)
-    ours = train_a_few_steps(get_peft_model(CausalLM.from_pretrained(folder),
-                                            LoraConfig(**config)), batch)
-    ours.save_pretrained(tmp_path / "ours_adapter")
-    theirs = train_a_few_steps(peft.get_peft_model(
-        hf, peft.LoraConfig(task_type="CAUSAL_LM", **config)), batch)
-    theirs.save_pretrained(tmp_path / "peft_adapter")
-    fresh = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    peft_loads_ours = peft.PeftModel.from_pretrained(fresh, tmp_path / "ours_adapter")
-    ours_loads_peft = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
-                                                           tmp_path / "peft_adapter")
-    with torch.no_grad():
-        diffs = []
-        for want, got in ((ours(x).logits, peft_loads_ours(x).logits),
-                          (theirs(x).logits, ours_loads_peft(x).logits)):
-            torch.testing.assert_close(got, want, **TOL)
-            diffs.append((got - want).abs().max().item())
-        with ours_loads_peft.disable_adapter():
-            assert (ours_loads_peft(x).logits - theirs(x).logits).abs().max() > 1e-4
-    print(f"\n[qwen3_5_moe] adapter max |logit diff| = {max(diffs):.3e}")
+    assert_adapters_move_both_ways(hf, folder, tmp_path, torch.randint(3, V, (2, 12)),
+                                   label="qwen3_5_moe", **TARGETS)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5_moe_text"])
