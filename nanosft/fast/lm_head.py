@@ -65,32 +65,6 @@ def _row_dots(a, b):
     return torch.stack([torch.dot(x, y) for x, y in zip(a, b)]) if len(a) else a.new_zeros(0)
 
 
-# rows of a tile whose softmax, row dots and bf16 copy run back to back on CPU: 8 rows of
-# V = 49,152 are 1.5 MiB a (rows, V) fp32 slice, so the later passes read cache, not memory
-SLAB_ROWS = 8
-
-
-def _softmax_stats(logits, peak, out, cast=None):
-    """softmax(logits) written into `out` (n, V) and, given `cast`, its copy in cast's dtype;
-    log Z and the entropy log Z - E_p[logit], (n,) each. torch's softmax kernel runs max, exp,
-    sum and scale per row in one pass; Z is read back from p at the peak: p = e^0 / Z there.
-    On CPU the tile goes SLAB_ROWS rows at a time."""
-    n = logits.shape[0]
-    step = SLAB_ROWS if logits.device.type == "cpu" else max(n, 1)
-    inv_z, dots = [], []
-    for i in range(0, n, step):
-        rows = slice(i, i + step)
-        p = torch.softmax(logits[rows], 1, out=out[rows])
-        inv_z.append(p.amax(1))
-        dots.append(_row_dots(p, logits[rows]))
-        if cast is not None:
-            cast[rows].copy_(p)
-    if not n:
-        return out, peak, peak.clone()
-    log_z = peak - torch.cat(inv_z).log()
-    return out, log_z, log_z - torch.cat(dots)
-
-
 class TileLogProbs(torch.autograd.Function):
     """One tile of supervised tokens through a bias-free lm_head: log p(target) (differentiable),
     entropy and top-1 hit (metrics); the (n, V) logits live in `workspace` only during the call.
@@ -108,18 +82,20 @@ class TileLogProbs(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             logits = _tile_logits(h, weight, dtype, out=workspace[0][:n], low=low)  # (n, V)
             target_logit = logits.gather(1, targets[:, None]).squeeze(1)
-            peak = logits.amax(1)
-            is_top1 = _is_top1(logits, targets, target_logit, peak)
+            peak = logits.amax(1, keepdim=True)
+            is_top1 = _is_top1(logits, targets, target_logit, peak.squeeze(1))
+            p = torch.sub(logits, peak, out=workspace[1][:n]).exp_()  # unnormalised softmax
+            z = p.sum(1)
+            log_z = peak.squeeze(1) + z.log()
+            # H = log Z - E_p[logit]; the dot product per row without an (n, V) temporary
+            entropy = log_z - _row_dots(p, logits) / z
             needs_h, needs_weight = ctx.needs_input_grad[:2]
-            frozen = needs_h and not needs_weight  # backward needs p in the multiply's dtype
-            cast = low if frozen and low is not None and dtype != torch.float32 else None
-            p, log_z, entropy = _softmax_stats(logits, peak, workspace[1][:n], cast)
             if needs_weight:  # the head trains: backward recomputes the tile (its p is needed)
                 ctx.save_for_backward(h, weight, targets, log_z)
                 ctx.workspace = workspace  # the tiles' backward runs one after another too
             elif needs_h:  # frozen head: the whole gradient is a per-token scale of this (n, C)
-                p_low = cast if cast is not None else p.to(dtype)
-                expected_w = torch.mm(p_low, weight.to(dtype)).float()
+                p_low = p.to(dtype) if low is None or dtype == p.dtype else low.copy_(p)
+                expected_w = torch.mm(p_low, weight.to(dtype)).float() / z[:, None]
                 ctx.save_for_backward(weight[targets].float() - expected_w)
         ctx.dtype, ctx.h_dtype, ctx.needs_weight = dtype, h.dtype, needs_weight
         ctx.mark_non_differentiable(entropy, is_top1)
