@@ -47,8 +47,9 @@ def _tile_buffer(name, shape, dtype, device):
 def _is_top1(logits, targets, target_logit, peak):
     """logits.argmax(1) == targets (argmax: the first maximum, as trl's test). On CPU argmax (10 ms
     of a (256, 49152) tile, one thread) runs only over rows whose target logit is the row's
-    peak, or NaN (argmax takes NaN for the maximum): no other row can be a hit."""
-    if logits.device.type != "cpu":
+    peak, or NaN (argmax takes NaN for the maximum): no other row can be a hit. Under
+    torch.compile the whole-tile argmax: the row selection's data-dependent shape recompiles."""
+    if logits.device.type != "cpu" or torch.compiler.is_compiling():
         return logits.argmax(1) == targets
     is_top1 = (target_logit == peak) | target_logit.isnan()
     rows = is_top1.nonzero().squeeze(1)
@@ -59,8 +60,9 @@ def _is_top1(logits, targets, target_logit, peak):
 
 def _row_dots(a, b):
     """(n, V), (n, V) -> (n,) row-wise dot products. On CPU one BLAS dot per row: 2.7x faster
-    than torch.bmm's (n, 1, V) @ (n, V, 1) at V = 49,152, and closer to the float64 sum."""
-    if a.device.type != "cpu":
+    than torch.bmm's (n, 1, V) @ (n, V, 1) at V = 49,152, and closer to the float64 sum. Under
+    torch.compile the bmm: a loop over rows would be traced into one graph node per row."""
+    if a.device.type != "cpu" or torch.compiler.is_compiling():
         return torch.bmm(a[:, None, :], b[:, :, None]).view(a.shape[0])
     return torch.stack([torch.dot(x, y) for x, y in zip(a, b)]) if len(a) else a.new_zeros(0)
 
