@@ -23,7 +23,7 @@ import transformers
 
 from nanosft.families.gated_deltanet import (CHUNK_SIZE, chunk_gated_delta_rule,
                                              recurrent_gated_delta_rule)
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM
 
 # Qwen3.5's head shapes, fewer heads (a laptop CPU): attention 8 x 256 (2 kv heads), linear
 # attention 4 key heads and 8 value heads of 128
@@ -62,7 +62,7 @@ def build(config):
                                                        attn_implementation="sdpa")
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
-        ours = CausalLM.from_pretrained(folder)
+        ours = AutoModelForCausalLM.from_pretrained(folder).train()
     return hf.train(), ours.train()
 
 

@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 
 # top-level name -> the module defining it (imported on first access)
 _LAZY_NAMES = {
-    "AutoModelForCausalLM": "nanosft.io.auto",
-    "AutoTokenizer": "nanosft.io.auto",
-    "PeftModel": "nanosft.io.auto",
+    "AutoModelForCausalLM": "nanosft.families.auto",
+    "AutoTokenizer": "nanosft.families.auto",
+    "PeftModel": "nanosft.families.auto",
     "BitsAndBytesConfig": "nanosft.nf4",
     "SFTConfig": "nanosft.args",
     "TrainingArguments": "nanosft.args",

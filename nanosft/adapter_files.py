@@ -80,7 +80,7 @@ class LoraConfig:
     base_model_name_or_path: str | None = None
     inference_mode: bool = False
     peft_type: str = "LORA"
-    # LoRA on parameters, e.g. an MoE's 3-D experts (nanosft.families.expert_lora)
+    # LoRA on parameters, e.g. an MoE's 3-D experts (nanosft.expert_lora)
     target_parameters: list | None = None
     # {regex: r or alpha} for the modules / parameters whose name ends in a match
     rank_pattern: dict = dataclasses.field(default_factory=dict)
@@ -406,7 +406,7 @@ def save_adapter_files(save_directory, config, state_dict):
     """Write adapter_model.safetensors and adapter_config.json (each atomically), as peft does.
     Mirrors: peft PeftModel.save_pretrained (its file writing)
     Differs: no README.md model card; the config is saved with inference_mode=True, as peft's."""
-    from nanosft.io import hub  # product layer: imported on use
+    from nanosft.io import hub  # the files layer below: imported on use
 
     os.makedirs(save_directory, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
@@ -419,7 +419,7 @@ def save_adapter_files(save_directory, config, state_dict):
 def load_adapter_files(model_id):
     """(config, state_dict, weights path) of an adapter folder written by peft or nanosft.
     Mirrors: peft PeftConfig.from_pretrained, load_peft_weights"""
-    from nanosft.io import hub  # product layer: imported on use
+    from nanosft.io import hub  # the files layer below: imported on use
 
     config_path = os.path.join(model_id, CONFIG_NAME)
     weights_path = os.path.join(model_id, WEIGHTS_NAME)

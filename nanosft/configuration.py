@@ -131,8 +131,8 @@ class ModelConfig:
                  f"(0 to {self.vocab_size - 1}); fix config.json (or set it to null)")
         _require(self.model_type in self.ARCHITECTURES, f"config: model_type={self.model_type!r} "
                  f"is not supported by {type(self).__name__}; use one of "
-                 f"{list(self.ARCHITECTURES)} (CausalLM.from_pretrained also loads "
-                 "nanosft.families' model types)")
+                 f"{list(self.ARCHITECTURES)} (AutoConfig / AutoModelForCausalLM load the other "
+                 "families' model types)")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
@@ -161,7 +161,7 @@ class ModelConfig:
         _require(model_type != "mistral" or d.get("sliding_window") is None
                  or hasattr(cls, "sliding_window"),  # nanosft.families.mistral has the window
                  f"config.json: sliding_window={d.get('sliding_window')} is not supported by "
-                 f"{cls.__name__}; load it with CausalLM.from_pretrained (nanosft.families)")
+                 f"{cls.__name__}; load it with AutoModelForCausalLM.from_pretrained")
         kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         rope = dict(d.get("rope_parameters") or {})  # v5: {"rope_theta", "rope_type", factor, ...}
         kwargs["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
@@ -185,15 +185,12 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir):
-        """Read model_dir/config.json; on ModelConfig itself, a family's config class where
-        nanosft.families holds the model_type (Qwen2, Qwen3, ...).
-        Mirrors: transformers PreTrainedConfig.from_pretrained, AutoConfig.from_pretrained"""
-        from nanosft.families import config_from_dict  # product layer: imported on use
-        from nanosft.io import hub
+        """Read model_dir/config.json as this class (AutoConfig picks the class by model_type).
+        Mirrors: transformers PreTrainedConfig.from_pretrained"""
+        from nanosft.io import hub  # the files layer below: imported on use
 
         path = os.path.join(model_dir, "config.json")
         try:
-            d = hub.read_json(path)
-            return config_from_dict(d) if cls is ModelConfig else cls.from_dict(d)
+            return cls.from_dict(hub.read_json(path))
         except ValueError as error:  # the message names the field; this adds the file
             raise ValueError(f"{path}: {error}") from None

@@ -14,6 +14,7 @@ State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.098
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -248,6 +249,32 @@ class DecoderModel(nn.Module):
         return h, (cache if use_cache else None)
 
 
+def text_model_index(config, index, ignored=()):
+    """The checkpoint index under the text model's keys (model.language_model.X -> model.X, the
+    other towers dropped) when config came from a multimodal folder (its `checkpoint_prefix`),
+    less the keys matching an `ignored` pattern.
+    Mirrors: transformers conversion_mapping PrefixChange (qwen3_5_text),
+    _keys_to_ignore_on_load_unexpected"""
+    index = {k: info for k, info in index.items() if not any(re.search(p, k) for p in ignored)}
+    prefix = getattr(config, "checkpoint_prefix", None)
+    if prefix is None:
+        return index
+    return {("model." + k[len(prefix):] if k.startswith(prefix) else k): info
+            for k, info in index.items() if k.startswith(prefix) or k == "lm_head.weight"}
+
+
+def keep_in_fp32(model, dtype):
+    """The pattern of checkpoint keys read in float32 when `dtype` (fp16 or bf16) loads the rest,
+    from the model's `_keep_in_fp32_modules_strict` names (GLM-4-MoE's router correction bias: a
+    bf16 copy would move the expert choice); None: every key in dtype.
+    Mirrors: transformers PreTrainedModel._get_dtype_plan (its names searched in each key)
+    Differs: `_keep_in_fp32_modules` (fp16 only; gpt-oss's norms) is not read."""
+    names = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    if not names or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return re.compile("|".join(names))
+
+
 class CausalLM(nn.Module):
     """The decoder plus lm_head: logits, the causal-LM loss, generation, HF checkpoint load, save.
     What 2.6's `self.base_model(...)` ends in. Mirrors: transformers LlamaForCausalLM"""
@@ -255,6 +282,9 @@ class CausalLM(nn.Module):
     # forward takes num_items_in_batch: the Trainer must not divide the loss by GA
     accepts_loss_kwargs = True
     model_class = DecoderModel  # a model family's own (nanosft.families)
+    config_class = ModelConfig  # what from_pretrained reads config.json as (a family's own)
+    # patterns of checkpoint keys the model never reads (Qwen3.5's multi-token-prediction head)
+    _keys_to_ignore_on_load_unexpected = ()
     # a family whose files spell some weights otherwise (an MoE's per-expert keys, stacked here
     # into 3-D parameters): model_index(index), merge(tensors, index), split(state_dict)
     checkpoint_conversion = None
@@ -352,26 +382,26 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype=None, quantization_config=None, device_map=None,
-                        tp_plan=None):
+                        config=None):
         """Build on the meta device, then read the safetensors tensor by tensor, each cast to dtype
         (None: float32, "auto": config.json's) and, given a BitsAndBytesConfig, each linear weight
         quantized as soon as it is read: no full-precision copy of the model ever exists.
+        `config`: this class's config, else read from model_dir/config.json as `config_class`
+        (AutoModelForCausalLM picks a family's class and config by model_type).
         Mirrors: transformers PreTrainedModel.from_pretrained, Bnb4BitHfQuantizer
         Differs: keys and shapes must match exactly, all checked from the file headers before any
-        weight is read; device_map is one device. tp_plan="auto" (under torchrun) splits the
-        decoder layers over the ranks with transformers' Llama base_model_tp_plan."""
-        from nanosft.families import causal_lm_class, keep_in_fp32, text_model_index
-        from nanosft.io import hub
+        weight is read; device_map is one device."""
+        from nanosft.io import hub  # the files layer below: imported on use
 
-        config = ModelConfig.from_pretrained(model_dir)  # or a family's: Qwen2, Qwen3, ...
+        config = config if config is not None else cls.config_class.from_pretrained(model_dir)
         dtype = hub.torch_dtype((config.dtype or "float32") if dtype == "auto" else
                                 (dtype or torch.float32))
         if quantization_config is not None:
             quantization_config = nf4.BitsAndBytesConfig.from_any(quantization_config)
         index = hub.safetensors_index(model_dir)  # headers only: names, dtypes, shapes, offsets
-        index = text_model_index(config, index)  # a multimodal folder: its language model's keys
+        index = text_model_index(config, index, cls._keys_to_ignore_on_load_unexpected)
         with torch.device("meta"):  # no random init of weights about to be replaced
-            model = causal_lm_class(config, cls)(config)
+            model = cls(config)
         expected = model.state_dict()
         if config.tie_word_embeddings:  # some tied checkpoints store lm_head.weight anyway
             expected.pop("lm_head.weight"), index.pop("lm_head.weight", None)
@@ -388,10 +418,6 @@ class CausalLM(nn.Module):
         model.config.dtype = str(dtype).removeprefix("torch.")
         model.name_or_path = os.fspath(model_dir)  # peft's base_model_name_or_path reads it
         model.tie_weights()
-        if tp_plan is not None:  # "auto": transformers' Llama base_model_tp_plan over all ranks
-            from nanosft.parallel.tensor_parallel import apply_tensor_parallel
-
-            apply_tensor_parallel(model, tp_plan)
         return model
 
     def _load_tensor(self, key, tensor, quantization_config):

@@ -297,7 +297,7 @@ class BitsAndBytesConfig:
     bnb_4bit_quant_storage: torch.dtype | str | None = None  # None: torch.uint8
 
     def __post_init__(self):
-        from nanosft.io import hub  # product layer: imported on use
+        from nanosft.io import hub  # the files layer below: imported on use
 
         def refuse(field, fix):
             raise ValueError(f"BitsAndBytesConfig: {field}={getattr(self, field)!r} is not "

@@ -52,7 +52,7 @@ def inject_adapter(model, config, adapter_name="default"):
                            use_dora=config.use_dora, init_lora_weights=config.init_lora_weights)
         _replace_module(model, name, layer)
     if config.target_parameters:  # LoRA on parameters: product layer, imported on use
-        from nanosft.families.expert_lora import inject_parameter_adapters
+        from nanosft.expert_lora import inject_parameter_adapters
 
         inject_parameter_adapters(model, config, adapter_name, _replace_module)
 

@@ -64,7 +64,7 @@ def fast_path(name: str, asked: bool = False):
     return None if _enabled and not asked else _speed_path(name)
 
 
-# the callbacks a Trainer keeps in reference mode (trainer_callback.default_callbacks): no
+# the callbacks a Trainer keeps in reference mode (trainer.default_callbacks): no
 # throughput / MFU, memory ledger, metrics file, TensorBoard or non-finite guard
 REFERENCE_MODE_CALLBACKS = ("DefaultFlowCallback", "ProgressCallback")
 REFERENCE_BANNER = (
@@ -75,7 +75,7 @@ REFERENCE_BANNER = (
 
 def start_reference_mode() -> None:
     """Switch reference mode on for the rest of the process and say so, naming the callbacks a
-    Trainer keeps (trainer_callback.default_callbacks): the first printed line of the reading
+    Trainer keeps (trainer.default_callbacks): the first printed line of the reading
     tutorials (01-08) and of `--trace`."""
     set_reference_mode(True)
     print(REFERENCE_BANNER, flush=True)

@@ -2,7 +2,7 @@
 
 Walkthrough 2.1: SFTTrainer.__init__ is TRL's set-up steps, one call each as TRL names them,
 ending in the printed super().__init__; the checks and model-id loading the walkthrough does
-not print are in nanosft.io.sft_setup. On the SFT path SFTTrainer.compute_loss overrides 2.5's
+not print are in nanosft.run.sft_setup. On the SFT path SFTTrainer.compute_loss overrides 2.5's
 Trainer.compute_loss (TRL's loss and token metrics).
 Papers: LoRA 2106.09685, QLoRA 2305.14314 (a 4-bit base with bf16 adapters).
 Mirrors trl 1.16 SFTTrainer: __init__, compute_loss and log.
@@ -109,7 +109,7 @@ class SFTTrainer(Trainer):
                  compute_metrics=None, callbacks=None, optimizers=(None, None),
                  optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, formatting_func=None):
-        from nanosft.io.sft_setup import (add_model_tags, check_argument_types, check_arguments,
+        from nanosft.run.sft_setup import (add_model_tags, check_argument_types, check_arguments,
                                           create_model, router_aux_loss)  # product layer
 
         args = _as_sft_config(args, model)  # Args
@@ -162,7 +162,7 @@ class SFTTrainer(Trainer):
         """Example rows of train_dataset (a stream cut to what max_steps trains on,
         formatting_func applied), or the dataset as given under skip_prepare_dataset.
         Mirrors: trl SFTTrainer._prepare_dataset's first steps (with_transform refused)"""
-        from nanosft.io.sft_setup import formatted, refuse_with_transform, rows_trained_on
+        from nanosft.run.sft_setup import formatted, refuse_with_transform, rows_trained_on
 
         self._skip_prepare_dataset = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
         self._formatting_func = formatting_func  # evaluate() formats a new eval set the same way
@@ -177,7 +177,7 @@ class SFTTrainer(Trainer):
         """The caller's collator, or DataCollatorForLanguageModeling over the pad token; sets
         padding_free and completion_only_loss (None: prompt-completion rows, read off the first).
         Mirrors: trl SFTTrainer.__init__ ("# Data collator")"""
-        from nanosft.io.sft_setup import check_data_collator
+        from nanosft.run.sft_setup import check_data_collator
 
         bfd_packing = args.packing and args.packing_strategy in ("bfd", "bfd_split")
         self.padding_free = args.padding_free or bfd_packing
@@ -203,7 +203,7 @@ class SFTTrainer(Trainer):
         object, makes the output one) and the eval set(s) through _prepare (tokenize, label,
         truncate or pack), token ids checked against the embedding; all handed through with
         skip_prepare_dataset. Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset)"""
-        from nanosft.io.sft_setup import check_datasets, check_token_ids_fit, dataset_name
+        from nanosft.run.sft_setup import check_datasets, check_token_ids_fit, dataset_name
 
         check_datasets(args, self.padding_free, train_rows, eval_dataset,
                        self._skip_prepare_dataset, data_collator)
@@ -219,7 +219,7 @@ class SFTTrainer(Trainer):
     def _prepare_eval_sets(self, eval_dataset, tokenizer, args):
         """One eval set, or a dict of named ones (evaluate() reports eval_<name>_loss), each
         through _prepare_eval. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
-        from nanosft.io.sft_setup import dataset_name
+        from nanosft.run.sft_setup import dataset_name
 
         if isinstance(eval_dataset, dict):  # a DatasetDict too
             return {name: self._prepare_eval(dataset, tokenizer, args, name)
@@ -232,7 +232,7 @@ class SFTTrainer(Trainer):
     def _prepare_eval(self, dataset, tokenizer, args, name):
         """An eval set through _prepare: formatting_func, then packing if eval_packing (None:
         packing) asks. Mirrors: trl SFTTrainer.__init__ (eval_dataset branch)"""
-        from nanosft.io.sft_setup import formatted, refuse_with_transform
+        from nanosft.run.sft_setup import formatted, refuse_with_transform
 
         packing = args.packing if args.eval_packing is None else args.eval_packing
         refuse_with_transform(dataset, name)
@@ -266,7 +266,7 @@ class SFTTrainer(Trainer):
         """Trainer.evaluate, after preparing a raw eval set (one, or a dict / DatasetDict of them)
         passed here as __init__ prepares its eval_dataset; prepared rows pass unchanged.
         Mirrors: trl SFTTrainer.evaluate"""
-        from nanosft.io.sft_setup import named_eval_sets, reject_skip_prepare_without_labels
+        from nanosft.run.sft_setup import named_eval_sets, reject_skip_prepare_without_labels
 
         named = (isinstance(eval_dataset, str) and isinstance(self.eval_dataset, dict)
                  and eval_dataset in self.eval_dataset)
@@ -357,6 +357,14 @@ class SFTTrainer(Trainer):
         if mode == "train":
             self._total_train_tokens += int(sums[3])
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+
+    @classmethod
+    def _logged_eval_metrics(cls):
+        """TRL's token metrics, which log() adds as eval_<metric> in eval mode; None where this
+        class overrides evaluate or log (see Trainer._logged_eval_metrics)."""
+        if cls.evaluate is not SFTTrainer.evaluate or cls.log is not SFTTrainer.log:
+            return None
+        return ("eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
 
     def log(self, logs: dict) -> None:
         """Merge the metric means since the last log (eval_ prefixed in eval), then Trainer.log.

@@ -5,7 +5,7 @@ training" banner, epoch / update / micro-batch loops) -> training_step (2.4) -> 
 (2.5; SFTTrainer.compute_loss in sft.py on the SFT path), with the guide's accumulation, clipping,
 autocast, fp16 GradScaler and DDP/FSDP no_sync inline. Everything else reaches the loop through
 callbacks (trainer_callback.py; the reporting ones in nanosft.monitoring), the one model-wrapping
-entry point (nanosft.parallel.wrap_model) and the checkpoint files (nanosft.io.checkpoint).
+entry point (nanosft.parallel.wrap_model) and the checkpoint files (nanosft.run.checkpoint).
 """
 
 import contextlib
@@ -23,8 +23,8 @@ from nanosft.collator import default_data_collator
 from nanosft.model import CausalLMOutput
 from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
 from nanosft.reference import reference_mode_enabled
-from nanosft.trainer_callback import (CallbackHandler, TrainerControl, TrainerState,
-                                      default_callbacks)
+from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, ProgressCallback,
+                                      TrainerControl, TrainerState)
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
                                    EvalPrediction, autocast_context, build_dataloader,
                                    check_trainer_arguments, checked_metrics,
@@ -35,6 +35,19 @@ from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # 
                                    label_smoothed_loss, loss_shifts_labels,
                                    model_accepts_loss_kwargs, no_sync, select_columns, set_seed,
                                    signature_columns, skip_first_batches, speed_metrics)
+
+
+def default_callbacks(args) -> list:
+    """DefaultFlowCallback and the progress bar (all that reference mode keeps: the banner of
+    start_reference_mode names them), then, outside reference mode, the product layer's
+    reporting callbacks as args.report_to asks (nanosft.monitoring.callbacks.reporting_callbacks):
+    the Trainer assembles them, so the callback protocol module imports none of them.
+    Mirrors: transformers DEFAULT_CALLBACKS + get_reporting_integration_callbacks(report_to)"""
+    if reference_mode_enabled():
+        return [DefaultFlowCallback(), ProgressCallback()]
+    from nanosft.monitoring.callbacks import reporting_callbacks  # product layer: imported on use
+
+    return [DefaultFlowCallback(), *reporting_callbacks(args)]
 
 
 class Trainer:
@@ -198,13 +211,13 @@ class Trainer:
         """Main training entry point: resolve the checkpoint, check output_dir, enable activation
         checkpointing, then the inner loop. Walkthrough 2.2 | Mirrors: Trainer.train
         Differs: a fresh run refuses an output_dir holding another run (check_output_dir); what
-        the run needs at its end is checked first (nanosft.io.preflight, output_folder)."""
-        from nanosft.io.preflight import guarded_run
+        the run needs at its end is checked first (nanosft.run.preflight, output_folder)."""
+        from nanosft.run.preflight import guarded_run
 
         args = self.args
         self._memory_tracker.start("train")
         resume_from_checkpoint = resume_from_checkpoint or args.resume_from_checkpoint
-        # checked before any step (nanosft.io): the data, the metric, output_dir (this run's alone,
+        # checked before any step (nanosft.run): the data, the metric, output_dir (this run's alone,
         # locked), the checkpoint resolved; a collective stuck past ddp_timeout ends with a message
         with guarded_run(self, resume_from_checkpoint) as resume_from_checkpoint:
             if args.gradient_checkpointing:
@@ -246,8 +259,8 @@ class Trainer:
                              resume_from_checkpoint):
         """A fresh TrainerState, or the checkpoint's with model, optimizer, scheduler, scaler and
         RNG restored; plus epochs_trained and steps_trained_in_current_epoch.
-        Mirrors: Trainer._init_training_state + _load_from_checkpoint (nanosft.io.checkpoint)"""
-        from nanosft.io.checkpoint import init_training_state
+        Mirrors: Trainer._init_training_state + _load_from_checkpoint (nanosft.run.checkpoint)"""
+        from nanosft.run.checkpoint import init_training_state
 
         state, epochs_trained, steps_trained_in_current_epoch = init_training_state(
             self.args, self.model, self.optimizer, self.lr_scheduler, self.scaler, max_steps,
@@ -567,7 +580,7 @@ class Trainer:
     def _determine_best_metric(self, metrics: dict) -> bool:
         """Track state.best_metric for metric_for_best_model; True when `metrics` set a new best.
         Mirrors: transformers Trainer._determine_best_metric"""
-        from nanosft.io.preflight import metric_value  # its error names the keys there are
+        from nanosft.run.preflight import metric_value  # its error names the keys there are
 
         name = self.args.metric_for_best_model
         if name is None:
@@ -578,6 +591,13 @@ class Trainer:
         self.state.best_metric = value
         self.state.best_global_step = self.state.global_step
         return True
+
+    @classmethod
+    def _logged_eval_metrics(cls):
+        """The eval_ keys log() adds to evaluate()'s own (none here), or None where this class
+        overrides evaluate or log and may add any key: preflight checks metric_for_best_model
+        against them before the run."""
+        return () if cls.evaluate is Trainer.evaluate and cls.log is Trainer.log else None
 
     def log(self, logs: dict) -> None:
         """Add epoch, append to state.log_history, then the callbacks' on_log (rank 0 prints and
@@ -701,17 +721,17 @@ class Trainer:
         eval_on_start). Mirrors: Trainer._evaluate"""
         metrics = self.evaluate()
         if self._is_plateau() and self.state.global_step > 0:
-            from nanosft.io.preflight import metric_value
+            from nanosft.run.preflight import metric_value
 
             self.lr_scheduler.step(metric_value(metrics, self.args.metric_for_best_model))
         return metrics
 
     def _save_checkpoint(self) -> None:
         """Write output_dir/checkpoint-<step> (every rank takes part), then rank 0 rotates old ones.
-        Mirrors: Trainer._save_checkpoint (files: nanosft.io.checkpoint)"""
+        Mirrors: Trainer._save_checkpoint (files: nanosft.run.checkpoint)"""
         import os
 
-        from nanosft.io import checkpoint, output_folder
+        from nanosft.run import checkpoint, output_folder
 
         args, state = self.args, self.state
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -727,7 +747,7 @@ class Trainer:
 
     def _load_best_model(self) -> None:
         """Reload the weights of state.best_model_checkpoint. Mirrors: Trainer._load_best_model"""
-        from nanosft.io.checkpoint import load_model_weights
+        from nanosft.run.checkpoint import load_model_weights
 
         load_model_weights(self.model, self.state.best_model_checkpoint)
 
@@ -735,7 +755,7 @@ class Trainer:
         """Save the model (a PEFT model: its adapter only) and the tokenizer; every rank calls it
         (FSDP gathers the shards), rank 0 writes.
         Mirrors: transformers Trainer.save_model | Differs: no training_args.bin."""
-        from nanosft.io.checkpoint import save_model
+        from nanosft.run.checkpoint import save_model
 
         save_model(self.model, self.processing_class, output_dir or self.args.output_dir,
                    checkpoints_dir=self.args.output_dir)  # a failed save names the last one

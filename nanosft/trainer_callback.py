@@ -5,15 +5,13 @@
 `CallbackHandler` (calls every callback, in order) and `DefaultFlowCallback` (when to log, evaluate
 and save), `ProgressCallback` (the progress bar and printed logs). metrics.jsonl, TensorBoard,
 throughput / MFU, the memory ledger and stop-on-non-finite are callbacks of the product layer
-(nanosft.monitoring.callbacks), installed outside reference mode as args.report_to asks.
+(nanosft.monitoring.callbacks), which the Trainer installs outside reference mode as
+args.report_to asks; this module imports none of them.
 Mirrors transformers' trainer_callback.py.
 """
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-
-from nanosft.reference import reference_mode_enabled
-
 
 @dataclass
 class TrainerState:
@@ -287,15 +285,3 @@ class ProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-def default_callbacks(args) -> list:
-    """DefaultFlowCallback and the progress bar (all that reference mode keeps: the banner of
-    start_reference_mode names them), then, outside reference mode, the product layer's
-    reporting callbacks as args.report_to asks (nanosft.monitoring.callbacks.reporting_callbacks).
-    Mirrors: transformers DEFAULT_CALLBACKS + get_reporting_integration_callbacks(report_to)"""
-    if reference_mode_enabled():
-        return [DefaultFlowCallback(), ProgressCallback()]
-    from nanosft.monitoring.callbacks import reporting_callbacks  # product layer: imported on use
-
-    return [DefaultFlowCallback(), *reporting_callbacks(args)]

@@ -183,7 +183,7 @@ def die(job):
 
 def attach_hooks(trainer, job):
     """Per-micro-batch trace and SIGKILL points: wrappers on this trainer and checkpoint module."""
-    from nanosft.io import checkpoint
+    from nanosft.run import checkpoint
 
     step = trainer.training_step
     micro_in_kill_step = [0]
@@ -228,7 +228,7 @@ def attach_hooks(trainer, job):
 
 
 def run_job(job):
-    from nanosft.io import checkpoint
+    from nanosft.run import checkpoint
 
     # whatever ran before this job, it starts from the same global RNG state
     torch.manual_seed(1234)

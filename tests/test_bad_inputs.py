@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from nanosft import AutoModelForCausalLM, AutoTokenizer
-from nanosft.io import checkpoint
+from nanosft.run import checkpoint
 from nanosft import cli
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
@@ -360,9 +360,11 @@ def case_tokenizer_special_token_not_in_vocab(tmp, shared):
 def case_model_unknown_model_type(tmp, shared):
     folder = _copy(shared["model"], tmp / "model")
     _edit_json(folder / "config.json", model_type="gpt2")
-    from nanosft.families import supported_model_types  # the message names every family
+    from nanosft.families.auto import AutoModelForCausalLM, supported_model_types
 
-    return Bad(lambda: CausalLM.from_pretrained(str(folder)), ValueError, ["model_type='gpt2'"],
+    # the message names every family
+    return Bad(lambda: AutoModelForCausalLM.from_pretrained(str(folder)), ValueError,
+               ["model_type='gpt2'"],
                [f"use one of {supported_model_types()}"])
 
 

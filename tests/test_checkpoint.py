@@ -1,4 +1,4 @@
-"""Behaviour of nanosft.io.checkpoint: exact resume, atomic saves, rotation, clear errors.
+"""Behaviour of nanosft.run.checkpoint: exact resume, atomic saves, rotation, clear errors.
 
 Compared: after save -> more training -> load, the weights, optimizer moments, scheduler
 position and the python/numpy/torch random draws equal what they were at save time (draws taken
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanosft.io import checkpoint as ckpt
+from nanosft.run import checkpoint as ckpt
 from nanosft.args import TrainingArguments
 from nanosft.optim import create_optimizer, create_scheduler
 

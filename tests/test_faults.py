@@ -32,7 +32,7 @@ import resume_worker as worker
 import torch
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.io import checkpoint
+from nanosft.run import checkpoint
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.optim import create_optimizer, get_scheduler

@@ -399,7 +399,7 @@ def test_ctrl_c_during_a_step_names_the_last_checkpoint(tmp_path, capsys, monkey
 
 
 def test_ctrl_c_during_a_save_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
-    from nanosft.io import checkpoint
+    from nanosft.run import checkpoint
 
     _interrupt_at(monkeypatch, checkpoint, "_write_all", 2)  # while writing checkpoint-2
     code, output = run(_train_with_checkpoints(tmp_path), capsys)

@@ -25,8 +25,9 @@ from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.configuration import ModelConfig
 from nanosft.data import load_examples
 from nanosft.cli import demo, main
-from nanosft.io import output_folder, preflight
-from nanosft.io.checkpoint import save_model
+from nanosft.io import hub
+from nanosft.run import output_folder, preflight
+from nanosft.run.checkpoint import save_model
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
@@ -250,7 +251,7 @@ def test_sigterm_between_the_final_renames_waits_until_all_files_are_in(
         signal.signal(signal.SIGTERM, previous)
     assert {name: (out / name).read_bytes() for name in os.listdir(expected)} == \
         {name: (expected / name).read_bytes() for name in os.listdir(expected)}
-    assert not (out / output_folder.FINAL_SAVE_MARKER).exists()
+    assert not (out / hub.FINAL_SAVE_MARKER).exists()
 
 
 def test_a_final_save_killed_between_renames_is_not_loaded(tokenizer, tmp_path, monkeypatch,
@@ -362,9 +363,9 @@ def test_a_lone_surrogate_in_python_rows_is_named_by_example_and_field():
 
 
 def test_the_python_loaders_refuse_a_half_moved_final_save_too(tmp_path):
-    from nanosft.io.auto import AutoModelForCausalLM, PeftModel
+    from nanosft.families.auto import AutoModelForCausalLM, PeftModel
 
-    (tmp_path / output_folder.FINAL_SAVE_MARKER).write_text("adapter_config.json\n")
+    (tmp_path / hub.FINAL_SAVE_MARKER).write_text("adapter_config.json\n")
     with pytest.raises(ValueError, match="final save was interrupted"):
         PeftModel.from_pretrained(tiny_model(), str(tmp_path))
     with pytest.raises(ValueError, match="final save was interrupted"):

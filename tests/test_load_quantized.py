@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanosft.families import config_from_dict, from_config
+from nanosft.families.auto import config_from_dict, from_config
 from nanosft.io import hub
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.nf4 import BitsAndBytesConfig, Linear4bit, quantize_model

@@ -271,7 +271,7 @@ FAMILY_CONFIGS = {  # transformers config class name: overrides of a tiny shared
 def _family_model(config_class_name):
     import transformers
 
-    from nanosft.families import config_from_dict, from_config
+    from nanosft.families.auto import config_from_dict, from_config
 
     tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

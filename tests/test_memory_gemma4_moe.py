@@ -25,7 +25,7 @@ from tiny import one_thread  # noqa: F401  (autouse fixture)
 from nanosft import memory, nf4
 from nanosft.families.nf4_experts import NF4Experts, quantize_experts
 from nanosft.memory.plan import lora_targets, parameter_targets
-from nanosft.families import config_from_dict, from_config
+from nanosft.families.auto import config_from_dict, from_config
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import _cast_trainable_to_bf16
 

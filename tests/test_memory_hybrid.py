@@ -32,7 +32,7 @@ from tiny import one_thread  # noqa: F401  (autouse fixture)
 
 from nanosft import memory, nf4
 from nanosft.configuration import ModelConfig
-from nanosft.families import config_from_dict, from_config
+from nanosft.families.auto import config_from_dict, from_config
 from nanosft.families.lfm2 import lfm2_intermediate_size
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import _cast_trainable_to_bf16

@@ -29,7 +29,7 @@ from tiny import one_thread  # noqa: F401  (autouse fixture)
 
 from nanosft import memory, nf4
 from nanosft.configuration import ModelConfig
-from nanosft.families import config_from_dict, from_config
+from nanosft.families.auto import AutoConfig, config_from_dict, from_config
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import _cast_trainable_to_bf16
 
@@ -305,7 +305,7 @@ def test_cli_memory_prints_an_moe_ledger(tmp_path, capsys):
                      "false"]) == 0
     out = capsys.readouterr().out
     plan = memory.MemoryPlan(max_length=64, bf16=True, target_modules="all-linear")
-    ledger = memory.estimate_memory(ModelConfig.from_pretrained(str(tmp_path)), plan)
+    ledger = memory.estimate_memory(AutoConfig.from_pretrained(str(tmp_path)), plan)
     assert ledger.plan.target_modules == "all-linear" and ledger.rows["trainable parameters"]
     for name, value in ledger.rows.items():
         assert f"{name:<34}{value / memory.MiB:>10.3f} MiB" in out

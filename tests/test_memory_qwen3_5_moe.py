@@ -24,7 +24,7 @@ from test_memory_moe import TINY, _activations, _plan, _step, assert_ledger_rows
 from tiny import one_thread  # noqa: F401  (autouse fixture)
 
 from nanosft import memory, nf4
-from nanosft.families import config_from_dict, from_config
+from nanosft.families.auto import config_from_dict, from_config
 from nanosft.peft import LoraConfig, get_peft_model
 from nanosft.sft import _cast_trainable_to_bf16
 

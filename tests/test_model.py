@@ -238,7 +238,7 @@ def test_rope_linear_and_llama3_scaling_follow_the_formula():
 
 
 def test_init_follows_initializer_range_and_zeroes_the_padding_row():
-    from nanosft.families import config_from_dict, from_config
+    from nanosft.families.auto import config_from_dict, from_config
 
     config = tiny_config(vocab_size=256, initializer_range=0.05).to_dict()
     m = from_config(config_from_dict({**config, "model_type": "qwen2"}))

@@ -24,8 +24,8 @@ import torch
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.args import SFTConfig
-from nanosft.io.auto import AutoModelForCausalLM
-from nanosft.families.expert_lora import ParamWrapper
+from nanosft.families.auto import AutoModelForCausalLM
+from nanosft.expert_lora import ParamWrapper
 from nanosft.families.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from nanosft.families.gpt_oss import GptOssConfig, GptOssExperts, GptOssForCausalLM
 from nanosft.families.moe import Experts, SparseMoeBlock

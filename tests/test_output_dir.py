@@ -23,10 +23,10 @@ import pytest
 import torch
 from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
-from nanosft.io import checkpoint
+from nanosft.run import checkpoint
 from nanosft import cli
 from nanosft.cli import demo
-from nanosft.io import output_folder
+from nanosft.run import output_folder
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.peft import LoraConfig, get_peft_model

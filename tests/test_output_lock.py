@@ -33,7 +33,7 @@ from nanosft import cli, tokenizer
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.cli import demo
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.io import output_folder, preflight
+from nanosft.run import output_folder, preflight
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
 from nanosft.trainer import Trainer
@@ -115,7 +115,7 @@ def is_locked(folder) -> bool:
 
 def start_holder(folder):
     """Another process that takes folder's run lock and sleeps; returns once it holds it."""
-    code = ("import sys, time; from nanosft.io.output_folder import lock_output_dir; "
+    code = ("import sys, time; from nanosft.run.output_folder import lock_output_dir; "
             "lock_output_dir(sys.argv[1]); print('locked', flush=True); time.sleep(300)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE,
                               text=True, env=ENV, cwd=folder.parent)

@@ -87,7 +87,7 @@ def test_the_readme_commands_on_the_shipped_folder_run(tmp_path, capsys, monkeyp
 
 
 def test_fp4_is_refused_by_auto_model_and_quantized_by_causal_lm():
-    from nanosft.io.auto import AutoModelForCausalLM
+    from nanosft.families.auto import AutoModelForCausalLM
     from nanosft.model import CausalLM
     from nanosft.nf4 import BitsAndBytesConfig
 

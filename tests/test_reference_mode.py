@@ -30,7 +30,7 @@ from nanosft.reference import (REFERENCE_BANNER, REFERENCE_MODE_CALLBACKS, fast_
                                reference_mode, reference_mode_enabled, set_reference_mode)
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
-from nanosft.trainer_callback import default_callbacks
+from nanosft.trainer import default_callbacks
 
 PACKAGE = os.path.dirname(nanosft.__file__)
 # the mirrored statements that a default (fast) step does not execute, per run

@@ -1,6 +1,6 @@
 """SFTTrainer.__init__ reads as TRL's set-up steps: one call per step before the printed
 `super().__init__(` and a few after it, with no branch or refusal inline (those live in
-nanosft/io/sft_setup.py, imported inside the method, so `import nanosft.sft` loads none of them).
+nanosft/run/sft_setup.py, imported inside the method, so `import nanosft.sft` loads none of them).
 
 Compared: the statements of SFTTrainer.__init__, read with ast, against that shape; a negative
 control shows the reader of statements finds an inline check. The checks' behaviour and messages

@@ -60,7 +60,7 @@ def test_import_nanosft_is_lazy():
 
 def test_top_level_names_are_the_modules_objects():
     from nanosft import args, nf4, peft, sft, trainer
-    from nanosft.io import auto
+    from nanosft.families import auto
 
     for name, module in [("AutoModelForCausalLM", auto), ("AutoTokenizer", auto),
                          ("PeftModel", auto), ("BitsAndBytesConfig", nf4), ("SFTConfig", args),

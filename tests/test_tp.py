@@ -1,8 +1,9 @@
 """Tensor parallelism (torch parallelize_module, gloo, 2 CPU processes) computes what one process
 computes.
 
-CausalLM.from_pretrained(dir, tp_plan="auto") splits q/k/v/gate/up column-wise and o/down row-wise
-(transformers' Llama base_model_tp_plan): 4 query heads and 2 KV heads become 2 + 1 per rank.
+AutoModelForCausalLM.from_pretrained(dir, tp_plan="auto") splits q/k/v/gate/up column-wise and
+o/down row-wise (transformers' Llama base_model_tp_plan): 4 query heads and 2 KV heads become
+2 + 1 per rank.
 Compared with the same folder loaded in one process: logits and loss of a padded batch, every
 parameter's gradient, and every parameter after 3 AdamW steps with clipping (max_grad_norm 1.0, the
 norm over sharded and whole gradients). All within 1e-5 (measured ~1e-7: the row-parallel sum adds
@@ -27,6 +28,7 @@ from nanosft import distributed
 from nanosft.parallel import tensor_parallel
 from nanosft.args import TrainingArguments
 from nanosft.parallel.fsdp import held_bytes
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.trainer import Trainer
 
@@ -67,7 +69,7 @@ def run(model):
 
 def _worker(rank, port, folder):
     join_as_rank(rank, port)
-    model = CausalLM.from_pretrained(folder, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
     attn = model.model.layers[0].self_attn
     result = {
         "local_q_rows": attn.q_proj.weight.to_local().shape[0],
@@ -84,7 +86,7 @@ def _worker(rank, port, folder):
         if "k_proj" not in k and "v_proj" not in k
     }
     with torch.no_grad():
-        result["wrong_plan_logits"] = CausalLM.from_pretrained(folder, tp_plan=plan)(
+        result["wrong_plan_logits"] = AutoModelForCausalLM.from_pretrained(folder, tp_plan=plan)(
             **batch()
         ).logits
     try:  # 2 ranks cannot split 3 KV heads
@@ -167,7 +169,7 @@ def test_tp_plan_without_torchrun_is_refused(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     tiny_model(seed=0).save_pretrained(str(tmp_path))
     with pytest.raises(RuntimeError, match="torchrun --nproc_per_node 2"):
-        CausalLM.from_pretrained(str(tmp_path), tp_plan="auto")
+        AutoModelForCausalLM.from_pretrained(str(tmp_path), tp_plan="auto")
 
 
 def test_trainer_refuses_a_tensor_parallel_model(runs):
@@ -179,7 +181,7 @@ def test_trainer_refuses_a_tensor_parallel_model(runs):
 def test_auto_plan_refuses_layers_it_does_not_fit(model_type):
     # Llama's plan would shard q/k norms or skip layers' own pieces: refused, named, before any
     # process group is needed; a Llama-shaped family is still planned (the negative control)
-    from nanosft.families import config_from_dict, from_config
+    from nanosft.families.auto import config_from_dict, from_config
 
     config = {"model_type": model_type, "vocab_size": 64, "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

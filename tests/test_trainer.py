@@ -302,7 +302,7 @@ def _params(model):
 
 
 def test_resume_mid_epoch_is_bitwise_equal(tmp_path):
-    pytest.importorskip("nanosft.io.checkpoint")
+    pytest.importorskip("nanosft.run.checkpoint")
     common = {"n_rows": 14, "num_train_epochs": 2, "save_strategy": "steps", "save_steps": 2,
               "weight_decay": 0.1, "warmup_steps": 1}
     # 14 rows / 2 = 7 micro-batches, GA 3 -> 3 updates per epoch; checkpoint-2 sits mid-epoch 0 (6

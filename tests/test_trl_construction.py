@@ -100,7 +100,7 @@ def test_qlora_blog_script(model_dir, tmp_path):
     assert configs["reference"]["base_model_name_or_path"] == model_dir
     assert configs["nanosft"]["task_type"] == configs["reference"]["task_type"] == "CAUSAL_LM"
     # each stack loads the other's adapter folder, finding the base through that field
-    from nanosft.io.auto import AutoModelForCausalLM, PeftModel
+    from nanosft.families.auto import AutoModelForCausalLM, PeftModel
 
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     theirs = peft.AutoPeftModelForCausalLM.from_pretrained(f"{ours.args.output_dir}/adapter")

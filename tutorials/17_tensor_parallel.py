@@ -5,9 +5,10 @@ column-parallel linear gives each rank some output features (some attention head
 units) from the whole input; the following row-parallel linear takes exactly those features and
 produces a partial sum of the whole output; one all-reduce adds the partial sums. So column- then
 row-parallel costs one all-reduce per attention block and one per MLP, with nothing gathered in
-between. nanosft loads a model this way with `CausalLM.from_pretrained(folder, tp_plan="auto")`:
-transformers' Llama base_model_tp_plan through torch's parallelize_module (q/k/v/gate/up colwise,
-o/down rowwise).
+between. nanosft loads a model this way with
+`AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")`: transformers' Llama
+base_model_tp_plan applied to the loaded model through torch's parallelize_module (q/k/v/gate/up
+colwise, o/down rowwise).
 Run:      torchrun --standalone --nproc_per_node=2 tutorials/17_tensor_parallel.py
           (or python tutorials/17_tensor_parallel.py, which starts the 2 gloo processes itself)
 Runtime:  about 8 s of CPU over the two processes (starting them is most of it).
@@ -33,6 +34,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from nanosft import distributed
 from nanosft.parallel import tensor_parallel
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.model import MLP, CausalLM, ModelConfig
 
 TINY = {
@@ -87,10 +89,10 @@ def mlp_by_hand(rank):
 
 
 # %% [markdown]
-# ## 2. The whole model: CausalLM.from_pretrained(folder, tp_plan="auto")
+# ## 2. The whole model: AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
 def whole_model(rank, folder):
     banner('2. from_pretrained(tp_plan="auto"): heads split, 2 all-reduces per layer')
-    model = CausalLM.from_pretrained(folder, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
     attn = model.model.layers[0].self_attn
     heads = attn.q_proj.weight.to_local().shape[0] // attn.head_dim
     kv_heads = attn.k_proj.weight.to_local().shape[0] // attn.head_dim

@@ -2,7 +2,8 @@
 
 nanosft.model is the Llama decoder; nanosft.families changes a few of its lines per family. Four
 tiny random models are built with transformers' own config classes, saved, loaded back with
-`CausalLM.from_pretrained` (which picks the family from config.json's model_type), and run on the
+`AutoModelForCausalLM.from_pretrained` (which picks the family from config.json's model_type), and
+run on the
 same 8-token prompt. Then each difference is rebuilt by hand beside the Llama line it replaces,
 and checked against the tensor transformers computed inside its forward and against nanosft's:
 Qwen3's q_norm / k_norm; Gemma 3's embedding scale, (1 + w) RMSNorm, GeGLU, four norms a layer and
@@ -35,11 +36,12 @@ from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.llama import modeling_llama as hf_llama
 from transformers.models.phi3 import modeling_phi3 as hf_phi3
 
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.families.gemma3 import Gemma3RMSNorm, Gemma3ScaledEmbedding
 from nanosft.families.phi3 import apply_partial_rotary
 from nanosft.families.sliding_window import sliding_window_mask
 from nanosft.masking import build_attention_mask
-from nanosft.model import CausalLM, RMSNorm, rotate_half
+from nanosft.model import RMSNorm, rotate_half
 from nanosft.peft import LoraConfig, find_target_modules, get_peft_model
 
 torch.set_num_threads(1)
@@ -122,8 +124,9 @@ def randomize_vectors(model):
 # %% [markdown]
 # ## Four families, one prompt
 # Each model is made by transformers from its config class (fp32, seed 0), saved as a Hub folder
-# would be, and loaded by nanosft's `CausalLM.from_pretrained`: config.json's model_type picks
-# the nanosft class, and the checkpoint keys load with no rename.
+# would be, and loaded by nanosft's `AutoModelForCausalLM.from_pretrained`: config.json's
+# model_type picks the nanosft class (families/auto.py), and the checkpoint keys load with no
+# rename.
 
 # %%
 banner("Four tiny models, the same prompt")
@@ -135,7 +138,7 @@ for model_type, config in FAMILIES.items():
     torch.manual_seed(0)
     hf = randomize_vectors(transformers.AutoModelForCausalLM.from_config(config)).eval()
     hf.save_pretrained(f"{folders.name}/{model_type}")
-    ours = CausalLM.from_pretrained(f"{folders.name}/{model_type}").eval()
+    ours = AutoModelForCausalLM.from_pretrained(f"{folders.name}/{model_type}").eval()
     with torch.no_grad():
         want, got = hf(PROMPT).logits, ours(PROMPT).logits  # (B, T, V)
     diff = (got - want).abs().max().item()

@@ -2,12 +2,12 @@
 
 An MoE layer replaces the MLP by E expert MLPs and a router that sends each token to k of them.
 A tiny random Qwen3-MoE (4 experts, top 2, hidden 64) is built with transformers' config class,
-saved, and loaded back with nanosft's `CausalLM.from_pretrained`. One 6-token batch then goes
-through layer 0's MoE block by hand: the router's probabilities, the top-k choice and its
+saved, and loaded back with nanosft's `AutoModelForCausalLM.from_pretrained`. One 6-token batch
+then goes through layer 0's MoE block by hand: the router's probabilities, the top-k choice and its
 renormalised weights, which tokens each expert gets, the weighted combine, the load-balancing
 auxiliary loss over both layers, and LoRA on one expert (peft's target_parameters layout). Every
 step is asserted against the tensors transformers computes inside its forward and against
-nanosft's (nanosft.families.moe, nanosft.families.expert_lora).
+nanosft's (nanosft.families.moe, nanosft.expert_lora).
 Run:      python tutorials/22_mixture_of_experts.py
 Runtime:  about 10 s on a 2-core CPU, most of it importing transformers and peft.
 You should see:
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 
 torch.set_num_threads(1)
@@ -45,7 +45,7 @@ torch.manual_seed(0)
 hf = transformers.AutoModelForCausalLM.from_config(config).eval()
 folder = tempfile.mkdtemp()
 hf.save_pretrained(folder)
-ours = CausalLM.from_pretrained(folder).eval()
+ours = AutoModelForCausalLM.from_pretrained(folder).eval()
 print(f"transformers {type(hf).__name__} -> nanosft {type(ours).__name__}")
 
 

@@ -33,7 +33,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
 from nanosft.families.gated_deltanet import (chunk_gated_delta_rule, l2norm,
                                              recurrent_gated_delta_rule)
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM
 
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
@@ -154,7 +154,7 @@ torch.manual_seed(0)
 hf = transformers.AutoModelForCausalLM.from_config(config).eval()
 with tempfile.TemporaryDirectory() as folder:
     hf.save_pretrained(folder)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
 mixer = type(ours.model.layers[0].linear_attn).__name__
 print("layer types:", ours.config.layer_types, "-> layer 0 runs", mixer)
 x = torch.randn(2, 12, 32, generator=g)

@@ -50,7 +50,7 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu", dt
     or Hub id, with a PEFT adapter when given.
     Mirrors: AutoModelForCausalLM.from_pretrained + PeftModel.from_pretrained"""
     from nanosft import nf4
-    from nanosft.model import CausalLM
+    from nanosft.families.auto import AutoConfig, causal_lm_class
     from nanosft.peft import PeftModelForCausalLM
 
     model_dir = resolve_folder("--model", model_dir)
@@ -59,8 +59,10 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu", dt
     if load_in_4bit and quantization_config is None:
         quantization_config = nf4.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
-    model = CausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device,
-                                     quantization_config=quantization_config)
+    config = AutoConfig.from_pretrained(model_dir)  # the family's classes, by model_type
+    model = causal_lm_class(config).from_pretrained(model_dir, config=config, dtype=dtype,
+                                                    device_map=device,
+                                                    quantization_config=quantization_config)
     if adapter_dir is not None:
         model = PeftModelForCausalLM.from_pretrained(model, adapter_dir)
     return model.eval()
@@ -151,7 +153,7 @@ def run_train(args):
     """SFT of --model on --data: SFTTrainer.__init__, trainer.train(); under torchrun rank 0 saves.
     Mirrors: `trl sft` (trl.scripts.sft.main)"""
     from nanosft.cli.trl_flags import apply_trl_flags, trl_eval_data
-    from nanosft.io import output_folder
+    from nanosft.run import output_folder
 
     apply_trl_flags(args)  # `trl sft` flags -> nanosft's (--model_name_or_path -> --model, ...)
     sft_config, peft_config = build_train_configs(args, args.sft_names, args.lora_names)
@@ -177,7 +179,7 @@ def _train(args, sft_config, peft_config):
     """run_train's body, inside the output_dir lock: checks, load, train, save, summary."""
     from nanosft import distributed
     from nanosft.data import check_data_path
-    from nanosft.io import preflight
+    from nanosft.run import preflight
     from nanosft.sft import SFTTrainer
 
     _check_output_dir(sft_config)
@@ -217,7 +219,7 @@ def _train(args, sft_config, peft_config):
 def _check_output_dir(sft_config):
     """Before the model loads: resolve --resume_from_checkpoint (a folder, or the latest valid
     checkpoint), and refuse a fresh run in a folder holding another run; errors name the flags."""
-    from nanosft.io import output_folder
+    from nanosft.run import output_folder
 
     sft_config.resume_from_checkpoint = output_folder.resolve_resume_checkpoint(
         sft_config.resume_from_checkpoint, sft_config.output_dir, command_line=True)
@@ -352,14 +354,14 @@ def run_memory(args):
     """Print the memory ledger of a run on --model's config.json (no weights are read).
     Mirrors: `accelerate estimate-memory` (which stops at weights and Adam)"""
     from nanosft import memory
-    from nanosft.model import ModelConfig
+    from nanosft.families.auto import AutoConfig
 
     chosen = [name for name in ("full", "lora", "qlora") if getattr(args, name)]
     if args.full and (args.dora or len(chosen) > 1):
         raise ValueError(f"--{' and --'.join(chosen + ['dora'] * args.dora)} cannot be combined: "
                          "--full trains every weight; pick --full, --lora, --dora or --qlora")
     ranks = _fsdp_ranks(args.fsdp, args.nproc_per_node)
-    config = ModelConfig.from_pretrained(resolve_folder("--model", args.model))
+    config = AutoConfig.from_pretrained(resolve_folder("--model", args.model))
     plan = memory.MemoryPlan(
         full=args.full, load_in_4bit=args.qlora or not (args.full or args.lora or args.dora),
         use_dora=args.dora, r=args.r, target_modules=args.target_modules,
@@ -380,7 +382,7 @@ def run_memory(args):
 def _check_memory_target_parameters(config, entries):
     """Each --target_parameters entry names a parameter of the config, as training checks on the
     model, and one the ledger counts LoRA on (an MoE layer's experts or router)."""
-    from nanosft.families.expert_lora import no_parameter_message
+    from nanosft.expert_lora import no_parameter_message
     from nanosft.memory.plan import EXPERT_PARAMETERS, parameter_shapes
 
     names = [name for name, _ in parameter_shapes(config)]
@@ -546,7 +548,7 @@ def _interrupt_summary(args):
     output_dir = getattr(args, "resume_hint_dir", None)
     if args.command != "train" or output_dir is None:
         return "nothing was saved"
-    from nanosft.io.output_folder import get_last_checkpoint
+    from nanosft.run.output_folder import get_last_checkpoint
 
     last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if last is None:

@@ -154,7 +154,7 @@ def write_summary(path, summary: dict) -> None:
 def is_demo_folder(output_dir) -> bool:
     """Whether output_dir holds only an earlier demo's result (its demo_summary.json, its adapter/
     or model/ folder): the demo may replace that, and nothing another run saved."""
-    from nanosft.io import output_folder
+    from nanosft.run import output_folder
 
     if not os.path.isfile(os.path.join(output_dir, SUMMARY_FILE)):
         return False
@@ -240,7 +240,7 @@ def run(
     Mirrors: a TRL QLoRA recipe (SFTTrainer.__init__ -> trainer.train())
     An output_dir holding another run is refused before anything runs, unless overwrite_output_dir.
     """
-    from nanosft.io import output_folder
+    from nanosft.run import output_folder
     from nanosft.monitoring import trace as walkthrough_trace
     from nanosft.sft import SFTTrainer
     from nanosft.tokenizer import Tokenizer

@@ -139,4 +139,5 @@ class Cohere2Model(DecoderModel):
 class Cohere2ForCausalLM(CausalLM):
     """Mirrors: transformers Cohere2ForCausalLM"""
 
+    config_class = Cohere2Config
     model_class = Cohere2Model

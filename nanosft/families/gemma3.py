@@ -213,4 +213,5 @@ class Gemma3Model(DecoderModel):
 class Gemma3ForCausalLM(CausalLM):
     """Mirrors: transformers Gemma3ForCausalLM"""
 
+    config_class = Gemma3Config
     model_class = Gemma3Model

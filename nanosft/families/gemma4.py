@@ -247,7 +247,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = Gemma4RMSNorm(C, eps)
         self.enable_moe_block = config.enable_moe_block
         if self.enable_moe_block:  # router, experts and three more norms
-            add_moe_block(self, config)
+            add_moe_block(self, config, Gemma4RMSNorm)
 
     def forward(self, h, per_layer_input, cos, sin, mask, past=None, shared=None):
         """(B, T, C) residual stream in and out, plus this layer's (k, v)."""
@@ -368,6 +368,7 @@ class SoftcappedHead(nn.Module):
 class Gemma4ForCausalLM(CausalLM):
     """Mirrors: transformers Gemma4ForCausalLM"""
 
+    config_class = Gemma4Config
     model_class = Gemma4Model
 
     def _init_weights(self, module):

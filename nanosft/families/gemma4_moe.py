@@ -21,13 +21,11 @@ class Gemma4Router(nn.Module):
     """Each token's top-k experts and their weights, from the pre-MLP residual (N, C).
     Mirrors: transformers Gemma4TextRouter"""
 
-    def __init__(self, config):
+    def __init__(self, config, norm_class):
         super().__init__()
-        from nanosft.families.gemma4 import Gemma4RMSNorm  # gemma4 imports this module
-
         C, E = config.hidden_size, config.num_experts
         self.top_k, self.scalar_root_size = config.top_k_experts, C**-0.5
-        self.norm = Gemma4RMSNorm(C, config.rms_norm_eps, with_scale=False)
+        self.norm = norm_class(C, config.rms_norm_eps, with_scale=False)
         self.proj = nn.Linear(C, E, bias=False)
         self.scale = nn.Parameter(torch.ones(C))
         self.per_expert_scale = nn.Parameter(torch.ones(E))
@@ -51,17 +49,16 @@ class Gemma4Experts(Experts):
         return self.linear(F.gelu(gate, approximate="tanh") * up, "down_proj", e)
 
 
-def add_moe_block(layer, config):
+def add_moe_block(layer, config, norm_class):
     """Give a Gemma4DecoderLayer its router, experts and three extra norms (after its own
-    modules, transformers' order)."""
-    from nanosft.families.gemma4 import Gemma4RMSNorm
-
+    modules, transformers' order). `norm_class`: Gemma 4's RMSNorm, passed in by gemma4.py (which
+    imports this module, so this one cannot import it back)."""
     C, eps = config.hidden_size, config.rms_norm_eps
-    layer.router = Gemma4Router(config)
+    layer.router = Gemma4Router(config, norm_class)
     layer.experts = Gemma4Experts(config, config.moe_intermediate_size)
-    layer.post_feedforward_layernorm_1 = Gemma4RMSNorm(C, eps)
-    layer.post_feedforward_layernorm_2 = Gemma4RMSNorm(C, eps)
-    layer.pre_feedforward_layernorm_2 = Gemma4RMSNorm(C, eps)
+    layer.post_feedforward_layernorm_1 = norm_class(C, eps)
+    layer.post_feedforward_layernorm_2 = norm_class(C, eps)
+    layer.pre_feedforward_layernorm_2 = norm_class(C, eps)
 
 
 def moe_block(layer, h, m):

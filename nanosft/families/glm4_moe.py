@@ -201,6 +201,7 @@ class Glm4MoeModel(DecoderModel):
 class Glm4MoeForCausalLM(MoeCausalLM):
     """Mirrors: transformers Glm4MoeForCausalLM"""
 
+    config_class = Glm4MoeConfig
     model_class = Glm4MoeModel
     _keep_in_fp32_modules_strict = ["e_score_correction_bias"]  # read in fp32 under bf16 / fp16
 

@@ -187,6 +187,7 @@ class GPTNeoXForCausalLM(CausalLM):
     """The decoder under transformers' name `gpt_neox` (CausalLM's `model` reads it).
     Mirrors: transformers GPTNeoXForCausalLM"""
 
+    config_class = GPTNeoXConfig
     model_class = GPTNeoXModel
     checkpoint_conversion = EmbedOutFiles
     model = property(lambda self: self.gpt_neox)

@@ -265,5 +265,6 @@ class GptOssModel(DecoderModel):
 class GptOssForCausalLM(MoeCausalLM):
     """Mirrors: transformers GptOssForCausalLM"""
 
+    config_class = GptOssConfig
     model_class = GptOssModel
     checkpoint_conversion = GptOssFiles

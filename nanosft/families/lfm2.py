@@ -171,4 +171,5 @@ class Lfm2Model(HybridModel):
 class Lfm2ForCausalLM(CausalLM):
     """Mirrors: transformers Lfm2ForCausalLM"""
 
+    config_class = Lfm2Config
     model_class = Lfm2Model

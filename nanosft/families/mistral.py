@@ -41,4 +41,5 @@ class MistralModel(DecoderModel):
 class MistralForCausalLM(CausalLM):
     """Mirrors: transformers MistralForCausalLM"""
 
+    config_class = MistralConfig
     model_class = MistralModel

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanosft.adapter_files import linear_layer_names
-from nanosft.families.expert_lora import moe_target_conversion
+from nanosft.expert_lora import moe_target_conversion
 from nanosft.model import CausalLM, CausalLMOutput
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanosft.families.expert_lora import ParamWrapper
+from nanosft.expert_lora import ParamWrapper
 from nanosft.families.moe import Experts
 from nanosft.nf4 import _bnb
 

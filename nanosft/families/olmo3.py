@@ -142,4 +142,5 @@ class Olmo3Model(DecoderModel):
 class Olmo3ForCausalLM(CausalLM):
     """Mirrors: transformers Olmo3ForCausalLM"""
 
+    config_class = Olmo3Config
     model_class = Olmo3Model

@@ -168,6 +168,7 @@ class Phi3Model(DecoderModel):
 class Phi3ForCausalLM(CausalLM):
     """Mirrors: transformers Phi3ForCausalLM"""
 
+    config_class = Phi3Config
     model_class = Phi3Model
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,

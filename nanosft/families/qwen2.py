@@ -57,4 +57,5 @@ class Qwen2Model(DecoderModel):
 class Qwen2ForCausalLM(CausalLM):
     """Mirrors: transformers Qwen2ForCausalLM"""
 
+    config_class = Qwen2Config
     model_class = Qwen2Model

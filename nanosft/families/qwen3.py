@@ -65,4 +65,5 @@ class Qwen3Model(DecoderModel):
 class Qwen3ForCausalLM(CausalLM):
     """Mirrors: transformers Qwen3ForCausalLM"""
 
+    config_class = Qwen3Config
     model_class = Qwen3Model

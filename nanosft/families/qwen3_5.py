@@ -165,4 +165,6 @@ class Qwen3_5Model(HybridModel):
 class Qwen3_5ForCausalLM(CausalLM):
     """Mirrors: transformers Qwen3_5ForCausalLM"""
 
+    config_class = Qwen3_5Config
+    _keys_to_ignore_on_load_unexpected = (r"^mtp\.",)  # the multi-token-prediction head
     model_class = Qwen3_5Model

@@ -94,4 +94,6 @@ class Qwen3_5MoeModel(Qwen3_5Model):
 class Qwen3_5MoeForCausalLM(MoeCausalLM):
     """Mirrors: transformers Qwen3_5MoeForCausalLM"""
 
+    config_class = Qwen3_5MoeConfig
+    _keys_to_ignore_on_load_unexpected = (r"^mtp\.",)  # the multi-token-prediction head
     model_class = Qwen3_5MoeModel

@@ -90,4 +90,5 @@ class Qwen3MoeModel(DecoderModel):
 class Qwen3MoeForCausalLM(MoeCausalLM):
     """Mirrors: transformers Qwen3MoeForCausalLM"""
 
+    config_class = Qwen3MoeConfig
     model_class = Qwen3MoeModel

@@ -71,4 +71,5 @@ class SmolLM3Model(DecoderModel):
 class SmolLM3ForCausalLM(CausalLM):
     """Mirrors: transformers SmolLM3ForCausalLM"""
 
+    config_class = SmolLM3Config
     model_class = SmolLM3Model

@@ -100,16 +100,21 @@ _pending = threading.local()
 
 def link_shared_inputs(model):
     """Record which LoRA layers of `model` read one input (SHARED_INPUTS under one parent)."""
-    from nanosft.lora import LoraLinear
-
     for module in model.modules():
         for names in SHARED_INPUTS:
             layers = [getattr(module, n, None) for n in names]
-            layers = [m for m in layers if isinstance(m, LoraLinear)]
+            layers = [m for m in layers if _is_lora_linear(m)]
             if len(layers) > 1:
                 refs = tuple(weakref.ref(m) for m in layers)
                 for m in layers:
                     _groups[m] = refs
+
+
+def _is_lora_linear(module):
+    # lora.LoraLinear, known by what this module reads of it: the speed paths sit below the core
+    # (reference.fast_path imports them) and import nothing of it
+    return (isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and hasattr(module, "base_layer") and hasattr(module, "use_dora"))
 
 
 def _single_adapter(layer):

@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
+# in a folder while a final save moves its files in (removed last): a loader refuses such a folder
+FINAL_SAVE_MARKER = ".nanosft-final-save"
 
 
 def read_json(path):
@@ -378,6 +380,19 @@ def _cached_revisions(repo_folder):
     return names
 
 
+def interrupted_final_save(folder, flag="--adapter"):
+    """The error for a folder whose final save was killed while moving its files in (some new, some
+    from the save before: a mix no loader should take), else None."""
+    marker = os.path.join(folder, FINAL_SAVE_MARKER)
+    if not os.path.exists(marker):
+        return None
+    return (f"{flag} {folder}: its final save was interrupted while moving its files in "
+            f"({marker} is still there), so its weights, config and tokenizer files may come from "
+            "two different saves and were not loaded. Run the same training again resuming from "
+            "its last checkpoint (--resume_from_checkpoint) to write the final save whole, or "
+            "load one of its checkpoint-<step> folders.")
+
+
 def resolve_pretrained_path(name_or_path, revision=None, what="model"):
     """A local folder for a folder or Hub id: the folder, else the id's cached snapshot, else
     snapshot_download (huggingface_hub installed, HF_HUB_OFFLINE unset), else an error.
@@ -385,8 +400,6 @@ def resolve_pretrained_path(name_or_path, revision=None, what="model"):
     Differs: downloads *.json, *.safetensors, *.jinja, *.txt and *.model only."""
     name = os.fspath(name_or_path)
     if os.path.isdir(name):
-        from nanosft.io.output_folder import interrupted_final_save
-
         problem = interrupted_final_save(name, what)  # a SIGKILL mid-save left two saves' files
         if problem:
             raise ValueError(problem)

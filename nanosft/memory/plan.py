@@ -376,7 +376,7 @@ def _resolved_target(config, plan):
     applies to Qwen3-MoE / GLM-4-MoE configs (expert and router names -> target_parameters)."""
     from types import SimpleNamespace
 
-    from nanosft.families.expert_lora import moe_target_conversion
+    from nanosft.expert_lora import moe_target_conversion
     from nanosft.peft import DEFAULT_TARGET_MODULES
 
     target = plan.target_modules

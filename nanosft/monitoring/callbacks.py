@@ -180,7 +180,7 @@ def nonfinite_message(args, step, logs, bad_parameters) -> str:
                  if not 0 < args.max_grad_norm <= 1.0 else
                  f"a smaller max_grad_norm (now {args.max_grad_norm})")
     fixes.append("a look at the data (rows that are empty, huge or broken)")
-    from nanosft.io.output_folder import get_last_checkpoint
+    from nanosft.run.output_folder import get_last_checkpoint
 
     last = get_last_checkpoint(args.output_dir)
     kept = (f"; {last} was saved before, with finite weights" if last is not None else "")

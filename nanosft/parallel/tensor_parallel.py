@@ -1,10 +1,10 @@
 """Tensor parallelism: transformers' Llama tp_plan applied with torch's parallelize_module.
 
-The guide's tensor-parallel part. `CausalLM.from_pretrained(dir, tp_plan="auto")` calls
-`apply_tensor_parallel`, which splits each decoder layer's projections over the ranks as DTensors
-(the Megatron layout); `clip_grad_norm_` clips gradients that are partly sharded; the Trainer,
-which shards data, refuses such a model (`refuse_tensor_parallel`). Built on distributed.py;
-imports nothing else of nanosft, so model.py can import it.
+The guide's tensor-parallel part. `AutoModelForCausalLM.from_pretrained(dir, tp_plan="auto")`
+applies `apply_tensor_parallel` to the loaded model (model.py never sees the ranks): it splits
+each decoder layer's projections over the ranks as DTensors (the Megatron layout);
+`clip_grad_norm_` clips gradients that are partly sharded; the Trainer, which shards data, refuses
+such a model (`refuse_tensor_parallel`). Built on distributed.py; imports nothing else of nanosft.
 """
 
 import argparse

@@ -20,7 +20,7 @@ import transformers
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
 from nanosft.adapter_files import DEFAULT_TARGET_MODULES
-from nanosft.families import config_from_dict, from_config, supported_model_types
+from nanosft.families.auto import config_from_dict, from_config, supported_model_types
 from nanosft.model import CausalLM
 from nanosft.nf4 import BitsAndBytesConfig, quantize_model
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model

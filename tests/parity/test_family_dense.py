@@ -25,7 +25,7 @@ from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, save_random)
 
-from nanosft.families import config_from_dict
+from nanosft.families.auto import config_from_dict
 from nanosft.model import CausalLM
 
 WINDOWED = {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}

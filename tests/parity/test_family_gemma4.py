@@ -32,7 +32,7 @@ from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
                            models_both_ways, packed_row, randomize_vectors)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.families import config_from_dict
+from nanosft.families.auto import config_from_dict
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 

@@ -39,7 +39,7 @@ from test_families import (BASE, TOL, V, assert_checkpointing_keeps_gradients,
                            save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.families import config_from_dict
+from nanosft.families.auto import config_from_dict
 from nanosft.families.gemma4_moe import Gemma4Experts
 from nanosft.families.nf4_experts import NF4Experts, dequantize_experts, quantize_experts
 from nanosft.model import CausalLM

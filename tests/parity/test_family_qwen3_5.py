@@ -36,7 +36,7 @@ from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from nanosft.families import config_from_dict
+from nanosft.families.auto import config_from_dict
 from nanosft.families.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model

@@ -235,7 +235,7 @@ def test_trained_adapters_move_both_ways_with_peft(tmp_path):
 @pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5_moe_text"])
 def test_config_reads_the_text_model_type(model_type):
     """Both model types load (no longer refused) as the text model's config."""
-    from nanosft.families import config_from_dict
+    from nanosft.families.auto import config_from_dict
 
     d = {"model_type": model_type, "num_hidden_layers": 4}
     config = config_from_dict(d if model_type.endswith("_text") else {

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from nanosft.families import config_from_dict, from_config
+from nanosft.families.auto import config_from_dict, from_config
 from nanosft.model import CausalLM
 
 PAD = 0

@@ -13,8 +13,6 @@ import contextlib
 # the keys Trainer.evaluate returns: the loss, its perplexity and speed_metrics("eval", ...)
 TRAINER_EVAL_METRICS = ("eval_loss", "eval_perplexity", "eval_runtime",
                         "eval_samples_per_second", "eval_steps_per_second")
-# SFTTrainer.log adds TRL's token metrics to them while the model is in eval mode
-SFT_EVAL_METRICS = ("eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
 
 
 def check_eval_data(eval_strategy, eval_dataset, command_line=False, eval_on_start=False) -> None:
@@ -41,19 +39,14 @@ def check_eval_data(eval_strategy, eval_dataset, command_line=False, eval_on_sta
 def known_eval_metrics(trainer) -> tuple | None:
     """The eval_ keys `trainer`'s evaluate() returns (a trainer or its class; eval_<name>_... per
     set of a dict of eval sets), or None when they cannot be known before an evaluation: a
-    compute_metrics function or an overridden evaluate / log may add any key."""
-    from nanosft.sft import SFTTrainer
-    from nanosft.trainer import Trainer
-
+    compute_metrics function or an overridden evaluate / log may add any key. The trainer class
+    says what its log() adds (Trainer._logged_eval_metrics, which SFTTrainer overrides)."""
     cls = trainer if isinstance(trainer, type) else type(trainer)
     if getattr(trainer, "compute_metrics", None) is not None:
         return None
-    if cls.evaluate not in (Trainer.evaluate, SFTTrainer.evaluate):  # SFT's prepares, same keys
+    extra = cls._logged_eval_metrics()  # SFTTrainer: TRL's token metrics, one set or several
+    if extra is None:
         return None
-    if cls.log not in (Trainer.log, SFTTrainer.log):
-        return None
-    # SFTTrainer.log adds TRL's token metrics as eval_<metric>, one set or several
-    extra = SFT_EVAL_METRICS if cls.log is SFTTrainer.log else ()
     named = getattr(trainer, "eval_dataset", None)
     if isinstance(named, dict):  # one evaluation per named set: eval_<name>_loss, ...
         return tuple(f"eval_{name}_{key.removeprefix('eval_')}" for name in named
@@ -103,10 +96,10 @@ def guarded_run(trainer, resume_from_checkpoint=None):
     """The `with` block around one Trainer.train(): what the run needs at its end is checked first
     (train and eval data, metric_for_best_model), output_dir is writable and this run's alone
     (rank 0 holds its lock to the end), and a collective waiting past ddp_timeout ends with a
-    message. Yields the checkpoint to resume (nanosft.io.checkpoint.resolve_and_check)."""
+    message. Yields the checkpoint to resume (nanosft.run.checkpoint.resolve_and_check)."""
     from nanosft import distributed
-    from nanosft.io.checkpoint import resolve_and_check
-    from nanosft.io.output_folder import hold_output_dir
+    from nanosft.run.checkpoint import resolve_and_check
+    from nanosft.run.output_folder import hold_output_dir
 
     if trainer.train_dataset is None:  # transformers' words, from get_train_dataloader
         raise ValueError("Trainer: training requires a train_dataset.")

@@ -65,7 +65,7 @@ def _tokenizer_of_built_model(model):
         raise ValueError("SFTTrainer: no processing_class, and the model was not loaded from a "
                          "folder or Hub id (it has no name_or_path) to read the tokenizer from; "
                          "fix: pass processing_class=AutoTokenizer.from_pretrained(model_dir)")
-    from nanosft.io.auto import AutoTokenizer
+    from nanosft.families.auto import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)
 
@@ -82,7 +82,7 @@ def _load_model_and_tokenizer(model, args, quantization_config, processing_class
         if processing_class is None:
             processing_class = _tokenizer_of_built_model(model)
         return model, processing_class
-    from nanosft.io.auto import AutoModelForCausalLM, AutoTokenizer
+    from nanosft.families.auto import AutoModelForCausalLM, AutoTokenizer
 
     init_kwargs = dict(args.model_init_kwargs or {})
     init_kwargs.setdefault("dtype", "float32")  # TRL's default, not transformers 5's "auto"

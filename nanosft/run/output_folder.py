@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from nanosft import distributed
+from nanosft.io.hub import FINAL_SAVE_MARKER
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"
 TEMP_PREFIX = ".tmp-"  # ".tmp-checkpoint-20" while checkpoint-20 is being written
@@ -32,7 +33,6 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 METRICS_NAME = "metrics.jsonl"
 # in output_dir while the final save moves its files in; left there only by a kill in between
-FINAL_SAVE_MARKER = ".nanosft-final-save"
 SAVED_WEIGHTS = (WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)
 SAVED_SUBFOLDERS = ("adapter", "model")  # where `nanosft demo` saves its adapter or model
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -126,19 +126,6 @@ def rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=None)
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
     return deleted
-
-
-def interrupted_final_save(folder, flag="--adapter"):
-    """The error for a folder whose final save was killed while moving its files in (some new, some
-    from the save before: a mix no loader should take), else None."""
-    marker = os.path.join(folder, FINAL_SAVE_MARKER)
-    if not os.path.exists(marker):
-        return None
-    return (f"{flag} {folder}: its final save was interrupted while moving its files in "
-            f"({marker} is still there), so its weights, config and tokenizer files may come from "
-            "two different saves and were not loaded. Run the same training again resuming from "
-            "its last checkpoint (--resume_from_checkpoint) to write the final save whole, or "
-            "load one of its checkpoint-<step> folders.")
 
 
 # ----------------------------------------------------------------------------- another run's folder

@@ -25,13 +25,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from nanosft import distributed
+from nanosft.io.hub import FINAL_SAVE_MARKER
 from nanosft.parallel import fsdp
-from nanosft.io.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
+from nanosft.run.output_folder import (  # noqa: F401 (finding and rotating checkpoints, re-exported)
     _CHECKPOINT_RE,
     ADAPTER_CONFIG_NAME,
     check_output_dir,
     ADAPTER_WEIGHTS_NAME,
-    FINAL_SAVE_MARKER,
     PREFIX_CHECKPOINT_DIR,
     TEMP_PREFIX,
     TRAINER_STATE_NAME,
