@@ -22,8 +22,8 @@ from tiny import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fi
 
 from nanosft.args import SFTConfig, TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
-from nanosft.configuration import ModelConfig
 from nanosft.data import load_examples
+from nanosft.families.auto import AutoConfig
 from nanosft.cli import demo, main
 from nanosft.io import hub
 from nanosft.run import output_folder, preflight
@@ -188,7 +188,7 @@ def test_a_family_config_value_no_model_can_use_is_named_at_load(name, tmp_path)
     fields, words = CONFIG_CASES[name]
     (tmp_path / "config.json").write_text(json.dumps({**SMALL, **fields}))
     with pytest.raises(ValueError) as caught:
-        ModelConfig.from_pretrained(str(tmp_path))
+        AutoConfig.from_pretrained(str(tmp_path))
     for word in [str(tmp_path / "config.json"), *words]:
         assert word in str(caught.value), str(caught.value)
 
@@ -198,7 +198,7 @@ def test_the_family_configs_checked_still_load_with_sound_values(tmp_path):
                    {"model_type": "smollm3", "no_rope_layers": [1, 0]},
                    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}):
         (tmp_path / "config.json").write_text(json.dumps({**SMALL, **fields}))
-        assert ModelConfig.from_pretrained(str(tmp_path)).num_hidden_layers == 2
+        assert AutoConfig.from_pretrained(str(tmp_path)).num_hidden_layers == 2
 
 
 # ----------------------------------------------------------------------------- the final save

@@ -1,4 +1,5 @@
-"""Quantize while loading: CausalLM.from_pretrained(dir, dtype, quantization_config=...).
+"""Quantize while loading: CausalLM.from_pretrained(dir, dtype, quantization_config=...) (here
+mostly a Qwen2 family class, for its q/k/v biases).
 
 Compared: peak RSS growth of the load, measured in a fresh process (/proc/self/status VmHWM after
 resetting it through /proc/self/clear_refs), against 1.25x the loaded model's bytes plus the
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanosft.families.auto import config_from_dict, from_config
+from nanosft.families.qwen2 import Qwen2ForCausalLM
 from nanosft.io import hub
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.nf4 import BitsAndBytesConfig, Linear4bit, quantize_model
@@ -115,8 +117,8 @@ def test_streamed_model_is_bitwise_load_then_quantize_model(tmp_path, dtype, dou
     folder = tiny(tmp_path, max_shard_size)
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                 bnb_4bit_use_double_quant=double_quant)
-    streamed = CausalLM.from_pretrained(folder, dtype=dtype, quantization_config=config)
-    reference = quantize_model(CausalLM.from_pretrained(folder, dtype=dtype),
+    streamed = Qwen2ForCausalLM.from_pretrained(folder, dtype=dtype, quantization_config=config)
+    reference = quantize_model(Qwen2ForCausalLM.from_pretrained(folder, dtype=dtype),
                                compute_dtype=torch.float32, compress_statistics=double_quant)
     ours, ref = streamed.state_dict(), reference.state_dict()
     assert list(ours) == list(ref)
@@ -134,7 +136,7 @@ def test_bfloat16_reaches_the_quantizer_with_no_float32_copy(tmp_path, monkeypat
     set_weight = Linear4bit.set_weight
     monkeypatch.setattr(Linear4bit, "set_weight",
                         lambda self, w: seen.append(w.dtype) or set_weight(self, w))
-    model = CausalLM.from_pretrained(folder, dtype="bfloat16", quantization_config=QLORA)
+    model = Qwen2ForCausalLM.from_pretrained(folder, dtype="bfloat16", quantization_config=QLORA)
     assert seen == [torch.bfloat16] * 14  # 2 layers x 7 linears, each in the load dtype
     assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.bfloat16}
     layer = model.model.layers[0].mlp.up_proj
@@ -144,7 +146,7 @@ def test_bfloat16_reaches_the_quantizer_with_no_float32_copy(tmp_path, monkeypat
 def test_skip_modules_and_a_tied_lm_head_stay_in_float(tmp_path):
     folder = tiny(tmp_path, tie_word_embeddings=True)
     skip = ["up_proj", "model.layers.1.self_attn"]  # a name's last part; an enclosing module
-    model = CausalLM.from_pretrained(folder, quantization_config={
+    model = Qwen2ForCausalLM.from_pretrained(folder, quantization_config={
         **QLORA, "llm_int8_skip_modules": skip})
     layers = model.model.layers
     assert type(layers[0].mlp.up_proj) is torch.nn.Linear
@@ -198,7 +200,7 @@ def test_a_shape_mismatch_in_a_later_shard_is_named_before_any_read(tmp_path, no
     tensors[name] = torch.zeros(3, 5)
     save_file(tensors, last, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{name}.*\(3, 5\).*{last.name}.*config.json"):
-        CausalLM.from_pretrained(folder, quantization_config=QLORA)
+        Qwen2ForCausalLM.from_pretrained(folder, quantization_config=QLORA)
 
 
 def test_a_missing_shard_is_named_before_any_read(tmp_path, no_reads):
@@ -206,7 +208,7 @@ def test_a_missing_shard_is_named_before_any_read(tmp_path, no_reads):
     missing = shards(folder)[2]
     os.remove(folder / missing)
     with pytest.raises(FileNotFoundError, match=rf"{missing}: shard named in .* is missing"):
-        CausalLM.from_pretrained(folder, quantization_config=QLORA)
+        Qwen2ForCausalLM.from_pretrained(folder, quantization_config=QLORA)
 
 
 def test_a_truncated_shard_is_named_before_any_read(tmp_path, no_reads):
@@ -214,4 +216,4 @@ def test_a_truncated_shard_is_named_before_any_read(tmp_path, no_reads):
     cut = folder / shards(folder)[1]
     cut.write_bytes(cut.read_bytes()[:-100])
     with pytest.raises(ValueError, match=rf"{cut.name}.*past the end of the file"):
-        CausalLM.from_pretrained(folder, quantization_config=QLORA)
+        Qwen2ForCausalLM.from_pretrained(folder, quantization_config=QLORA)

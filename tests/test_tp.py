@@ -69,7 +69,7 @@ def run(model):
 
 def _worker(rank, port, folder):
     join_as_rank(rank, port)
-    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto").train()  # as `single`
     attn = model.model.layers[0].self_attn
     result = {
         "local_q_rows": attn.q_proj.weight.to_local().shape[0],

@@ -20,8 +20,8 @@ import transformers
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
 from nanosft.adapter_files import DEFAULT_TARGET_MODULES
-from nanosft.families.auto import config_from_dict, from_config, supported_model_types
-from nanosft.model import CausalLM
+from nanosft.families.auto import (AutoModelForCausalLM, config_from_dict, from_config,
+                                   supported_model_types)
 from nanosft.nf4 import BitsAndBytesConfig, quantize_model
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
 
@@ -73,7 +73,7 @@ def save_random(config, tmp_path):
 def models_both_ways(hf, folder, tmp_path):
     """[(transformers, nanosft)] with the weights made on each side and loaded on the other;
     the config read back by transformers keeps its RoPE and layer types."""
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     theirs = randomize_vectors(from_config(config_from_dict(hf.config.to_dict()))).eval()
     theirs.save_pretrained(tmp_path / "ours")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
@@ -132,7 +132,7 @@ def test_logits_match_transformers_both_ways(name, tmp_path):
 
 def test_negative_control_the_window_changes_the_logits(tmp_path):
     hf, folder = hf_folder("mistral-window", tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (1, 16))
     for layer in ours.model.layers:
         layer.self_attn.sliding_window = None  # the bug: a full causal mask
@@ -149,7 +149,7 @@ def test_greedy_generation_is_token_identical(name, tmp_path):
 def assert_greedy_generation_matches(hf, folder):
     """nanosft's generate equals transformers' greedy generate token for token: one 8-token
     prompt (with a window, the cache outgrows it) and a left-padded batch, 20 new tokens each."""
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     prompt = torch.randint(3, V, (1, 8))  # the cache outgrows the window after the prompt
     want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
     assert ours.generate(prompt, max_new_tokens=20).tolist() == want.tolist()
@@ -163,8 +163,10 @@ def assert_quantize_while_loading_matches(folder, x):
     """The folder quantized while loading equals load-then-quantize and transformers +
     bitsandbytes bitwise (every key), and its logits on x equal transformers' within TOL.
     Returns the streamed state dict."""
-    streamed = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
-    loaded = quantize_model(CausalLM.from_pretrained(folder), compute_dtype=torch.float32)
+    streamed = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(**QLORA))
+    loaded = quantize_model(AutoModelForCausalLM.from_pretrained(folder),
+                            compute_dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, device_map="cpu",
         quantization_config=transformers.BitsAndBytesConfig(**QLORA))
@@ -189,7 +191,7 @@ def test_all_linear_targets_the_modules_peft_targets(name, tmp_path):
     hf, folder = hf_folder(name, tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    got = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names and names == [n for n, _ in ref.named_parameters() if "lora_" in n]
 
@@ -207,7 +209,7 @@ def test_no_default_target_modules_is_refused_as_peft_refuses(tmp_path):
     with pytest.raises(ValueError, match="target_modules"):
         peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM"))
     with pytest.raises(ValueError, match="no default target_modules for model_type='smollm3'"):
-        get_peft_model(CausalLM.from_pretrained(folder), LoraConfig())
+        get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig())
 
 
 def assert_checkpointing_keeps_gradients(folder):
@@ -217,7 +219,7 @@ def assert_checkpointing_keeps_gradients(folder):
     mask = (torch.arange(20) < torch.tensor([[20], [15]])).long()
     grads = []
     for checkpointing in (False, True):
-        ours = CausalLM.from_pretrained(folder).train()
+        ours = AutoModelForCausalLM.from_pretrained(folder).train()
         if checkpointing:
             ours.gradient_checkpointing_enable()
         labels = x.masked_fill(mask == 0, -100)
@@ -231,7 +233,7 @@ def assert_checkpointing_keeps_gradients(folder):
 def assert_bf16_logits_equal_transformers(folder):
     """Loaded in bfloat16, the same casts in the same places: logits bit for bit."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     x = torch.randint(3, V, (2, 80))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf(x).logits, rtol=0, atol=0)
@@ -255,7 +257,7 @@ def assert_adapters_move_both_ways(hf, folder, tmp_path, x, target_modules, labe
     batch = {"input_ids": x, "labels": x}
     config = {"r": 4, "lora_alpha": 8, "target_modules": target_modules, **lora}
     torch.manual_seed(1)
-    ours = train_a_few_steps(get_peft_model(CausalLM.from_pretrained(folder),
+    ours = train_a_few_steps(get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
                                             LoraConfig(**config)), batch)
     ours.save_pretrained(tmp_path / "ours_adapter")
     theirs = train_a_few_steps(peft.get_peft_model(
@@ -263,8 +265,8 @@ def assert_adapters_move_both_ways(hf, folder, tmp_path, x, target_modules, labe
     theirs.save_pretrained(tmp_path / "peft_adapter")
     fresh = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     peft_loads_ours = peft.PeftModel.from_pretrained(fresh, tmp_path / "ours_adapter")
-    ours_loads_peft = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
-                                                           tmp_path / "peft_adapter")
+    ours_loads_peft = PeftModelForCausalLM.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(folder), tmp_path / "peft_adapter")
     with torch.no_grad():
         want, got = ours(x).logits, peft_loads_ours(x).logits
         torch.testing.assert_close(got, want, **TOL)

@@ -25,8 +25,7 @@ from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, save_random)
 
-from nanosft.families.auto import config_from_dict
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM, config_from_dict
 
 WINDOWED = {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}
 NEOX = {k: v for k, v in BASE.items() if k != "num_key_value_heads"}  # no grouped-query heads
@@ -70,7 +69,7 @@ def test_logits_and_generation_match_transformers(name, tmp_path):
             torch.testing.assert_close(got, want, **TOL)
             worst = max(worst, (got - want).abs().max().item())
     if name != "gpt_neox-sequential":  # its decoding differs from gpt_neox's in the layer only
-        ours = CausalLM.from_pretrained(folder).eval()
+        ours = AutoModelForCausalLM.from_pretrained(folder).eval()
         want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=8,
                            pad_token_id=PAD)
         got = ours.generate(padded, attention_mask=mask, max_new_tokens=8)
@@ -80,7 +79,7 @@ def test_logits_and_generation_match_transformers(name, tmp_path):
 
 def test_negative_control_rope_in_cohere2_full_layers_changes_the_logits(tmp_path):
     hf, folder = hf_folder("cohere2", tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     ours.model.layers[1].self_attn.sliding_window = 10**6  # the bug: RoPE in the full layer
     x = torch.randint(3, V, (1, 12))
     with torch.no_grad():
@@ -97,7 +96,7 @@ def test_gpt_neox_lora_on_query_key_value_moves_both_ways(tmp_path):
     hf, folder = hf_folder("gpt_neox", tmp_path)
     x = torch.randint(3, V, (2, 12))
     assert_adapters_move_both_ways(hf, folder, tmp_path, x, ["query_key_value"], "gpt_neox")
-    CausalLM.from_pretrained(folder).save_pretrained(tmp_path / "saved")
+    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(tmp_path / "saved")
     with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
         with safe_open(str(folder / "model.safetensors"), "pt") as g:
             assert sorted(f.keys()) == sorted(g.keys()) and "embed_out.weight" in f.keys()

@@ -25,9 +25,8 @@ from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
                            models_both_ways, packed_row, save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.families.auto import config_from_dict
+from nanosft.families.auto import AutoModelForCausalLM, config_from_dict
 from nanosft.families.gemma3 import Gemma3Config
-from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 
 WINDOW = 5
@@ -81,7 +80,7 @@ def test_logits_match_transformers_both_ways(name, tmp_path):
 
 def test_negative_control_one_rope_for_all_layers_changes_the_logits(tmp_path):
     hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf(x).logits, **TOL)
@@ -103,7 +102,7 @@ def test_all_linear_targets_the_modules_peft_targets(tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    got = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names and names == [n for n, _ in ref.named_parameters() if "lora_" in n]
 
@@ -133,7 +132,7 @@ def test_refused_model_type_names_gemma3_text():
 def test_bf16_embedding_scale_and_norms_match_transformers_bitwise(tmp_path):
     _, folder = hf_folder(tmp_path, "gemma3-hidden48")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     x = torch.randint(3, V, (2, 16))
     with torch.no_grad():  # sqrt(48) rounds in bf16: scaled in bf16, as transformers does
         h = hf.model.embed_tokens(x)

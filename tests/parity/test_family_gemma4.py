@@ -32,8 +32,7 @@ from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
                            models_both_ways, packed_row, randomize_vectors)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.families.auto import config_from_dict
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM, config_from_dict
 from nanosft.peft import LoraConfig, get_peft_model
 
 GEMMA4 = {**BASE, "num_hidden_layers": 5, "head_dim": 16, "global_head_dim": 32,
@@ -103,7 +102,7 @@ def test_all_linear_targets_the_modules_peft_targets(tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    got = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names and names == [n for n, _ in ref.named_parameters() if "lora_" in n]
     assert any("per_layer_input_gate.lora_A" in n for n in names)
@@ -117,7 +116,7 @@ def test_trained_lora_adapters_move_both_ways(tmp_path):
 
 def test_layer_scalar_loads_as_a_buffer(tmp_path):
     _, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder)
+    ours = AutoModelForCausalLM.from_pretrained(folder)
     assert not any("layer_scalar" in n for n, _ in ours.named_parameters())
     assert [float(layer.layer_scalar) for layer in ours.model.layers] == pytest.approx(
         [1 + 0.1 * i for i in range(5)])
@@ -141,7 +140,7 @@ def test_multimodal_gemma4_folder_loads_its_language_model(tmp_path):
     torch.manual_seed(0)
     transformers.Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path / "vlm")
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
-    ours = CausalLM.from_pretrained(tmp_path / "vlm").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
     assert type(ours).__name__ == "Gemma4ForCausalLM"
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():
@@ -163,7 +162,7 @@ def test_prefix_tuning_is_refused_where_layers_share_or_differ(tmp_path):
     from nanosft.peft import PrefixTuningConfig
 
     _, folder = hf_folder(tmp_path)
-    model = get_peft_model(CausalLM.from_pretrained(folder),
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
                            PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(ValueError, match="prefix tuning is not supported for this gemma4_text"):
         model(torch.randint(3, V, (1, 6)))

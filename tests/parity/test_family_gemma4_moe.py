@@ -39,10 +39,9 @@ from test_families import (BASE, TOL, V, assert_checkpointing_keeps_gradients,
                            save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.families.auto import config_from_dict
+from nanosft.families.auto import AutoModelForCausalLM, config_from_dict
 from nanosft.families.gemma4_moe import Gemma4Experts
 from nanosft.families.nf4_experts import NF4Experts, dequantize_experts, quantize_experts
-from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
 
 EXPERTS = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
@@ -95,7 +94,7 @@ def test_logits_match_transformers_both_ways(name, tmp_path):
 
 def test_checkpoint_file_holds_transformers_keys_and_tensors(tmp_path):
     hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder)
+    ours = AutoModelForCausalLM.from_pretrained(folder)
     assert ours.model.layers[0].experts.gate_up_proj.shape == (4, 64, 64)  # (E, 2 I, C)
     ours.save_pretrained(tmp_path / "ours")
     want, got = (load_file(str(f / "model.safetensors")) for f in (folder, tmp_path / "ours"))
@@ -113,13 +112,13 @@ def test_negative_controls_router_input_and_per_expert_scale(tmp_path):
     x = torch.randint(3, V, (2, 16))
     with torch.no_grad():
         want = hf(x).logits
-        ours = CausalLM.from_pretrained(folder).eval()
+        ours = AutoModelForCausalLM.from_pretrained(folder).eval()
         torch.testing.assert_close(ours(x).logits, want, **TOL)
         for layer in ours.model.layers:  # the bug: the router sees pre_feedforward_layernorm(h)
             layer.router.forward = lambda h, f=layer.router.forward, n=(
                 layer.pre_feedforward_layernorm): f(n(h))
         assert (ours(x).logits - want).abs().max() > 1e-3
-        ours = CausalLM.from_pretrained(folder).eval()
+        ours = AutoModelForCausalLM.from_pretrained(folder).eval()
         for layer in ours.model.layers:
             layer.router.per_expert_scale.fill_(1.0)
         assert (ours(x).logits - want).abs().max() > 1e-3
@@ -141,7 +140,7 @@ def test_lora_on_router_and_experts_equals_peft(tmp_path):
     ParamWrappers): the same names, shapes, logits and every LoRA gradient as peft."""
     hf, folder = hf_folder(tmp_path)
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
-    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**LORA))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**LORA))
     shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
     assert shapes[0] == shapes[1]
     names = [n for n, _ in shapes[1]]
@@ -158,8 +157,8 @@ def test_trained_expert_adapters_move_both_ways(tmp_path):
     x = torch.randint(3, V, (2, 12))
     lora = {k: v for k, v in LORA.items() if k not in ("r", "lora_alpha")}
     assert_adapters_move_both_ways(hf, folder, tmp_path, x, label="gemma4 moe", **lora)
-    ours_loads_peft = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
-                                                           tmp_path / "peft_adapter").eval()
+    ours_loads_peft = PeftModelForCausalLM.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(folder), tmp_path / "peft_adapter").eval()
     with torch.no_grad():
         want = ours_loads_peft(x).logits
         torch.testing.assert_close(ours_loads_peft.merge_and_unload()(x).logits, want, **TOL)
@@ -198,8 +197,8 @@ def test_nf4_experts_equal_the_bitsandbytes_round_trip(tmp_path):
     1.2e-6 measured on gradients up to 0.27), not the float model's; dequantize_experts gives
     Gemma4Experts back."""
     _, folder = hf_folder(tmp_path)
-    model = quantize_experts(CausalLM.from_pretrained(folder))
-    ref = CausalLM.from_pretrained(folder)
+    model = quantize_experts(AutoModelForCausalLM.from_pretrained(folder))
+    ref = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         for m in ref.modules():
             if isinstance(m, Gemma4Experts):
@@ -210,7 +209,8 @@ def test_nf4_experts_equal_the_bitsandbytes_round_trip(tmp_path):
         [Gemma4Experts] * 3
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():  # negative control: the float experts compute otherwise
-        assert (CausalLM.from_pretrained(folder)(x).logits - model(x).logits).abs().max() > 1e-4
+        floats = AutoModelForCausalLM.from_pretrained(folder)
+        assert (floats(x).logits - model(x).logits).abs().max() > 1e-4
     model, ref = same_lora(model, ref)
     got, want = model(x, labels=x), ref(x, labels=x)
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-6)
@@ -239,7 +239,7 @@ def test_multimodal_gemma4_folder_loads_its_moe_language_model(tmp_path):
     torch.manual_seed(0)
     transformers.Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path / "vlm")
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
-    ours = CausalLM.from_pretrained(tmp_path / "vlm").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
     assert ours.config.enable_moe_block and ours.config.num_experts == 4
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():
@@ -262,7 +262,7 @@ def test_bf16_logits_equal_transformers_eager_experts_bitwise(tmp_path):
     grouped_mm rounds bf16 otherwise (printed)."""
     _, folder = hf_folder(tmp_path)
     x = torch.randint(3, V, (2, 80))
-    ours = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     eager = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, experts_implementation="eager").eval()
     grouped = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)

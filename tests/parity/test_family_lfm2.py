@@ -28,8 +28,7 @@ from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
                            models_both_ways, save_random)
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.families.auto import config_from_dict
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM, config_from_dict
 from nanosft.peft import LoraConfig, get_peft_model
 
 LFM2 = {**BASE, "num_hidden_layers": 4, "block_multiple_of": 64, "tie_word_embeddings": True,
@@ -67,7 +66,7 @@ def test_logits_match_transformers_both_ways(tmp_path):
 
 def test_packed_row_equals_its_documents_run_alone(tmp_path):
     hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     lengths = (7, 6, 3)
     ids = torch.randint(3, V, (1, sum(lengths)))
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -83,7 +82,7 @@ def test_packed_row_equals_its_documents_run_alone(tmp_path):
 
 def test_cached_steps_equal_one_forward(tmp_path):
     _, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():
         want = ours(x).logits
@@ -109,7 +108,7 @@ def test_lora_targets_the_modules_peft_targets(target_modules, tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": target_modules}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    got = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names and names == [n for n, _ in ref.named_parameters() if "lora_" in n]
     assert any(".conv.in_proj.lora_A" in n for n in names)

@@ -37,9 +37,9 @@ from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, save_random)
 
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.families.glm4_moe import Glm4MoeForCausalLM
 from nanosft.families.moe import load_balancing_loss
-from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, PeftModelForCausalLM, get_peft_model
 
 MOE = {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -94,7 +94,7 @@ def test_logits_and_aux_loss_match_transformers_both_ways(name, tmp_path):
 def test_aux_loss_gradient_reaches_the_router_as_in_transformers(tmp_path):
     """The aux loss's gradient on each router weight, also with gradient checkpointing."""
     hf, folder = hf_folder("topk-norm", tmp_path)
-    ours = CausalLM.from_pretrained(folder)
+    ours = AutoModelForCausalLM.from_pretrained(folder)
     padded, mask = left_padded_batch()
     for model in (hf, ours):
         model.zero_grad()
@@ -131,7 +131,7 @@ def test_load_balancing_loss_equals_the_formula():
 
 def test_greedy_generation_is_token_identical(tmp_path):
     hf, folder = hf_folder("window", tmp_path)  # a dense and a sparse layer, the cache > window
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     padded, mask = left_padded_batch()
     want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=8,
                        pad_token_id=PAD)
@@ -140,7 +140,7 @@ def test_greedy_generation_is_token_identical(tmp_path):
 
 def test_negative_control_unnormalised_top_k_changes_the_logits(tmp_path):
     hf, folder = hf_folder("topk-norm", tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (1, 12))
     for layer in ours.model.layers:
         layer.mlp.gate.norm_topk_prob = False  # the bug: the k weights do not sum to 1
@@ -150,7 +150,7 @@ def test_negative_control_unnormalised_top_k_changes_the_logits(tmp_path):
 
 def test_checkpoint_files_hold_transformers_per_expert_keys(tmp_path):
     hf, folder = hf_folder("window", tmp_path)
-    ours = CausalLM.from_pretrained(folder)
+    ours = AutoModelForCausalLM.from_pretrained(folder)
     assert ours.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 64, 64)  # (E, 2 I, C)
     ours.save_pretrained(tmp_path / "ours")
     files = []
@@ -209,7 +209,7 @@ def test_all_linear_lora_on_experts_and_router_equals_peft(tmp_path):
     hf, folder = hf_folder("topk-norm", tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
     assert shapes[0] == shapes[1]
     assert ("base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.default.weight",
@@ -226,7 +226,7 @@ def test_expert_adapters_move_both_ways_and_merge(tmp_path):
     hf, folder = hf_folder("topk-norm", tmp_path)
     x = torch.randint(3, V, (2, 12))
     assert_adapters_move_both_ways(hf, folder, tmp_path, x, "all-linear", "qwen3_moe experts")
-    ours = PeftModelForCausalLM.from_pretrained(CausalLM.from_pretrained(folder),
+    ours = PeftModelForCausalLM.from_pretrained(AutoModelForCausalLM.from_pretrained(folder),
                                                 tmp_path / "peft_adapter")
     with torch.no_grad():
         want = ours(x).logits
@@ -242,7 +242,7 @@ def test_rank_and_alpha_patterns_apply_to_modules_as_in_peft(tmp_path):
     config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
               "rank_pattern": {"q_proj": 4}, "alpha_pattern": {r"layers\.1\.self_attn\.v_proj": 16}}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
     assert shapes[0] == shapes[1]
     scalings = [{n: m.scaling["default"] for n, m in model.named_modules() if hasattr(m, "lora_A")}
@@ -284,7 +284,7 @@ def test_glm4_moe_logits_generation_and_quantized_load_match_transformers(tmp_pa
         for want, got in pairs:
             torch.testing.assert_close(got, want, **TOL)
             worst = max(worst, (got - want).abs().max().item())
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert any(n.endswith("e_score_correction_bias") for n, _ in ours.named_buffers())
     want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=8,
                        pad_token_id=PAD)
@@ -299,7 +299,7 @@ def test_glm4_moe_all_linear_lora_equals_peft(tmp_path):
     hf, folder = glm_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [[n for n, _ in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
     assert names[0] == names[1] and not any("shared_experts" in n for n in names[1])
     random_adapters(ref, ours)
@@ -342,7 +342,7 @@ def test_glm4_moe_correction_bias_stays_fp32_under_bf16_loading(tmp_path, monkey
     key = "model.layers.1.mlp.gate.e_score_correction_bias"
     for dtype in (torch.float16, torch.bfloat16):
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        ours = CausalLM.from_pretrained(folder, dtype=dtype)
+        ours = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         want, got = ref.state_dict()[key], ours.state_dict()[key]
         assert want.dtype == got.dtype == torch.float32
         assert torch.equal(got, want) and torch.equal(got, hf.state_dict()[key])
@@ -355,7 +355,7 @@ def test_glm4_moe_correction_bias_stays_fp32_under_bf16_loading(tmp_path, monkey
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         grouped_diff = (grouped.eval()(x).logits - got).abs().max().item()
         monkeypatch.setattr(Glm4MoeForCausalLM, "_keep_in_fp32_modules_strict", [])
-        rounded = CausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+        rounded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
         assert not torch.equal(rounded.state_dict()[key], want_bias := hf.state_dict()[key])
         assert rounded.state_dict()[key].dtype == want_bias.dtype  # a buffer keeps its dtype
         assert (rounded(x).logits[0, 0] - want[0, 0]).abs().max() > 1e-2
@@ -403,7 +403,7 @@ def test_gpt_oss_logits_aux_loss_and_generation_match_transformers(tmp_path):
         for w, g in ((want.aux_loss, got.aux_loss), (want.loss, got.loss)):
             torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-6)
             aux_worst = max(aux_worst, (g - w).abs().item())
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=8,
                        pad_token_id=PAD)
     assert ours.generate(padded, attention_mask=mask, max_new_tokens=8).tolist() == want.tolist()
@@ -427,7 +427,7 @@ def test_gpt_oss_lora_on_transposed_experts_equals_peft(tmp_path):
     config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
               "target_parameters": ["gate_up_proj", "down_proj"]}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
     assert shapes[0] == shapes[1]
     assert ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default.weight",

@@ -24,7 +24,7 @@ from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
                            models_both_ways, packed_row, save_random)
 
 from nanosft import generation
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 
 OLD_LEN = 12  # original_max_position_embeddings of the longrope model
@@ -78,7 +78,7 @@ def test_logits_match_transformers_both_ways(name, tmp_path):
 
 def test_negative_control_long_factors_change_the_logits(tmp_path):
     hf, folder = hf_folder("longrope", tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (1, 16))
     rope = ours.config.rope_scaling
     with torch.no_grad():
@@ -91,7 +91,7 @@ def test_negative_control_long_factors_change_the_logits(tmp_path):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_is_token_identical(name, tmp_path):
     hf, folder = hf_folder(name, tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     prompt = torch.randint(3, V, (1, 8))  # 8 + 20 crosses OLD_LEN
     want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
     assert ours.generate(prompt, max_new_tokens=20).tolist() == want.tolist()
@@ -112,7 +112,7 @@ def step_logits(model, run):
 
 def test_longrope_generation_re_encodes_the_cache_past_the_original_length(tmp_path):
     hf, folder = hf_folder("longrope", tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     prompt = torch.randint(3, V, (1, 8))
     out = hf.generate(prompt, do_sample=False, max_new_tokens=10, pad_token_id=PAD,
                       output_logits=True, return_dict_in_generate=True)
@@ -138,7 +138,7 @@ def test_all_linear_targets_the_modules_peft_targets(tmp_path):
     hf, folder = hf_folder("partial", tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    got = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names == [n for n, _ in ref.named_parameters() if "lora_" in n]
     assert {n.split(".")[-4] for n in names} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}

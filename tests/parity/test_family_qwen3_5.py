@@ -36,9 +36,8 @@ from test_families import (BASE, TOL, V, assert_adapters_move_both_ways,
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from nanosft.families.auto import config_from_dict
+from nanosft.families.auto import AutoModelForCausalLM, config_from_dict
 from nanosft.families.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from nanosft.model import CausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 
 QWEN3_5 = {**BASE, "num_hidden_layers": 4, "head_dim": 32, "linear_key_head_dim": 16,
@@ -101,7 +100,7 @@ def test_logits_match_transformers_both_ways(tmp_path):
 
 def test_packed_row_equals_its_documents_run_alone(tmp_path):
     hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     lengths = (7, 70, 3)  # the middle document spans two chunks
     ids = torch.randint(3, V, (1, sum(lengths)))
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -130,7 +129,7 @@ def test_lora_targets_the_modules_peft_targets(target_modules, tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": target_modules}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    got = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names and names == [n for n, _ in ref.named_parameters() if "lora_" in n]
     assert any(".linear_attn.in_proj_qkv.lora_A" in n for n in names)
@@ -152,7 +151,7 @@ def test_cached_steps_equal_one_forward(tmp_path):
     """The recurrent form with the (conv state, recurrent state) cache, one token a step after a
     chunked prefill, gives the logits of one chunked forward over the whole row."""
     _, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():
         want = ours(x).logits
@@ -174,7 +173,7 @@ def test_multimodal_qwen3_5_folder_loads_its_language_model(tmp_path):
     torch.manual_seed(0)
     transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path / "vlm")
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
-    ours = CausalLM.from_pretrained(tmp_path / "vlm").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
     assert type(ours).__name__ == type(want).__name__ == "Qwen3_5ForCausalLM"
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():
@@ -202,7 +201,7 @@ def test_multi_token_prediction_weights_are_not_read(tmp_path):
     tensors["mtp.fc.weight"] = torch.randn(64, 128)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     want = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, want(x).logits, **TOL)
@@ -213,7 +212,7 @@ def test_prefix_tuning_is_refused_by_name(tmp_path):
     from nanosft.peft import PrefixTuningConfig
 
     _, folder = hf_folder(tmp_path)
-    model = get_peft_model(CausalLM.from_pretrained(folder),
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
                            PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(ValueError, match="prefix tuning is not supported for qwen3_5_text"):
         model(torch.randint(3, V, (1, 6)))
@@ -227,7 +226,8 @@ def test_prompt_tuning_matches_peft(tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}
     theirs = peft.get_peft_model(hf, peft.PromptTuningConfig(**config))
-    ours = get_peft_model(CausalLM.from_pretrained(folder).eval(), PromptTuningConfig(**config))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder).eval(),
+                          PromptTuningConfig(**config))
     x = torch.randint(3, V, (2, 10))
     with torch.no_grad():
         ours.prompt_encoder["default"].embedding.weight.copy_(

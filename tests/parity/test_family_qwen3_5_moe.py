@@ -36,7 +36,7 @@ from test_families import (BASE, TOL, V, assert_bf16_logits_equal_transformers,
 from test_family_moe import assert_lora_matches_peft
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.peft import LoraConfig, get_peft_model
 
 QWEN3_5_MOE = {**BASE, "num_hidden_layers": 4, "head_dim": 32, "linear_key_head_dim": 16,
@@ -104,7 +104,7 @@ def test_loss_and_aux_loss_gradients_match_transformers_with_checkpointing(tmp_p
     want = {n: p.grad for n, p in hf.named_parameters()}
     worst = 0.0
     for checkpointing in (False, True):
-        ours = CausalLM.from_pretrained(folder).train()
+        ours = AutoModelForCausalLM.from_pretrained(folder).train()
         if checkpointing:
             ours.gradient_checkpointing_enable()
         ours(padded, attention_mask=mask, labels=labels, output_router_logits=True).loss.backward()
@@ -125,7 +125,7 @@ def test_bf16_logits_equal_transformers_bitwise(tmp_path):
 
 def test_packed_row_equals_its_documents_run_alone(tmp_path):
     hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     lengths = (7, 70, 3)  # the middle document spans two chunks
     ids = torch.randint(3, V, (1, sum(lengths)))
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -143,7 +143,7 @@ def test_greedy_generation_is_token_identical(tmp_path):
 def test_negative_control_the_shared_expert_gate_matters(tmp_path):
     """The shared expert added ungated (its sigmoid taken as 1) moves the logits."""
     hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(3, V, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf(x).logits, **TOL)
@@ -159,7 +159,7 @@ def test_checkpoint_files_multimodal_folder_and_mtp_weights(tmp_path):
     model.language_model.*, an mtp.* head) loads its text model as transformers'
     AutoModelForCausalLM does, the mtp.* weights unread by both."""
     hf, folder = hf_folder(tmp_path)
-    ours = CausalLM.from_pretrained(folder)
+    ours = AutoModelForCausalLM.from_pretrained(folder)
     assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 64, 64)  # (E, 2 I, C)
     ours.save_pretrained(tmp_path / "ours")
     files = []
@@ -179,7 +179,7 @@ def test_checkpoint_files_multimodal_folder_and_mtp_weights(tmp_path):
     tensors["mtp.fc.weight"] = torch.randn(64, 128)
     save_file(tensors, tmp_path / "vlm" / "model.safetensors", metadata={"format": "pt"})
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
-    ours = CausalLM.from_pretrained(tmp_path / "vlm").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "vlm").eval()
     assert type(ours).__name__ == type(want).__name__ == "Qwen3_5MoeForCausalLM"
     x = torch.randint(3, V, (2, 12))
     with torch.no_grad():
@@ -201,7 +201,7 @@ def test_all_linear_wraps_what_peft_wraps(tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    got = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    got = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     names = [n for n, _ in got.named_parameters() if "lora_" in n]
     assert names == [n for n, _ in ref.named_parameters() if "lora_" in n]
     assert any(".mlp.shared_expert_gate.lora_A" in n for n in names)
@@ -216,7 +216,7 @@ def test_lora_on_experts_router_and_linears_equals_peft(tmp_path):
     hf, folder = hf_folder(tmp_path)
     config = {"r": 2, "lora_alpha": 4, **TARGETS}
     ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    ours = get_peft_model(CausalLM.from_pretrained(folder), LoraConfig(**config))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
     shapes = [[(n, p.shape) for n, p in m.named_parameters() if "lora_" in n] for m in (ref, ours)]
     assert shapes[0] == shapes[1]
     assert ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default.weight",

@@ -38,7 +38,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from nanosft.args import SFTConfig
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.nf4 import BitsAndBytesConfig, is_quantized
 from nanosft.peft import LoraConfig
 from nanosft.sft import SFTTrainer
@@ -195,7 +195,8 @@ def trainers(name, tmp_path):
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, device_map="cpu",
         quantization_config=transformers.BitsAndBytesConfig(**QLORA))
-    our_model = CausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(**QLORA))
+    our_model = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(**QLORA))
     assert type(our_model).__name__ == type(ref_model).__name__ and is_quantized(our_model)
     ref = trl.SFTTrainer(model=ref_model, args=trl.SFTConfig(str(tmp_path / "ref"), **ARGS),
                          train_dataset=datasets.Dataset.from_list(rows),

@@ -29,7 +29,7 @@ from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.args import SFTConfig
 from nanosft.data import prepare_dataset
-from nanosft.model import CausalLM
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.sft import SFTTrainer
 from nanosft.tokenizer import Tokenizer
 
@@ -125,7 +125,8 @@ def test_cohere2_assistant_only_sft_losses_equal_trl(tmp_path):
         model=transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
         args=trl.SFTConfig(str(tmp_path / "ref"), **args), processing_class=theirs_tok,
         train_dataset=datasets.Dataset.from_list(chats))
-    ours = SFTTrainer(CausalLM.from_pretrained(folder), SFTConfig(str(tmp_path / "ours"), **args),
+    ours = SFTTrainer(AutoModelForCausalLM.from_pretrained(folder),
+                      SFTConfig(str(tmp_path / "ours"), **args),
                       train_dataset=chats, processing_class=ours_tok)
     want = [{k: r[k] for k in ("input_ids", "labels")} for r in ref.train_dataset]
     assert [{k: r[k] for k in ("input_ids", "labels")} for r in ours.train_dataset] == want

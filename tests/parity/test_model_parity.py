@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from nanosft.families.auto import config_from_dict, from_config
+from nanosft.families.auto import AutoModelForCausalLM, config_from_dict, from_config
 from nanosft.model import CausalLM
 
 PAD = 0
@@ -56,7 +56,7 @@ def from_hf(name, tmp_path):
     """A transformers model and nanosft's load of its saved folder."""
     hf = hf_model(*CASES[name])
     hf.save_pretrained(tmp_path / "from_hf")
-    return hf, CausalLM.from_pretrained(tmp_path / "from_hf").eval()
+    return hf, AutoModelForCausalLM.from_pretrained(tmp_path / "from_hf").eval()
 
 
 def both_ways(name, tmp_path):

@@ -30,6 +30,7 @@ from test_trainer_parity import COMMON, make_models, make_rows, train_logs, word
 from tiny import one_thread  # noqa: F401 (an autouse fixture)
 
 from nanosft.args import SFTConfig
+from nanosft.families.auto import AutoModelForCausalLM
 from nanosft.peft import (PeftModelForCausalLM, PrefixTuningConfig, PromptEncoderConfig,
                           PromptTuningConfig, get_peft_model)
 from nanosft.reference import reference_mode
@@ -210,10 +211,9 @@ def test_sft_trainer_with_p_tuning_and_prefix_tuning_matches_trl(tmp_path, kind)
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_p_tuning_and_prefix_tuning_logits_on_the_model_families(name, tmp_path):
-    from nanosft.model import CausalLM
 
     hf, folder = hf_folder(name, tmp_path)
-    ours = CausalLM.from_pretrained(folder).eval()
+    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
     g = torch.Generator().manual_seed(6)
     x = torch.randint(3, 128, (2, 12), generator=g)  # 3 + 12 tokens: past the windows of 5
     mask = torch.ones_like(x)
