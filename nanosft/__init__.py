@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 # top-level name -> the module defining it (imported on first access)
 _LAZY_NAMES = {
+    "AutoConfig": "nanosft.families.auto",
     "AutoModelForCausalLM": "nanosft.families.auto",
     "AutoTokenizer": "nanosft.families.auto",
     "PeftModel": "nanosft.families.auto",

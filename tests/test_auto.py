@@ -70,3 +70,9 @@ def test_from_pretrained_takes_the_config_it_is_given(folders):
     config = AutoConfig.from_pretrained(qwen3)
     model = Qwen3ForCausalLM.from_pretrained(qwen3, config=config)
     assert model.config is config
+
+
+def test_the_auto_classes_are_top_level_names():
+    import nanosft
+
+    assert nanosft.AutoConfig is AutoConfig and nanosft.AutoModelForCausalLM is AutoModelForCausalLM
