@@ -21,7 +21,12 @@ def test_tutorial_09_runs_and_prints_groups_adamw_and_schedules():
     assert "16 tensors get weight decay" in out  # embed + 2 * (4 attn + 3 mlp) + lm_head
     assert "5 tensors do not" in out  # 2 * (input, post_attention) layernorm + final norm
     assert "param groups: [(16, 0.1), (5, 0.0)]" in out
-    assert re.search(r"max \|by hand - fused AdamW\| = \d\.\d\de-\d\d", out)
+    # exact or by an ulp, as the CPU's kernels round (AVX2, AVX-512, AMX differ): both are right,
+    # and the sentence says which happened
+    found = re.search(r"max \|by hand - fused AdamW\| = (\d\.\d\de[-+]\d\d) \(on this CPU's "
+                      r"\S+ kernels: (the same bits|~1 ulp apart)", out)
+    assert found and (float(found[1]) == 0) == (found[2] == "the same bits")
+    assert float(found[1]) < 1e-6
     assert re.search(
         r"^linear\s+\S+  0\.00 0\.33 0\.67 1\.00 0\.89", out, re.MULTILINE
     )  # W=3, T=12: (12-3)/9 ... 8/9
