@@ -98,6 +98,9 @@ class ModelConfig:
 
     ARCHITECTURES = ARCHITECTURES  # model_type -> transformers class; a family config's own
     LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types entries it builds
+    # ModelConfig fields a family's transformers config neither has nor reads: config.json keys of
+    # those names are dropped on load, as transformers ignores them (a family lists its own)
+    UNREAD_FIELDS = ()
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -160,7 +163,8 @@ class ModelConfig:
                  or hasattr(cls, "sliding_window"),  # nanosft.families.mistral has the window
                  f"config.json: sliding_window={d.get('sliding_window')} is not supported by "
                  f"{cls.__name__}; load it with CausalLM.from_pretrained (nanosft.families)")
-        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kwargs = {f.name: d[f.name] for f in fields(cls)
+                  if f.name in d and f.name not in cls.UNREAD_FIELDS}
         rope = dict(d.get("rope_parameters") or {})  # v5: {"rope_theta", "rope_type", factor, ...}
         kwargs["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         kwargs["rope_scaling"] = rope or d.get("rope_scaling")

@@ -24,6 +24,7 @@ class Cohere2Config(ModelConfig):
     Cohere2Config's defaults. Mirrors: transformers Cohere2Config"""
 
     ARCHITECTURES = {"cohere2": "Cohere2ForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias", "rms_norm_eps")  # transformers never reads these
     model_type: str = "cohere2"
     vocab_size: int = 256_000
     hidden_size: int = 8192

@@ -31,6 +31,7 @@ class Gemma3Config(ModelConfig):
     (both off in Gemma 3 checkpoints) are refused."""
 
     ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
+    UNREAD_FIELDS = ("hidden_act", "mlp_bias")  # transformers never reads these
     model_type: str = "gemma3_text"
     vocab_size: int = 262_208
     hidden_size: int = 2304

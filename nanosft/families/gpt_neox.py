@@ -29,6 +29,8 @@ class GPTNeoXConfig(ModelConfig):
     GPTNeoXConfig's defaults. Mirrors: transformers GPTNeoXConfig"""
 
     ARCHITECTURES = {"gpt_neox": "GPTNeoXForCausalLM"}
+    # transformers never reads these
+    UNREAD_FIELDS = ("head_dim", "mlp_bias", "num_key_value_heads", "rms_norm_eps")
     model_type: str = "gpt_neox"
     vocab_size: int = 50_432
     hidden_size: int = 6144

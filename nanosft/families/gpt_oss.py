@@ -36,6 +36,7 @@ class GptOssConfig(ModelConfig):
     defaults. Mirrors: transformers GptOssConfig"""
 
     ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "gpt_oss"
     num_hidden_layers: int = 36
     num_local_experts: int = 128

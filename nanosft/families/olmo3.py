@@ -28,6 +28,7 @@ class Olmo3Config(ModelConfig):
     Mirrors: transformers Olmo3Config"""
 
     ARCHITECTURES = {"olmo3": "Olmo3ForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "olmo3"
     vocab_size: int = 50_304
     hidden_size: int = 4096

@@ -28,6 +28,7 @@ class Phi3Config(ModelConfig):
     Mirrors: transformers Phi3Config"""
 
     ARCHITECTURES = {"phi3": "Phi3ForCausalLM"}
+    UNREAD_FIELDS = ("attention_bias", "mlp_bias")  # transformers never reads these
     model_type: str = "phi3"
     vocab_size: int = 32064
     hidden_size: int = 3072
