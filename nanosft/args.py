@@ -94,7 +94,8 @@ TRAINING_ARGS_NOT_SUPPORTED = {
 SFT_CONFIG_NOT_SUPPORTED = {
     "dataset_num_proc": (None, "not implemented yet (the dataset is prepared in one process)"),
     "activation_offloading": (False, "not implemented yet (gradient_checkpointing saves memory)"),
-    "trust_remote_code": (False, "out of scope: nanosft runs its own model code, never a repo's"),
+    "trust_remote_code": (False, "out of scope: nanosft runs its own model code, never a "
+                                   "repository's custom code"),
 }
 
 
