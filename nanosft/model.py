@@ -296,10 +296,15 @@ class CausalLM(nn.Module):
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits, past_key_values=cache)
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
-                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
-        """Prompt + new ids (B, T + n), decoded with a (k, v) cache (nanosft.generation).
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, temperature=None,
+                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None,
+                 **kwargs):
+        """Prompt + new ids (B, T + n), decoded with a (k, v) cache (nanosft.generation);
+        kwargs: do_sample, num_beams=1, max_length as transformers takes them.
         Mirrors: transformers GenerationMixin.generate"""
+        max_new_tokens, temperature, top_k, top_p = generation.resolve_decoding(
+            input_ids.shape[1], max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, **kwargs)
         return generation.generate(self, input_ids, attention_mask, max_new_tokens, temperature,
                                    top_k, top_p, eos_token_id, pad_token_id, streamer)
 

@@ -150,12 +150,16 @@ class Phi3ForCausalLM(CausalLM):
 
     model_class = Phi3Model
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
-                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, temperature=None,
+                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None,
+                 **kwargs):
         """CausalLM.generate, with the cache dropped once, when the ids first outgrow
         original_max_position_embeddings: the keys cached under short factors are re-encoded.
         Mirrors: transformers Phi3ForCausalLM.prepare_inputs_for_generation
         Differs: a row that ended before the re-encoding streams tokens after it (ids: pads)."""
+        max_new_tokens, temperature, top_k, top_p = generation.resolve_decoding(
+            input_ids.shape[1], max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, **kwargs)
         args = (temperature, top_k, top_p, eos_token_id, pad_token_id, streamer)
         n = self.config.original_max_position_embeddings + 1 - input_ids.shape[1]
         if not 0 < n < max_new_tokens:  # the prompt is past it already, or the ids never get there
