@@ -295,16 +295,19 @@ def target_module_matches(target, name):
 
 
 def resolve_target_modules(model, config):
-    """`target_modules` as saved: None -> the architecture default, "all-linear" -> every linear.
-    Mirrors: peft _maybe_include_all_linear_layers,
+    """`target_modules` as saved: None -> the architecture default (none, with target_parameters:
+    None), "all-linear" -> every linear. Mirrors: peft _maybe_include_all_linear_layers,
+    LoraModel._prepare_adapter_config,
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"""
     target = config.target_modules
     if target is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in DEFAULT_TARGET_MODULES:
-            raise ValueError(f"no default target_modules for model_type={model_type!r}; "
-                             "set LoraConfig.target_modules")
-        return list(DEFAULT_TARGET_MODULES[model_type])
+        if model_type in DEFAULT_TARGET_MODULES:
+            return list(DEFAULT_TARGET_MODULES[model_type])
+        if config.target_parameters:  # no default: the parameters alone, None kept (as peft)
+            return None
+        raise ValueError(f"no default target_modules for model_type={model_type!r}; "
+                         "set LoraConfig.target_modules or target_parameters")
     if isinstance(target, str) and target.lower() == "all-linear":
         return linear_layer_names(model)  # lm_head excluded
     return target
@@ -315,6 +318,8 @@ def find_target_modules(model, config):
     Mirrors: peft BaseTuner.inject_adapter, check_target_module_exists
     Differs: a list entry that matches nothing is an error (peft errors only if nothing matches)."""
     target = resolve_target_modules(model, config)
+    if target is None:  # target_parameters alone
+        return []
     skip = config.modules_to_save or []
     names = [n for n, _ in model.named_modules()
              if target_module_matches(target, n) and not target_module_matches(skip, n)]

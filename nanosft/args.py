@@ -34,7 +34,10 @@ DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
                "activation_checkpointing_kwargs")
 
 
-_HUB = "pushing to the Hugging Face Hub is out of scope (upload output_dir yourself)"
+# push_to_hub=True is refused at once with this (the hub_* fields exist: scripts read them)
+PUSH_NEEDS_NETWORK = ("pushing to the Hugging Face Hub needs the network, and nanosft does not "
+                      "push: it trains offline. Leave push_to_hub=False and upload output_dir "
+                      "yourself (e.g. `hf upload <repo_id> <output_dir>`)")
 _TRACKIO = ("Trackio logging is out of scope (report_to takes \"none\", \"nanosft\", "
             "\"tensorboard\" or \"all\")")
 _DDP = "not implemented yet (nanosft's DistributedDataParallel uses torch's defaults)"
@@ -44,11 +47,7 @@ _SCRIPTS = "read by example scripts, not by the Trainer (transformers' neither);
 # Each transformers 5.23 TrainingArguments field nanosft does not act on: {name: (reference
 # default, reason)}. tests/test_unsupported_args.py checks the table against transformers' fields.
 TRAINING_ARGS_NOT_SUPPORTED = {
-    # out of scope: the Hub, trackers, other launchers and kernels
-    "push_to_hub": (False, _HUB), "hub_model_id": (None, _HUB),
-    "hub_strategy": ("every_save", _HUB), "hub_token": (None, _HUB),
-    "hub_private_repo": (None, _HUB), "hub_always_push": (False, _HUB),
-    "hub_revision": (None, _HUB),
+    # out of scope: trackers, other launchers and kernels
     "project": ("huggingface", _TRACKIO), "trackio_space_id": (None, _TRACKIO),
     "trackio_bucket_id": (None, _TRACKIO), "trackio_static_space_id": (None, _TRACKIO),
     "deepspeed": (None, "DeepSpeed is out of scope (nanosft shards with FSDP2: fsdp=...)"),
@@ -94,7 +93,8 @@ TRAINING_ARGS_NOT_SUPPORTED = {
 SFT_CONFIG_NOT_SUPPORTED = {
     "dataset_num_proc": (None, "not implemented yet (the dataset is prepared in one process)"),
     "activation_offloading": (False, "not implemented yet (gradient_checkpointing saves memory)"),
-    "trust_remote_code": (False, "out of scope: nanosft runs its own model code, never a repo's"),
+    "trust_remote_code": (False, "out of scope: nanosft runs its own model code, never a "
+                                   "repository's custom code"),
 }
 
 
@@ -241,6 +241,15 @@ class TrainingArguments:
     # (guide: FSDP)
     fsdp: str | bool | list | None = None
     fsdp_config: dict | str | None = None
+    # The Hub, as transformers names it (scripts read args.push_to_hub); read only when pushing,
+    # which needs the network: push_to_hub=True is refused (PUSH_NEEDS_NETWORK)
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_strategy: str = "every_save"
+    hub_token: str | None = None
+    hub_private_repo: bool | None = None
+    hub_always_push: bool = False
+    hub_revision: str | None = None
 
     def __post_init__(self):
         self._fill_defaults()
@@ -279,6 +288,8 @@ class TrainingArguments:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
 
     def _validate(self):
+        if self.push_to_hub:
+            _fail("push_to_hub", True, PUSH_NEEDS_NETWORK)
         self._validate_numbers()
         self._validate_choices()
         self._validate_strategies()
@@ -438,8 +449,10 @@ class TrainingArguments:
     # ----- serialisation -----
     def to_dict(self) -> dict:
         """All fields as a plain, JSON-ready dict.
-        Mirrors: transformers TrainingArguments.to_dict"""
-        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        Mirrors: transformers TrainingArguments.to_dict (a *_token value written as <NAME>)"""
+        d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {k: f"<{k.upper()}>" if k.endswith("_token") and v is not None else v
+                for k, v in d.items()}  # a token never reaches training_args.json
 
     def to_json_string(self) -> str:
         """The fields as indented, key-sorted JSON (what training_args.json holds).

@@ -3,13 +3,15 @@
 `ModelConfig` holds what `CausalLM` (model.py) is built from, with the field names and defaults of
 transformers' LlamaConfig; `from_dict` / `to_dict` translate config.json in transformers-5 spelling
 (rope_parameters, dtype) and the older one (rope_theta, rope_scaling, torch_dtype), and refuse
-what the hand-written model does not implement (other rope types, activations). Family configs
+what the hand-written model does not implement (partial RoPE, activations). Family configs
 (Qwen2, Qwen3, SmolLM3, Mistral's window) subclass ModelConfig in nanosft.families.
 """
 
 import os
 import sys
 from dataclasses import dataclass, fields
+
+from nanosft.rope import check_rope, standardize_rope
 
 # Llama and Mistral without a window: the same decoder (the other families: nanosft.families)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
@@ -96,6 +98,9 @@ class ModelConfig:
 
     ARCHITECTURES = ARCHITECTURES  # model_type -> transformers class; a family config's own
     LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types entries it builds
+    # ModelConfig fields a family's transformers config neither has nor reads: config.json keys of
+    # those names are dropped on load, as transformers ignores them (a family lists its own)
+    UNREAD_FIELDS = ()
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -109,7 +114,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "yarn" | ..., "factor": ..., ...}
     attention_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -140,16 +145,12 @@ class ModelConfig:
                  f"num_key_value_heads={self.num_key_value_heads}")
         _require(self.hidden_act in ("silu", "swish"), f"config: hidden_act={self.hidden_act!r} "
                  "is not supported; Llama-family models use 'silu'")
-        scaling = dict(self.rope_scaling or {})
-        # "type" is the legacy spelling of "rope_type"
-        rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        scaling = standardize_rope(self.rope_scaling, self.max_position_embeddings)
         partial = scaling.get("partial_rotary_factor", 1.0)
-        _require(rope_type in ("default", "linear", "llama3") and partial == 1.0,
-                 f"config: rope {self.rope_scaling} is not supported; use rope_type default, "
-                 "linear or llama3")
-        if rope_type == "llama3":
-            scaling.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        self.rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        _require(partial == 1.0, f"config: rope {self.rope_scaling} partial_rotary_factor="
+                 f"{partial} is not supported for {self.model_type} (RoPE over whole heads)")
+        check_rope("rope_parameters", scaling, self.head_dim)  # default .. llama3 (nanosft.rope)
+        self.rope_scaling = None if scaling["rope_type"] == "default" else scaling
 
     @classmethod
     def from_dict(cls, d):
@@ -162,7 +163,8 @@ class ModelConfig:
                  or hasattr(cls, "sliding_window"),  # nanosft.families.mistral has the window
                  f"config.json: sliding_window={d.get('sliding_window')} is not supported by "
                  f"{cls.__name__}; load it with AutoModelForCausalLM.from_pretrained")
-        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kwargs = {f.name: d[f.name] for f in fields(cls)
+                  if f.name in d and f.name not in cls.UNREAD_FIELDS}
         rope = dict(d.get("rope_parameters") or {})  # v5: {"rope_theta", "rope_type", factor, ...}
         kwargs["rope_theta"] = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         kwargs["rope_scaling"] = rope or d.get("rope_scaling")

@@ -1,7 +1,7 @@
 """A hand-written Llama causal LM (llama, mistral without a window) that loads and saves HF folders.
 
 The network walkthrough 2.6 `PeftModelForCausalLM.forward` wraps; its loss is the
-`outputs["loss"]` of walkthrough 2.5 `compute_loss`. RMSNorm, RoPE (default, linear, llama3),
+`outputs["loss"]` of walkthrough 2.5 `compute_loss`. RMSNorm, RoPE (its scaled kinds: rope.py),
 grouped-query SDPA attention, SwiGLU, then `CausalLM`. Beside it: configuration.py (ModelConfig),
 loss.py (the causal-LM loss, whole or in lm_head tiles), masking.py (attention masks, packed
 rows), generation.py (decoding with the (k, v) cache), hub.py (safetensors files;
@@ -12,7 +12,6 @@ subclass these pieces in nanosft.families.
 State-dict keys equal transformers'. Papers: LLaMA 2302.13971, RoFormer 2104.09864, GQA 2305.13245.
 """
 
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from nanosft.generation import sample_next_token as sample_next_token  # model A
 from nanosft.loss import causal_lm_loss
 from nanosft.masking import build_attention_mask
 from nanosft.reference import fast_path
+from nanosft.rope import rope_cos_sin
 
 
 @dataclass
@@ -48,24 +48,10 @@ class CausalLMOutput:
         return getattr(self, key)
 
 
-def rope_inv_freq(config):
-    """Rotary inverse frequencies (fp32, head_dim/2 of them), with linear or llama3 scaling.
-    Mirrors: transformers compute_default_rope_parameters,
-    _compute_llama3_parameters"""
-    hd, s = config.head_dim, config.rope_scaling or {"rope_type": "default"}
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    if s["rope_type"] == "linear":
-        return inv_freq / s["factor"]
-    if s["rope_type"] == "llama3":
-        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_len, wavelen = s["original_max_position_embeddings"], 2 * math.pi / inv_freq
-        # Wavelengths above old_len/low are slowed by `factor`, below old_len/high kept, and
-        # in between blended.
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-    return inv_freq
+def rope_dict(config):
+    """The config's RoPE as one rope dict ({"rope_type", "rope_theta", factor, ...}) for
+    nanosft.rope. Mirrors: transformers PreTrainedConfig.rope_parameters"""
+    return {"rope_theta": config.rope_theta, **(config.rope_scaling or {"rope_type": "default"})}
 
 
 def rotate_half(x):
@@ -207,11 +193,10 @@ class DecoderModel(nn.Module):
         """cos, sin (B|1, 1, T, D) computed in fp32, then cast to the hidden-state dtype.
         Mirrors: transformers LlamaRotaryEmbedding.forward"""
         # Recomputed (a few flops) rather than a buffer that `.to(bfloat16)` would round; HF keeps
-        # it fp32 too.
-        inv_freq = rope_inv_freq(self.config).to(position_ids.device)
-        freqs = position_ids[..., None].float() * inv_freq  # (B|1, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        # it fp32 too. Scaled RoPE (linear, dynamic, yarn, longrope, llama3): nanosft.rope.
+        c = self.config
+        return rope_cos_sin(rope_dict(c), c.head_dim, c.max_position_embeddings, position_ids,
+                            dtype)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 past_key_values=None, use_cache=False):
@@ -341,10 +326,15 @@ class CausalLM(nn.Module):
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits, past_key_values=cache)
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
-                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
-        """Prompt + new ids (B, T + n), decoded with a (k, v) cache (nanosft.generation).
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, temperature=None,
+                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None,
+                 **kwargs):
+        """Prompt + new ids (B, T + n), decoded with a (k, v) cache (nanosft.generation);
+        kwargs: do_sample, num_beams=1, max_length as transformers takes them.
         Mirrors: transformers GenerationMixin.generate"""
+        max_new_tokens, temperature, top_k, top_p = generation.resolve_decoding(
+            input_ids.shape[1], max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, **kwargs)
         return generation.generate(self, input_ids, attention_mask, max_new_tokens, temperature,
                                    top_k, top_p, eos_token_id, pad_token_id, streamer)
 

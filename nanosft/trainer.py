@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanosft import distributed
-from nanosft.args import TrainingArguments
+from nanosft.args import PUSH_NEEDS_NETWORK, TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.model import CausalLMOutput
 from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
@@ -759,3 +759,9 @@ class Trainer:
 
         save_model(self.model, self.processing_class, output_dir or self.args.output_dir,
                    checkpoints_dir=self.args.output_dir)  # a failed save names the last one
+
+    def push_to_hub(self, commit_message="End of training", blocking=True, token=None,
+                    revision=None, **kwargs):
+        """Refused: pushing needs the network and nanosft never pushes (save_model, then upload
+        output_dir yourself). Mirrors: transformers Trainer.push_to_hub (its signature only)"""
+        raise RuntimeError(f"Trainer.push_to_hub: {PUSH_NEEDS_NETWORK}")

@@ -221,3 +221,26 @@ def test_memory_command_counts_the_expert_adapters_it_is_given(moe_folder, monke
     err = capsys.readouterr().err
     assert "'mlp.experts.up_proj' matches no parameter" in err
     assert "model.layers.N.mlp.experts.down_proj" in err and len(ledgers) == 2
+
+
+def test_readme_memory_example_with_target_parameters_alone(moe_folder, monkeypatch, capsys):
+    """The README's `nanosft memory --model ./my-qwen3-moe --qlora --target_parameters ...`: no
+    target_modules and no peft default for qwen3_moe, so the experts alone train, as peft wraps
+    them (it exited 2 before). The trainable row is exactly the expert pairs, A (r E, in) and
+    B (out, r E), written out here."""
+    from nanosft import memory
+
+    ledgers = []
+    estimate = memory.estimate_memory
+    monkeypatch.setattr(memory, "estimate_memory",
+                        lambda *a, **k: ledgers.append(estimate(*a, **k)) or ledgers[-1])
+    names = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
+    assert main(["memory", "--model", str(moe_folder), "--qlora", "--target_parameters",
+                 names]) == 0
+    assert "gate_up_proj" in capsys.readouterr().out
+    config = transformers.AutoConfig.from_pretrained(moe_folder)
+    E, C, I, r = config.num_experts, config.hidden_size, config.moe_intermediate_size, 8
+    gate_up, down = r * E * C + 2 * I * r * E, r * E * I + C * r * E
+    bf16 = 2  # QLoRA's adapters under bf16 autocast, as the ledger prints
+    want = config.num_hidden_layers * (gate_up + down) * bf16
+    assert ledgers[0].rows["trainable parameters"] == want

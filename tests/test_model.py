@@ -20,8 +20,9 @@ from nanosft.model import (
     ModelConfig,
     build_attention_mask,
     causal_lm_loss,
-    rope_inv_freq,
+    rope_dict,
 )
+from nanosft.rope import rope_frequencies
 from nanosft.fast.unpad import varlen_layout
 
 PAD, EOS = 0, 2
@@ -215,6 +216,13 @@ def test_sampling_with_top_k_1_or_tiny_top_p_is_greedy(model):
     assert any(not torch.equal(s, greedy) for s in sampled)  # control: sampling really samples
 
 
+def rope_inv_freq(config):
+    inv_freq, scale = rope_frequencies(rope_dict(config), config.head_dim,
+                                       config.max_position_embeddings)
+    assert scale == 1.0  # linear and llama3 leave cos and sin unscaled
+    return inv_freq
+
+
 def test_rope_linear_and_llama3_scaling_follow_the_formula():
     base = rope_inv_freq(tiny_config())
     hd = 16
@@ -341,7 +349,10 @@ def test_missing_files_are_named(tmp_path, model):
 @pytest.mark.parametrize("field, value, culprit", [
     ("model_type", "gpt2", "model_type"),
     ("sliding_window", 4096, "sliding_window"),  # loads as nanosft.families.mistral's
-    ("rope_parameters", {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}, "yarn"),
+    ("rope_parameters", {"rope_type": "ntk_by_parts", "factor": 2.0, "rope_theta": 1e4},
+     "ntk_by_parts"),  # no such rope_type in transformers 5.23
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4},
+     "low_freq_factor"),
     ("hidden_act", "gelu", "hidden_act"),
     ("num_key_value_heads", 3, "num_key_value_heads"),
 ])

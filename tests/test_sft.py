@@ -10,6 +10,8 @@ built in memory; fp32, tolerance 1e-6).
 Run: python -m pytest -q tests/test_sft.py
 """
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -283,3 +285,24 @@ def test_eval_mean_token_accuracy_is_trls_mean_of_batch_accuracies(tmp_path):
     assert mine["eval_mean_token_accuracy"] == pytest.approx(per_batch_mean, abs=1e-6)
     token_weighted = sum(correct) / sum(valid)
     assert abs(token_weighted - theirs["eval_mean_token_accuracy"]) > 1e-3  # negative control
+
+
+def test_a_model_of_custom_code_is_refused_naming_custom_code(tmp_path, tokenizer):
+    # TRL's tiny-RemoteForCausalLM: a model_type only the folder's own code defines (auto_map);
+    # TRL and transformers refuse it without trust_remote_code, saying "custom code"
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "remote", "architectures": ["RemoteForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_remote.RemoteConfig",
+                     "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"}}))
+    with pytest.raises(ValueError, match="custom code"):
+        SFTTrainer(model=str(folder), args=config(tmp_path), train_dataset=PAIRS,
+                   processing_class=tokenizer)
+    with pytest.raises(ValueError, match="custom code"):  # asking to run it: out of scope
+        config(tmp_path, trust_remote_code=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "remote"}))  # control
+    with pytest.raises(ValueError, match="not supported") as error:
+        SFTTrainer(model=str(folder), args=config(tmp_path), train_dataset=PAIRS,
+                   processing_class=tokenizer)
+    assert "custom code" not in str(error.value)

@@ -12,9 +12,11 @@ Run: python -m pytest -q tests/test_unsupported_args.py
 import dataclasses
 
 import pytest
+import torch
 
 from nanosft.args import (SFT_CONFIG_NOT_SUPPORTED, TRAINING_ARGS_NOT_SUPPORTED, SFTConfig,
                           TrainingArguments)
+from nanosft.trainer import Trainer
 
 
 def _names(cls):
@@ -54,8 +56,6 @@ def test_refused_field_is_named_with_its_reason(tmp_path):
         SFTConfig(str(tmp_path), use_liger_kernel=True)
     assert str(error.value) == ("SFTConfig(use_liger_kernel=True): not supported by nanosft: "
                                 + TRAINING_ARGS_NOT_SUPPORTED["use_liger_kernel"][1])
-    with pytest.raises(ValueError, match=r"^TrainingArguments\(push_to_hub=True\): not supported"):
-        TrainingArguments(str(tmp_path), push_to_hub=True)
     with pytest.raises(ValueError, match=r"SFTConfig\(dataset_num_proc=4\).*one process"):
         SFTConfig.from_dict({"output_dir": str(tmp_path), "dataset_num_proc": 4})
 
@@ -65,7 +65,19 @@ def test_reference_default_is_accepted_and_changes_nothing(tmp_path):
     given = SFTConfig(str(tmp_path), push_to_hub=False, dataloader_pin_memory=True,
                       trust_remote_code=False, log_level="passive")
     assert given.to_dict() == plain.to_dict()
-    assert not hasattr(given, "push_to_hub")
+    assert given.push_to_hub is False  # present, as scripts read it (TRL's sft.py)
+
+
+def test_push_to_hub_is_present_and_asking_to_push_says_it_needs_the_network(tmp_path):
+    args = SFTConfig(str(tmp_path), hub_model_id="me/tiny", hub_token="hf_secret")
+    assert (args.push_to_hub, args.hub_model_id, args.hub_strategy) == (False, "me/tiny",
+                                                                          "every_save")
+    assert "hf_secret" not in args.to_json_string()  # as transformers: <HUB_TOKEN>
+    assert args.to_dict()["hub_token"] == "<HUB_TOKEN>"
+    for cls in (TrainingArguments, SFTConfig):
+        with pytest.raises(ValueError, match=r"push_to_hub=True.*needs the network.*does not "
+                                             r"push"):
+            cls(str(tmp_path), push_to_hub=True)
 
 
 def test_field_no_reference_has_stays_a_type_error(tmp_path):
@@ -73,3 +85,9 @@ def test_field_no_reference_has_stays_a_type_error(tmp_path):
         TrainingArguments(str(tmp_path), dataset_num_proc=4)  # an SFTConfig field only
     with pytest.raises(TypeError, match="unexpected keyword argument 'learnig_rate'"):
         SFTConfig(str(tmp_path), learnig_rate=1e-4)
+
+
+def test_trainer_push_to_hub_says_it_needs_the_network(tmp_path):
+    trainer = Trainer(torch.nn.Linear(2, 2), args=TrainingArguments(str(tmp_path), use_cpu=True))
+    with pytest.raises(RuntimeError, match="needs the network"):
+        trainer.push_to_hub(commit_message="done")

@@ -89,6 +89,12 @@ def config_from_dict(d):
         config.checkpoint_prefix = prefix  # model.text_model_index reads the text model's keys
         return config
     if model_type is not None and model_type not in supported_model_types():
+        if "auto_map" in d:  # transformers' own word for it: "custom code" (trust_remote_code)
+            raise ValueError(f"config: model_type={model_type!r} is defined by custom code in the "
+                             f"model folder (auto_map {d['auto_map']}), which must be executed to "
+                             "load the model; transformers runs it with trust_remote_code=True, "
+                             "nanosft never runs a repository's code: it loads "
+                             f"{supported_model_types()}")
         raise ValueError(f"config: model_type={model_type!r} is not supported; use one of "
                          f"{supported_model_types()}")
     if model_type not in FAMILIES or model_type == "mistral" and d.get("sliding_window") is None:

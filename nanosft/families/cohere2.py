@@ -14,7 +14,8 @@ from torch import nn
 
 from nanosft.configuration import ModelConfig
 from nanosft.families.sliding_window import SlidingWindowAttention
-from nanosft.model import CausalLM, DecoderLayer, DecoderModel, rope_inv_freq
+from nanosft.model import CausalLM, DecoderLayer, DecoderModel, rope_dict
+from nanosft.rope import rope_cos_sin
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Cohere2Config(ModelConfig):
     Cohere2Config's defaults. Mirrors: transformers Cohere2Config"""
 
     ARCHITECTURES = {"cohere2": "Cohere2ForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias", "rms_norm_eps")  # transformers never reads these
     model_type: str = "cohere2"
     vocab_size: int = 256_000
     hidden_size: int = 8192
@@ -125,10 +127,9 @@ class Cohere2Model(DecoderModel):
     def rotary(self, position_ids, dtype):
         """cos, sin (B|1, 1, T, D), each frequency repeated for a pair of neighbouring dims.
         Mirrors: transformers Cohere2RotaryEmbedding.forward"""
-        inv_freq = rope_inv_freq(self.config).to(position_ids.device)
-        freqs = position_ids[..., None].float() * inv_freq  # (B|1, T, D/2)
-        emb = torch.repeat_interleave(freqs, 2, dim=-1)[:, None]  # Llama: cat((freqs, freqs))
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        c = self.config  # interleave: Llama's are the two halves, cat((freqs, freqs))
+        return rope_cos_sin(rope_dict(c), c.head_dim, c.max_position_embeddings, position_ids,
+                            dtype, interleave=True)
 
     def forward(self, *args, **kwargs):
         """DecoderModel.forward, the final hidden state times logit_scale."""

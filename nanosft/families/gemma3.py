@@ -9,7 +9,6 @@ Paper: Gemma 3 technical report 2503.19786.
 """
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,8 @@ from torch import nn
 
 from nanosft.configuration import ModelConfig
 from nanosft.families.qwen3 import Qwen3Attention
-from nanosft.model import MLP, CausalLM, DecoderLayer, DecoderModel, RMSNorm, rope_inv_freq
+from nanosft.model import MLP, CausalLM, DecoderLayer, DecoderModel, RMSNorm
+from nanosft.rope import check_rope, rope_cos_sin, standardize_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_THETA = {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
@@ -31,6 +31,7 @@ class Gemma3Config(ModelConfig):
     (both off in Gemma 3 checkpoints) are refused."""
 
     ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
+    UNREAD_FIELDS = ("hidden_act", "mlp_bias")  # transformers never reads these
     model_type: str = "gemma3_text"
     vocab_size: int = 262_208
     hidden_size: int = 2304
@@ -70,14 +71,11 @@ class Gemma3Config(ModelConfig):
             self.layer_types = ["full_attention" if (i + 1) % self.sliding_window_pattern == 0
                                 else "sliding_attention" for i in range(self.num_hidden_layers)]
         rope = self.rope_parameters or {}
-        self.rope_parameters = {t: {"rope_type": "default", "rope_theta": DEFAULT_THETA[t],
-                                    **(rope.get(t) or {})} for t in LAYER_TYPES}
-        for t, p in self.rope_parameters.items():
-            if "type" in p:  # the legacy spelling of rope_type
-                p["rope_type"] = p.pop("type")
-            if p["rope_type"] not in ("default", "linear"):
-                raise ValueError(f"config: rope_parameters[{t!r}]={p} is not supported; use "
-                                 "rope_type default or linear")
+        self.rope_parameters = {t: {"rope_theta": DEFAULT_THETA[t], **(rope.get(t) or {})}
+                                for t in LAYER_TYPES}
+        for t, p in self.rope_parameters.items():  # any type: default .. llama3 (nanosft.rope)
+            self.rope_parameters[t] = standardize_rope(p, self.max_position_embeddings)
+            check_rope(f"rope_parameters[{t!r}]", self.rope_parameters[t], self.head_dim)
 
     @classmethod
     def from_dict(cls, d):
@@ -88,7 +86,7 @@ class Gemma3Config(ModelConfig):
             d = {"sliding_window_pattern": d["_sliding_window_pattern"], **d}
         if isinstance(d, dict) and not d.get("rope_parameters"):
             d = dict(d)
-            full = {"rope_type": "default", **(d.pop("rope_scaling", None) or {}),
+            full = {**(d.pop("rope_scaling", None) or {}),
                     "rope_theta": d.pop("rope_theta", DEFAULT_THETA["full_attention"])}
             local = d.pop("rope_local_base_freq", DEFAULT_THETA["sliding_attention"])
             d["rope_parameters"] = {"full_attention": full, "sliding_attention":
@@ -197,16 +195,12 @@ class Gemma3Model(DecoderModel):
     def rotary(self, position_ids, dtype):
         """{layer type: cos}, {layer type: sin}, each (B|1, 1, T, D): local and global RoPE.
         Mirrors: transformers Gemma3RotaryEmbedding.forward"""
-        cos, sin = {}, {}
-        for t, p in self.config.rope_parameters.items():
-            scaling = None if p["rope_type"] == "default" else {
-                k: v for k, v in p.items() if k != "rope_theta"}
-            rope = SimpleNamespace(head_dim=self.config.head_dim, rope_theta=p["rope_theta"],
-                                   rope_scaling=scaling)
-            inv_freq = rope_inv_freq(rope).to(position_ids.device)
-            freqs = position_ids[..., None].float() * inv_freq  # (B|1, T, D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-            cos[t], sin[t] = emb.cos().to(dtype), emb.sin().to(dtype)
+        c, cos, sin = self.config, {}, {}
+        for t, p in c.rope_parameters.items():
+            # transformers reads YaRN's `truncate` from the outer dict, so a per-type one is unread
+            p = {k: v for k, v in p.items() if k != "truncate"}
+            cos[t], sin[t] = rope_cos_sin(p, c.head_dim, c.max_position_embeddings, position_ids,
+                                          dtype)
         return cos, sin
 
 

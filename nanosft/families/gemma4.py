@@ -42,6 +42,7 @@ class Gemma4Config(ModelConfig):
     Differs: use_bidirectional_attention="all" is refused."""
 
     ARCHITECTURES = {"gemma4_text": "Gemma4ForCausalLM"}
+    UNREAD_FIELDS = ("hidden_act", "mlp_bias")  # transformers never reads these
     model_type: str = "gemma4_text"
     vocab_size: int = 262_144
     hidden_size: int = 2304

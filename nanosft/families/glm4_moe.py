@@ -33,6 +33,7 @@ class Glm4MoeConfig(ModelConfig):
     Mirrors: transformers Glm4MoeConfig"""
 
     ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "glm4_moe"
     vocab_size: int = 151_552
     hidden_size: int = 4096

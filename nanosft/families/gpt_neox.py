@@ -11,15 +11,14 @@ rename but the Hub's `embed_out.weight` (transformers' lm_head). Paper: GPT-NeoX
 
 import re
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanosft.configuration import ModelConfig
 from nanosft.families.phi3 import apply_partial_rotary
-from nanosft.model import Attention, CausalLM, DecoderLayer, DecoderModel, rope_inv_freq
+from nanosft.model import Attention, CausalLM, DecoderLayer, DecoderModel, rope_dict
+from nanosft.rope import rope_cos_sin
 
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # -> F.gelu approximate
 
@@ -30,6 +29,8 @@ class GPTNeoXConfig(ModelConfig):
     GPTNeoXConfig's defaults. Mirrors: transformers GPTNeoXConfig"""
 
     ARCHITECTURES = {"gpt_neox": "GPTNeoXForCausalLM"}
+    # transformers never reads these
+    UNREAD_FIELDS = ("head_dim", "mlp_bias", "num_key_value_heads", "rms_norm_eps")
     model_type: str = "gpt_neox"
     vocab_size: int = 50_432
     hidden_size: int = 6144
@@ -45,6 +46,9 @@ class GPTNeoXConfig(ModelConfig):
     partial_rotary_factor: float = 0.25  # transformers 5 keeps it in rope_parameters
 
     def __post_init__(self):
+        # not GPTNeoXConfig fields: transformers keeps them as attributes nothing reads (TRL's tiny
+        # GPT-NeoX carries num_key_value_heads=2), every head is hidden_size / heads wide
+        self.num_key_value_heads = self.head_dim = None
         act, rope = self.hidden_act, dict(self.rope_scaling or {})
         self.partial_rotary_factor = rope.pop("partial_rotary_factor", self.partial_rotary_factor)
         self.hidden_act, self.rope_scaling = "silu", rope or None  # ModelConfig checks the rest
@@ -53,9 +57,6 @@ class GPTNeoXConfig(ModelConfig):
         if act not in GELU:
             raise ValueError(f"config: hidden_act={act!r} is not supported for gpt_neox; use one "
                              f"of {list(GELU)}")
-        if self.num_key_value_heads != self.num_attention_heads:
-            raise ValueError("config: gpt_neox has no grouped-query heads; remove "
-                             "num_key_value_heads from config.json")
 
     @classmethod
     def from_dict(cls, d):
@@ -175,12 +176,8 @@ class GPTNeoXModel(DecoderModel):
         """cos, sin (B|1, 1, T, rotary_dim), rotary_dim = head_dim * partial_rotary_factor.
         Mirrors: transformers GPTNeoXRotaryEmbedding.forward"""
         c = self.config
-        rope = SimpleNamespace(head_dim=int(c.head_dim * c.partial_rotary_factor),
-                               rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
-        inv_freq = rope_inv_freq(rope).to(position_ids.device)
-        freqs = position_ids[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(rope_dict(c), int(c.head_dim * c.partial_rotary_factor),
+                            c.max_position_embeddings, position_ids, dtype)
 
 
 class GPTNeoXForCausalLM(CausalLM):

@@ -13,7 +13,6 @@ gate * sigmoid(alpha * gate). The files hold the same 3-D names (bf16 checkpoint
 MXFP4 `*_blocks` / `*_scales` are refused). Papers: gpt-oss model card 2508.10925, YaRN 2309.00071.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,8 @@ from nanosft.configuration import ModelConfig
 from nanosft.families.moe import Experts, MoeCausalLM, SparseMoeBlock, TopKRouter
 from nanosft.families.olmo3 import Olmo3RMSNorm
 from nanosft.families.sliding_window import SlidingWindowAttention
-from nanosft.model import DecoderLayer, DecoderModel
+from nanosft.model import DecoderLayer, DecoderModel, rope_dict
+from nanosft.rope import rope_cos_sin
 
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 4096}
@@ -36,6 +36,7 @@ class GptOssConfig(ModelConfig):
     defaults. Mirrors: transformers GptOssConfig"""
 
     ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "gpt_oss"
     num_hidden_layers: int = 36
     num_local_experts: int = 128
@@ -60,13 +61,8 @@ class GptOssConfig(ModelConfig):
     eos_token_id: int | list | None = None
 
     def __post_init__(self):
-        rope = dict(self.rope_scaling or YARN)
-        self.rope_scaling = None  # ModelConfig's check knows no YaRN
+        self.rope_scaling = self.rope_scaling or YARN  # ModelConfig checks any rope type
         super().__post_init__()
-        rope_type = rope.pop("type", None) or rope.get("rope_type", "default")
-        if rope_type not in ("yarn", "default"):
-            raise ValueError(f"config: rope {rope} is not supported for gpt_oss; use yarn")
-        self.rope_scaling = {**rope, "rope_type": rope_type} if rope_type == "yarn" else None
         if self.layer_types is None:
             self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                 for i in range(self.num_hidden_layers)]
@@ -79,39 +75,6 @@ class GptOssConfig(ModelConfig):
     @property
     def norm_topk_prob(self):
         return False  # the top-k are softmaxed among themselves: no renormalisation to add
-
-
-def yarn_inv_freq(dim, theta, rope, max_position_embeddings):
-    """YaRN: (inverse frequencies (dim / 2,), attention factor). Frequencies that turn fewer
-    than beta_slow times over the original context are interpolated (divided by factor), more
-    than beta_fast times kept, a linear ramp in between; cos and sin are scaled by
-    0.1 ln(factor) + 1. Mirrors: transformers _compute_yarn_parameters"""
-    factor = rope.get("factor") or max_position_embeddings / rope[
-        "original_max_position_embeddings"]
-    old_len = rope["original_max_position_embeddings"]
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-
-        def get_mscale(scale, m=1):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else get_mscale(factor))
-    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
-
-    def correction_dim(rotations):  # the dim whose frequency turns `rotations` times in old_len
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rope.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp  # 1: keep the original frequency
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * \
-        extrapolation
-    return inv_freq, attention_factor
 
 
 class GptOssFiles:
@@ -251,15 +214,8 @@ class GptOssModel(DecoderModel):
         """cos, sin (B|1, 1, T, D) times YaRN's attention factor, in fp32 then cast.
         Mirrors: transformers GptOssRotaryEmbedding.forward"""
         c = self.config
-        if c.rope_scaling is None:
-            inv_freq, scale = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float()
-                                                       / c.head_dim)), 1.0
-        else:
-            inv_freq, scale = yarn_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
-                                            c.max_position_embeddings)
-        freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        return rope_cos_sin(rope_dict(c), c.head_dim, c.max_position_embeddings, position_ids,
+                            dtype)
 
 
 class GptOssForCausalLM(MoeCausalLM):

@@ -26,6 +26,8 @@ class Lfm2Config(ModelConfig):
     Mirrors: transformers Lfm2Config"""
 
     ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM"}
+    # transformers never reads these
+    UNREAD_FIELDS = ("attention_bias", "hidden_act", "mlp_bias", "rms_norm_eps")
     model_type: str = "lfm2"
     vocab_size: int = 65_536
     hidden_size: int = 2560

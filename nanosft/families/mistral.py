@@ -16,6 +16,7 @@ class MistralConfig(ModelConfig):
     """ModelConfig plus `sliding_window` (every layer). Mirrors: transformers MistralConfig"""
 
     ARCHITECTURES = {"mistral": "MistralForCausalLM"}
+    UNREAD_FIELDS = ("attention_bias", "mlp_bias")  # transformers never reads these
     model_type: str = "mistral"
     sliding_window: int | None = 4096
 

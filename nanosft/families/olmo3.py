@@ -4,7 +4,8 @@ What changes: no input norm; each sublayer's *output* is normed before the resid
 (`post_attention_layernorm`, `post_feedforward_layernorm`); `q_norm` and `k_norm` are RMSNorms over
 all heads at once (H * D and KV * D wide, before the split into heads; Qwen3's are per head); the
 RMSNorm multiplies by its weight in fp32 before the cast; `layer_types` mixes sliding-window and
-full layers (default: every 4th full), each type with its own RoPE parameters (as Gemma 3).
+full layers (default: every 4th full), each type with its own RoPE parameters (as Gemma 3; OLMo 3's
+released configs give the full layers YaRN).
 Paper: OLMo 2 2501.00656 (the post-norm and QK-norm recipe OLMo 3 keeps).
 """
 
@@ -16,6 +17,7 @@ from nanosft.configuration import ModelConfig
 from nanosft.families.gemma3 import Gemma3Model
 from nanosft.families.sliding_window import SlidingWindowAttention
 from nanosft.model import CausalLM, DecoderLayer, DecoderModel, RMSNorm, rotate_half
+from nanosft.rope import check_rope, standardize_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -26,6 +28,7 @@ class Olmo3Config(ModelConfig):
     Mirrors: transformers Olmo3Config"""
 
     ARCHITECTURES = {"olmo3": "Olmo3ForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "olmo3"
     vocab_size: int = 50_304
     hidden_size: int = 4096
@@ -48,12 +51,11 @@ class Olmo3Config(ModelConfig):
         rope = self.rope_parameters or {}
         if not any(t in rope for t in LAYER_TYPES):  # one flat dict: both layer types
             rope = {t: rope for t in LAYER_TYPES}
-        self.rope_parameters = {t: {"rope_type": "default", "rope_theta": 500_000.0,
-                                    **(rope.get(t) or {})} for t in LAYER_TYPES}
-        for t, p in self.rope_parameters.items():
-            if p["rope_type"] not in ("default", "linear"):
-                raise ValueError(f"config: rope_parameters[{t!r}]={p} is not supported for olmo3; "
-                                 "use rope_type default or linear")
+        self.rope_parameters = {t: {"rope_theta": 500_000.0, **(rope.get(t) or {})}
+                                for t in LAYER_TYPES}
+        for t, p in self.rope_parameters.items():  # any type: default .. llama3 (YaRN: OLMo 3's)
+            self.rope_parameters[t] = standardize_rope(p, self.max_position_embeddings)
+            check_rope(f"rope_parameters[{t!r}]", self.rope_parameters[t], self.head_dim)
 
     @classmethod
     def from_dict(cls, d):
@@ -63,7 +65,7 @@ class Olmo3Config(ModelConfig):
         if isinstance(d, dict) and not d.get("rope_parameters"):
             d = dict(d)
             theta = d.pop("rope_theta", 500_000.0)
-            full = {"rope_type": "default", **(d.pop("rope_scaling", None) or {})}
+            full = dict(d.pop("rope_scaling", None) or {})
             # transformers pops rope_theta for the full layers only: the sliding ones keep 500,000
             d["rope_parameters"] = {"full_attention": {**full, "rope_theta": theta},
                                     "sliding_attention": {"rope_type": "default",

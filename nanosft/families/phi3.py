@@ -9,7 +9,6 @@ original_max_position_embeddings, and scales cos and sin by an attention factor.
 `sliding_window` is Mistral's (families.sliding_window). Paper: LongRoPE 2402.13753.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +17,9 @@ from torch import nn
 from nanosft import generation
 from nanosft.configuration import ModelConfig
 from nanosft.families.sliding_window import SlidingWindowAttention
-from nanosft.model import MLP, CausalLM, DecoderLayer, DecoderModel, rotate_half
+from nanosft.model import MLP, CausalLM, DecoderLayer, DecoderModel, rope_dict, rotate_half
 from nanosft.reference import fast_path
+from nanosft.rope import rope_cos_sin
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Phi3Config(ModelConfig):
     Mirrors: transformers Phi3Config"""
 
     ARCHITECTURES = {"phi3": "Phi3ForCausalLM"}
+    UNREAD_FIELDS = ("attention_bias", "mlp_bias")  # transformers never reads these
     model_type: str = "phi3"
     vocab_size: int = 32064
     hidden_size: int = 3072
@@ -68,25 +69,6 @@ class Phi3Config(ModelConfig):
         d = super().to_dict()
         d.pop("partial_rotary_factor")
         return d
-
-
-def phi3_inv_freq(config, seq_len):
-    """(inverse frequencies (rotary_dim / 2,), cos/sin scale) for a batch whose largest position
-    is seq_len - 1: LongRoPE divides by long_factor past original_max_position_embeddings, else by
-    short_factor. Mirrors: transformers _compute_longrope_parameters, longrope_frequency_update"""
-    rope = config.rope_scaling
-    dim = int(config.head_dim * config.partial_rotary_factor)  # rotary_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    if rope["rope_type"] != "longrope":
-        return 1.0 / (config.rope_theta**exponent), 1.0
-    old_len = rope["original_max_position_embeddings"]
-    factor = rope.get("factor") or config.max_position_embeddings / old_len
-    scale = rope.get("attention_factor")
-    if scale is None:  # the paper's: sqrt(1 + ln(factor) / ln(old_len)), none when not extended
-        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
-    ext = torch.tensor(rope["long_factor" if seq_len > old_len else "short_factor"],
-                       dtype=torch.float32)
-    return 1.0 / (ext * config.rope_theta**exponent), scale
 
 
 def apply_partial_rotary(x, cos, sin):
@@ -158,11 +140,9 @@ class Phi3Model(DecoderModel):
         """cos, sin (B|1, 1, T, rotary_dim), times LongRoPE's attention factor, in fp32 then cast.
         One choice of long or short factors for the whole batch, by its largest position.
         Mirrors: transformers Phi3RotaryEmbedding.forward (dynamic_rope_update)"""
-        seq_len = int(position_ids.max()) + 1
-        inv_freq, scale = phi3_inv_freq(self.config, seq_len)
-        freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B|1, 1, T, rotary_dim)
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        c = self.config  # LongRoPE: nanosft.rope
+        return rope_cos_sin(rope_dict(c), int(c.head_dim * c.partial_rotary_factor),
+                            c.max_position_embeddings, position_ids, dtype)
 
 
 class Phi3ForCausalLM(CausalLM):
@@ -171,12 +151,16 @@ class Phi3ForCausalLM(CausalLM):
     config_class = Phi3Config
     model_class = Phi3Model
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
-                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, temperature=None,
+                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None,
+                 **kwargs):
         """CausalLM.generate, with the cache dropped once, when the ids first outgrow
         original_max_position_embeddings: the keys cached under short factors are re-encoded.
         Mirrors: transformers Phi3ForCausalLM.prepare_inputs_for_generation
         Differs: a row that ended before the re-encoding streams tokens after it (ids: pads)."""
+        max_new_tokens, temperature, top_k, top_p = generation.resolve_decoding(
+            input_ids.shape[1], max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, **kwargs)
         args = (temperature, top_k, top_p, eos_token_id, pad_token_id, streamer)
         n = self.config.original_max_position_embeddings + 1 - input_ids.shape[1]
         if not 0 < n < max_new_tokens:  # the prompt is past it already, or the ids never get there

@@ -18,6 +18,7 @@ class Qwen2Config(ModelConfig):
     """ModelConfig plus Qwen2's window fields. Mirrors: transformers Qwen2Config"""
 
     ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM"}
+    UNREAD_FIELDS = ("attention_bias", "mlp_bias")  # transformers never reads these
     model_type: str = "qwen2"
     attention_bias: bool = True  # Qwen2: always on q, k, v (transformers has no such field)
     use_sliding_window: bool = False

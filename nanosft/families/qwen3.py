@@ -16,6 +16,7 @@ class Qwen3Config(ModelConfig):
     """ModelConfig plus Qwen3's window fields. Mirrors: transformers Qwen3Config"""
 
     ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "qwen3"
     head_dim: int | None = 128
     use_sliding_window: bool = False

@@ -30,6 +30,7 @@ class Qwen3_5Config(ModelConfig):
     Differs: rope_parameters' mrope fields are kept but unused (text positions: plain RoPE)."""
 
     ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "qwen3_5_text"
     vocab_size: int = 248_320
     hidden_size: int = 4096

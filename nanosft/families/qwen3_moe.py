@@ -21,6 +21,7 @@ class Qwen3MoeConfig(ModelConfig):
     Mirrors: transformers Qwen3MoeConfig"""
 
     ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM"}
+    UNREAD_FIELDS = ("mlp_bias",)  # transformers never reads these
     model_type: str = "qwen3_moe"
     vocab_size: int = 151_936
     hidden_size: int = 2048

@@ -380,11 +380,13 @@ def _resolved_target(config, plan):
     from nanosft.peft import DEFAULT_TARGET_MODULES
 
     target = plan.target_modules
-    if target is None:
-        if config.model_type not in DEFAULT_TARGET_MODULES:
-            _fail("target_modules", None, f"there is no default for model_type="
-                  f"{config.model_type!r}; set target_modules (e.g. all-linear)")
+    if target is None and config.model_type in DEFAULT_TARGET_MODULES:
         target = DEFAULT_TARGET_MODULES[config.model_type]
+    elif target is None and plan.target_parameters:  # no default: the parameters alone, as peft
+        target = []
+    elif target is None:
+        _fail("target_modules", None, f"there is no default for model_type="
+              f"{config.model_type!r}; set target_modules (e.g. all-linear) or target_parameters")
     given = plan.target_parameters or {}
     given = given if isinstance(given, dict) else {name: plan.r for name in given}
     lora = SimpleNamespace(target_modules=target, target_parameters=None, rank_pattern={},

@@ -28,6 +28,8 @@ Hermetic: tmp folders, no downloads; `-s` prints the largest differences.
 Run: python -m pytest -q -s tests/parity/test_family_moe.py
 """
 
+import json
+
 import peft
 import pytest
 import torch
@@ -434,3 +436,35 @@ def test_gpt_oss_lora_on_transposed_experts_equals_peft(tmp_path):
             (2 * 4, 64)) in shapes[1]  # gate_up_proj (E, C, 2 I): in = C
     assert_lora_matches_peft(ref, ours, "gpt_oss experts")
     assert_quantize_while_loading_matches(folder, torch.randint(3, V, (2, 9)))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_target_parameters_alone_train_the_experts_as_peft_does(family, tmp_path):
+    """LoraConfig(target_parameters=[...]) with no target_modules (TRL's gpt-oss test): peft finds
+    no default target_modules for these model types, so it wraps the expert parameters alone and
+    saves target_modules None; the same trainable names, shapes, logits and gradients."""
+    if family == "gpt_oss":
+        hf, folder = save_random(transformers.GptOssConfig(**OSS), tmp_path)
+    else:
+        hf, folder = hf_folder("topk-norm", tmp_path)
+    config = {"r": 2, "lora_alpha": 4,
+              "target_parameters": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]}
+    ref = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**config))
+    trainable = [[(n, p.shape) for n, p in m.named_parameters() if p.requires_grad]
+                 for m in (ref, ours)]
+    assert trainable[0] == trainable[1] and trainable[1]
+    assert all(".experts." in n for n, _ in trainable[1])  # no linear wrapped
+    assert_lora_matches_peft(ref, ours, f"{family} target_parameters alone")
+    saved = []
+    for model, where in ((ref, "peft"), (ours, "ours")):
+        model.save_pretrained(tmp_path / where)
+        saved.append(json.loads((tmp_path / where / "adapter_config.json").read_text()))
+    # gpt_oss: None kept; qwen3_moe: peft's MoE rewrite leaves an empty list
+    assert saved[1]["target_modules"] == saved[0]["target_modules"]
+    assert saved[1]["target_modules"] == (None if family == "gpt_oss" else [])
+    back = PeftModelForCausalLM.from_pretrained(AutoModelForCausalLM.from_pretrained(folder),
+                                                tmp_path / "peft")
+    x = torch.randint(3, V, (1, 8))  # peft's file, read back: peft's random adapters
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ref.eval()(x).logits, **TOL)
