@@ -175,6 +175,48 @@ def test_activation_row_within_15_percent(method, bf16, targets, gradient_checkp
         assert blind.rows["activations (saved for backward)"] > 1.5 * measured
 
 
+@pytest.mark.parametrize("method,bf16", [("full", False), ("lora", False), ("qlora", True)])
+def test_fused_head_row_counts_its_tiles_not_the_logits(method, bf16):
+    # SFTTrainer's fused LM head (nanosft.fast.lm_head): what autograd saves plus the tile buffers
+    # it holds, against the activations row plus the fused row (within 15%); the ledger of
+    # transformers' path, B x T x V logits and log-probs, is far off (the negative control)
+    from nanosft.fast.nf4 import _workspace
+
+    V = 4096  # the vocabulary dominates, as in a real model (49,152 against 576 wide)
+    model = _model(method)
+    base = model if method == "full" else model.get_base_model()
+    head = base.lm_head
+    base.lm_head = torch.nn.Linear(head.in_features, V, bias=False)  # a wider vocabulary
+    base.config = dataclasses.replace(base.config, vocab_size=V)
+    base.lm_head.requires_grad_(method == "full")
+    model.train()
+    rows, cols = 8, 64  # 512 tokens: two tiles of 256
+    ids = torch.randint(0, SIZES["vocab_size"], (rows, cols),
+                        generator=torch.Generator().manual_seed(0))
+    _workspace.__dict__.pop("buffers", None)  # count only the buffers this step makes
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return model(input_ids=ids, labels=ids, fused_lm_head=True).loss
+
+    saved = _saved_bytes(model, run)
+    tiles = sum(b.numel() * b.element_size() for (name, _, _), b
+                in _workspace.__dict__.get("buffers", {}).items() if name.startswith("lm_head."))
+    assert tiles > 0  # the fused path ran
+    plan = memory.MemoryPlan(full=method == "full", load_in_4bit=method == "qlora", r=4,
+                             per_device_train_batch_size=rows, max_length=cols, bf16=bf16,
+                             fused_lm_head=True)
+    ledger = memory.estimate_memory(base.config, plan)
+    predicted = (ledger.rows["activations (saved for backward)"]
+                 + ledger.rows["LM head tiles (fused)"])
+    measured = saved + tiles
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+    unfused = memory.estimate_memory(base.config, dataclasses.replace(plan, fused_lm_head=False))
+    blind = (unfused.rows["activations (saved for backward)"]
+             + unfused.rows["logits and loss (B x T x V)"])
+    assert blind > 2 * measured
+
+
 def test_memory_tracker_matches_transformers():
     """Same allocations under both trackers: alloc_delta agree within 8 MiB (RSS noise)."""
     size = 64 * 2**20
@@ -248,7 +290,7 @@ def test_cli_memory_prints_the_ledger_and_refuses_bad_flags(capsys):
     assert cli.main(["memory", "--model", folder, "--lora", "--max_length", "64",
                      "--gradient_checkpointing", "false"]) == 0
     out = capsys.readouterr().out
-    plan = memory.MemoryPlan(max_length=64, bf16=True)
+    plan = memory.MemoryPlan(max_length=64, bf16=True, fused_lm_head=True)  # as nanosft train
     ledger = memory.estimate_memory(ModelConfig.from_pretrained(folder), plan)
     for name, value in ledger.rows.items():
         assert f"{name:<34}{value / memory.MiB:>10.3f} MiB" in out

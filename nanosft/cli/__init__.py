@@ -355,6 +355,7 @@ def run_memory(args):
     Mirrors: `accelerate estimate-memory` (which stops at weights and Adam)"""
     from nanosft import memory
     from nanosft.families.auto import AutoConfig
+    from nanosft.reference import reference_mode_enabled
 
     chosen = [name for name in ("full", "lora", "qlora") if getattr(args, name)]
     if args.full and (args.dora or len(chosen) > 1):
@@ -368,7 +369,7 @@ def run_memory(args):
         target_parameters=args.target_parameters, dtype=args.dtype,
         per_device_train_batch_size=args.per_device_train_batch_size, max_length=args.max_length,
         gradient_checkpointing=args.gradient_checkpointing, optim=args.optim, bf16=args.bf16,
-        fsdp=ranks)
+        fsdp=ranks, fused_lm_head=not reference_mode_enabled())  # nanosft train's SFTTrainer
     _check_memory_target_parameters(config, args.target_parameters)
     ledger = memory.estimate_memory(config, plan, device_type=args.device)
     kind = "full" if plan.full else ("Q" if plan.load_in_4bit else "") + ("DoRA" if plan.use_dora

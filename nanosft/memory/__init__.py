@@ -14,6 +14,7 @@ Papers: QLoRA 2305.14314 (2-3), ZeRO / FSDP 1910.02054.
 import dataclasses
 import math
 
+from nanosft.fast.lm_head import LOSS_CHUNK_SIZE
 from nanosft.memory import families
 from nanosft.memory.activations import head_saved_bytes, layer_saved_bytes
 from nanosft.memory.measure import (  # noqa: F401 (measuring tools, re-exported)
@@ -174,6 +175,8 @@ def estimate_memory(config, plan, device_type="cpu"):
     head_fn = (families.head_saved_bytes if config.model_type in families.HEAD_TYPES
                else head_saved_bytes)
     head, logprob_bytes = head_fn(config, plan)
+    if plan.fused_lm_head:  # the tiles hold what lm_head and the loss would save: fused_head_bytes
+        head = {k: v for k, v in head.items() if not k.startswith(HEAD_SAVES)}
     N = plan.per_device_train_batch_size * plan.max_length
     layer_input = N * config.hidden_size * wd
     if plan.gradient_checkpointing and config.model_type == "gemma4_text":
@@ -189,6 +192,8 @@ def estimate_memory(config, plan, device_type="cpu"):
     V = config.vocab_size
     # logits (N, V) + their fp32 copy + fp32 log-probs saved + their gradient in backward
     logits = N * V * (logits_dtype + (4 if logits_dtype != 4 else 0)) + logprob_bytes + N * V * 4
+    if plan.fused_lm_head:
+        logits = fused_head_bytes(config, plan, N)
     rows = {"base weights (frozen)": base, "trainable parameters": trainable, "gradients": grads,
             "optimizer states": optim, "activations (saved for backward)": activations}
     quant_note = (f"NF4: {n_quant} linears at {nf4_bytes(4096 * 4096) / 4096**2:.4f} B/weight"
@@ -209,8 +214,13 @@ def estimate_memory(config, plan, device_type="cpu"):
     if plan.gradient_checkpointing:
         rows["recompute of one layer (backward)"] = max(sum(d.values()) for d in per_layer)
         notes["recompute of one layer (backward)"] = "transient, one layer at a time"
-    rows["logits and loss (B x T x V)"] = logits
-    notes["logits and loss (B x T x V)"] = f"V={V}: logits, fp32 log-probs and their gradient"
+    if plan.fused_lm_head:
+        rows["LM head tiles (fused)"] = logits
+        notes["LM head tiles (fused)"] = (f"V={V}: {min(LOSS_CHUNK_SIZE, N)} tokens' logits at a "
+                                          "time, per-token gradients; no B x T x V logits")
+    else:
+        rows["logits and loss (B x T x V)"] = logits
+        notes["logits and loss (B x T x V)"] = f"V={V}: logits, fp32 log-probs and their gradient"
     if world > 1:  # FSDP gathers one layer's full weights, and prefetches the next
         # the largest layer (an MoE layer's experts beside GLM's dense first layers); 4-bit
         # linears travel at half a byte, the experts and router in their float dtype
@@ -226,6 +236,33 @@ def estimate_memory(config, plan, device_type="cpu"):
     return MemoryLedger(rows=rows, notes=notes, per_layer=per_layer, plan=plan)
 
 
+# what lm_head, its softcap and the loss save on transformers' path, held by the tiles instead
+HEAD_SAVES = ("lm_head.", "softcap.", "loss.")
+
+
+def fused_head_bytes(config, plan, N):
+    """What the fused LM head holds over a step of N tokens (all taken as supervised): its two
+    (256, V) fp32 tile buffers (plus, under bf16 autocast, one in bf16 and a frozen head's bf16
+    weight), what the tiles save for backward and the per-token outputs. Saved: a frozen Linear
+    head d log p / dh, (n, C) fp32; a trained one its input and log Z; any other head (Gemma 4's
+    softcap) its input, each tile recomputed in backward.
+    Mirrors: nanosft.fast.lm_head.fused_lm_head_outputs (TileLogProbs)"""
+    C, V, wd = config.hidden_size, config.vocab_size, DTYPE_BYTES[plan.dtype]
+    rows = min(LOSS_CHUNK_SIZE, N)
+    held = 2 * rows * V * 4
+    linear = config.model_type != "gemma4_text"  # SoftcappedHead goes through checkpoint
+    if plan.bf16 and linear:
+        held += rows * V * 2 + (V * C * 2 if not plan.full and wd != 2 else 0)
+    if not linear:
+        saved = N * C * wd
+    elif plan.full:
+        saved = N * C * wd + N * 4
+    else:
+        saved = N * C * 4
+    outputs = N * (4 + 4 + 1 + 1)  # log p, entropy, top-1 hit, label mask
+    return held + saved + outputs
+
+
 # ----------------------------------------------------------------------------- the Trainer's lines
 def _parameter_ranks(peft_config):
     """{target parameter: rank} of a LoraConfig, its rank_pattern read on the full key (the
@@ -237,6 +274,17 @@ def _parameter_ranks(peft_config):
         key = "model.layers.0.mlp." + (name if "." in name else "experts." + name)
         ranks[name] = pattern_value(peft_config.rank_pattern, key, peft_config.r)
     return ranks
+
+
+def uses_fused_lm_head(args):
+    """Whether an SFT run under `args` takes the fused LM head: SFTTrainer.compute_loss's speed
+    path, outside reference mode and label smoothing (a compute_loss_func also turns it off,
+    which the arguments do not show)."""
+    from nanosft.args import SFTConfig
+    from nanosft.reference import reference_mode_enabled
+
+    return (isinstance(args, SFTConfig) and not args.label_smoothing_factor
+            and not reference_mode_enabled())
 
 
 def plan_from_model(model, args, max_length, device_type="cpu"):
@@ -260,7 +308,8 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
                       max_length=max_length, optim=args.optim,
                       gradient_checkpointing=bool(args.gradient_checkpointing),
                       optim_args=args.optim_args, bf16=bool(args.bf16),
-                      nf4_experts=bool(nf4_experts), bnb_4bit_use_double_quant=nested)
+                      nf4_experts=bool(nf4_experts), bnb_4bit_use_double_quant=nested,
+                      fused_lm_head=uses_fused_lm_head(args))
 
 
 def predict_for_trainer(model, args):

@@ -65,6 +65,9 @@ class MemoryPlan:
     # experts stored as NF4 by families.nf4_experts.quantize_experts (frozen; double quantization
     # as bnb_4bit_use_double_quant)
     nf4_experts: bool = False
+    # SFTTrainer's speed path (nanosft.fast.lm_head): lm_head over 256 supervised tokens at a time,
+    # no (B, T, V) logits; False: transformers' path, the full logits and the loss's log-probs
+    fused_lm_head: bool = False
 
     def __post_init__(self):
         for name in ("per_device_train_batch_size", "max_length", "r", "fsdp"):
