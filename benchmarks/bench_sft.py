@@ -62,6 +62,9 @@ SIZES = {
 }
 # What a size changes beside its shapes: sequence lengths and the batch (chat-sized examples, 4 x 2)
 SIZE_DATA = {"smollm2-135m": {"min_len": 50, "max_len": 500, "batch_size": 4, "grad_accum": 2}}
+# --real-rows: the real-size case's row lengths; "short" is a chat turn of about 50 tokens, where
+# the costs that do not grow with tokens (dequantize, per-module dispatch, the optimizer) decide
+REAL_ROWS = {"chat": {"min_len": 50, "max_len": 500}, "short": {"min_len": 40, "max_len": 60}}
 REAL_SIZE = "smollm2-135m"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MODES = ("full", "lora", "dora", "qlora")  # the four training set-ups of the walkthrough path
@@ -1358,6 +1361,8 @@ def parse_args(argv=None):
                    help=f"the real-size case ({REAL_SIZE} shapes): "
                         "LoRA, QLoRA, full in fp32 and bf16")
     p.add_argument("--real-modes", default=",".join(REAL_MODES), help="modes of the real-size case")
+    p.add_argument("--real-rows", default="chat", choices=list(REAL_ROWS),
+                   help="row lengths of the real-size case: chat 50-500 tokens, short 40-60")
     p.add_argument("--real-layers", type=int, default=None,
                    help="decoder layers of the real-size model (default 30; fewer: a smoke run)")
     p.add_argument("--real-dtypes", default=",".join(REAL_DTYPES),
@@ -1392,6 +1397,7 @@ def main(argv=None):
     info_before = machine_info()
     if args.real_layers:
         SIZES[REAL_SIZE] = {**SIZES[REAL_SIZE], "num_hidden_layers": args.real_layers}
+    SIZE_DATA[REAL_SIZE] = {**SIZE_DATA[REAL_SIZE], **REAL_ROWS[args.real_rows]}
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as workdir:
         if args.profile_ops:
             known = build_cases(MODES, EXTRAS) + real_cases()
