@@ -117,10 +117,14 @@ def generate_calls(monkeypatch):
 
 
 def test_demo_sft_beats_the_base_on_held_out_prompts(tmp_path, capsys):
+    threads = torch.get_num_threads()
     code, out, err = run(
         ["demo", "--steps", 30, "--output_dir", tmp_path, "--device", "cpu"], capsys
     )
     assert code == 0, err[-2000:]
+    # one thread for the tiny model, said once; the caller's count is back afterwards
+    assert "nanosft demo: 1 torch thread on the CPU (a tiny model" in out
+    assert torch.get_num_threads() == threads
     summary = json.loads((tmp_path / "demo_summary.json").read_text())
     # The base never answers a sum in chat form; 30 QLoRA steps must unlock most held-out sums.
     assert summary["accuracy_before"] <= 0.1
@@ -141,6 +145,19 @@ def test_demo_sft_beats_the_base_on_held_out_prompts(tmp_path, capsys):
         "loss" in r and "grad_norm" in r and "learning_rate" in r and "train_tokens_per_second" in r
         for r in logged
     )
+
+
+def test_demo_threads_flag_sets_and_checks_the_count():
+    from nanosft.cli import demo
+
+    threads = torch.get_num_threads()
+    try:
+        assert demo.pick_threads(2) == 2 and torch.get_num_threads() == 2
+        assert demo.pick_threads() == 1 and torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="--threads 0: give a whole number >= 1"):
+            demo.pick_threads(0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------- train

@@ -98,9 +98,20 @@ def run_demo(args):
                          "--no-quant")
     mode = "full" if args.full else ("dora" if args.dora else "lora") if args.no_quant else \
         ("qdora" if args.dora else "qlora")
-    return demo.run(output_dir=args.output_dir, mode=mode, device=pick_device(args.device),
-                    steps=args.steps, report_to=args.report_to, trace=_trace().is_enabled(),
-                    overwrite_output_dir=args.overwrite_output_dir)
+    import torch
+
+    device, before = pick_device(args.device), torch.get_num_threads()
+    if device == "cpu":
+        threads = demo.pick_threads(args.threads)
+        why = "--threads" if args.threads else \
+            "a tiny model: its matmuls are too small to split; --threads N for more"
+        print(f"nanosft demo: {threads} torch thread{'s' * (threads > 1)} on the CPU ({why})")
+    try:
+        return demo.run(output_dir=args.output_dir, mode=mode, device=device,
+                        steps=args.steps, report_to=args.report_to, trace=_trace().is_enabled(),
+                        overwrite_output_dir=args.overwrite_output_dir)
+    finally:  # called in-process (a test, a notebook): the caller's thread count again
+        torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------- train
@@ -436,6 +447,8 @@ def build_parser(train_fields=True):
     demo.add_argument("--trace", action="store_true",
                       help="print the walkthrough trace of the first step")
     demo.add_argument("--steps", type=int, default=120, help="optimizer steps (default 120)")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="torch threads on the CPU (default 1: the model is too small to split)")
     demo.add_argument("--output_dir", default="nanosft-demo", help="where adapter, metrics go")
     demo.add_argument("--report_to", choices=("nanosft", "tensorboard", "all", "none"),
                       default="nanosft", help="nanosft: tokens/s, MFU, ledger, metrics.jsonl")
