@@ -7,7 +7,8 @@ name_or_path, and adapter_config.json's base_model_name_or_path (then each stack
 loaded by the other: peft's AutoPeftModelForCausalLM reads the base from that field). The scripts
 use what QLoRA blog posts write: `TaskType`, `prepare_model_for_kbit_training`,
 `tokenizer.pad_token = tokenizer.eos_token`, `optim="paged_adamw_32bit"` (unpaged on a CPU, in
-both stacks), and again with `lora_dropout=0.05` (5 steps, across an epoch). Hermetic: a tiny Llama folder from test_trl_doc_snippets, HF_HUB_OFFLINE=1, CPU.
+both stacks), and again with `lora_dropout=0.05` (5 steps, across an epoch). Hermetic: a tiny
+Llama folder from test_trl_doc_snippets, HF_HUB_OFFLINE=1, CPU.
 Run: python -m pytest -q tests/test_trl_construction.py
 """
 

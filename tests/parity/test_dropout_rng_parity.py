@@ -4,9 +4,9 @@ Compared with peft 0.21.2 / transformers 5.23 on a tiny fp32 Llama with the same
 (lora_B non-zero) and lora_dropout 0.3: one training forward from the same seed gives the same
 logits and leaves the global RNG in the same state, on a full batch and on a right-padded one,
 with nanosft's speed paths on and in reference mode (masks over the padded (B, T, C) input, one
-per LoRA layer in forward order); and a Trainer's train dataloader draws what transformers' draws
-from the global RNG for each epoch's iterator (one int64: torch's base seed). Negative control: unpadding
-the batch under dropout (the speed path that used to run) draws other masks.
+per LoRA layer in forward order); and a Trainer's train dataloader draws what transformers'
+draws from the global RNG for each epoch's iterator (one int64: torch's base seed). Negative
+control: unpadding the batch under dropout (the speed path that used to run) draws other masks.
 The multi-step loss parity of a whole script with dropout is tests/test_trl_construction.py.
 Hermetic: tmp folders, CPU.
 Run: python -m pytest -q tests/parity/test_dropout_rng_parity.py
