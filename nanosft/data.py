@@ -365,9 +365,9 @@ def assistant_char_spans(tokenizer, messages, **template_kwargs):
             raise ValueError(f"the chat template does not render messages[:{i}] as a prefix of the "
                              "whole chat (Qwen3's drops the reasoning of earlier turns), so "
                              "assistant turns cannot be located; set chat_template_path to a "
-                             "prefix-preserving template with {% generation %} markers (TRL "
-                             "swaps in its trl/chat_templates/*_training.jinja, e.g. "
-                             "qwen3_training.jinja)")
+                             "prefix-preserving template with {% generation %} markers (SFTTrainer "
+                             "swaps in Qwen3's training variant itself, as TRL does; TRL ships "
+                             "others as trl/chat_templates/*_training.jinja)")
         spans.append((len(head), len(turn)))  # the turn's text incl. its end-of-turn token
     return spans
 
@@ -388,15 +388,19 @@ def assistant_token_mask(tokenizer, messages, input_ids, **template_kwargs):
 
 
 def tokenize_example(example, tokenizer, fmt, *, dataset_text_field="text", eos_token=None,
-                     assistant_only_loss=False):
-    """Token ids of one example plus `completion_mask` / `assistant_masks` where they apply.
-    Mirrors: trl SFTTrainer._prepare_dataset add_eos + tokenize_fn"""
+                     assistant_only_loss=False, chat_template=None):
+    """Token ids of one example plus `completion_mask` / `assistant_masks` where they apply;
+    chat_template: the template to render chats with instead of the tokenizer's (TRL's training
+    variant under assistant_only_loss). Mirrors: trl SFTTrainer._prepare_dataset add_eos +
+    tokenize_fn"""
     eos = eos_token or tokenizer.eos_token
     if fmt == "language_modeling":
         text = example[dataset_text_field]
         # "EOS appending (non-conversational only)", a string check as TRL's add_eos.
         return {"input_ids": tokenizer.encode(text if text.endswith(eos) else text + eos)}
     template_kwargs = chat_template_kwargs(example)  # tools, per-row template variables
+    if chat_template is not None:
+        template_kwargs["chat_template"] = chat_template
     if fmt == "conversational":
         out = {"input_ids": tokenizer.apply_chat_template(example["messages"], **template_kwargs)}
         if assistant_only_loss:
@@ -573,7 +577,7 @@ def _warn_answers_cut(rows, examples, fmt, tokenizer, max_length, masked, name):
 
 def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, packing_strategy="bfd",
                     completion_only_loss=None, assistant_only_loss=False, dataset_text_field="text",
-                    eos_token=None, name=None, keep_columns=False):
+                    eos_token=None, name=None, keep_columns=False, chat_template=None):
     """Examples (path or dicts) -> rows of `input_ids`, `labels` (-100 = no loss) [, `seq_lengths`].
     Mirrors: trl SFTTrainer._prepare_dataset (+ SFTTrainer.__init__ option checks)
     `name` (the data file, or e.g. "train_dataset") is what warnings and errors call it.
@@ -590,7 +594,7 @@ def prepare_dataset(examples, tokenizer, *, max_length=1024, packing=False, pack
         if assistant_only_loss and not fmt.startswith("conversational"):
             raise ValueError(f"assistant_only_loss=True needs a conversational dataset, got {fmt}")
         kwargs = {"dataset_text_field": dataset_text_field, "eos_token": eos_token,
-                  "assistant_only_loss": assistant_only_loss}
+                  "assistant_only_loss": assistant_only_loss, "chat_template": chat_template}
         rows = [tokenize_example(ex, tokenizer, fmt, **kwargs) for ex in examples]
         if keep_columns:  # datasets' map keeps the input columns, then adds its outputs
             eos = eos_token or tokenizer.eos_token

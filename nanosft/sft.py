@@ -118,6 +118,7 @@ class SFTTrainer(Trainer):
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
         model, processing_class = create_model(model, args, quantization_config, processing_class)
         model = self._prepare_peft_model(model, args, peft_config)  # PEFT
+        self.chat_template = self._training_chat_template(processing_class, args)
         train_rows = self._read_train_dataset(train_dataset, args, formatting_func)  # its rows
         data_collator = self._create_data_collator(data_collator, model, processing_class, args,
                                                    train_rows)  # Data collator
@@ -157,6 +158,16 @@ class SFTTrainer(Trainer):
         if nf4.is_quantized(model):
             _cast_trainable_to_bf16(model)
         return model
+
+    def _training_chat_template(self, tokenizer, args):
+        """Under assistant_only_loss, the prefix-preserving training variant of the tokenizer's
+        official template (Qwen3's) that tokenizes the datasets; None: the tokenizer's own.
+        Mirrors: trl SFTTrainer.__init__ (get_training_chat_template into self.chat_template)"""
+        if not args.assistant_only_loss:
+            return None
+        from nanosft.families.chat_templates import training_chat_template  # product layer
+
+        return training_chat_template(getattr(tokenizer, "chat_template", None))
 
     def _read_train_dataset(self, train_dataset, args, formatting_func):
         """Example rows of train_dataset (a stream cut to what max_steps trains on,
@@ -250,7 +261,7 @@ class SFTTrainer(Trainer):
                                completion_only_loss=self.completion_only_loss,
                                assistant_only_loss=args.assistant_only_loss,
                                dataset_text_field=args.dataset_text_field, eos_token=args.eos_token,
-                               name=name, keep_columns=as_dataset)
+                               name=name, keep_columns=as_dataset, chat_template=self.chat_template)
         if args.shuffle_dataset:  # datasets.Dataset.shuffle(seed): numpy default_rng permutation
             rows = [rows[i] for i in np.random.default_rng(args.seed).permutation(len(rows))]
         return as_datasets_dataset(rows) if as_dataset else rows

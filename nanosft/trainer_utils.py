@@ -199,9 +199,12 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
                                    drop_last=drop_last, rank=distributed.get_rank(),
                                    num_replicas=distributed.get_world_size(), lengths=lengths,
                                    group_size=group_size)
-    # its own generator: iter() must not draw from the global RNG (a resumed run's dropout)
+    # No generator, as transformers' loaders have none: each iter() draws one int64 from the
+    # global RNG (torch's base seed), so the dropout masks after it are peft's under TRL. A run
+    # resumed mid-epoch iterates skip_first_batches' loader, which draws nothing: it starts from
+    # the restored RNG, as transformers, which restores it after its iter().
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
-                      num_workers=args.dataloader_num_workers, generator=torch.Generator())
+                      num_workers=args.dataloader_num_workers)
 
 
 def count_num_items_in_batch(batch_samples: list, shift_labels=True) -> torch.Tensor:

@@ -7,7 +7,8 @@ name_or_path, and adapter_config.json's base_model_name_or_path (then each stack
 loaded by the other: peft's AutoPeftModelForCausalLM reads the base from that field). The scripts
 use what QLoRA blog posts write: `TaskType`, `prepare_model_for_kbit_training`,
 `tokenizer.pad_token = tokenizer.eos_token`, `optim="paged_adamw_32bit"` (unpaged on a CPU, in
-both stacks). Hermetic: a tiny Llama folder from test_trl_doc_snippets, HF_HUB_OFFLINE=1, CPU.
+both stacks), and again with `lora_dropout=0.05` (5 steps, across an epoch). Hermetic: a tiny
+Llama folder from test_trl_doc_snippets, HF_HUB_OFFLINE=1, CPU.
 Run: python -m pytest -q tests/test_trl_construction.py
 """
 
@@ -109,6 +110,20 @@ def test_qlora_blog_script(model_dir, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(mine(input_ids=ids).logits, theirs(input_ids=ids).logits,
                                    rtol=0, atol=1e-5)
+
+
+def test_qlora_blog_script_with_dropout_gives_trls_losses(model_dir, tmp_path, monkeypatch):
+    """lora_dropout=0.05, as blog scripts set it: the masks come from the global RNG, so the
+    losses are TRL's step for step only if nanosft draws what TRL's stack draws, in its order (one
+    mask per LoRA layer in forward order over the padded batch, one int64 per epoch's dataloader
+    iterator); 5 steps cross an epoch boundary (6 rows, batch 2)."""
+    monkeypatch.setitem(test_trl_doc_snippets.LOCAL, "max_steps", 5)
+    text = QLORA_BLOG.replace("lora_dropout=0.0", "lora_dropout=0.05")
+    reference, ours = both_stacks(text, model_dir, tmp_path, CAPYBARA, "ROWS")
+    assert len(losses(reference)) == 5
+    torch.testing.assert_close(losses(ours), losses(reference), rtol=0, atol=1e-5)
+    print("\n[blog script, dropout 0.05] TRL", losses(reference).tolist(), "\n  nanosft",
+          losses(ours).tolist())
 
 
 def test_peft_names_scripts_import_from_the_top_level():

@@ -43,8 +43,16 @@ def layout(model, attention_mask, position_ids, B, T, past_len):
     Under CUDA autocast the padded batch stays: one SDPA launch per document cost more there."""
     device = position_ids.device.type
     cuda_autocast = device != "cpu" and torch.is_autocast_enabled(device)
-    unpad = model.training and torch.is_grad_enabled() and not cuda_autocast
+    unpad = (model.training and torch.is_grad_enabled() and not cuda_autocast
+             and not draws_dropout(model))
     return varlen_layout(attention_mask, position_ids, B, T, past_len, unpad=unpad)
+
+
+def draws_dropout(model):
+    """Whether a dropout with p > 0 runs in `model` (LoRA's lora_dropout): its masks must be drawn
+    over the padded (B, T, C) batch, pad tokens included, for the RNG stream to give peft's."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training
+               for m in model.modules())
 
 
 def pack(h, position_ids, layout):

@@ -10,7 +10,9 @@ transformers AutoTokenizer). Compared exactly: the rendered text and its token i
 add_generation_prompt (and enable_thinking=False), the refusal of a bad role order, the assistant
 masks against transformers' return_assistant_tokens_mask, and the labels of
 `prepare_dataset(..., assistant_only_loss=True)` against TRL SFTTrainer's train_dataset (also from
-Gemma 3's official template, where nanosft renders prefixes and TRL swaps in its training variant).
+Gemma 3's official template, where nanosft renders prefixes and TRL swaps in its training variant;
+and from Qwen3's, where nanosft's SFTTrainer swaps in the same variant, derived from the official
+template, rendering and masking as TRL's qwen3_training.jinja, tool calls included).
 Hermetic: nothing downloaded; skipped if the installed TRL lacks the templates.
 Run: python -m pytest -q tests/parity/test_family_chat_templates.py
 """
@@ -146,15 +148,61 @@ def test_gemma3_official_template_masks_by_prefixes_equal_trl(tmp_path):
         theirs, examples, tmp_path)
 
 
-def test_qwen3_official_template_is_refused_with_the_training_template_as_the_fix(tmp_path):
-    # Qwen3's template drops earlier turns' reasoning, so no prefix renders inside the whole chat:
-    # TRL swaps in qwen3_training.jinja; nanosft refuses and names it. With that file as the
-    # template (chat_template_path), nanosft's labels equal TRL's from the official template.
+def nanosft_labels(tokenizer, examples, tmp_path):
+    """nanosft's SFTTrainer preparation of the same examples (the model never runs)."""
+    from nanosft.args import SFTConfig
+    from nanosft.model import CausalLM, ModelConfig
+    from nanosft.sft import SFTTrainer
+
+    model = CausalLM(ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2))
+    args = SFTConfig(output_dir=str(tmp_path / "nanosft"), use_cpu=True, bf16=False, max_steps=1,
+                     assistant_only_loss=True)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                         train_dataset=examples)
+    assert tokenizer.chat_template == template_text("qwen3.jinja")  # the tokenizer keeps its own
+    return [{"input_ids": row["input_ids"], "labels": row["labels"]}
+            for row in trainer.train_dataset]
+
+
+TOOL_CHAT = [  # a tool call after reasoning, its response, the answer
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "<think>\nAsk the tool.\n</think>\n\n",
+     "tool_calls": [{"type": "function", "function": {"name": "add",
+                                                      "arguments": {"a": 2, "b": 2}}}]},
+    {"role": "tool", "content": "4"},
+    {"role": "assistant", "content": "Four."}]
+
+
+def test_qwen3_training_variant_is_trls(tmp_path):
+    # Qwen3's template drops earlier turns' reasoning, so its prefixes do not render inside the
+    # whole chat: TRL swaps in qwen3_training.jinja; nanosft derives the same variant from the
+    # tokenizer's own template. Rendered text and assistant masks equal TRL's file's.
+    from nanosft.families.chat_templates import training_chat_template
+
+    official, _ = folder_with("qwen3", "qwen3.jinja", tmp_path)
+    training, theirs = folder_with("qwen3", "qwen3_training.jinja", tmp_path)
+    variant = training_chat_template(official.chat_template)
+    assert variant is not None and variant != official.chat_template
+    assert training_chat_template(variant) is None  # it has {% generation %} markers
+    for chat in [*CHATS, TOOL_CHAT]:
+        want = training.apply_chat_template(chat, return_assistant_tokens_mask=True)
+        got = official.apply_chat_template(chat, return_assistant_tokens_mask=True,
+                                           chat_template=variant)
+        assert got == want
+        assert 0 < sum(got["assistant_masks"]) < len(got["input_ids"])
+    with_prompt = official.apply_chat_template(PROMPTS[1], add_generation_prompt=True,
+                                               chat_template=variant, enable_thinking=False)
+    assert with_prompt == training.apply_chat_template(PROMPTS[1], add_generation_prompt=True,
+                                                       enable_thinking=False)
+
+
+def test_qwen3_official_template_under_assistant_only_loss_gives_trls_labels(tmp_path):
+    # SFTTrainer swaps the variant in for tokenizing, as TRL's does: the labels equal TRL's from
+    # the official template. prepare_dataset alone (no swap) still refuses, naming the fix.
     official, theirs = folder_with("qwen3", "qwen3.jinja", tmp_path)
     examples = [{"messages": chat} for chat in CHATS]
-    with pytest.raises(ValueError, match="chat_template_path.*qwen3_training.jinja"):
+    want = trl_labels(theirs, examples, tmp_path)
+    assert nanosft_labels(official, examples, tmp_path) == want
+    with pytest.raises(ValueError, match="chat_template_path"):
         prepare_dataset(examples, official, assistant_only_loss=True)
-    training, _ = folder_with("qwen3", "qwen3_training.jinja", tmp_path)
-    rows = prepare_dataset(examples, training, assistant_only_loss=True)
-    assert [{k: r[k] for k in ("input_ids", "labels")} for r in rows] == trl_labels(
-        theirs, examples, tmp_path)
