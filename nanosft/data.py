@@ -148,10 +148,11 @@ def check_data_path(path, flag=None):
     name = f"{flag} {path}" if flag else os.fspath(path)
     kind = _file_kind(path) if os.path.exists(path) and not os.path.isdir(path) else None
     if kind is not None:
-        raise ValueError(f"{name} is {kind}, not a regular file: reading it would wait for "
-                         "whatever writes to it. Write the examples to a .jsonl file first (e.g. "
-                         "zcat data.jsonl.gz > data.jsonl), or, in Python, pass an iterable of "
-                         "examples as train_dataset with max_steps set.")
+        why = ("reading it would wait for whatever writes to it" if "pipe" in kind
+               else "it holds no file of examples")
+        raise ValueError(f"{name} is {kind}, not a regular file: {why}. Write the examples to a "
+                         ".jsonl file first (e.g. zcat data.jsonl.gz > data.jsonl), or, in Python, "
+                         "pass an iterable of examples as train_dataset with max_steps set.")
     if os.path.isdir(path):
         raise ValueError(f"{name} is a folder; give one .jsonl, .json, .parquet or .csv file of "
                          "examples (a folder written by datasets' save_to_disk: load it in Python "

@@ -203,7 +203,7 @@ def _deep_json(tmp_path):
 
 
 def _dev_null(tmp_path):
-    return Path(os.devnull), [os.devnull, "the dataset is empty"]
+    return Path(os.devnull), [os.devnull, "is a character device, not a regular file"]
 
 
 def _a_folder(tmp_path):
