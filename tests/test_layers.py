@@ -16,7 +16,8 @@ import nanosft
 PACKAGE = os.path.dirname(nanosft.__file__)
 CORE = ["adapter_files", "args", "collator", "configuration", "data", "distributed", "generation",
         "loop", "lora", "loss", "masking", "model", "nf4", "optim", "peft", "prompt_learning",
-        "reference", "sft", "tokenizer", "trainer", "trainer_callback", "trainer_utils"]
+        "reference", "sft", "tokenizer", "trainer", "trainer_callback", "trainer_pt_utils",
+        "trainer_utils"]
 PRODUCT = ["cli", "families", "fast", "io", "memory", "monitoring", "parallel"]
 
 
