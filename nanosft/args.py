@@ -65,7 +65,6 @@ TRAINING_ARGS_NOT_SUPPORTED = {
     "torch_compile_mode": (None, "not implemented yet (torch_compile uses the default)"),
     "neftune_noise_alpha": (None, "NEFTune embedding noise is not implemented yet"),
     "torch_empty_cache_steps": (None, "not implemented yet (the CUDA cache is never emptied)"),
-    "enable_jit_checkpoint": (False, "checkpointing on SIGTERM is not implemented yet"),
     "full_determinism": (False, "not implemented yet (seed seeds the RNGs only)"),
     "ddp_find_unused_parameters": (None, _DDP), "ddp_bucket_cap_mb": (None, _DDP),
     "ddp_broadcast_buffers": (None, _DDP), "ddp_static_graph": (None, _DDP),
@@ -82,10 +81,7 @@ TRAINING_ARGS_NOT_SUPPORTED = {
     "eval_do_concat_batches": (True, "not implemented yet (predictions are always concatenated)"),
     "eval_use_gather_object": (False, "not implemented yet (predictions are not gathered across "
                                       "ranks)"),
-    "prediction_loss_only": (False, "not implemented yet (no compute_metrics: loss only)"),
-    "label_names": (None, "not implemented yet (the labels are the batch's \"labels\")"),
     "use_cache": (False, "not implemented yet (training runs without the KV cache)"),
-    "restore_callback_states_from_checkpoint": (False, "not implemented yet"),
     # not read by transformers' Trainer either
     "do_train": (False, _SCRIPTS), "do_eval": (False, _SCRIPTS), "do_predict": (False, _SCRIPTS),
 }
@@ -208,6 +204,8 @@ class TrainingArguments:
     # compute_metrics: what EvalPrediction carries beside predictions / label_ids ("inputs",
     # "loss"), how often kept predictions move to the CPU, and per-batch metrics
     include_for_metrics: list = dataclasses.field(default_factory=list)
+    label_names: list | None = None  # the batch keys holding labels (None: ["labels"])
+    prediction_loss_only: bool = False  # evaluate / predict keep the loss alone
     eval_accumulation_steps: int | None = None
     batch_eval_metrics: bool = False
     # Saving and best model.
@@ -222,6 +220,11 @@ class TrainingArguments:
     # alone, true or latest); read by Trainer.train when its own argument is not given
     resume_from_checkpoint: str | bool | None = None
     ignore_data_skip: bool = False
+    # resuming: rebuild the checkpoint's ExportableState callbacks (EarlyStoppingCallback's
+    # patience counter, TrainerControl) from trainer_state.json's "stateful_callbacks"
+    restore_callback_states_from_checkpoint: bool = False
+    # on SIGTERM, save a checkpoint at the next step boundary and stop (nanosft.run.jit_checkpoint)
+    enable_jit_checkpoint: bool = False
     # Seeds, precision, memory.
     seed: int = 42
     data_seed: int | None = None

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 import warnings
 from collections import defaultdict, deque
 from collections.abc import Mapping
@@ -129,10 +130,29 @@ def _read_columnar(path, kind):
     return examples, [f"{path}, row {i}" for i in range(len(examples))]
 
 
+def _file_kind(path) -> str | None:
+    """What a path that exists but is not a regular file or folder is, in words."""
+    mode = os.stat(path).st_mode
+    for test, kind in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
 def check_data_path(path, flag=None):
-    """A data path that can be read: a file, or a pipe / FIFO / device read as JSON Lines; a
-    folder or a missing path is refused, naming `flag` (a command-line flag) when given."""
+    """A data path that can be read: a regular file. A folder, a missing path, or one that is
+    not a regular file (a named pipe, a device, a socket: reading one waits for a writer that may
+    never come) is refused at once, naming what it is and `flag` (a command-line flag) when given.
+    Differs: datasets opens a FIFO and waits."""
     name = f"{flag} {path}" if flag else os.fspath(path)
+    kind = _file_kind(path) if os.path.exists(path) and not os.path.isdir(path) else None
+    if kind is not None:
+        why = ("reading it would wait for whatever writes to it" if "pipe" in kind
+               else "it holds no file of examples")
+        raise ValueError(f"{name} is {kind}, not a regular file: {why}. Write the examples to a "
+                         ".jsonl file first (e.g. zcat data.jsonl.gz > data.jsonl), or, in Python, "
+                         "pass an iterable of examples as train_dataset with max_steps set.")
     if os.path.isdir(path):
         raise ValueError(f"{name} is a folder; give one .jsonl, .json, .parquet or .csv file of "
                          "examples (a folder written by datasets' save_to_disk: load it in Python "
@@ -148,8 +168,6 @@ def read_dataset_file(path):
     """Rows of a .jsonl, .json (array or JSON Lines), .parquet or .csv file; others read as JSONL.
     Mirrors: datasets load_dataset("json" | "parquet" | "csv", data_files=path)"""
     check_data_path(path)
-    if not os.path.isfile(path):  # a pipe, FIFO or device (`<(zcat d.jsonl.gz)`): read once
-        return _read_jsonl(path)
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix in COLUMNAR:
         return _read_columnar(path, COLUMNAR[suffix])

@@ -423,3 +423,35 @@ def create_scheduler(args, optimizer, num_training_steps: int):
                          num_warmup_steps=args.get_warmup_steps(num_training_steps),
                          num_training_steps=num_training_steps,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+
+# transformers.optimization's named schedule functions: get_scheduler under their names
+def get_constant_schedule(optimizer):
+    """A constant learning rate. Mirrors: transformers get_constant_schedule"""
+    return get_scheduler("constant", optimizer)
+
+
+def get_constant_schedule_with_warmup(optimizer, num_warmup_steps):
+    """Linear warmup, then constant. Mirrors: transformers get_constant_schedule_with_warmup"""
+    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=num_warmup_steps)
+
+
+def get_linear_schedule_with_warmup(optimizer, num_warmup_steps, num_training_steps):
+    """Linear warmup, then linear decay to 0. Mirrors: transformers
+    get_linear_schedule_with_warmup"""
+    return get_scheduler("linear", optimizer, num_warmup_steps, num_training_steps)
+
+
+def get_cosine_schedule_with_warmup(optimizer, num_warmup_steps, num_training_steps,
+                                    num_cycles=0.5):
+    """Linear warmup, then cosine decay. Mirrors: transformers get_cosine_schedule_with_warmup"""
+    return get_scheduler("cosine", optimizer, num_warmup_steps, num_training_steps,
+                         num_cycles=num_cycles)
+
+
+def get_polynomial_decay_schedule_with_warmup(optimizer, num_warmup_steps, num_training_steps,
+                                              lr_end=1e-7, power=1.0):
+    """Linear warmup, then polynomial decay to lr_end. Mirrors: transformers
+    get_polynomial_decay_schedule_with_warmup"""
+    return get_scheduler("polynomial", optimizer, num_warmup_steps, num_training_steps,
+                         lr_end=lr_end, power=power)

@@ -9,7 +9,9 @@ entry point (nanosft.parallel.wrap_model) and the checkpoint files (nanosft.run.
 """
 
 import contextlib
+import logging
 import math
+import sys
 import time
 import warnings
 
@@ -23,10 +25,13 @@ from nanosft.collator import default_data_collator
 from nanosft.model import CausalLMOutput
 from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
 from nanosft.reference import reference_mode_enabled
-from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, ProgressCallback,
-                                      TrainerControl, TrainerState)
+from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, ExportableState,
+                                      ProgressCallback, TrainerControl, TrainerState)
+from nanosft.trainer_pt_utils import EvalLoopContainer, LabelSmoother
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
-                                   EvalPrediction, autocast_context, build_dataloader,
+                                   EvalLoopOutput, EvalPrediction, PredictionOutput,
+                                   autocast_context, build_dataloader, has_length,
+                                   label_smoothing_unsupported,
                                    check_trainer_arguments, checked_metrics,
                                    convert_outputs_to_fp32,
                                    count_num_items_in_batch, denumpify_detensorize,
@@ -35,6 +40,13 @@ from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # 
                                    label_smoothed_loss, loss_shifts_labels,
                                    model_accepts_loss_kwargs, no_sync, select_columns, set_seed,
                                    signature_columns, skip_first_batches, speed_metrics)
+
+logger = logging.getLogger(__name__)
+
+# transformers' DEFAULT_CALLBACKS; default_callbacks adds the progress callback and, outside
+# reference mode, the reporting ones
+DEFAULT_CALLBACKS = [DefaultFlowCallback]
+TRAINER_STATE_NAME = "trainer_state.json"  # in each checkpoint folder (nanosft.run.checkpoint)
 
 
 def default_callbacks(args) -> list:
@@ -84,6 +96,11 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        # "label_smoother" (transformers' LabelSmoother); None when off or multi-label
+        self.label_smoother = None
+        if self.args.label_smoothing_factor != 0 and not label_smoothing_unsupported(self.model):
+            self.label_smoother = LabelSmoother(epsilon=self.args.label_smoothing_factor)
+        self.label_names = self.args.label_names or ["labels"]
         self.model_accepts_loss_kwargs = model_accepts_loss_kwargs(self.model)
         # a causal LM's labels shift: its first label is never a target (num_items_in_batch)
         self._loss_shifts_labels = loss_shifts_labels(self.model)
@@ -92,6 +109,10 @@ class Trainer:
         # DefaultFlowCallback, the progress bar, the reporting report_to asks for (not in reference
         # mode), then the caller's
         callbacks = default_callbacks(self.args) + list(callbacks or [])
+        if self.args.enable_jit_checkpoint:  # SIGTERM: save a checkpoint, then stop
+            from nanosft.run.jit_checkpoint import JITCheckpointCallback
+
+            callbacks.append(JITCheckpointCallback(self))
         self.callback_handler = CallbackHandler(callbacks, self.model, self.processing_class,
                                                 self.optimizer, self.lr_scheduler)
         self.state = TrainerState(is_world_process_zero=distributed.is_main_process())
@@ -119,7 +140,7 @@ class Trainer:
     def _collate(self, features):
         """Drop the keys the model cannot take (remove_unused_columns), then the data_collator."""
         if self._signature_columns is None and self.args.remove_unused_columns:
-            self._signature_columns = signature_columns(self.model)
+            self._signature_columns = signature_columns(self.model) | set(self.label_names)
         keep = self._signature_columns if self.args.remove_unused_columns else None
         return select_columns(features, self.data_collator, keep)
 
@@ -146,6 +167,8 @@ class Trainer:
         # "total_train_batch_size = self._train_batch_size * args.gradient_accumulation_steps * ..."
         total_train_batch_size = (self._train_batch_size * args.gradient_accumulation_steps
                                   * args.world_size)
+        if not has_length(dataloader):  # a stream: max_steps alone sets the schedule
+            return self._streamed_training_values(args, total_train_batch_size)
         steps_in_epoch = len(dataloader)  # micro-batches of this rank
         # the last, partial accumulation window still makes one optimizer step
         num_update_steps_per_epoch = math.ceil(steps_in_epoch / args.gradient_accumulation_steps)
@@ -162,6 +185,21 @@ class Trainer:
             num_train_samples = num_examples * args.num_train_epochs
         return (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
                 total_train_batch_size, steps_in_epoch, max_steps)
+
+    def _streamed_training_values(self, args, total_train_batch_size):
+        """set_initial_training_values of a dataloader without a length (an IterableDataset):
+        max_steps update steps in one "epoch" that ends when the stream or max_steps does.
+        Mirrors: Trainer.set_initial_training_values ("Rely on max_steps when dataloader does
+        not have a working size")"""
+        if args.max_steps <= 0:
+            raise ValueError("args.max_steps must be set to a positive value if dataloader does "
+                             f"not have a length, was {args.max_steps}")
+        max_steps = args.max_steps
+        num_examples = num_train_samples = max_steps * total_train_batch_size
+        # "Setting a very large number of epochs so we go as many times as necessary over the
+        # iterator."
+        return (sys.maxsize, max_steps, num_examples, num_train_samples, total_train_batch_size,
+                max_steps * args.gradient_accumulation_steps, max_steps)
 
     def _check_ranks_agree(self, num_examples, num_update_steps_per_epoch, num_train_epochs,
                            max_steps) -> None:
@@ -234,7 +272,8 @@ class Trainer:
                 self.lr_scheduler = lr_scheduler
                 return self._inner_training_loop(args, resume_from_checkpoint)
 
-            return find_executable_batch_size(inner_training_loop, self._train_batch_size)
+            return find_executable_batch_size(inner_training_loop, self._train_batch_size,
+                                              args.auto_find_batch_size)()
 
     def _prepare_for_training(self, max_steps):
         """FSDP / DDP / compile wrapping (nanosft.parallel), the optimizer, then the scheduler.
@@ -243,17 +282,54 @@ class Trainer:
 
         model = wrap_model(self.model, self.args)  # FSDP2 shards self.model in place
         self.model_wrapped = model  # transformers' name: the outermost model (DDP, compile)
+        self.create_optimizer_and_scheduler(num_training_steps=max_steps)
+        return model
+
+    # ----- optimizer and scheduler (guide: optimizers and schedulers) -----
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """The optimizer, then the scheduler over num_training_steps; either is kept when given.
+        Mirrors: Trainer.create_optimizer_and_scheduler"""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
+
+    def create_optimizer(self):
+        """args.optim (or optimizer_cls_and_kwargs) over the two weight-decay groups, unless an
+        optimizer was passed in; returns it. Mirrors: Trainer.create_optimizer"""
         if self.optimizer is None and self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs  # the two decay groups
             self.optimizer = optimizer_cls(get_parameter_groups(self.model, self.args.weight_decay),
                                            **optimizer_kwargs)
         elif self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
-        if self.lr_scheduler is None:
-            self.lr_scheduler = create_scheduler(self.args, self.optimizer, max_steps)
         self.callback_handler.optimizer = self.optimizer
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """args.lr_scheduler_type over num_training_steps, unless a scheduler was passed in;
+        returns it. Mirrors: Trainer.create_scheduler"""
+        if self.lr_scheduler is None:
+            optimizer = self.optimizer if optimizer is None else optimizer
+            self.lr_scheduler = create_scheduler(self.args, optimizer, num_training_steps)
         self.callback_handler.lr_scheduler = self.lr_scheduler
-        return model
+        return self.lr_scheduler
+
+    def get_optimizer_group(self, param=None):
+        """The param group holding `param`, or every group's params. Mirrors: get_optimizer_group"""
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the "
+                             "optimizer before.")
+        if param is not None:
+            for group in self.optimizer.param_groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in self.optimizer.param_groups]
+
+    def get_learning_rates(self) -> list:
+        """The learning rate of each param group. Mirrors: Trainer.get_learning_rates"""
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the "
+                             "optimizer before.")
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
                              resume_from_checkpoint):
@@ -267,7 +343,46 @@ class Trainer:
             num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
         state.train_batch_size = self._train_batch_size  # what auto_find_batch_size settled on
         state.is_world_process_zero = distributed.is_main_process()
-        return state, epochs_trained, steps_trained_in_current_epoch
+        self.state = state
+        if resume_from_checkpoint is None:  # the callbacks whose state checkpoints carry
+            state.stateful_callbacks = self._stateful_callbacks()
+        else:
+            self._load_callback_state()
+        return self.state, epochs_trained, steps_trained_in_current_epoch
+
+    def _stateful_callbacks(self) -> dict:
+        """{class name: state()} of the ExportableState callbacks and of self.control."""
+        from nanosft.trainer_callback import stateful_callbacks_dict
+
+        return stateful_callbacks_dict(cb for cb in self.callback_handler.callbacks + [self.control]
+                                       if isinstance(cb, ExportableState))
+
+    def _load_callback_state(self) -> None:
+        """With args.restore_callback_states_from_checkpoint: rebuild each callback (and
+        self.control) from state.stateful_callbacks, warning about saved ones this run lacks.
+        Mirrors: Trainer._load_callback_state"""
+        if not self.args.restore_callback_states_from_checkpoint:
+            return
+        not_found, new_callbacks = [], []
+        original = self.callback_handler.callbacks + [self.control]
+        for name, data in self.state.stateful_callbacks.items():
+            same = [cb for cb in original if type(cb).__name__ == name]
+            if not same:
+                not_found.append(name)
+                continue
+            for callback, saved in zip(same, data if isinstance(data, list) else [data]):
+                restored = type(callback).from_state({"args": saved.get("args", {}),
+                                                      "attributes": saved.get("attributes", {})})
+                if isinstance(callback, TrainerControl):
+                    self.control = restored
+                else:
+                    new_callbacks.append(restored)
+                    self.callback_handler.remove_callback(callback)
+        if not_found:
+            logger.warning("Checkpoint included callbacks not included in current configuration. "
+                           f"Ignoring. ({', '.join(not_found)})")
+        for callback in new_callbacks:
+            self.callback_handler.add_callback(callback)
 
     def _inner_training_loop(self, args, resume_from_checkpoint=None) -> TrainOutput:
         """Epochs -> update steps -> micro-batches: accumulate, clip, step, schedule, log, save.
@@ -324,7 +439,8 @@ class Trainer:
         for epoch in range(epochs_trained, num_train_epochs):
             self._callback("on_epoch_begin")
             epoch_dataloader = train_dataloader
-            train_dataloader.batch_sampler.set_epoch(epoch)  # order = randperm(seed + epoch)
+            if hasattr(train_dataloader.batch_sampler, "set_epoch"):  # not a stream
+                train_dataloader.batch_sampler.set_epoch(epoch)  # order = randperm(seed + epoch)
             step = -1
             num_update_steps_trained = 0
             if epoch == epochs_trained and steps_trained_in_current_epoch > 0:  # resumed run
@@ -343,6 +459,8 @@ class Trainer:
                                if update_step != num_update_steps_per_epoch - 1 else remainder)
                 batch_samples, num_items_in_batch = self.get_batch_samples(
                     epoch_iterator, num_batches, args.device)
+                if not batch_samples:  # a stream ran out before the epoch's step count
+                    break
                 # the divisor of a loss NOT normalised by num_items_in_batch (short last window)
                 self.current_gradient_accumulation_steps = len(batch_samples)
                 self._callback("on_step_begin", batch_samples=batch_samples)
@@ -491,7 +609,7 @@ class Trainer:
         Walkthrough 2.5 | Mirrors: Trainer.compute_loss. On the SFT path SFTTrainer.compute_loss
         (sft.py) overrides it. Differs: compute_loss_func is called without labels too (5.23;
         the walkthrough calls it only when labels were popped)."""
-        if ((self.args.label_smoothing_factor != 0 or self.compute_loss_func is not None)
+        if ((self.label_smoother is not None or self.compute_loss_func is not None)
                 and "labels" in inputs):
             labels = inputs.pop("labels")
         else:
@@ -610,7 +728,7 @@ class Trainer:
         """Mean eval loss (each batch's loss weighted by its size), compute_metrics' metrics,
         perplexity, speed; logged. A dict of named sets: one evaluation each, eval_<name>_loss.
         Mirrors: Trainer.evaluate | Differs: adds perplexity (causal LMs); SFTTrainer.log adds TRL's
-        eval_mean_token_accuracy. ignore_keys has nothing to drop (outputs: loss, logits)."""
+        eval_mean_token_accuracy. ignore_keys: output keys left out of the predictions."""
         eval_dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(eval_dataset, dict):
             metrics = {}
@@ -624,11 +742,14 @@ class Trainer:
         dataloader = self.get_eval_dataloader(eval_dataset)
         self.callback_handler.eval_dataloader = dataloader
         if self.compute_metrics is None:  # the loss alone: no logits kept
-            eval_loss, examples, batches = evaluation_loop(model, dataloader, self.compute_loss,
-                                                           self._prepare_inputs, self.args.device)
+            eval_loss, examples, batches = evaluation_loop(
+                model, dataloader, self.compute_loss, self._prepare_inputs, self.args.device,
+                on_step=lambda: self._callback("on_prediction_step"))
             metrics = {f"{metric_key_prefix}_loss": eval_loss}
         else:
-            metrics, examples, batches = self.evaluation_loop(dataloader, metric_key_prefix)
+            output = self.evaluation_loop(dataloader, "Evaluation", ignore_keys=ignore_keys,
+                                          metric_key_prefix=metric_key_prefix)
+            metrics, examples, batches = output.metrics, output.num_samples, output.num_batches
             eval_loss = metrics[f"{metric_key_prefix}_loss"]
         if self._loss_shifts_labels:  # a language model's loss: per-token cross-entropy
             metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(eval_loss, 700.0))
@@ -638,50 +759,85 @@ class Trainer:
         self._callback("on_evaluate", metrics=metrics)
         return metrics
 
-    def evaluation_loop(self, dataloader, metric_key_prefix="eval"):
-        """(metrics, examples, batches): compute_metrics over the predictions and labels of every
-        batch (padded to one width with -100), plus the size-weighted mean loss.
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test") -> PredictionOutput:
+        """Predictions (the model's outputs but the loss, batches concatenated and padded with
+        -100), label_ids and metrics (test_loss, compute_metrics', speed) over `test_dataset`.
+        Mirrors: Trainer.predict"""
+        start_time = time.time()
+        model = self.model
+        was_training = model.training
+        model.eval()
+        dataloader = self.get_test_dataloader(test_dataset)
+        output = self.evaluation_loop(dataloader, "Prediction", ignore_keys=ignore_keys,
+                                      metric_key_prefix=metric_key_prefix)
+        model.train(was_training)
+        output.metrics.update(speed_metrics(metric_key_prefix, start_time, output.num_samples,
+                                            output.num_batches))
+        self._callback("on_predict", metrics=output.metrics)
+        return PredictionOutput(output.predictions, output.label_ids, output.metrics)
+
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        """Batches of per_device_eval_batch_size in dataset order.
+        Mirrors: Trainer.get_test_dataloader"""
+        return self.get_eval_dataloader(test_dataset)
+
+    def evaluation_loop(self, dataloader, description="Evaluation", prediction_loss_only=None,
+                        ignore_keys=None, metric_key_prefix="eval") -> EvalLoopOutput:
+        """predictions, label_ids (each batch's, concatenated; rows padded with -100), the
+        size-weighted mean loss and compute_metrics' metrics over them.
         Mirrors: Trainer.evaluation_loop (preprocess_logits_for_metrics, include_for_metrics,
         eval_accumulation_steps, batch_eval_metrics) | Differs: one process only."""
         args = self.args
         if args.world_size > 1:
-            raise ValueError("compute_metrics under torchrun is not supported: nanosft does not "
-                             "gather predictions across ranks; evaluate on one process.")
-        kept = {"predictions": [], "label_ids": [], "inputs": [], "losses": []}
-        metrics, examples, batches = {}, 0, len(dataloader)
+            raise ValueError("compute_metrics and predict under torchrun are not supported: "
+                             "nanosft does not gather predictions across ranks; run them on one "
+                             "process.")
+        kept = {key: EvalLoopContainer(padding_index=IGNORE_INDEX)
+                for key in ("predictions", "label_ids", "inputs", "losses")}
+        metrics, examples, batches = None, 0, 0
+        keep_all = not args.batch_eval_metrics or description == "Prediction"
         for step, inputs in enumerate(dataloader):
-            loss, logits, labels = self.prediction_step(self.model, inputs, False)
+            loss, logits, labels = self.prediction_step(self.model, inputs, prediction_loss_only,
+                                                        ignore_keys=ignore_keys)
             size = find_batch_size(inputs)
             examples += size
-            if self.preprocess_logits_for_metrics is not None:
+            batches += 1
+            if logits is not None and self.preprocess_logits_for_metrics is not None:
                 logits = self.preprocess_logits_for_metrics(logits, labels)
             main_input = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
             batch = {"predictions": logits, "label_ids": labels, "inputs": main_input,
-                     "losses": loss.repeat(size)}  # each example counts once in the mean loss
-            kept["losses"].append(batch["losses"])
+                     "losses": None if loss is None else loss.repeat(size)}  # one per example
+            for key in ("predictions", "label_ids", "inputs", "losses"):
+                if batch[key] is not None and (keep_all or key == "losses"):
+                    kept[key].add(batch[key])
+            self._callback("on_prediction_step")
             if args.batch_eval_metrics:  # compute_metrics keeps running sums; the last reports
-                metrics = self.compute_metrics(self._eval_prediction(batch),
-                                               compute_result=step == batches - 1)
-                continue
-            for key in ("predictions", "label_ids", "inputs"):
-                if batch[key] is not None:
-                    kept[key].append(batch[key])
-            if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
-                # "put them back on the CPU": the chunks so far become one numpy array each
-                kept = {key: [pad_and_concatenate(chunks)] for key, chunks in kept.items()}
-        if not args.batch_eval_metrics:
-            metrics = self.compute_metrics(self._eval_prediction(
-                {key: pad_and_concatenate(chunks) for key, chunks in kept.items()}))
-        metrics = denumpify_detensorize(checked_metrics(metrics, metric_key_prefix))
-        losses = pad_and_concatenate(kept["losses"])
-        finite = np.isfinite(losses)
-        if args.logging_nan_inf_filter and finite.any():
-            losses = losses[finite]
-        metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
+                if self.compute_metrics is not None and logits is not None and labels is not None:
+                    last = has_length(dataloader) and step == len(dataloader) - 1
+                    metrics = self.compute_metrics(self._eval_prediction(batch),
+                                                   compute_result=last)
+            elif args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
+                for container in kept.values():  # "put them back on the CPU" as numpy
+                    container.to_cpu_and_numpy()
+        arrays = {key: container.get_arrays() for key, container in kept.items()}
+        if (not args.batch_eval_metrics and self.compute_metrics is not None
+                and arrays["predictions"] is not None and arrays["label_ids"] is not None):
+            metrics = self.compute_metrics(self._eval_prediction(arrays))
+        called = self.compute_metrics is not None and (args.batch_eval_metrics or (
+            arrays["predictions"] is not None and arrays["label_ids"] is not None))
+        metrics = denumpify_detensorize(checked_metrics(metrics, metric_key_prefix)) if called \
+            else {}
+        losses = arrays["losses"]
+        if losses is not None and len(losses):
+            finite = np.isfinite(losses)
+            if args.logging_nan_inf_filter and finite.any():
+                losses = losses[finite]
+            metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
         # "Prefix all keys with metric_key_prefix + '_'"
         metrics = {key if key.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{key}":
                    value for key, value in metrics.items()}
-        return metrics, examples, batches
+        return EvalLoopOutput(arrays["predictions"], arrays["label_ids"], metrics, examples,
+                              batches)
 
     def _eval_prediction(self, batch: dict) -> EvalPrediction:
         """EvalPrediction of predictions and label_ids, with inputs / losses when
@@ -692,29 +848,46 @@ class Trainer:
                               losses=batch["losses"] if "loss" in include else None)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """(loss, logits, labels) of one eval batch, without gradients.
+        """(loss, logits, labels) of one eval batch, without gradients; labels are the batch's
+        args.label_names (a tuple when there are several), logits every output but the loss.
         Mirrors: Trainer.prediction_step (num_items_in_batch = the batch's supervised tokens)"""
         batch = self._prepare_inputs(inputs)
-        labels = batch.get("labels")
+        has_labels = all(batch.get(name) is not None for name in self.label_names)
+        labels = None
+        if has_labels:
+            labels = tuple(batch[name].detach() if torch.is_tensor(batch[name]) else batch[name]
+                           for name in self.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
         num_items_in_batch = None
-        if labels is not None and (self.model_accepts_loss_kwargs
-                                   or self.compute_loss_func is not None):
+        if "labels" in batch and (self.model_accepts_loss_kwargs
+                                  or self.compute_loss_func is not None):
             num_items_in_batch = count_num_items_in_batch(
                 [batch], self._loss_shifts_labels).to(self.args.device) / 1
         with torch.no_grad():
-            loss, outputs = self.compute_loss(model, batch, return_outputs=True,
-                                              num_items_in_batch=num_items_in_batch)
+            if has_labels or "labels" in batch:
+                loss, outputs = self.compute_loss(model, batch, return_outputs=True,
+                                                  num_items_in_batch=num_items_in_batch)
+                loss = loss.detach()
+            else:  # no labels: the forward alone, no loss
+                loss = None
+                with self.compute_loss_context_manager():
+                    outputs = model(**batch)
+        if prediction_loss_only is None:
+            prediction_loss_only = self.args.prediction_loss_only
         if prediction_loss_only:
-            return (loss.detach(), None, None)
+            return (loss, None, None)
         # every output but the loss: a ModelOutput's other values, a tuple's tail
+        ignore = set(ignore_keys or ()) | {"loss", "past_key_values"}
         if isinstance(outputs, CausalLMOutput):
             logits = (outputs.logits,)
         elif isinstance(outputs, dict):
-            logits = tuple(v for k, v in outputs.items() if k not in ("loss", "past_key_values"))
+            logits = tuple(v for k, v in outputs.items() if k not in ignore)
+        elif torch.is_tensor(outputs):
+            logits = (outputs,)
         else:
-            logits = tuple(outputs[1:])
+            logits = tuple(outputs[1:] if loss is not None else outputs)
         logits = tuple(t.detach() for t in logits)
-        return (loss.detach(), logits[0] if len(logits) == 1 else logits, labels)
+        return (loss, logits[0] if len(logits) == 1 else logits, labels)
 
     def _evaluate(self) -> dict:
         """evaluate(), then ReduceLROnPlateau steps on metric_for_best_model (not for
@@ -726,9 +899,14 @@ class Trainer:
             self.lr_scheduler.step(metric_value(metrics, self.args.metric_for_best_model))
         return metrics
 
-    def _save_checkpoint(self) -> None:
+    def _get_output_dir(self, trial=None) -> str:
+        """Where checkpoints go: args.output_dir. Mirrors: Trainer._get_output_dir (no trials)"""
+        return self.args.output_dir
+
+    def _save_checkpoint(self, model=None, trial=None) -> None:
         """Write output_dir/checkpoint-<step> (every rank takes part), then rank 0 rotates old ones.
-        Mirrors: Trainer._save_checkpoint (files: nanosft.run.checkpoint)"""
+        Mirrors: Trainer._save_checkpoint (files: nanosft.run.checkpoint)
+        Differs: saves self.model whatever `model` is (transformers' argument); no trials."""
         import os
 
         from nanosft.run import checkpoint, output_folder
@@ -737,6 +915,10 @@ class Trainer:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if state.best_global_step == state.global_step:
             state.best_model_checkpoint = folder
+        # "Update ExportableState callbacks and TrainerControl state to where we are currently"
+        # Differs: several callbacks of a class replace their list (transformers appends to it,
+        # so a resume restores the states of train start, the first ones in the list)
+        state.stateful_callbacks.update(self._stateful_callbacks())
         checkpoint.save_checkpoint(folder, model=self.model, optimizer=self.optimizer,
                                    lr_scheduler=self.lr_scheduler, scaler=self.scaler,
                                    trainer_state=state.to_dict(), args=args.to_dict(),

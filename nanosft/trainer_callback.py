@@ -6,12 +6,53 @@
 and save), `ProgressCallback` (the progress bar and printed logs). metrics.jsonl, TensorBoard,
 throughput / MFU, the memory ledger and stop-on-non-finite are callbacks of the product layer
 (nanosft.monitoring.callbacks), which the Trainer installs outside reference mode as
-args.report_to asks; this module imports none of them.
+args.report_to asks; this module imports none of them. `ExportableState` is the protocol of a
+callback whose state a checkpoint carries (trainer_state.json's "stateful_callbacks"),
+`EarlyStoppingCallback` the stock one that uses it.
 Mirrors transformers' trainer_callback.py.
 """
 
+import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field, fields
+
+logger = logging.getLogger(__name__)
+
+
+class ExportableState:
+    """A callback (or TrainerControl) whose state() a checkpoint saves and from_state() rebuilds:
+    {"args": what __init__ takes, "attributes": what changed since}.
+    Mirrors: transformers ExportableState"""
+
+    def state(self) -> dict:
+        raise NotImplementedError("You must implement a `state` function to utilize this class.")
+
+    @classmethod
+    def from_state(cls, state):
+        instance = cls(**state["args"])
+        for key, value in state["attributes"].items():
+            setattr(instance, key, value)
+        return instance
+
+
+def stateful_callbacks_dict(callbacks) -> dict:
+    """{class name: state()} of the ExportableState callbacks; a list of states for a class that
+    occurs more than once. Mirrors: TrainerState.__post_init__ (stateful_callbacks)"""
+    states = {}
+    for callback in callbacks:
+        if not isinstance(callback, ExportableState):
+            raise TypeError("All callbacks passed to be saved must inherit `ExportableState`, but "
+                            f"received {type(callback)}")
+        name = type(callback).__name__
+        if name in states:
+            if not isinstance(states[name], list):
+                states[name] = [states[name]]
+            states[name].append(callback.state())
+        else:
+            states[name] = callback.state()
+    return states
+
 
 @dataclass
 class TrainerState:
@@ -31,7 +72,19 @@ class TrainerState:
     best_metric: float | None = None
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
     is_world_process_zero: bool = True
+    # {class name: state()} of the ExportableState callbacks and TrainerControl (a list of the
+    # ExportableState objects is turned into that dict)
+    stateful_callbacks: dict | list | None = None
+
+    def __post_init__(self):
+        if self.log_history is None:
+            self.log_history = []
+        if self.stateful_callbacks is None:
+            self.stateful_callbacks = {}
+        elif not isinstance(self.stateful_callbacks, dict):
+            self.stateful_callbacks = stateful_callbacks_dict(self.stateful_callbacks)
 
     def compute_steps(self, args, max_steps: int) -> None:
         """Logging/eval/save steps given as a ratio (< 1) of max_steps become step counts.
@@ -53,11 +106,22 @@ class TrainerState:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
+    def save_to_json(self, json_path: str) -> None:
+        """Write the state as indented, key-sorted JSON. Mirrors: TrainerState.save_to_json"""
+        with open(json_path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load_from_json(cls, json_path: str) -> "TrainerState":
+        """Read what save_to_json wrote. Mirrors: TrainerState.load_from_json"""
+        with open(json_path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
 
 @dataclass
-class TrainerControl:
-    """Flags set by callbacks after each step / epoch, cleared once acted on.
-    Mirrors: transformers TrainerControl"""
+class TrainerControl(ExportableState):
+    """Flags set by callbacks after each step / epoch, cleared once acted on; a checkpoint saves
+    them (a run that had stopped resumes stopped). Mirrors: transformers TrainerControl"""
 
     should_training_stop: bool = False
     should_epoch_stop: bool = False
@@ -75,6 +139,9 @@ class TrainerControl:
         self.should_save = False
         self.should_evaluate = False
         self.should_log = False
+
+    def state(self) -> dict:
+        return {"args": asdict(self), "attributes": {}}
 
 
 class TrainerCallback:
@@ -123,6 +190,15 @@ class TrainerCallback:
     def on_log(self, args, state, control, **kwargs):
         pass
 
+    def on_prediction_step(self, args, state, control, **kwargs):
+        pass
+
+    def on_predict(self, args, state, control, metrics, **kwargs):
+        pass
+
+    def on_push_begin(self, args, state, control, **kwargs):
+        pass
+
 
 class CallbackHandler(TrainerCallback):
     """Calls each callback's method of an event, in order, and threads `control` through them.
@@ -138,10 +214,21 @@ class CallbackHandler(TrainerCallback):
         self.lr_scheduler = lr_scheduler
         self.train_dataloader = None
         self.eval_dataloader = None
+        if not any(isinstance(cb, DefaultFlowCallback) for cb in self.callbacks):
+            logger.warning("The Trainer will not work properly if you don't have a "
+                           "`DefaultFlowCallback` in its callbacks. You should add one before "
+                           "training with `trainer.add_callback(DefaultFlowCallback)`. The current "
+                           "list of callbacks is:\n" + self.callback_list)
 
     def add_callback(self, callback):
-        """Add a callback instance, or a class (instantiated here). Mirrors: add_callback"""
+        """Add a callback instance, or a class (instantiated here); a second one of a class is
+        added with a warning. Mirrors: add_callback"""
         cb = callback() if isinstance(callback, type) else callback
+        cb_class = callback if isinstance(callback, type) else type(callback)
+        if cb_class in [type(c) for c in self.callbacks]:
+            logger.warning(f"You are adding a {cb_class.__name__} to the callbacks of this "
+                           "Trainer, but there is already one. The current list of callbacks is:\n"
+                           + self.callback_list)
         self.callbacks.append(cb)
 
     def pop_callback(self, callback):
@@ -210,6 +297,15 @@ class CallbackHandler(TrainerCallback):
     def on_log(self, args, state, control, logs):
         control.should_log = False
         return self.call_event("on_log", args, state, control, logs=logs)
+
+    def on_prediction_step(self, args, state, control):
+        return self.call_event("on_prediction_step", args, state, control)
+
+    def on_predict(self, args, state, control, metrics):
+        return self.call_event("on_predict", args, state, control, metrics=metrics)
+
+    def on_push_begin(self, args, state, control, **kwargs):
+        return self.call_event("on_push_begin", args, state, control, **kwargs)
 
     def call_event(self, event, args, state, control, **kwargs):
         for callback in self.callbacks:
@@ -285,3 +381,71 @@ class ProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Prints each log as a dict (rank 0): the progress callback when disable_tqdm=True.
+    Mirrors: transformers PrinterCallback"""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs is not None:
+            print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items()
+                   if k != "total_flos"})
+
+
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
+    """Stops training once metric_for_best_model has failed to improve (by more than
+    early_stopping_threshold) on `early_stopping_patience` evaluations in a row; its counter is
+    saved in checkpoints. Mirrors: transformers EarlyStoppingCallback
+
+    Args:
+        early_stopping_patience: evaluations without improvement before training stops.
+        early_stopping_threshold: how much better than state.best_metric counts as improving."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold
+        self.early_stopping_patience_counter = 0  # evaluations in a row without improvement
+
+    def check_metric_value(self, args, state, control, metric_value):
+        better = (metric_value > state.best_metric if args.greater_is_better
+                  else metric_value < state.best_metric) if state.best_metric is not None else True
+        if state.best_metric is None or (
+                better and abs(metric_value - state.best_metric) > self.early_stopping_threshold):
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not args.load_best_model_at_end:
+            logger.warning("Using EarlyStoppingCallback without load_best_model_at_end=True. Once "
+                           "training is finished, the best model will not be loaded automatically.")
+        if args.metric_for_best_model is None:
+            raise ValueError("EarlyStoppingCallback requires metric_for_best_model to be defined")
+        if args.eval_strategy == "no":
+            raise ValueError("EarlyStoppingCallback requires IntervalStrategy of steps or epoch")
+
+    def on_evaluate(self, args, state, control, metrics, **kwargs):
+        metric_to_check = args.metric_for_best_model
+        if not metric_to_check.startswith("eval_"):
+            metric_to_check = f"eval_{metric_to_check}"
+        metric_value = metrics.get(metric_to_check)
+        if metric_value is None:
+            logger.warning(f"early stopping required metric_for_best_model, but did not find "
+                           f"{metric_to_check} so early stopping is disabled")
+            return
+        self.check_metric_value(args, state, control, metric_value)
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+
+    def state(self) -> dict:
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"early_stopping_patience_counter":
+                               self.early_stopping_patience_counter}}
+
+
+def progress_callback(args) -> TrainerCallback:
+    """The bar (ProgressCallback), or PrinterCallback when args.disable_tqdm, as transformers
+    picks. Mirrors: Trainer.__init__ (DEFAULT_PROGRESS_CALLBACK)"""
+    return PrinterCallback() if args.disable_tqdm else ProgressCallback()

@@ -11,11 +11,14 @@ convert_outputs_to_fp32).
 """
 
 import contextlib
+import functools
 import gc
 import inspect
+import itertools
 import math
 import random
 import time
+import warnings
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -41,6 +44,54 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict
+
+
+class PredictionOutput(NamedTuple):
+    """What predict() returns. Mirrors: transformers trainer_utils.PredictionOutput"""
+
+    predictions: np.ndarray | tuple
+    label_ids: np.ndarray | tuple | None
+    metrics: dict | None
+
+
+class EvalLoopOutput(NamedTuple):
+    """What evaluation_loop() returns. Mirrors: transformers trainer_utils.EvalLoopOutput
+    Differs: also the number of batches (speed_metrics' steps)."""
+
+    predictions: np.ndarray | tuple | None
+    label_ids: np.ndarray | tuple | None
+    metrics: dict | None
+    num_samples: int | None
+    num_batches: int = 0
+
+
+class IntervalStrategy:
+    """The values of logging_strategy / eval_strategy / save_strategy ("best" is save's alone).
+    Mirrors: transformers trainer_utils.IntervalStrategy (a str enum; these are its strings)"""
+
+    NO = "no"
+    STEPS = "steps"
+    EPOCH = "epoch"
+
+
+def has_length(dataset) -> bool:
+    """Whether len(dataset) works (an IterableDataset streams: it has none).
+    Mirrors: transformers trainer_utils.has_length"""
+    try:
+        return len(dataset) is not None
+    except (TypeError, NotImplementedError):
+        return False
+
+
+def label_smoothing_unsupported(model) -> bool:
+    """True, with transformers' warning, for a multi-label classifier: label smoothing would
+    smooth its 0/1 targets. Mirrors: Trainer.__init__ (label_smoother)"""
+    config = getattr(model, "config", None)
+    if getattr(config, "problem_type", None) != "multi_label_classification":
+        return False
+    warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling "
+                  "label smoothing for this training run.", UserWarning, stacklevel=3)
+    return True
 
 
 def convert_outputs_to_fp32(outputs):
@@ -126,9 +177,22 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int) -> DataLoader:
     """The same dataloader for the current epoch, less its first `num_batches` batches (resume).
     Mirrors: accelerate skip_first_batches
     Differs: slices the batch index lists, so skipped batches are not collated."""
+    if not has_length(dataloader):  # a stream: read past the batches already trained on
+        return _SkippedStream(dataloader, num_batches)
     remaining = list(dataloader.batch_sampler)[num_batches:]
     return DataLoader(dataloader.dataset, batch_sampler=remaining, collate_fn=dataloader.collate_fn,
                       num_workers=dataloader.num_workers, generator=torch.Generator())
+
+
+class _SkippedStream:
+    """A dataloader without a length, less its first `num_batches` batches."""
+
+    def __init__(self, dataloader, num_batches):
+        self.dataloader = dataloader
+        self.num_batches = num_batches
+
+    def __iter__(self):
+        return itertools.islice(iter(self.dataloader), self.num_batches, None)
 
 
 def select_columns(features: list, collator, keep: set | None):
@@ -185,6 +249,12 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
     (eval): dataset order, or group_by_length over eval batches, as transformers' eval sampler.
     Mirrors: Trainer._get_dataloader, _get_train_sampler, _get_eval_sampler +
     accelerate prepare_data_loader"""
+    if not has_length(dataset):  # streamed: read in order, never whole (no sampler, no length)
+        if distributed.get_world_size() > 1:
+            raise ValueError("an IterableDataset without __len__ under torchrun is not supported: "
+                             "split the stream per rank, or give the dataset a length.")
+        return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn,
+                          drop_last=drop_last, num_workers=args.dataloader_num_workers)
     seed = args.data_seed if args.data_seed is not None else args.seed
     lengths = group_size = None
     if args.train_sampling_strategy == "group_by_length":
@@ -279,8 +349,9 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
-    """(mean loss with each batch weighted by its size, examples, batches) over all ranks.
+def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device, on_step=None):
+    """(mean loss with each batch weighted by its size, examples, batches) over all ranks;
+    on_step() after each batch (the callbacks' on_prediction_step).
     Mirrors: Trainer.evaluation_loop (losses repeated batch-size times, then averaged)"""
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss x size, examples, batches
     with torch.no_grad():
@@ -288,6 +359,8 @@ def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device):
             loss = compute_loss(model, prepare_inputs(batch))
             size = find_batch_size(batch)
             totals += torch.cat([(loss.double() * size)[None], totals.new_tensor([size, 1.0])])
+            if on_step is not None:
+                on_step()
     loss_sum, examples, batches = distributed.all_reduce_sum(totals).tolist()
     return loss_sum / max(examples, 1), examples, batches
 
@@ -431,24 +504,39 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def find_executable_batch_size(function, starting_batch_size: int):
-    """function(batch_size) from starting_batch_size; on out-of-memory retry with int(0.9 x it).
+def find_executable_batch_size(function=None, starting_batch_size: int = 128,
+                               auto_find_batch_size: bool = True):
+    """`function` wrapped so that it runs with batch_size=starting_batch_size and, on
+    out-of-memory, again with int(0.9 x batch_size); a decorator without `function`. With
+    auto_find_batch_size=False it runs once, with starting_batch_size.
     Guide: performance | Mirrors: transformers find_executable_batch_size (auto_find_batch_size),
-    accelerate find_executable_batch_size | Differs: a call, not a decorator."""
-    batch_size = starting_batch_size
-    _free_device_memory()
-    while True:
-        if batch_size == 0:
-            raise RuntimeError("No executable batch size found, reached zero. Even a batch of one "
-                               "row ran out of memory: lower max_length, set gradient_checkpointing"
-                               "=True, or train a quantized (QLoRA) model.")
-        try:
-            return function(batch_size)
-        except Exception as error:  # noqa: BLE001 (re-raised unless it is out-of-memory)
-            if not should_reduce_batch_size(error):
-                raise
+    accelerate find_executable_batch_size"""
+    if function is None:
+        return functools.partial(find_executable_batch_size,
+                                 starting_batch_size=starting_batch_size,
+                                 auto_find_batch_size=auto_find_batch_size)
+    if not auto_find_batch_size:
+        return functools.partial(function, batch_size=starting_batch_size)
+
+    @functools.wraps(function)
+    def decorator(*args, **kwargs):
+        batch_size = starting_batch_size
         _free_device_memory()
-        batch_size = int(batch_size * 0.9)
+        while True:
+            if batch_size == 0:
+                raise RuntimeError("No executable batch size found, reached zero. Even a batch of "
+                                   "one row ran out of memory: lower max_length, set "
+                                   "gradient_checkpointing=True, or train a quantized (QLoRA) "
+                                   "model.")
+            try:
+                return function(batch_size, *args, **kwargs)
+            except Exception as error:  # noqa: BLE001 (re-raised unless it is out-of-memory)
+                if not should_reduce_batch_size(error):
+                    raise
+            _free_device_memory()
+            batch_size = int(batch_size * 0.9)
+
+    return decorator
 
 
 def autocast_context(args):

@@ -20,7 +20,7 @@ from nanosft import distributed
 from nanosft.monitoring.flops import (LogWindow, attention_shape, calibrate_matmul_flops,
                                       compute_dtype, matmul_parameters, model_flops, model_width,
                                       non_embedding_parameters, not_a_causal_lm)
-from nanosft.trainer_callback import ProgressCallback, TrainerCallback
+from nanosft.trainer_callback import TrainerCallback, progress_callback
 
 
 def _update_logs(state, logs, values):
@@ -319,7 +319,7 @@ def reporting_callbacks(args) -> list:
     callbacks = [ThroughputCallback()] if targets else []
     if "nanosft" in targets:
         callbacks.append(MemoryCallback())
-    callbacks.append(ProgressCallback())
+    callbacks.append(progress_callback(args))
     if "nanosft" in targets:
         callbacks.append(MetricsFileCallback())
     if "tensorboard" in targets:

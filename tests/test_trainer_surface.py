@@ -1,0 +1,343 @@
+"""transformers' public Trainer surface in nanosft: the names (top level and their modules),
+TrainerState / TrainerControl / ExportableState, the CallbackHandler warnings, EarlyStopping,
+stateful callbacks through a checkpoint, predict, the optimizer / scheduler methods, streamed
+(length-less) datasets, label smoothing and the JIT (SIGTERM) checkpoint.
+
+Compared: against formulas written out here (a linear model y = a x + b whose predictions and
+losses are known), against transformers' classes where it is installed (importorskip), and
+each behaviour with a negative control. Hermetic, CPU, about 20 s.
+Run: python -m pytest -q tests/test_trainer_surface.py
+"""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nanosft
+from nanosft.args import TrainingArguments
+from nanosft.trainer import DEFAULT_CALLBACKS, TRAINER_STATE_NAME, Trainer
+from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, EarlyStoppingCallback,
+                                      ExportableState, PrinterCallback, ProgressCallback,
+                                      TrainerCallback, TrainerControl, TrainerState)
+from nanosft.trainer_utils import PredictionOutput
+
+
+# ----------------------------------------------------------------------------- tiny model + data
+class Linear(nn.Module):
+    """y = a x + b; (mse loss, y) with labels, (y,) without; `twice` returns y twice."""
+
+    def __init__(self, a=0.0, b=0.0, twice=False):
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(float(a)))
+        self.b = nn.Parameter(torch.tensor(float(b)))
+        self.twice = twice
+
+    def forward(self, x, labels=None, **kwargs):
+        y = x * self.a + self.b
+        outputs = (y, y) if self.twice else (y,)
+        return outputs if labels is None else (nn.functional.mse_loss(y, labels), *outputs)
+
+
+def rows(n=32, seed=0, extra=False):
+    g = np.random.default_rng(seed)
+    x = g.normal(size=n).astype(np.float32)
+    y = (2 * x + 3 + g.normal(scale=0.1, size=n)).astype(np.float32)
+    return [{"x": x[i], "labels": y[i], **({"labels_2": -y[i]} if extra else {})}
+            for i in range(n)]
+
+
+def args(tmp_path, **kw):
+    kw.setdefault("report_to", "none")
+    kw.setdefault("disable_tqdm", True)
+    return TrainingArguments(str(tmp_path / "out"), use_cpu=True, **kw)
+
+
+# ----------------------------------------------------------------------------- names
+SURFACE = ["TrainerState", "TrainerControl", "CallbackHandler", "DefaultFlowCallback",
+           "ProgressCallback", "PrinterCallback", "EarlyStoppingCallback", "ExportableState",
+           "IntervalStrategy", "EvalPrediction", "PredictionOutput", "TrainOutput", "set_seed",
+           "default_data_collator", "DataCollatorWithPadding", "get_scheduler",
+           "get_linear_schedule_with_warmup", "get_polynomial_decay_schedule_with_warmup"]
+
+
+@pytest.mark.parametrize("name", SURFACE)
+def test_public_name_is_the_defining_modules_object(name):
+    module = sys.modules[nanosft._LAZY_NAMES[name]] if nanosft._LAZY_NAMES[name] in sys.modules \
+        else __import__(nanosft._LAZY_NAMES[name], fromlist=[name])
+    assert getattr(nanosft, name) is getattr(module, name)
+
+
+def test_import_nanosft_still_imports_no_torch():
+    code = "import sys, nanosft; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_default_callbacks_and_printer_when_tqdm_is_off(tmp_path):
+    assert DEFAULT_CALLBACKS == [DefaultFlowCallback]
+    names = {type(cb).__name__ for cb in
+             Trainer(Linear(), args(tmp_path)).callback_handler.callbacks}
+    assert "PrinterCallback" in names and "ProgressCallback" not in names  # disable_tqdm=True
+    names = {type(cb).__name__ for cb in
+             Trainer(Linear(), args(tmp_path, disable_tqdm=False)).callback_handler.callbacks}
+    assert "ProgressCallback" in names and "PrinterCallback" not in names
+
+
+# ----------------------------------------------------------------------------- state and control
+def test_trainer_state_json_round_trip(tmp_path):
+    state = TrainerState(epoch=1.5, global_step=100, max_steps=200, best_metric=0.95)
+    state.log_history.append({"loss": 1.0, "step": 1})
+    path = tmp_path / "state.json"
+    state.save_to_json(str(path))
+    assert json.loads(path.read_text())["global_step"] == 100
+    assert TrainerState.load_from_json(str(path)) == state
+
+
+def test_stateful_callbacks_list_becomes_a_dict_of_states():
+    early = EarlyStoppingCallback(early_stopping_patience=4)
+    state = TrainerState(stateful_callbacks=[early, TrainerControl(should_save=True)])
+    assert state.stateful_callbacks["EarlyStoppingCallback"]["args"]["early_stopping_patience"] == 4
+    assert state.stateful_callbacks["TrainerControl"]["args"]["should_save"] is True
+    assert TrainerState().stateful_callbacks == {}
+    with pytest.raises(TypeError, match="ExportableState"):
+        TrainerState(stateful_callbacks=[PrinterCallback()])  # not exportable
+
+
+def test_exportable_state_rebuilds_args_and_attributes():
+    early = EarlyStoppingCallback(early_stopping_patience=5, early_stopping_threshold=0.1)
+    early.early_stopping_patience_counter = 3
+    back = EarlyStoppingCallback.from_state(early.state())
+    assert vars(back) == vars(early)
+    control = TrainerControl(should_training_stop=True)
+    assert TrainerControl.from_state(control.state()) == control
+    with pytest.raises(NotImplementedError):
+        ExportableState().state()
+
+
+def test_handler_warns_about_a_duplicate_and_a_missing_flow_callback(caplog):
+    with caplog.at_level(logging.WARNING, logger="nanosft.trainer_callback"):
+        CallbackHandler([DefaultFlowCallback(), ProgressCallback, ProgressCallback], None, None,
+                        None, None)
+    assert len(caplog.records) == 1 and "ProgressCallback" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nanosft.trainer_callback"):
+        CallbackHandler([ProgressCallback()], None, None, None, None)
+    assert "DefaultFlowCallback" in caplog.records[0].getMessage()
+
+
+# ----------------------------------------------------------------------------- early stopping
+def test_early_stopping_counter_against_best_metric():
+    class Args:
+        greater_is_better = True
+
+    cb = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.1)
+    state, control = TrainerState(best_metric=0.8), TrainerControl()
+    cb.check_metric_value(Args(), state, control, 0.85)  # better, but by less than the threshold
+    assert cb.early_stopping_patience_counter == 1
+    cb.check_metric_value(Args(), state, control, 0.95)  # better by more: reset
+    assert cb.early_stopping_patience_counter == 0
+
+
+def test_early_stopping_stops_a_run_whose_metric_stalls(tmp_path):
+    # lr 0: eval_loss never improves after the first evaluation, so patience 2 stops at step 3
+    kw = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+              load_best_model_at_end=True, learning_rate=0.0, max_steps=10,
+              per_device_train_batch_size=4)
+    trainer = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows(), eval_dataset=rows(8),
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer.train()
+    assert trainer.state.global_step == 3
+    control = Trainer(Linear(), args(tmp_path / "b", **kw), train_dataset=rows(),
+                      eval_dataset=rows(8))  # negative control: no callback, all 10 steps
+    control.train()
+    assert control.state.global_step == 10
+
+
+# ----------------------------------------------------------------------------- stateful callbacks
+class Counter(TrainerCallback, ExportableState):
+    def __init__(self, name="default"):
+        self.name = name
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def state(self):
+        return {"args": {"name": self.name}, "attributes": {"steps": self.steps}}
+
+
+def test_stateful_callbacks_go_through_a_checkpoint(tmp_path, caplog):
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2, per_device_train_batch_size=4)
+    Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows(),
+            callbacks=[Counter("first"), Counter("second")]).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["stateful_callbacks"]
+    assert [s["args"]["name"] for s in saved["Counter"]][:2] == ["first", "second"]
+
+    kw["max_steps"] = 3
+    resumed = Trainer(Linear(), args(tmp_path, restore_callback_states_from_checkpoint=True, **kw),
+                      train_dataset=rows(), callbacks=[Counter(), Counter()])
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    counters = [cb for cb in resumed.callback_handler.callbacks if isinstance(cb, Counter)]
+    assert [(c.name, c.steps) for c in counters] == [("first", 3), ("second", 3)]  # 2 + 1 step
+
+    # negative control: without the flag the fresh callbacks stay; a saved one the run lacks warns
+    plain = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows(), callbacks=[Counter()])
+    plain.train(resume_from_checkpoint=str(checkpoint))
+    assert [cb.name for cb in plain.callback_handler.callbacks if isinstance(cb, Counter)] == \
+        ["default"]
+    lacking = Trainer(Linear(), args(tmp_path, restore_callback_states_from_checkpoint=True, **kw),
+                      train_dataset=rows())
+    with caplog.at_level(logging.WARNING, logger="nanosft.trainer"):
+        lacking.train(resume_from_checkpoint=str(checkpoint))
+    assert any("Counter" in r.getMessage() for r in caplog.records)
+
+
+def test_control_state_is_restored(tmp_path):
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2, per_device_train_batch_size=4)
+    Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows()).train()
+    trainer = Trainer(Linear(), args(tmp_path, restore_callback_states_from_checkpoint=True, **kw),
+                      train_dataset=rows())
+    path = tmp_path / "out" / "checkpoint-2" / TRAINER_STATE_NAME
+    trainer.state = TrainerState.load_from_json(str(path))
+    assert not trainer.control.should_training_stop
+    trainer._load_callback_state()
+    assert trainer.control.should_training_stop  # the run had reached max_steps
+
+
+# ----------------------------------------------------------------------------- predict
+def test_predict_returns_the_models_outputs_and_labels(tmp_path):
+    data = rows(10, extra=True)
+    x = np.array([r["x"] for r in data])
+    trainer = Trainer(Linear(1.5, 2.5), args(tmp_path, per_device_eval_batch_size=4))
+    out = trainer.predict(data)
+    assert isinstance(out, PredictionOutput)
+    np.testing.assert_allclose(out.predictions, 1.5 * x + 2.5, rtol=1e-6)
+    y = np.array([r["labels"] for r in data])
+    np.testing.assert_array_equal(out.label_ids, y)
+    assert out.metrics["test_loss"] == pytest.approx(((1.5 * x + 2.5 - y) ** 2).mean(), rel=1e-5)
+
+    two = Trainer(Linear(1.5, 2.5, twice=True),
+                  args(tmp_path, per_device_eval_batch_size=4, label_names=["labels", "labels_2"]))
+    out = two.predict(data)
+    assert len(out.predictions) == 2 and len(out.label_ids) == 2
+    np.testing.assert_array_equal(out.label_ids[1], -y)
+
+
+def test_predict_pads_rows_of_another_width_with_minus_100(tmp_path):
+    data = [{"x": np.ones(n, np.float32), "labels": np.zeros(n, np.float32)} for n in (2, 2, 5, 5)]
+    out = Trainer(Linear(2.0, 1.0), args(tmp_path, per_device_eval_batch_size=2)).predict(data)
+    assert out.predictions.shape == (4, 5)
+    np.testing.assert_array_equal(out.predictions[0], [3, 3, -100, -100, -100])
+
+
+# ----------------------------------------------------------------------------- optimizer methods
+def test_optimizer_methods(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    trainer = Trainer(model, args(tmp_path, learning_rate=1e-3, warmup_steps=2))
+    with pytest.raises(ValueError, match="optimizer is None"):
+        trainer.get_optimizer_group()
+    with pytest.raises(ValueError, match="optimizer is None"):
+        trainer.get_learning_rates()
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    assert len(trainer.get_optimizer_group()) == 2  # decayed, not decayed
+    assert trainer.get_optimizer_group(model[0].weight)["weight_decay"] == trainer.args.weight_decay
+    assert trainer.get_optimizer_group(model[1].weight)["weight_decay"] == 0.0
+    assert trainer.get_learning_rates() == [0.0, 0.0]  # warmup starts at 0
+    optimizer = trainer.optimizer
+    assert trainer.create_optimizer() is optimizer  # kept once made
+
+
+# ----------------------------------------------------------------------------- streamed data
+class Stream(torch.utils.data.IterableDataset):
+    """Rows without __len__; counts how many were read."""
+
+    def __init__(self, n=10**9):
+        self.n, self.read = n, 0
+
+    def __iter__(self):
+        for i in range(self.n):
+            self.read += 1
+            yield {"x": np.float32(i % 7), "labels": np.float32(2 * (i % 7) + 3), "extra": "s"}
+
+
+def test_iterable_dataset_trains_max_steps_reading_only_those_rows(tmp_path):
+    stream = Stream()
+    trainer = Trainer(Linear(), args(tmp_path, max_steps=3, per_device_train_batch_size=4,
+                                     save_strategy="no"), train_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert stream.read <= 3 * 4 + 4  # streamed: a batch ahead at most, never read whole
+    with pytest.raises(ValueError, match="max_steps must be set to a positive value"):
+        Trainer(Linear(), args(tmp_path, save_strategy="no"), train_dataset=Stream(8)).train()
+
+
+def test_short_stream_is_read_again_until_max_steps(tmp_path):
+    stream = Stream(n=8)  # two batches of 4 per pass
+    trainer = Trainer(Linear(), args(tmp_path, max_steps=5, per_device_train_batch_size=4,
+                                     save_strategy="no"), train_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 5
+
+
+# ----------------------------------------------------------------------------- label smoothing
+def test_label_smoother_equals_the_formula():
+    from nanosft.trainer_pt_utils import LabelSmoother
+
+    logits, labels = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    labels[0, 1] = -100
+    logp = torch.log_softmax(logits, -1)
+    keep = labels != -100
+    nll = -logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0][keep].mean()
+    smooth = -logp[keep].mean()
+    expected = 0.9 * nll + 0.1 * smooth
+    torch.testing.assert_close(LabelSmoother(0.1)({"logits": logits}, labels), expected)
+
+
+def test_label_smoothing_is_refused_for_multi_label_with_a_warning(tmp_path):
+    model = Linear()
+    model.config = type("Config", (), {"problem_type": "multi_label_classification"})()
+    with pytest.warns(UserWarning, match="not compatible with multi-label classification"):
+        trainer = Trainer(model, args(tmp_path, label_smoothing_factor=0.1))
+    assert trainer.label_smoother is None
+    assert Trainer(Linear(), args(tmp_path, label_smoothing_factor=0.1)).label_smoother is not None
+
+
+# ----------------------------------------------------------------------------- JIT checkpoint
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    from nanosft.run.jit_checkpoint import JITCheckpointCallback
+
+    kw = dict(max_steps=50, per_device_train_batch_size=4, save_strategy="no",
+              enable_jit_checkpoint=True)
+    trainer = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows())
+    jit = next(cb for cb in trainer.callback_handler.callbacks
+               if isinstance(cb, JITCheckpointCallback))
+    jit.jit_manager.kill_wait = 0
+
+    class Sigterm(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                deadline = time.time() + 5
+                while not jit.jit_manager.is_checkpoint_requested and time.time() < deadline:
+                    time.sleep(0.01)
+
+    trainer.add_callback(Sigterm())
+    trainer.train()
+    # the save ran at the next event (step 4's start, weights of step 3); that step finished
+    assert trainer.state.global_step == 4
+    saved = json.loads((tmp_path / "out" / "checkpoint-3" / TRAINER_STATE_NAME).read_text())
+    assert saved["global_step"] == 3
+    assert signal.getsignal(signal.SIGTERM) == jit.jit_manager._original_sigterm_handler
+    # negative control: enable_jit_checkpoint off installs nothing
+    off = Trainer(Linear(), args(tmp_path / "b", max_steps=1), train_dataset=rows())
+    assert not any(isinstance(cb, JITCheckpointCallback) for cb in off.callback_handler.callbacks)
