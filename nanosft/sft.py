@@ -118,7 +118,6 @@ class SFTTrainer(Trainer):
         set_seed(args.seed)  # before get_peft_model: the LoRA A init draws from the global RNG
         model, processing_class = create_model(model, args, quantization_config, processing_class)
         model = self._prepare_peft_model(model, args, peft_config)  # PEFT
-        self.chat_template = self._training_chat_template(processing_class, args)
         train_rows = self._read_train_dataset(train_dataset, args, formatting_func)  # its rows
         data_collator = self._create_data_collator(data_collator, model, processing_class, args,
                                                    train_rows)  # Data collator
@@ -212,12 +211,14 @@ class SFTTrainer(Trainer):
                           eval_dataset, data_collator):
         """(train, eval): train_rows (read off train_dataset, which names them and, a datasets
         object, makes the output one) and the eval set(s) through _prepare (tokenize, label,
-        truncate or pack), token ids checked against the embedding; all handed through with
-        skip_prepare_dataset. Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset)"""
+        truncate or pack; chats under assistant_only_loss with TRL's training template), token
+        ids checked against the embedding; all handed through with skip_prepare_dataset.
+        Mirrors: trl SFTTrainer.__init__ ("# Dataset": _prepare_dataset)"""
         from nanosft.run.sft_setup import check_datasets, check_token_ids_fit, dataset_name
 
         check_datasets(args, self.padding_free, train_rows, eval_dataset,
                        self._skip_prepare_dataset, data_collator)
+        self.chat_template = self._training_chat_template(processing_class, args)  # TRL's swap
         if not self._skip_prepare_dataset:
             train_rows = self._prepare(train_rows, processing_class, args,
                                        dataset_name(train_dataset, "train_dataset"),

@@ -6,8 +6,11 @@ written, one whose trl / transformers / peft imports name nanosft's objects (a n
 stays transformers' for transformers, None for trl and peft). Both run offline on CPU against a
 fake Hugging Face cache of tiny random models of the families nanosft loads (chat templates from
 the installed trl package) and stand-ins for TRL's Hub datasets with the same configs and columns
-(zen, toolcall). Models of other families are absent, so their tests fail under TRL too and are
-not counted. Prints how many tests TRL passes here and how many of those nanosft passes, with the
+(zen, toolcall, harmony), plus TRL's real tiny test models of those families (the config arguments
+of TRL's generator: OLMo 3 with YaRN, GPT-NeoX with num_key_value_heads, gpt-oss, Qwen3-MoE,
+GLM-4-MoE, Cohere 2, LFM2) and tiny-RemoteForCausalLM (TRL's remote code files, read from the
+checkout). Models of other families are absent, so their tests fail under TRL too and are not
+counted. Prints how many tests TRL passes here and how many of those nanosft passes, with the
 first error line of each one it does not.
 Run: python scripts/trl_sft_suite.py /path/to/trl-checkout [--nanosft .]  (a few minutes, 2 cores)
 """
@@ -57,6 +60,48 @@ MODELS = {
                                       "<|system|>"], "phi3.jinja",
                              {"pad_token": "<|endoftext|>", "eos_token": "<|end|>"}),
 }
+# TRL's real tiny test models of the families nanosft loads: the config arguments TRL's generator
+# (scripts/generate_tiny_models/for_causal_lm/*.py) passes, vocab_size at least the tokenizer
+# trained here. Hub id -> (transformers class prefix, config arguments, special tokens, trl chat
+# template file or None, named tokens)
+TINY = {"hidden_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "intermediate_size": 32}
+HARMONY = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+           "<|call|>", "<|constrain|>"]
+REAL = {
+    "tiny-Olmo3ForCausalLM": ("Olmo3", {
+        **TINY, "max_position_embeddings": 65536, "rms_norm_eps": 1e-06, "rope_theta": 500000,
+        "rope_scaling": {"attention_factor": 1.2079441541679836, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "factor": 8.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "yarn"},
+        "use_cache": False}, QWEN, None, QWEN_TOKENS),
+    "tiny-GPTNeoXForCausalLM": ("GPTNeoX", dict(TINY), ["<|endoftext|>", "<|padding|>"], None,
+                                {"pad_token": None, "eos_token": "<|endoftext|>",
+                                 "bos_token": "<|endoftext|>"}),
+    "tiny-GptOssForCausalLM": ("GptOss", {**TINY, "num_local_experts": 4,
+                                          "num_experts_per_tok": 2}, HARMONY, "gptoss.jinja",
+                               {"pad_token": "<|endoftext|>", "eos_token": "<|return|>"}),
+    "tiny-Qwen3MoeForCausalLM": ("Qwen3Moe", {
+        **TINY, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "norm_topk_prob": True, "head_dim": 128,
+        "max_window_layers": 48}, QWEN, "qwen3.jinja", QWEN_TOKENS),
+    "tiny-Glm4MoeForCausalLM": ("Glm4Moe", {
+        **TINY, "moe_intermediate_size": 32, "head_dim": 2, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "attention_bias": True, "rope_theta": 1000000,
+        "routed_scaling_factor": 2.5, "use_qk_norm": True, "num_nextn_predict_layers": 1},
+        QWEN, "glm4moe.jinja", QWEN_TOKENS),
+    "tiny-Cohere2ForCausalLM": ("Cohere2", {**TINY, "logit_scale": 1.0, "rope_theta": 50000},
+                                ["<PAD>", "<BOS_TOKEN>", "<EOS_TOKEN>"], "cohere2.jinja",
+                                {"pad_token": "<PAD>", "eos_token": "<EOS_TOKEN>",
+                                 "bos_token": "<BOS_TOKEN>"}),
+    "tiny-Lfm2ForCausalLM": ("Lfm2", {
+        **TINY, "full_attn_idxs": [1], "block_multiple_of": 8, "max_position_embeddings": 128000,
+        "norm_eps": 1e-05, "rope_theta": 1000000.0, "conv_bias": False, "conv_L_cache": 3,
+        "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "use_cache": False},
+        ["<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "lfm2.jinja", {"pad_token": "<|pad|>", "eos_token": "<|im_end|>",
+                       "bos_token": "<|startoftext|>"}),
+}
 # What the test copies run with: a fake cache, TRL's datasets replaced, bf16 allowed on CPU.
 CONFTEST = '''
 import os, pathlib, sys
@@ -92,6 +137,15 @@ TOOLS = {tools!r}
 
 def rows(path, config):
     questions = [f"Tell me line {{i}} of the Zen." for i in range(len(ZEN))]
+    if path.endswith("harmony"):  # gpt-oss's format: thinking beside content, template kwargs
+        kwargs = {{"reasoning_effort": "low", "model_identity": "You are a tiny model."}}
+        if config == "language_modeling":
+            return [{{"messages": [{{"role": "user", "content": q}}, {{
+                "role": "assistant", "thinking": "Think.", "content": z}}],
+                "chat_template_kwargs": kwargs}} for q, z in zip(questions, ZEN)]
+        return [{{"prompt": [{{"role": "user", "content": q}}], "completion": [{{
+            "role": "assistant", "thinking": "Think.", "content": z}}],
+            "chat_template_kwargs": kwargs}} for q, z in zip(questions, ZEN)]
     if path.endswith("toolcall"):
         return [{{"messages": [
             {{"role": "user", "content": f"Weather in city {{i}}?"}},
@@ -175,6 +229,53 @@ def build_models(hub):
         getattr(transformers, f"{classes[model_type]}ForCausalLM")(config).save_pretrained(snapshot)
 
 
+def build_real_models(hub, trl_checkout):
+    """TRL's real tiny configs (REAL) under their Hub ids, and tiny-RemoteForCausalLM: a Llama's
+    weights under model_type "remote" with TRL's remote code files beside them (auto_map)."""
+    import shutil
+
+    import torch
+    import transformers
+    import trl
+
+    from nanosft.tokenizer import Tokenizer
+
+    templates = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
+    remote = ("Llama", dict(TINY), LLAMA, "llama3_2.jinja", LLAMA_TOKENS)
+    for name, (prefix, kwargs, specials, template, tokens) in {
+            **REAL, "tiny-RemoteForCausalLM": remote}.items():
+        repo = os.path.join(hub, f"models--trl-internal-testing--{name}")
+        snapshot = os.path.join(repo, "snapshots", "0" * 40)
+        os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+        with open(os.path.join(repo, "refs", "main"), "w") as f:
+            f.write("0" * 40)
+        corpus = ZEN * 3 + ["Weather in Paris? It is sunny. get_weather city Think."] * 3
+        tokenizer = Tokenizer.train(corpus, vocab_size=600, special_tokens=specials, **tokens)
+        if template is not None:
+            with open(os.path.join(templates, template)) as f:
+                tokenizer.chat_template = f.read()
+        tokenizer.save_pretrained(snapshot)
+        ids = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
+        config = getattr(transformers, f"{prefix}Config")(
+            **{"vocab_size": len(tokenizer), **ids, **kwargs})
+        torch.manual_seed(0)
+        getattr(transformers, f"{prefix}ForCausalLM")(config).save_pretrained(snapshot)
+        if name == "tiny-RemoteForCausalLM":
+            code = os.path.join(trl_checkout, "scripts", "generate_tiny_models", "for_causal_lm",
+                                "_remote_code")
+            for file in ("configuration_remote.py", "modeling_remote.py"):
+                shutil.copy(os.path.join(code, file), snapshot)
+            path = os.path.join(snapshot, "config.json")
+            with open(path) as f:
+                d = json.load(f)
+            d.update(model_type="remote", architectures=["RemoteForCausalLM"], auto_map={
+                "AutoConfig": "configuration_remote.RemoteConfig",
+                "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"})
+            with open(path, "w") as f:
+                json.dump(d, f)
+
+
 IMPORT = re.compile(r"^( *)from (trl\.trainer\.sft_trainer|trl|transformers|peft) import "
                     r"(\(([^)]*)\)|[^\n(]+)$", re.MULTILINE)
 
@@ -241,6 +342,7 @@ def main():
     os.makedirs(tests), os.makedirs(data)
     sys.path.insert(0, os.path.abspath(args.nanosft))
     build_models(os.path.join(folder, "hub"))
+    build_real_models(os.path.join(folder, "hub"), args.trl_checkout)
     source = os.path.join(args.trl_checkout, "tests")
     for name in ("testing_utils.py", "data/template.jinja"):
         with open(os.path.join(source, name)) as f:
@@ -268,6 +370,8 @@ def main():
     with open(os.path.join(folder, "suite_pick.py"), "w") as f:
         f.write(PICK)
     reference, ours = run(folder, "test_sft_trl"), run(folder, "test_sft_nanosft")
+    with open(os.path.join(folder, "results.json"), "w") as f:  # every test id, both stacks
+        json.dump({"trl": reference, "nanosft": ours}, f, indent=1)
     passed = {t.split("::", 1)[1] for t, error in reference.items() if error is None}
     ours = {t.split("::", 1)[1]: error for t, error in ours.items()}
     kept = sorted(t for t in passed if ours.get(t, "missing") is None)

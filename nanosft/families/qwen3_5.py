@@ -18,7 +18,8 @@ from nanosft.families.gated_deltanet import GatedDeltaNet
 from nanosft.families.gemma3 import Gemma3RMSNorm
 from nanosft.families.hybrid import HybridModel
 from nanosft.families.phi3 import apply_partial_rotary
-from nanosft.model import MLP, Attention, CausalLM
+from nanosft.model import MLP, Attention, CausalLM, rope_dict
+from nanosft.rope import check_rope, rope_cos_sin, standardize_rope
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -56,11 +57,11 @@ class Qwen3_5Config(ModelConfig):
         self.rope_scaling = None  # ModelConfig's check knows no partial RoPE
         super().__post_init__()
         self.partial_rotary_factor = rope.get("partial_rotary_factor", self.partial_rotary_factor)
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config: rope {rope} is not supported for qwen3_5_text; use "
-                             "rope_type default")
-        self.rope_scaling = {**rope, "rope_type": "default",
-                             "partial_rotary_factor": self.partial_rotary_factor}
+        self.rope_scaling = standardize_rope({**rope, "partial_rotary_factor":
+                                              self.partial_rotary_factor},
+                                             self.max_position_embeddings)
+        check_rope("rope_parameters", self.rope_scaling,  # any type (mrope fields kept, unused)
+                   int(self.head_dim * self.partial_rotary_factor))
         if self.layer_types is None:
             self.layer_types = ["full_attention" if (i + 1) % self.full_attention_interval == 0
                                 else "linear_attention" for i in range(self.num_hidden_layers)]
@@ -155,12 +156,8 @@ class Qwen3_5Model(HybridModel):
         Mirrors: transformers Qwen3_5TextRotaryEmbedding (text positions: its three mrope
         sections see the same ids, so it is plain RoPE)"""
         c = self.config
-        dim = int(c.head_dim * c.partial_rotary_factor)
-        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        inv_freq = 1.0 / (c.rope_theta**exponent)
-        freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(rope_dict(c), int(c.head_dim * c.partial_rotary_factor),
+                            c.max_position_embeddings, position_ids, dtype)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -7,9 +7,10 @@ tokens, back inside); OLMo 3 as TRL's tiny test model and the released checkpoin
 `rope_scaling` YaRN with attention_factor, beta_fast/beta_slow: the full layers get YaRN, the
 sliding ones plain RoPE), and written per layer type in transformers-5 spelling; Gemma 3 with YaRN
 in its full layers; Cohere 2 (interleaved RoPE) with YaRN; GPT-NeoX (partial rotary) with YaRN and
-dynamic NTK. Compared: logits within 1e-5 loading transformers' files into nanosft and back (the
-config transformers reads back keeps its rope_parameters). Negative control: YaRN's attention
-factor changes the logits (dropped, the test would fail). Hermetic: tmp folders, no downloads.
+dynamic NTK; Qwen3.5 (partial rotary, text positions through mrope) with YaRN. Compared: logits
+within 1e-5 loading transformers' files into nanosft and back (the config transformers reads back
+keeps its rope_parameters). Negative control: YaRN's attention factor changes the logits
+(dropped, the test would fail). Hermetic: tmp folders, no downloads.
 Run: python -m pytest -q -s tests/parity/test_rope_parity.py
 """
 
@@ -69,6 +70,13 @@ OTHERS = {  # name: (transformers config class, arguments)
     "gpt_neox-yarn": (transformers.GPTNeoXConfig,
                       {**BASE, "rope_parameters": {**YARN, "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.5}}),
+    # Qwen3.5: partial rotary 0.25 of head_dim 32 (8 dims), mrope sections unused by text
+    "qwen3_5-yarn": (transformers.Qwen3_5TextConfig,
+                     {**BASE, "num_hidden_layers": 4, "head_dim": 32, "linear_key_head_dim": 16,
+                      "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                      "linear_num_value_heads": 4, "rope_parameters": {
+                          **YARN, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                          "mrope_section": [1, 1, 2], "mrope_interleaved": True}}),
     "gpt_neox-dynamic": (transformers.GPTNeoXConfig,
                          {**SHORT, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
                                                        "rope_theta": 10000.0,
