@@ -2,7 +2,7 @@
 
 Compared: the state dict (packed NF4/FP4 bytes, absmax, nested absmax, code tables, the packed
 quant-state JSON, and the float embeddings, norms, biases and lm_head) of
-AutoModelForCausalLM.from_pretrained(dir, dtype, quantization_config) against
+CausalLM.from_pretrained(dir, dtype, quantization_config) (the family's class) against
 transformers.AutoModelForCausalLM.from_pretrained(dir, dtype, quantization_config=
 transformers.BitsAndBytesConfig(...), device_map="cpu") on the same folder, key for key and
 bitwise; then the logits in train mode (fp32: 1e-5; bf16: one bf16 step; measured equal).
@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from nanosft.families.auto import AutoModelForCausalLM, config_from_dict, from_config
+from nanosft.families.auto import causal_lm_class, config_from_dict, from_config
 from nanosft.nf4 import BitsAndBytesConfig
 
 EXACT = {"rtol": 0, "atol": 0}
@@ -34,8 +34,8 @@ def test_state_dict_and_logits_equal_transformers(tmp_path, model_type, dtype, q
     from_config(config).save_pretrained(tmp_path, max_shard_size=max_shard_size)
     options = {"load_in_4bit": True, "bnb_4bit_quant_type": quant_type,
                "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": dtype}
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype,
-                                    quantization_config=BitsAndBytesConfig(**options))
+    ours = causal_lm_class(config).from_pretrained(tmp_path, dtype=dtype,
+                                                   quantization_config=BitsAndBytesConfig(**options))
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, dtype=dtype, device_map="cpu",
         quantization_config=transformers.BitsAndBytesConfig(**options))
@@ -44,7 +44,7 @@ def test_state_dict_and_logits_equal_transformers(tmp_path, model_type, dtype, q
     for key in ref_sd:
         torch.testing.assert_close(ours_sd[key], ref_sd[key], **EXACT, msg=key)
     # a transformers BitsAndBytesConfig is accepted as it is, with the same result
-    theirs = AutoModelForCausalLM.from_pretrained(
+    theirs = causal_lm_class(config).from_pretrained(
         tmp_path, dtype=dtype, quantization_config=ref.config.quantization_config)
     for key, value in theirs.state_dict().items():
         torch.testing.assert_close(value, ours_sd[key], **EXACT, msg=key)
