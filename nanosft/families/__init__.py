@@ -65,18 +65,26 @@ TEXT_MODELS = {
 }
 
 
-# model_type -> key prefixes a checkpoint may hold that the model never reads (Qwen3.5's
-# multi-token-prediction head)
-IGNORED_KEYS = {"qwen3_5_text": ("mtp.",), "qwen3_5_moe_text": ("mtp.",)}
+# model_type -> patterns (re.search) of checkpoint keys the model never reads, which transformers
+# drops on load (_keys_to_ignore_on_load_unexpected): Qwen3.5's multi-token-prediction head,
+# Pythia's attention mask buffers; and for every family the per-layer rotary inv_freq buffers
+# older checkpoints saved
+IGNORED_KEYS = {"qwen3_5_text": (r"^mtp\.",), "qwen3_5_moe_text": (r"^mtp\.",),
+                "gpt_neox": (r"attention\.bias$", r"attention\.masked_bias$")}
+ALWAYS_IGNORED_KEYS = (r"rotary_emb\.inv_freq$",)  # (GLM-4.5's MTP layers: glm4_moe.py)
+
+
+def _ignored(config, key):
+    patterns = (*IGNORED_KEYS.get(config.model_type, ()), *ALWAYS_IGNORED_KEYS)
+    return any(re.search(p, key) for p in patterns)
 
 
 def text_model_index(config, index):
     """The checkpoint index under the text model's keys (model.language_model.X -> model.X, the
     other towers dropped) when config came from a multimodal folder, less the keys the family
     ignores. Mirrors: transformers conversion_mapping PrefixChange (qwen3_5_text),
-    _keys_to_ignore_on_load_unexpected"""
-    ignored = IGNORED_KEYS.get(config.model_type, ())
-    index = {k: info for k, info in index.items() if not k.startswith(ignored)}
+    _keys_to_ignore_on_load_unexpected, _adjust_missing_and_unexpected_keys (inv_freq)"""
+    index = {k: info for k, info in index.items() if not _ignored(config, k)}
     prefix = getattr(config, "checkpoint_prefix", None)
     if prefix is None:
         return index
