@@ -56,9 +56,10 @@ def resolve_decoding(input_len, max_new_tokens=None, max_length=None, do_sample=
     return max_new_tokens, temperature or 0.0, top_k, top_p
 
 
-def _stream_to(streamer):
-    """A callable of each step's (B,) ids: nanosft's own streamer, or a transformers streamer
-    (TextStreamer: put(prompt), put(each new token), end())."""
+def stream_to(streamer):
+    """A callable of each step's (B,) ids: nanosft's own streamer, or a transformers streamer's
+    put (TextStreamer: put(prompt), put(each new token), end(): the caller does the first and
+    the last)."""
     if streamer is None or not hasattr(streamer, "put"):
         return streamer
     return lambda new: streamer.put(new.cpu())
@@ -84,7 +85,7 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens=20, temperatu
     # Positions count real tokens only, so a left-padded row gets the positions it has alone.
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     ids, step_ids, cache = input_ids, input_ids, None
-    put = _stream_to(streamer)
+    put = stream_to(streamer)
     if put is not streamer:  # a transformers streamer first receives the prompt
         streamer.put(input_ids.cpu())
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

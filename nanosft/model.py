@@ -234,12 +234,18 @@ class DecoderModel(nn.Module):
         return h, (cache if use_cache else None)
 
 
+# checkpoint keys no model reads, which transformers drops on load: the per-layer rotary inv_freq
+# buffers older checkpoints saved (GLM-4.5's MTP layers: glm4_moe.py)
+ALWAYS_IGNORED_KEYS = (r"rotary_emb\.inv_freq$",)
+
+
 def text_model_index(config, index, ignored=()):
     """The checkpoint index under the text model's keys (model.language_model.X -> model.X, the
     other towers dropped) when config came from a multimodal folder (its `checkpoint_prefix`),
     less the keys matching an `ignored` pattern.
     Mirrors: transformers conversion_mapping PrefixChange (qwen3_5_text),
-    _keys_to_ignore_on_load_unexpected"""
+    _keys_to_ignore_on_load_unexpected, _adjust_missing_and_unexpected_keys (inv_freq)"""
+    ignored = (*ignored, *ALWAYS_IGNORED_KEYS)
     index = {k: info for k, info in index.items() if not any(re.search(p, k) for p in ignored)}
     prefix = getattr(config, "checkpoint_prefix", None)
     if prefix is None:

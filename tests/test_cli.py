@@ -81,6 +81,7 @@ def random_adapter(tmp_path_factory):
     Built in-process rather than trained: 2 training steps may leave the greedy text unchanged, and
     then a CLI that ignored --adapter would still pass."""
     folder = tmp_path_factory.mktemp("adapter")
+    torch.manual_seed(0)  # lora_A's init draws from the global RNG: not from earlier tests' state
     peft_model = get_peft_model(CausalLM.from_pretrained(DEFAULT), LoraConfig(r=4, lora_alpha=8))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

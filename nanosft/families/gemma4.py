@@ -28,6 +28,7 @@ from nanosft.masking import build_attention_mask
 from nanosft.loss import causal_lm_loss
 from nanosft.model import CausalLM, CausalLMOutput, DecoderModel, rotate_half
 from nanosft.reference import fast_path
+from nanosft.rope import check_rope, rope_cos_sin, standardize_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -93,11 +94,19 @@ class Gemma4Config(ModelConfig):
         self.layer_types = list(self.layer_types)
         self.layer_types[-1] = "full_attention"  # as transformers: the last layer is global
         rope = self.rope_parameters or {}
-        self.rope_parameters = {t: {**DEFAULT_ROPE[t], **(rope.get(t) or {})} for t in LAYER_TYPES}
+        # a layer type's dict as given (transformers reads it so), Gemma 4's default when absent
+        self.rope_parameters = {t: {"rope_theta": DEFAULT_ROPE[t]["rope_theta"], **rope[t]}
+                                if rope.get(t) else dict(DEFAULT_ROPE[t]) for t in LAYER_TYPES}
         for t, p in self.rope_parameters.items():
-            if p["rope_type"] not in ("default", "proportional"):
-                raise ValueError(f"config: rope_parameters[{t!r}]={p} is not supported; use "
-                                 "rope_type default or proportional")
+            p = self.rope_parameters[t] = standardize_rope(p, self.max_position_embeddings)
+            if p["rope_type"] in ("default", "proportional"):
+                continue
+            if p.get("partial_rotary_factor", 1.0) != 1.0:  # transformers' shapes break too
+                raise ValueError(f"config: rope_parameters[{t!r}]={p}: partial_rotary_factor "
+                                 "goes with rope_type proportional only (the others turn every "
+                                 "dim of a Gemma 4 head)")
+            D = self.global_head_dim if t == "full_attention" else self.head_dim
+            check_rope(f"rope_parameters[{t!r}]", p, D)
         if self.per_layer_config is None:
             full = {"head_dim": self.global_head_dim}
             if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
@@ -298,7 +307,14 @@ class Gemma4Model(DecoderModel):
         cos, sin = {}, {}
         for t in set(self.config.layer_types):
             D = self.config.layer_config(self.config.layer_types.index(t))[0]
-            inv_freq = gemma4_inv_freq(self.config.rope_parameters[t], D).to(position_ids.device)
+            p = self.config.rope_parameters[t]
+            if p["rope_type"] not in ("default", "proportional"):  # linear .. llama3: nanosft.rope
+                # (YaRN's `truncate` is read from the outer dict by transformers: unread here)
+                p = {k: v for k, v in p.items() if k != "truncate"}
+                cos[t], sin[t] = rope_cos_sin(p, D, self.config.max_position_embeddings,
+                                              position_ids, dtype)
+                continue
+            inv_freq = gemma4_inv_freq(p, D).to(position_ids.device)
             freqs = position_ids[..., None].float() * inv_freq  # (B|1, T, D/2)
             emb = torch.cat((freqs, freqs), dim=-1)[:, None]
             cos[t], sin[t] = emb.cos().to(dtype), emb.sin().to(dtype)

@@ -185,6 +185,8 @@ class GPTNeoXForCausalLM(CausalLM):
     Mirrors: transformers GPTNeoXForCausalLM"""
 
     config_class = GPTNeoXConfig
+    # Pythia's saved attention mask buffers, which transformers drops on load
+    _keys_to_ignore_on_load_unexpected = (r"attention\.bias$", r"attention\.masked_bias$")
     model_class = GPTNeoXModel
     checkpoint_conversion = EmbedOutFiles
     model = property(lambda self: self.gpt_neox)

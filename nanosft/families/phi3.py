@@ -161,6 +161,12 @@ class Phi3ForCausalLM(CausalLM):
         max_new_tokens, temperature, top_k, top_p = generation.resolve_decoding(
             input_ids.shape[1], max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, **kwargs)
+        if hasattr(streamer, "put"):  # a transformers streamer: the prompt and end() once
+            streamer.put(input_ids.cpu())
+            ids = self.generate(input_ids, attention_mask, max_new_tokens, temperature, top_k,
+                                top_p, eos_token_id, pad_token_id, generation.stream_to(streamer))
+            streamer.end()
+            return ids
         args = (temperature, top_k, top_p, eos_token_id, pad_token_id, streamer)
         n = self.config.original_max_position_embeddings + 1 - input_ids.shape[1]
         if not 0 < n < max_new_tokens:  # the prompt is past it already, or the ids never get there

@@ -6,7 +6,8 @@ partial_rotary_factor 0.5, default RoPE and a 5-token sliding window; "longrope"
 batches take the long factors and the 12-token ones (and the packed row, positions < 7) the short.
 Compared: logits within 1e-5 both load directions (plain, left-padded, packed with position_ids);
 greedy generation with the KV cache token for token, and each step's logits within 1e-5 where the
-longrope run crosses 12 and transformers re-encodes the cache; quantize-while-loading bitwise equal
+longrope run crosses 12 and transformers re-encodes the cache (a transformers streamer gets the
+same puts and one end across it); quantize-while-loading bitwise equal
 to load-then-quantize and to transformers + bitsandbytes;
 target_modules="all-linear" naming peft's modules (qkv_proj, o_proj, gate_up_proj, down_proj); a
 LoRA on the fused qkv_proj / gate_up_proj trained 3 steps by one library loading in the other.
@@ -22,6 +23,7 @@ import transformers
 from test_families import (BASE, PAD, TOL, V, assert_adapters_move_both_ways,
                            assert_quantize_while_loading_matches, left_padded_batch,
                            models_both_ways, packed_row, save_random)
+from test_generate_parity import Recorder
 
 from nanosft import generation
 from nanosft.families.auto import AutoModelForCausalLM
@@ -95,6 +97,11 @@ def test_greedy_generation_is_token_identical(name, tmp_path):
     prompt = torch.randint(3, V, (1, 8))  # 8 + 20 crosses OLD_LEN
     want = hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
     assert ours.generate(prompt, max_new_tokens=20).tolist() == want.tolist()
+    streams = [Recorder(), Recorder()]  # a transformers streamer across the re-encoding
+    hf.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=PAD,
+                streamer=streams[0])
+    ours.generate(prompt, do_sample=False, max_new_tokens=20, streamer=streams[1])
+    assert (streams[1].puts, streams[1].ended) == (streams[0].puts, streams[0].ended)
     padded, mask = left_padded_batch()
     want = hf.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=10,
                        pad_token_id=PAD)

@@ -7,7 +7,8 @@ tokens, back inside); OLMo 3 as TRL's tiny test model and the released checkpoin
 `rope_scaling` YaRN with attention_factor, beta_fast/beta_slow: the full layers get YaRN, the
 sliding ones plain RoPE), and written per layer type in transformers-5 spelling; Gemma 3 with YaRN
 in its full layers; Cohere 2 (interleaved RoPE) with YaRN; GPT-NeoX (partial rotary) with YaRN and
-dynamic NTK; Qwen3.5 (partial rotary, text positions through mrope) with YaRN. Compared: logits
+dynamic NTK; Qwen3.5 (partial rotary, text positions through mrope) with YaRN; Gemma 4 with dynamic
+NTK in its sliding layers and YaRN in its full ones (other head widths). Compared: logits
 within 1e-5 loading transformers' files into nanosft and back (the config transformers reads back
 keeps its rope_parameters). Negative control: YaRN's attention factor changes the logits
 (dropped, the test would fail). Hermetic: tmp folders, no downloads.
@@ -77,6 +78,17 @@ OTHERS = {  # name: (transformers config class, arguments)
                       "linear_num_value_heads": 4, "rope_parameters": {
                           **YARN, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                           "mrope_section": [1, 1, 2], "mrope_interleaved": True}}),
+    # Gemma 4: dynamic NTK in the sliding layers (head_dim 16), YaRN in the full ones
+    # (global_head_dim 32), in place of its default / proportional
+    "gemma4-dynamic-yarn": (transformers.Gemma4TextConfig, {
+        **SHORT, "num_hidden_layers": 5, "head_dim": 16, "global_head_dim": 32,
+        "sliding_window": 5, "vocab_size_per_layer_input": V, "hidden_size_per_layer_input": 64,
+        "num_kv_shared_layers": 2, "layer_types": ["sliding_attention", "full_attention",
+                                                   "sliding_attention", "sliding_attention",
+                                                   "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+            "full_attention": {**YARN, "rope_theta": 1e6}}}),
     "gpt_neox-dynamic": (transformers.GPTNeoXConfig,
                          {**SHORT, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
                                                        "rope_theta": 10000.0,
