@@ -40,7 +40,6 @@ _TRACKIO = ("Trackio logging is out of scope (report_to takes \"none\", \"nanosf
 _DDP = "not implemented yet (nanosft's DistributedDataParallel uses torch's defaults)"
 _LOADER = "not implemented yet (the DataLoader takes only dataloader_num_workers)"
 _LOGGING = "transformers' logging levels are out of scope (nanosft logs from the main process)"
-_SCRIPTS = "read by example scripts, not by the Trainer (transformers' neither); drop it"
 # Each transformers 5.23 TrainingArguments field nanosft does not act on: {name: (reference
 # default, reason)}. tests/test_unsupported_args.py checks the table against transformers' fields.
 TRAINING_ARGS_NOT_SUPPORTED = {
@@ -80,11 +79,7 @@ TRAINING_ARGS_NOT_SUPPORTED = {
     "fp16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
     "eval_delay": (0, "not implemented yet (eval_strategy starts at step 0)"),
     "eval_do_concat_batches": (True, "not implemented yet (predictions are always concatenated)"),
-    "eval_use_gather_object": (False, "not implemented yet (predictions are not gathered across "
-                                      "ranks)"),
     "use_cache": (False, "not implemented yet (training runs without the KV cache)"),
-    # not read by transformers' Trainer either
-    "do_train": (False, _SCRIPTS), "do_eval": (False, _SCRIPTS), "do_predict": (False, _SCRIPTS),
 }
 # The same for the fields TRL 1.16's SFTConfig adds.
 SFT_CONFIG_NOT_SUPPORTED = {
@@ -206,6 +201,9 @@ class TrainingArguments:
     include_for_metrics: list = dataclasses.field(default_factory=list)
     label_names: list | None = None  # the batch keys holding labels (None: ["labels"])
     prediction_loss_only: bool = False  # evaluate / predict keep the loss alone
+    # gather predictions with gather_object (objects of any shape): one process has nothing to
+    # gather, so True changes nothing there; under torchrun compute_metrics is refused anyway
+    eval_use_gather_object: bool = False
     eval_accumulation_steps: int | None = None
     batch_eval_metrics: bool = False
     # Saving and best model.
@@ -216,6 +214,10 @@ class TrainingArguments:
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
+    # read by example scripts (run_glue.py & co.), not by the Trainer, as in transformers
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
     # a checkpoint folder, or True for the latest valid one in output_dir (command line: the flag
     # alone, true or latest); read by Trainer.train when its own argument is not given
     resume_from_checkpoint: str | bool | None = None
@@ -349,6 +351,9 @@ class TrainingArguments:
             self.eval_steps = _check_steps("eval_steps", self.eval_steps)
         if self.save_strategy == "steps":
             self.save_steps = _check_steps("save_steps", self.save_steps)
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            raise ValueError("`args.metric_for_best_model` must be provided when using 'best' "
+                             "save_strategy (the metric that decides which checkpoint is best).")
         if self.lr_scheduler_type == "reduce_lr_on_plateau" and self.eval_strategy == "no":
             _fail("lr_scheduler_type", self.lr_scheduler_type,
                   'it steps on an eval metric: set eval_strategy="steps" or "epoch"')

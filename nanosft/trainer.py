@@ -30,16 +30,15 @@ from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, Expo
                                       TrainerControl, TrainerState, default_callbacks)
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
                                    EvalLoopOutput, EvalPrediction, PredictionOutput,
-                                   autocast_context, build_dataloader, has_length,
-                                   label_smoothing_unsupported,
+                                   RemoveColumnsCollator, autocast_context, build_dataloader,
                                    check_trainer_arguments, checked_metrics,
-                                   convert_outputs_to_fp32,
-                                   count_num_items_in_batch, denumpify_detensorize,
-                                   evaluation_loop, pad_and_concatenate,
-                                   find_batch_size, find_executable_batch_size,
-                                   label_smoothed_loss, loss_shifts_labels,
-                                   model_accepts_loss_kwargs, no_sync, select_columns, set_seed,
-                                   signature_columns, skip_first_batches, speed_metrics)
+                                   convert_outputs_to_fp32, count_num_items_in_batch,
+                                   denumpify_detensorize, evaluation_loop, find_batch_size,
+                                   find_executable_batch_size, has_length, label_smoothed_loss,
+                                   label_smoothing_unsupported, loss_shifts_labels,
+                                   model_accepts_loss_kwargs, no_sync, pad_and_concatenate,
+                                   set_seed, signature_columns, skip_first_batches,
+                                   speed_metrics)
 
 logger = logging.getLogger(__name__)
 
@@ -124,27 +123,36 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     # ----- data -----
-    def _collate(self, features):
-        """Drop the keys the model cannot take (remove_unused_columns), then the data_collator."""
-        if self._signature_columns is None and self.args.remove_unused_columns:
+    def _get_collator_with_removed_columns(self, data_collator, description=None):
+        """The data_collator behind RemoveColumnsCollator, which drops the keys the model's forward
+        cannot take (remove_unused_columns). Mirrors: Trainer._get_collator_with_removed_columns"""
+        if not self.args.remove_unused_columns:
+            return data_collator
+        if self._signature_columns is None:  # "Inspect model forward signature to keep only..."
             self._signature_columns = signature_columns(self.model) | set(self.label_names)
-        keep = self._signature_columns if self.args.remove_unused_columns else None
-        return select_columns(features, self.data_collator, keep)
+        return RemoveColumnsCollator(data_collator, self._signature_columns, logger,
+                                     type(self.model).__name__, description)
 
     def get_train_dataloader(self) -> DataLoader:
-        """Micro-batches of per_device_train_batch_size in the seeded train_sampling_strategy order.
+        """Micro-batches of per_device_train_batch_size in the seeded train_sampling_strategy order
+        (a dataset without a length: streamed in its own order).
         What 2.3's `self.get_train_dataloader()` call runs.
         Mirrors: Trainer.get_train_dataloader (random or group_by_length)"""
-        return build_dataloader(self.train_dataset, self._train_batch_size, self.args,
-                                self._collate, shuffle=True,
-                                drop_last=self.args.dataloader_drop_last)
+        collate = self._get_collator_with_removed_columns(self.data_collator, "training")
+        return build_dataloader(self.train_dataset, self._train_batch_size, self.args, collate,
+                                shuffle=True, drop_last=self.args.dataloader_drop_last)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """Eval batches in dataset order, split over ranks. Mirrors: Trainer.get_eval_dataloader
+        """Eval batches in dataset order, split over ranks; `eval_dataset` may name one set of a
+        dict of eval sets. Mirrors: Trainer.get_eval_dataloader
         Differs: under DDP the last round repeats a few examples (accelerate's even batches)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        return build_dataloader(dataset, self.args.eval_batch_size, self.args, self._collate,
-                                shuffle=False, drop_last=False)
+        if isinstance(eval_dataset, str):
+            dataset = self.eval_dataset[eval_dataset]
+        else:
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        collate = self._get_collator_with_removed_columns(self.data_collator, "evaluation")
+        return build_dataloader(dataset, self.args.eval_batch_size, self.args, collate,
+                                shuffle=False, drop_last=self.args.dataloader_drop_last)
 
     def set_initial_training_values(self, args, dataloader):
         """Epochs, update steps per epoch, examples, samples, total batch, micro-batches, max_steps.
@@ -160,7 +168,7 @@ class Trainer:
         # the last, partial accumulation window still makes one optimizer step
         num_update_steps_per_epoch = math.ceil(steps_in_epoch / args.gradient_accumulation_steps)
         num_update_steps_per_epoch = max(num_update_steps_per_epoch, 1)
-        num_examples = len(dataloader.dataset)
+        num_examples = self.num_examples(dataloader)
         if args.max_steps > 0:
             max_steps = args.max_steps
             num_train_epochs = math.ceil(max_steps / num_update_steps_per_epoch)
@@ -172,6 +180,14 @@ class Trainer:
             num_train_samples = num_examples * args.num_train_epochs
         return (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
                 total_train_batch_size, steps_in_epoch, max_steps)
+
+    def num_examples(self, dataloader) -> int:
+        """Examples behind `dataloader`: len(dataloader.dataset), else (a dataloader of another
+        kind, with no .dataset) its batches x the batch size. Mirrors: Trainer.num_examples"""
+        try:
+            return len(dataloader.dataset)
+        except (AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
 
     def _streamed_training_values(self, args, total_train_batch_size):
         """set_initial_training_values of a dataloader without a length (an IterableDataset):
@@ -426,7 +442,7 @@ class Trainer:
         for epoch in range(epochs_trained, num_train_epochs):
             self._callback("on_epoch_begin")
             epoch_dataloader = train_dataloader
-            if hasattr(train_dataloader.batch_sampler, "set_epoch"):  # not a stream
+            if hasattr(getattr(train_dataloader, "batch_sampler", None), "set_epoch"):
                 train_dataloader.batch_sampler.set_epoch(epoch)  # order = randperm(seed + epoch)
             step = -1
             num_update_steps_trained = 0
@@ -901,7 +917,7 @@ class Trainer:
         state.stateful_callbacks.update(self._stateful_callbacks())
         checkpoint.save_checkpoint(folder, model=self.model, optimizer=self.optimizer,
                                    lr_scheduler=self.lr_scheduler, scaler=self.scaler,
-                                   trainer_state=state.to_dict(), args=args.to_dict(),
+                                   trainer_state=state.to_dict(), args=args,
                                    rank=distributed.get_rank(), world_size=args.world_size)
         if distributed.is_main_process():
             output_folder.rotate_checkpoints(args.output_dir, args.save_total_limit,

@@ -195,12 +195,39 @@ class _SkippedStream:
         return itertools.islice(iter(self.dataloader), self.num_batches, None)
 
 
-def select_columns(features: list, collator, keep: set | None):
-    """Collate after dropping the keys the model cannot take.
-    Mirrors: Trainer._remove_unused_columns"""
-    if keep is not None:
-        features = [{k: v for k, v in f.items() if k in keep} for f in features]
-    return collator(features)
+class RemoveColumnsCollator:
+    """data_collator over features without the keys the model's forward cannot take; the keys
+    dropped are logged once (logger.info). Mirrors: transformers RemoveColumnsCollator
+
+    Args:
+        data_collator: what collates the kept features.
+        signature_columns: the keys kept.
+        logger, model_name, description: where and how the dropped keys are reported."""
+
+    def __init__(self, data_collator, signature_columns, logger=None, model_name=None,
+                 description=None):
+        self.data_collator = data_collator
+        self.signature_columns = signature_columns
+        self.logger = logger
+        self.model_name = model_name
+        self.description = description
+        self.message_logged = False
+
+    def _remove_columns(self, feature):
+        if not isinstance(feature, Mapping):
+            return feature
+        if not self.message_logged and self.logger and self.model_name:
+            ignored = sorted(set(feature) - set(self.signature_columns))
+            if ignored:
+                where = "" if self.description is None else f"in the {self.description} set "
+                self.logger.info(f"The following columns {where}don't have a corresponding "
+                                 f"argument in `{self.model_name}.forward` and have been ignored: "
+                                 f"{', '.join(ignored)}.")
+                self.message_logged = True
+        return {k: v for k, v in feature.items() if k in self.signature_columns}
+
+    def __call__(self, features):
+        return self.data_collator([self._remove_columns(f) for f in features])
 
 
 def label_smoothed_loss(logits, labels, epsilon, num_items_in_batch=None, shift_labels=True):
@@ -270,8 +297,10 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
                                    num_replicas=distributed.get_world_size(), lengths=lengths,
                                    group_size=group_size)
     # its own generator: iter() must not draw from the global RNG (a resumed run's dropout)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
-                      num_workers=args.dataloader_num_workers, generator=torch.Generator())
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
+                        num_workers=args.dataloader_num_workers, generator=torch.Generator())
+    loader.total_batch_size = batch_size * distributed.get_world_size()  # accelerate's attribute
+    return loader
 
 
 def count_num_items_in_batch(batch_samples: list, shift_labels=True) -> torch.Tensor:
