@@ -32,6 +32,7 @@ from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # 
                                    EvalLoopOutput, EvalPrediction, PredictionOutput,
                                    RemoveColumnsCollator, autocast_context, build_dataloader,
                                    check_trainer_arguments, checked_metrics,
+                                   compare_trainer_and_checkpoint_args,
                                    convert_outputs_to_fp32, count_num_items_in_batch,
                                    denumpify_detensorize, evaluation_loop, find_batch_size,
                                    find_executable_batch_size, has_length, label_smoothed_loss,
@@ -266,6 +267,13 @@ class Trainer:
                     gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
             if not args.auto_find_batch_size:
                 return self._inner_training_loop(args, resume_from_checkpoint)
+            if resume_from_checkpoint is not None:  # the batch size the resumed run settled on
+                import os
+
+                state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint,
+                                                                 TRAINER_STATE_NAME))
+                if state.train_batch_size is not None:
+                    self._train_batch_size = state.train_batch_size
             # "inner_training_loop = find_executable_batch_size(self._inner_training_loop, ...)": on
             # out-of-memory the whole loop restarts with a smaller batch (a new schedule length too)
             lr_scheduler = self.lr_scheduler  # the caller's, or None for one made per attempt
@@ -344,6 +352,8 @@ class Trainer:
         state, epochs_trained, steps_trained_in_current_epoch = init_training_state(
             self.args, self.model, self.optimizer, self.lr_scheduler, self.scaler, max_steps,
             num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
+        if resume_from_checkpoint is not None:
+            compare_trainer_and_checkpoint_args(self.args, state)
         state.train_batch_size = self._train_batch_size  # what auto_find_batch_size settled on
         state.is_world_process_zero = distributed.is_main_process()
         self.state = state

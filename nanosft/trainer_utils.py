@@ -15,6 +15,7 @@ import functools
 import gc
 import inspect
 import itertools
+import logging
 import math
 import random
 import time
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader
 from nanosft import distributed
 
 IGNORE_INDEX = -100
+logger = logging.getLogger(__name__)
 
 
 def set_seed(seed: int) -> None:
@@ -72,6 +74,26 @@ class IntervalStrategy:
     NO = "no"
     STEPS = "steps"
     EPOCH = "epoch"
+
+
+def compare_trainer_and_checkpoint_args(training_args, trainer_state) -> None:
+    """Warn, naming each one, about the logging / eval / save steps and the batch size that
+    differ between this run's args and a checkpoint's trainer_state.json being resumed.
+    Mirrors: transformers trainer_utils.compare_trainer_and_checkpoint_args"""
+    differs = []
+    for name in ("logging_steps", "eval_steps", "save_steps"):
+        arg_value, state_value = getattr(training_args, name, None), getattr(trainer_state, name)
+        if arg_value is not None and state_value is not None and arg_value != state_value:
+            differs.append(f"{name}: {arg_value} (from args) != {state_value} "
+                           "(from trainer_state.json)")
+    batch, saved = training_args.per_device_train_batch_size, trainer_state.train_batch_size
+    if saved is not None and batch != saved:
+        differs.append(f"per_device_train_batch_size: {batch} (from args) != {saved} "
+                       "(from trainer_state.json)")
+    if differs:
+        logger.warning("Warning: The following arguments do not match the ones in the "
+                       "`trainer_state.json` within the checkpoint directory: \n\t"
+                       + "\n\t".join(differs))
 
 
 def has_length(dataset) -> bool:

@@ -490,3 +490,49 @@ def test_eval_loop_container_pads_and_concatenates():
     logits, extra = box.get_arrays()
     assert logits.shape == (3, 5) and (logits[:2, 3:] == -100).all()
     np.testing.assert_array_equal(extra["loss"], [1.0, 2.0])
+
+
+# ----------------------------------------------------------------------------- resume messages
+def test_resume_errors_use_transformers_words(tmp_path):
+    trainer = Trainer(Linear(), args(tmp_path, max_steps=1), train_dataset=rows())
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at .*checkpoint-9"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-9"))
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_resume_warns_about_args_that_differ_from_the_checkpoint(tmp_path, caplog):
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2, per_device_train_batch_size=4)
+    Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows()).train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    same = Trainer(Linear(), args(tmp_path, **{**kw, "max_steps": 3}), train_dataset=rows())
+    with caplog.at_level(logging.WARNING, logger="nanosft.trainer_utils"):
+        same.train(resume_from_checkpoint=checkpoint)
+    assert not caplog.records  # negative control: the same args
+    other = Trainer(Linear(), args(tmp_path, **{**kw, "max_steps": 3, "save_steps": 3,
+                                               "per_device_train_batch_size": 8}),
+                    train_dataset=rows())
+    with caplog.at_level(logging.WARNING, logger="nanosft.trainer_utils"):
+        other.train(resume_from_checkpoint=checkpoint)
+    text = caplog.records[-1].getMessage()
+    assert "save_steps: 3 (from args) != 2 (from trainer_state.json)" in text
+    assert "per_device_train_batch_size: 8 (from args) != 4 (from trainer_state.json)" in text
+
+
+def test_auto_find_batch_size_resumes_with_the_batch_size_it_found(tmp_path):
+    class OutOfMemoryAbove(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.train_batch_size > 12:
+                raise RuntimeError("CUDA out of memory.")
+
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=1, per_device_train_batch_size=16,
+              auto_find_batch_size=True)
+    first = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows(64),
+                    callbacks=[OutOfMemoryAbove()])
+    first.train()
+    assert first._train_batch_size == 12  # 16 -> 14 -> 12
+    kw["max_steps"] = 3
+    resumed = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows(64))
+    assert resumed._train_batch_size == 16
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed._train_batch_size == 12
