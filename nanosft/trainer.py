@@ -919,8 +919,12 @@ class Trainer:
 
         args, state = self.args, self.state
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if state.best_global_step == state.global_step:
-            state.best_model_checkpoint = folder
+        # "Determine the new best metric / best model checkpoint": this one, or the saved one of
+        # the best step (an eval after that step's save, as eval_strategy="epoch" with steps)
+        if state.best_global_step:
+            best = os.path.join(args.output_dir, f"checkpoint-{state.best_global_step}")
+            if state.best_global_step == state.global_step or os.path.exists(best):
+                state.best_model_checkpoint = best
         # "Update ExportableState callbacks and TrainerControl state to where we are currently"
         # Differs: several callbacks of a class replace their list (transformers appends to it,
         # so a resume restores the states of train start, the first ones in the list)

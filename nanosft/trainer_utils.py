@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from nanosft import distributed
 
 IGNORE_INDEX = -100
+PREFIX_CHECKPOINT_DIR = "checkpoint"  # output_dir/checkpoint-<global_step> (nanosft.io writes them)
 logger = logging.getLogger(__name__)
 
 

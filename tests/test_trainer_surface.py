@@ -536,3 +536,26 @@ def test_auto_find_batch_size_resumes_with_the_batch_size_it_found(tmp_path):
     assert resumed._train_batch_size == 16
     resumed.train(resume_from_checkpoint=True)
     assert resumed._train_batch_size == 12
+
+
+def test_best_checkpoint_is_the_saved_one_of_the_best_step(tmp_path):
+    # eval at each epoch end, a save at every step: the best step's checkpoint was saved before
+    # its evaluation, and becomes best_model_checkpoint at the next save
+    from nanosft.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    class FirstEpochBest(Trainer):
+        scores = iter([0.9, 0.5, 0.4])
+
+        def _evaluate(self):
+            metrics = {"eval_accuracy": next(self.scores)}
+            self._determine_best_metric(metrics)
+            return metrics
+
+    kw = dict(eval_strategy="epoch", save_strategy="steps", save_steps=1, num_train_epochs=3,
+              metric_for_best_model="accuracy", per_device_train_batch_size=8)
+    trainer = FirstEpochBest(Linear(), args(tmp_path, **kw), train_dataset=rows(16),
+                             eval_dataset=rows(4), compute_metrics=lambda p: {"accuracy": 0.0})
+    trainer.train()
+    assert trainer.state.best_global_step == 2
+    assert trainer.state.best_model_checkpoint == \
+        os.path.join(str(tmp_path / "out"), f"{PREFIX_CHECKPOINT_DIR}-2")

@@ -23,8 +23,8 @@ import warnings
 import torch
 
 from nanosft import distributed
+from nanosft.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-PREFIX_CHECKPOINT_DIR = "checkpoint"
 TEMP_PREFIX = ".tmp-"  # ".tmp-checkpoint-20" while checkpoint-20 is being written
 TRAINER_STATE_NAME = "trainer_state.json"
 WEIGHTS_NAME = "model.safetensors"
