@@ -77,7 +77,6 @@ TRAINING_ARGS_NOT_SUPPORTED = {
     # not implemented yet: evaluation variants
     "bf16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
     "fp16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
-    "eval_delay": (0, "not implemented yet (eval_strategy starts at step 0)"),
     "eval_do_concat_batches": (True, "not implemented yet (predictions are always concatenated)"),
     "use_cache": (False, "not implemented yet (training runs without the KV cache)"),
 }
@@ -196,6 +195,8 @@ class TrainingArguments:
     eval_strategy: str = "no"
     eval_steps: float | None = None  # None -> logging_steps when eval_strategy="steps"
     eval_on_start: bool = False
+    # steps (eval_strategy="steps") or epochs ("epoch") to wait before the first evaluation
+    eval_delay: float = 0
     # compute_metrics: what EvalPrediction carries beside predictions / label_ids ("inputs",
     # "loss"), how often kept predictions move to the CPU, and per-batch metrics
     include_for_metrics: list = dataclasses.field(default_factory=list)

@@ -267,16 +267,11 @@ class Trainer:
                     gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
             if not args.auto_find_batch_size:
                 return self._inner_training_loop(args, resume_from_checkpoint)
-            if resume_from_checkpoint is not None:  # the batch size the resumed run settled on
-                import os
-
-                state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint,
-                                                                 TRAINER_STATE_NAME))
-                if state.train_batch_size is not None:
-                    self._train_batch_size = state.train_batch_size
             # "inner_training_loop = find_executable_batch_size(self._inner_training_loop, ...)": on
             # out-of-memory the whole loop restarts with a smaller batch (a new schedule length too)
             lr_scheduler = self.lr_scheduler  # the caller's, or None for one made per attempt
+            if resume_from_checkpoint is not None:  # the batch size the resumed run settled on
+                self._train_batch_size = self._checkpoint_batch_size(resume_from_checkpoint)
 
             def inner_training_loop(batch_size):
                 self._train_batch_size = batch_size  # Trainer._update_auto_batch_size
@@ -285,6 +280,14 @@ class Trainer:
 
             return find_executable_batch_size(inner_training_loop, self._train_batch_size,
                                               args.auto_find_batch_size)()
+
+    def _checkpoint_batch_size(self, checkpoint) -> int:
+        """The train_batch_size a checkpoint's trainer_state.json holds (what auto_find_batch_size
+        settled on), else this run's. Mirrors: Trainer.train (auto_find_batch_size resume)"""
+        import os
+
+        state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+        return state.train_batch_size or self._train_batch_size
 
     def _prepare_for_training(self, max_steps):
         """FSDP / DDP / compile wrapping (nanosft.parallel), the optimizer, then the scheduler.

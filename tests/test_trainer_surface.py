@@ -559,3 +559,20 @@ def test_best_checkpoint_is_the_saved_one_of_the_best_step(tmp_path):
     assert trainer.state.best_global_step == 2
     assert trainer.state.best_model_checkpoint == \
         os.path.join(str(tmp_path / "out"), f"{PREFIX_CHECKPOINT_DIR}-2")
+
+
+def test_eval_delay_skips_the_first_evaluations(tmp_path):
+    class Evals(TrainerCallback):
+        steps = []
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    for delay, expected in ((0, [1, 2, 3, 4]), (3, [3, 4])):
+        Evals.steps = []
+        trainer = Trainer(Linear(), args(tmp_path / str(delay), eval_strategy="steps",
+                                         eval_steps=1, eval_delay=delay, max_steps=4,
+                                         save_strategy="no", per_device_train_batch_size=4),
+                          train_dataset=rows(), eval_dataset=rows(4), callbacks=[Evals()])
+        trainer.train()
+        assert Evals.steps == expected
