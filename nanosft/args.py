@@ -38,7 +38,7 @@ _HUB = "pushing to the Hugging Face Hub is out of scope (upload output_dir yours
 _TRACKIO = ("Trackio logging is out of scope (report_to takes \"none\", \"nanosft\", "
             "\"tensorboard\" or \"all\")")
 _DDP = "not implemented yet (nanosft's DistributedDataParallel uses torch's defaults)"
-_LOADER = "not implemented yet (the DataLoader takes only dataloader_num_workers)"
+_LOADER = "not implemented yet (the DataLoader takes the other dataloader_* fields)"
 _LOGGING = "transformers' logging levels are out of scope (nanosft logs from the main process)"
 # Each transformers 5.23 TrainingArguments field nanosft does not act on: {name: (reference
 # default, reason)}. tests/test_unsupported_args.py checks the table against transformers' fields.
@@ -71,8 +71,7 @@ TRAINING_ARGS_NOT_SUPPORTED = {
     "save_on_each_node": (False, "not implemented yet (the main process saves)"),
     "log_level": ("passive", _LOGGING), "log_level_replica": ("warning", _LOGGING),
     "log_on_each_node": (True, _LOGGING),
-    "dataloader_pin_memory": (True, _LOADER), "dataloader_persistent_workers": (False, _LOADER),
-    "dataloader_prefetch_factor": (None, _LOADER), "dataloader_in_order": (True, _LOADER),
+    "dataloader_in_order": (True, _LOADER),
     "dataloader_multiprocessing_context": (None, _LOADER),
     # not implemented yet: evaluation variants
     "bf16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
@@ -156,6 +155,9 @@ class TrainingArguments:
     average_tokens_across_devices: bool = True
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0
+    dataloader_pin_memory: bool = True  # page-locked batches (CUDA only; no effect on a CPU run)
+    dataloader_persistent_workers: bool = False  # keep the worker processes between epochs
+    dataloader_prefetch_factor: int | None = None  # batches each worker loads ahead
     remove_unused_columns: bool = True
     # random | sequential | group_by_length (batches of similar lengths: less padding, even ranks;
     # transformers 4's group_by_length=True). Differs: no "batch_rebalance".
@@ -268,6 +270,8 @@ class TrainingArguments:
             setattr(self, old, getattr(self, new))
         if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing = False
+        if self.use_cpu:  # "use_cpu: no pinned memory", as transformers' __post_init__
+            self.dataloader_pin_memory = False
         if self.disable_tqdm is None:
             self.disable_tqdm = False  # transformers: True only if its logger is above WARNING
         if isinstance(self.include_num_input_tokens_seen, bool):
@@ -289,6 +293,7 @@ class TrainingArguments:
         self._validate_choices()
         self._validate_strategies()
         self._validate_precision()
+        self._validate_loader()
         self._validate_fsdp()
         if os.path.isfile(self.output_dir):
             _fail("output_dir", self.output_dir, "it is an existing file; pass a directory path")
@@ -367,6 +372,13 @@ class TrainingArguments:
                 _fail("save_steps", self.save_steps,
                       "load_best_model_at_end needs save_steps to be a multiple of eval_steps "
                       f"({self.eval_steps})")
+
+    def _validate_loader(self):
+        if self.dataloader_num_workers == 0 and (self.dataloader_persistent_workers
+                                                 or self.dataloader_prefetch_factor is not None):
+            _fail("dataloader_num_workers", 0, "dataloader_persistent_workers and "
+                  "dataloader_prefetch_factor act on worker processes; set "
+                  "dataloader_num_workers > 0, or leave them at their defaults")
 
     def _validate_precision(self):
         if self.fp16 and self.bf16:

@@ -292,6 +292,18 @@ def dataset_lengths(dataset, length_column_name: str | None = "length") -> list:
     return [len(example["input_ids"]) for example in dataset]
 
 
+def loader_kwargs(args) -> dict:
+    """The DataLoader arguments TrainingArguments' dataloader_* fields give: workers, pinned
+    memory (only where batches go to CUDA), persistent workers and prefetch (with workers).
+    Mirrors: Trainer._get_dataloader (dataloader_params)"""
+    kwargs = {"num_workers": args.dataloader_num_workers,
+              "pin_memory": args.dataloader_pin_memory and args.device.type == "cuda"}
+    if args.dataloader_num_workers > 0:
+        kwargs["persistent_workers"] = args.dataloader_persistent_workers
+        kwargs["prefetch_factor"] = args.dataloader_prefetch_factor
+    return kwargs
+
+
 def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) -> DataLoader:
     """A DataLoader over this rank's share of the seeded order. shuffle=True (training): the order
     args.train_sampling_strategy names - random (randperm(seed + epoch)), sequential, or
@@ -304,7 +316,7 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
             raise ValueError("an IterableDataset without __len__ under torchrun is not supported: "
                              "split the stream per rank, or give the dataset a length.")
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn,
-                          drop_last=drop_last, num_workers=args.dataloader_num_workers)
+                          drop_last=drop_last, **loader_kwargs(args))
     seed = args.data_seed if args.data_seed is not None else args.seed
     lengths = group_size = None
     if args.train_sampling_strategy == "group_by_length":
@@ -321,7 +333,7 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
                                    group_size=group_size)
     # its own generator: iter() must not draw from the global RNG (a resumed run's dropout)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
-                        num_workers=args.dataloader_num_workers, generator=torch.Generator())
+                        generator=torch.Generator(), **loader_kwargs(args))
     loader.total_batch_size = batch_size * distributed.get_world_size()  # accelerate's attribute
     return loader
 

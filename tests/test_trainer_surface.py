@@ -576,3 +576,15 @@ def test_eval_delay_skips_the_first_evaluations(tmp_path):
                           train_dataset=rows(), eval_dataset=rows(4), callbacks=[Evals()])
         trainer.train()
         assert Evals.steps == expected
+
+
+def test_dataloader_arguments_reach_the_dataloader(tmp_path):
+    a = args(tmp_path, dataloader_num_workers=2, dataloader_persistent_workers=True,
+             dataloader_prefetch_factor=3)
+    loader = Trainer(Linear(), a, train_dataset=rows()).get_train_dataloader()
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
+    assert loader.pin_memory is False  # use_cpu: nothing to pin for (transformers sets it False)
+    plain = Trainer(Linear(), args(tmp_path), train_dataset=rows()).get_train_dataloader()
+    assert (plain.num_workers, plain.persistent_workers) == (0, False)
+    with pytest.raises(ValueError, match="act on worker processes"):
+        args(tmp_path, dataloader_persistent_workers=True)
