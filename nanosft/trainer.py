@@ -23,7 +23,8 @@ from nanosft import distributed
 from nanosft.args import TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.model import CausalLMOutput
-from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
+from nanosft.optim import (create_optimizer, create_scheduler, get_parameter_groups,
+                           is_optimizer_factory)
 from nanosft.reference import reference_mode_enabled
 from nanosft.trainer_pt_utils import EvalLoopContainer, LabelSmoother
 from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, ExportableState,
@@ -310,9 +311,12 @@ class Trainer:
         """args.optim (or optimizer_cls_and_kwargs) over the two weight-decay groups, unless an
         optimizer was passed in; returns it. Mirrors: Trainer.create_optimizer"""
         if self.optimizer is None and self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs  # the two decay groups
-            self.optimizer = optimizer_cls(get_parameter_groups(self.model, self.args.weight_decay),
-                                           **optimizer_kwargs)
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+            if is_optimizer_factory(optimizer_cls):  # "Factories are instantiated first, then
+                self.optimizer = optimizer_cls()(self.model, **optimizer_kwargs)  # called"
+            else:  # an Optimizer class over the two decay groups
+                groups = get_parameter_groups(self.model, self.args.weight_decay)
+                self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         elif self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
         self.callback_handler.optimizer = self.optimizer

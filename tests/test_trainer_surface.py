@@ -588,3 +588,24 @@ def test_dataloader_arguments_reach_the_dataloader(tmp_path):
     assert (plain.num_workers, plain.persistent_workers) == (0, False)
     with pytest.raises(ValueError, match="act on worker processes"):
         args(tmp_path, dataloader_persistent_workers=True)
+
+
+def test_optimizer_cls_and_kwargs_takes_a_class_or_a_factory(tmp_path):
+    from nanosft.optim import is_optimizer_factory
+
+    trainer = Trainer(Linear(), args(tmp_path),
+                      optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.5}))
+    optimizer = trainer.create_optimizer()
+    assert isinstance(optimizer, torch.optim.SGD) and len(optimizer.param_groups) == 2
+
+    seen = []
+
+    class Factory:  # builds its own groups from the whole model (Muon / Dion style)
+        def __call__(self, model, **kwargs):
+            seen.append(model)
+            return torch.optim.SGD(model.parameters(), **kwargs)
+
+    assert is_optimizer_factory(Factory) and not is_optimizer_factory(torch.optim.SGD)
+    trainer = Trainer(Linear(), args(tmp_path), optimizer_cls_and_kwargs=(Factory, {"lr": 0.5}))
+    optimizer = trainer.create_optimizer()
+    assert seen == [trainer.model] and len(optimizer.param_groups) == 1
