@@ -41,9 +41,8 @@ PUSH_NEEDS_NETWORK = ("pushing to the Hugging Face Hub needs the network, and na
 _TRACKIO = ("Trackio logging is out of scope (report_to takes \"none\", \"nanosft\", "
             "\"tensorboard\" or \"all\")")
 _DDP = "not implemented yet (nanosft's DistributedDataParallel uses torch's defaults)"
-_LOADER = "not implemented yet (the DataLoader takes only dataloader_num_workers)"
+_LOADER = "not implemented yet (the DataLoader takes the other dataloader_* fields)"
 _LOGGING = "transformers' logging levels are out of scope (nanosft logs from the main process)"
-_SCRIPTS = "read by example scripts, not by the Trainer (transformers' neither); drop it"
 # Each transformers 5.23 TrainingArguments field nanosft does not act on: {name: (reference
 # default, reason)}. tests/test_unsupported_args.py checks the table against transformers' fields.
 TRAINING_ARGS_NOT_SUPPORTED = {
@@ -71,19 +70,13 @@ TRAINING_ARGS_NOT_SUPPORTED = {
     "save_on_each_node": (False, "not implemented yet (the main process saves)"),
     "log_level": ("passive", _LOGGING), "log_level_replica": ("warning", _LOGGING),
     "log_on_each_node": (True, _LOGGING),
-    "dataloader_pin_memory": (True, _LOADER), "dataloader_persistent_workers": (False, _LOADER),
-    "dataloader_prefetch_factor": (None, _LOADER), "dataloader_in_order": (True, _LOADER),
+    "dataloader_in_order": (True, _LOADER),
     "dataloader_multiprocessing_context": (None, _LOADER),
     # not implemented yet: evaluation variants
     "bf16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
     "fp16_full_eval": (False, "not implemented yet (eval runs in the training precision)"),
-    "eval_delay": (0, "not implemented yet (eval_strategy starts at step 0)"),
     "eval_do_concat_batches": (True, "not implemented yet (predictions are always concatenated)"),
-    "eval_use_gather_object": (False, "not implemented yet (predictions are not gathered across "
-                                      "ranks)"),
     "use_cache": (False, "not implemented yet (training runs without the KV cache)"),
-    # not read by transformers' Trainer either
-    "do_train": (False, _SCRIPTS), "do_eval": (False, _SCRIPTS), "do_predict": (False, _SCRIPTS),
 }
 # The same for the fields TRL 1.16's SFTConfig adds.
 SFT_CONFIG_NOT_SUPPORTED = {
@@ -162,6 +155,9 @@ class TrainingArguments:
     average_tokens_across_devices: bool = True
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0
+    dataloader_pin_memory: bool = True  # page-locked batches (CUDA only; no effect on a CPU run)
+    dataloader_persistent_workers: bool = False  # keep the worker processes between epochs
+    dataloader_prefetch_factor: int | None = None  # batches each worker loads ahead
     remove_unused_columns: bool = True
     # random | sequential | group_by_length (batches of similar lengths: less padding, even ranks;
     # transformers 4's group_by_length=True). Differs: no "batch_rebalance".
@@ -201,11 +197,16 @@ class TrainingArguments:
     eval_strategy: str = "no"
     eval_steps: float | None = None  # None -> logging_steps when eval_strategy="steps"
     eval_on_start: bool = False
+    # steps (eval_strategy="steps") or epochs ("epoch") to wait before the first evaluation
+    eval_delay: float = 0
     # compute_metrics: what EvalPrediction carries beside predictions / label_ids ("inputs",
     # "loss"), how often kept predictions move to the CPU, and per-batch metrics
     include_for_metrics: list = dataclasses.field(default_factory=list)
     label_names: list | None = None  # the batch keys holding labels (None: ["labels"])
     prediction_loss_only: bool = False  # evaluate / predict keep the loss alone
+    # gather predictions with gather_object (objects of any shape): one process has nothing to
+    # gather, so True changes nothing there; under torchrun compute_metrics is refused anyway
+    eval_use_gather_object: bool = False
     eval_accumulation_steps: int | None = None
     batch_eval_metrics: bool = False
     # Saving and best model.
@@ -216,6 +217,10 @@ class TrainingArguments:
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
+    # read by example scripts (run_glue.py & co.), not by the Trainer, as in transformers
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
     # a checkpoint folder, or True for the latest valid one in output_dir (command line: the flag
     # alone, true or latest); read by Trainer.train when its own argument is not given
     resume_from_checkpoint: str | bool | None = None
@@ -274,6 +279,8 @@ class TrainingArguments:
             setattr(self, old, getattr(self, new))
         if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing = False
+        if self.use_cpu:  # "use_cpu: no pinned memory", as transformers' __post_init__
+            self.dataloader_pin_memory = False
         if self.disable_tqdm is None:
             self.disable_tqdm = False  # transformers: True only if its logger is above WARNING
         if isinstance(self.include_num_input_tokens_seen, bool):
@@ -297,6 +304,7 @@ class TrainingArguments:
         self._validate_choices()
         self._validate_strategies()
         self._validate_precision()
+        self._validate_loader()
         self._validate_fsdp()
         if os.path.isfile(self.output_dir):
             _fail("output_dir", self.output_dir, "it is an existing file; pass a directory path")
@@ -360,6 +368,9 @@ class TrainingArguments:
             self.eval_steps = _check_steps("eval_steps", self.eval_steps)
         if self.save_strategy == "steps":
             self.save_steps = _check_steps("save_steps", self.save_steps)
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            raise ValueError("`args.metric_for_best_model` must be provided when using 'best' "
+                             "save_strategy (the metric that decides which checkpoint is best).")
         if self.lr_scheduler_type == "reduce_lr_on_plateau" and self.eval_strategy == "no":
             _fail("lr_scheduler_type", self.lr_scheduler_type,
                   'it steps on an eval metric: set eval_strategy="steps" or "epoch"')
@@ -372,6 +383,13 @@ class TrainingArguments:
                 _fail("save_steps", self.save_steps,
                       "load_best_model_at_end needs save_steps to be a multiple of eval_steps "
                       f"({self.eval_steps})")
+
+    def _validate_loader(self):
+        if self.dataloader_num_workers == 0 and (self.dataloader_persistent_workers
+                                                 or self.dataloader_prefetch_factor is not None):
+            _fail("dataloader_num_workers", 0, "dataloader_persistent_workers and "
+                  "dataloader_prefetch_factor act on worker processes; set "
+                  "dataloader_num_workers > 0, or leave them at their defaults")
 
     def _validate_precision(self):
         if self.fp16 and self.bf16:

@@ -157,6 +157,14 @@ def _sgd(groups, args):
     return torch.optim.SGD(groups, **kwargs)
 
 
+def is_optimizer_factory(optimizer_cls_or_factory) -> bool:
+    """True unless it is a torch.optim.Optimizer class: optimizer_cls_and_kwargs may give a
+    factory (Muon / Dion style), instantiated and then called with (model, **kwargs).
+    Mirrors: transformers trainer_optimizer.is_optimizer_factory"""
+    return not (isinstance(optimizer_cls_or_factory, type)
+                and issubclass(optimizer_cls_or_factory, torch.optim.Optimizer))
+
+
 def create_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     """Build args.optim over the two weight-decay groups of `model`'s trainable parameters.
     Guide: optimizers and schedulers | Mirrors: transformers Trainer.create_optimizer,

@@ -23,23 +23,24 @@ from nanosft import distributed
 from nanosft.args import PUSH_NEEDS_NETWORK, TrainingArguments
 from nanosft.collator import default_data_collator
 from nanosft.model import CausalLMOutput
-from nanosft.optim import create_optimizer, create_scheduler, get_parameter_groups
+from nanosft.optim import (create_optimizer, create_scheduler, get_parameter_groups,
+                           is_optimizer_factory)
 from nanosft.reference import reference_mode_enabled
 from nanosft.trainer_callback import (CallbackHandler, DefaultFlowCallback, ExportableState,
                                       ProgressCallback, TrainerControl, TrainerState)
 from nanosft.trainer_pt_utils import EvalLoopContainer, LabelSmoother
 from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # noqa: F401
                                    EvalLoopOutput, EvalPrediction, PredictionOutput,
-                                   autocast_context, build_dataloader, has_length,
-                                   label_smoothing_unsupported,
+                                   RemoveColumnsCollator, autocast_context, build_dataloader,
                                    check_trainer_arguments, checked_metrics,
-                                   convert_outputs_to_fp32,
-                                   count_num_items_in_batch, denumpify_detensorize,
-                                   evaluation_loop, pad_and_concatenate,
-                                   find_batch_size, find_executable_batch_size,
-                                   label_smoothed_loss, loss_shifts_labels,
-                                   model_accepts_loss_kwargs, no_sync, select_columns, set_seed,
-                                   signature_columns, skip_first_batches, speed_metrics)
+                                   compare_trainer_and_checkpoint_args,
+                                   convert_outputs_to_fp32, count_num_items_in_batch,
+                                   denumpify_detensorize, evaluation_loop, find_batch_size,
+                                   find_executable_batch_size, has_length, label_smoothed_loss,
+                                   label_smoothing_unsupported, loss_shifts_labels,
+                                   model_accepts_loss_kwargs, no_sync, pad_and_concatenate,
+                                   set_seed, signature_columns, skip_first_batches,
+                                   speed_metrics)
 
 logger = logging.getLogger(__name__)
 
@@ -137,27 +138,36 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     # ----- data -----
-    def _collate(self, features):
-        """Drop the keys the model cannot take (remove_unused_columns), then the data_collator."""
-        if self._signature_columns is None and self.args.remove_unused_columns:
+    def _get_collator_with_removed_columns(self, data_collator, description=None):
+        """The data_collator behind RemoveColumnsCollator, which drops the keys the model's forward
+        cannot take (remove_unused_columns). Mirrors: Trainer._get_collator_with_removed_columns"""
+        if not self.args.remove_unused_columns:
+            return data_collator
+        if self._signature_columns is None:  # "Inspect model forward signature to keep only..."
             self._signature_columns = signature_columns(self.model) | set(self.label_names)
-        keep = self._signature_columns if self.args.remove_unused_columns else None
-        return select_columns(features, self.data_collator, keep)
+        return RemoveColumnsCollator(data_collator, self._signature_columns, logger,
+                                     type(self.model).__name__, description)
 
     def get_train_dataloader(self) -> DataLoader:
-        """Micro-batches of per_device_train_batch_size in the seeded train_sampling_strategy order.
+        """Micro-batches of per_device_train_batch_size in the seeded train_sampling_strategy order
+        (a dataset without a length: streamed in its own order).
         What 2.3's `self.get_train_dataloader()` call runs.
         Mirrors: Trainer.get_train_dataloader (random or group_by_length)"""
-        return build_dataloader(self.train_dataset, self._train_batch_size, self.args,
-                                self._collate, shuffle=True,
-                                drop_last=self.args.dataloader_drop_last)
+        collate = self._get_collator_with_removed_columns(self.data_collator, "training")
+        return build_dataloader(self.train_dataset, self._train_batch_size, self.args, collate,
+                                shuffle=True, drop_last=self.args.dataloader_drop_last)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """Eval batches in dataset order, split over ranks. Mirrors: Trainer.get_eval_dataloader
+        """Eval batches in dataset order, split over ranks; `eval_dataset` may name one set of a
+        dict of eval sets. Mirrors: Trainer.get_eval_dataloader
         Differs: under DDP the last round repeats a few examples (accelerate's even batches)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        return build_dataloader(dataset, self.args.eval_batch_size, self.args, self._collate,
-                                shuffle=False, drop_last=False)
+        if isinstance(eval_dataset, str):
+            dataset = self.eval_dataset[eval_dataset]
+        else:
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        collate = self._get_collator_with_removed_columns(self.data_collator, "evaluation")
+        return build_dataloader(dataset, self.args.eval_batch_size, self.args, collate,
+                                shuffle=False, drop_last=self.args.dataloader_drop_last)
 
     def set_initial_training_values(self, args, dataloader):
         """Epochs, update steps per epoch, examples, samples, total batch, micro-batches, max_steps.
@@ -173,7 +183,7 @@ class Trainer:
         # the last, partial accumulation window still makes one optimizer step
         num_update_steps_per_epoch = math.ceil(steps_in_epoch / args.gradient_accumulation_steps)
         num_update_steps_per_epoch = max(num_update_steps_per_epoch, 1)
-        num_examples = len(dataloader.dataset)
+        num_examples = self.num_examples(dataloader)
         if args.max_steps > 0:
             max_steps = args.max_steps
             num_train_epochs = math.ceil(max_steps / num_update_steps_per_epoch)
@@ -185,6 +195,14 @@ class Trainer:
             num_train_samples = num_examples * args.num_train_epochs
         return (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
                 total_train_batch_size, steps_in_epoch, max_steps)
+
+    def num_examples(self, dataloader) -> int:
+        """Examples behind `dataloader`: len(dataloader.dataset), else (a dataloader of another
+        kind, with no .dataset) its batches x the batch size. Mirrors: Trainer.num_examples"""
+        try:
+            return len(dataloader.dataset)
+        except (AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
 
     def _streamed_training_values(self, args, total_train_batch_size):
         """set_initial_training_values of a dataloader without a length (an IterableDataset):
@@ -266,6 +284,8 @@ class Trainer:
             # "inner_training_loop = find_executable_batch_size(self._inner_training_loop, ...)": on
             # out-of-memory the whole loop restarts with a smaller batch (a new schedule length too)
             lr_scheduler = self.lr_scheduler  # the caller's, or None for one made per attempt
+            if resume_from_checkpoint is not None:  # the batch size the resumed run settled on
+                self._train_batch_size = self._checkpoint_batch_size(resume_from_checkpoint)
 
             def inner_training_loop(batch_size):
                 self._train_batch_size = batch_size  # Trainer._update_auto_batch_size
@@ -274,6 +294,14 @@ class Trainer:
 
             return find_executable_batch_size(inner_training_loop, self._train_batch_size,
                                               args.auto_find_batch_size)()
+
+    def _checkpoint_batch_size(self, checkpoint) -> int:
+        """The train_batch_size a checkpoint's trainer_state.json holds (what auto_find_batch_size
+        settled on), else this run's. Mirrors: Trainer.train (auto_find_batch_size resume)"""
+        import os
+
+        state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+        return state.train_batch_size or self._train_batch_size
 
     def _prepare_for_training(self, max_steps):
         """FSDP / DDP / compile wrapping (nanosft.parallel), the optimizer, then the scheduler.
@@ -296,9 +324,12 @@ class Trainer:
         """args.optim (or optimizer_cls_and_kwargs) over the two weight-decay groups, unless an
         optimizer was passed in; returns it. Mirrors: Trainer.create_optimizer"""
         if self.optimizer is None and self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs  # the two decay groups
-            self.optimizer = optimizer_cls(get_parameter_groups(self.model, self.args.weight_decay),
-                                           **optimizer_kwargs)
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+            if is_optimizer_factory(optimizer_cls):  # "Factories are instantiated first, then
+                self.optimizer = optimizer_cls()(self.model, **optimizer_kwargs)  # called"
+            else:  # an Optimizer class over the two decay groups
+                groups = get_parameter_groups(self.model, self.args.weight_decay)
+                self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         elif self.optimizer is None:
             self.optimizer = create_optimizer(self.model, self.args)
         self.callback_handler.optimizer = self.optimizer
@@ -341,6 +372,8 @@ class Trainer:
         state, epochs_trained, steps_trained_in_current_epoch = init_training_state(
             self.args, self.model, self.optimizer, self.lr_scheduler, self.scaler, max_steps,
             num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint)
+        if resume_from_checkpoint is not None:
+            compare_trainer_and_checkpoint_args(self.args, state)
         state.train_batch_size = self._train_batch_size  # what auto_find_batch_size settled on
         state.is_world_process_zero = distributed.is_main_process()
         self.state = state
@@ -439,7 +472,7 @@ class Trainer:
         for epoch in range(epochs_trained, num_train_epochs):
             self._callback("on_epoch_begin")
             epoch_dataloader = train_dataloader
-            if hasattr(train_dataloader.batch_sampler, "set_epoch"):  # not a stream
+            if hasattr(getattr(train_dataloader, "batch_sampler", None), "set_epoch"):
                 train_dataloader.batch_sampler.set_epoch(epoch)  # order = randperm(seed + epoch)
             step = -1
             num_update_steps_trained = 0
@@ -913,15 +946,19 @@ class Trainer:
 
         args, state = self.args, self.state
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if state.best_global_step == state.global_step:
-            state.best_model_checkpoint = folder
+        # "Determine the new best metric / best model checkpoint": this one, or the saved one of
+        # the best step (an eval after that step's save, as eval_strategy="epoch" with steps)
+        if state.best_global_step:
+            best = os.path.join(args.output_dir, f"checkpoint-{state.best_global_step}")
+            if state.best_global_step == state.global_step or os.path.exists(best):
+                state.best_model_checkpoint = best
         # "Update ExportableState callbacks and TrainerControl state to where we are currently"
         # Differs: several callbacks of a class replace their list (transformers appends to it,
         # so a resume restores the states of train start, the first ones in the list)
         state.stateful_callbacks.update(self._stateful_callbacks())
         checkpoint.save_checkpoint(folder, model=self.model, optimizer=self.optimizer,
                                    lr_scheduler=self.lr_scheduler, scaler=self.scaler,
-                                   trainer_state=state.to_dict(), args=args.to_dict(),
+                                   trainer_state=state.to_dict(), args=args,
                                    rank=distributed.get_rank(), world_size=args.world_size)
         if distributed.is_main_process():
             output_folder.rotate_checkpoints(args.output_dir, args.save_total_limit,

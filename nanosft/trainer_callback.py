@@ -329,19 +329,21 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_log = True
         if args.logging_strategy == "steps" and step % state.logging_steps == 0:
             control.should_log = True
-        if args.eval_strategy == "steps" and step % state.eval_steps == 0:
+        if (args.eval_strategy == "steps" and step % state.eval_steps == 0
+                and args.eval_delay <= step):
             control.should_evaluate = True
         if args.save_strategy == "steps" and state.save_steps > 0 and step % state.save_steps == 0:
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
-            control.should_evaluate = control.should_evaluate or args.eval_strategy == "steps"
+            # the last step is evaluated too (once: it may be an eval step already)
+            control.should_evaluate |= args.eval_strategy == "steps" and args.eval_delay <= step
             control.should_save = control.should_save or args.save_strategy == "steps"
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
         control.should_log |= args.logging_strategy == "epoch"
-        control.should_evaluate |= args.eval_strategy == "epoch"
+        control.should_evaluate |= args.eval_strategy == "epoch" and args.eval_delay <= state.epoch
         control.should_save |= args.save_strategy == "epoch"
         return control
 

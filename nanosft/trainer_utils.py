@@ -15,6 +15,7 @@ import functools
 import gc
 import inspect
 import itertools
+import logging
 import math
 import random
 import time
@@ -29,6 +30,8 @@ from torch.utils.data import DataLoader
 from nanosft import distributed
 
 IGNORE_INDEX = -100
+PREFIX_CHECKPOINT_DIR = "checkpoint"  # output_dir/checkpoint-<global_step> (nanosft.io writes them)
+logger = logging.getLogger(__name__)
 
 
 def set_seed(seed: int) -> None:
@@ -72,6 +75,26 @@ class IntervalStrategy:
     NO = "no"
     STEPS = "steps"
     EPOCH = "epoch"
+
+
+def compare_trainer_and_checkpoint_args(training_args, trainer_state) -> None:
+    """Warn, naming each one, about the logging / eval / save steps and the batch size that
+    differ between this run's args and a checkpoint's trainer_state.json being resumed.
+    Mirrors: transformers trainer_utils.compare_trainer_and_checkpoint_args"""
+    differs = []
+    for name in ("logging_steps", "eval_steps", "save_steps"):
+        arg_value, state_value = getattr(training_args, name, None), getattr(trainer_state, name)
+        if arg_value is not None and state_value is not None and arg_value != state_value:
+            differs.append(f"{name}: {arg_value} (from args) != {state_value} "
+                           "(from trainer_state.json)")
+    batch, saved = training_args.per_device_train_batch_size, trainer_state.train_batch_size
+    if saved is not None and batch != saved:
+        differs.append(f"per_device_train_batch_size: {batch} (from args) != {saved} "
+                       "(from trainer_state.json)")
+    if differs:
+        logger.warning("Warning: The following arguments do not match the ones in the "
+                       "`trainer_state.json` within the checkpoint directory: \n\t"
+                       + "\n\t".join(differs))
 
 
 def has_length(dataset) -> bool:
@@ -195,12 +218,39 @@ class _SkippedStream:
         return itertools.islice(iter(self.dataloader), self.num_batches, None)
 
 
-def select_columns(features: list, collator, keep: set | None):
-    """Collate after dropping the keys the model cannot take.
-    Mirrors: Trainer._remove_unused_columns"""
-    if keep is not None:
-        features = [{k: v for k, v in f.items() if k in keep} for f in features]
-    return collator(features)
+class RemoveColumnsCollator:
+    """data_collator over features without the keys the model's forward cannot take; the keys
+    dropped are logged once (logger.info). Mirrors: transformers RemoveColumnsCollator
+
+    Args:
+        data_collator: what collates the kept features.
+        signature_columns: the keys kept.
+        logger, model_name, description: where and how the dropped keys are reported."""
+
+    def __init__(self, data_collator, signature_columns, logger=None, model_name=None,
+                 description=None):
+        self.data_collator = data_collator
+        self.signature_columns = signature_columns
+        self.logger = logger
+        self.model_name = model_name
+        self.description = description
+        self.message_logged = False
+
+    def _remove_columns(self, feature):
+        if not isinstance(feature, Mapping):
+            return feature
+        if not self.message_logged and self.logger and self.model_name:
+            ignored = sorted(set(feature) - set(self.signature_columns))
+            if ignored:
+                where = "" if self.description is None else f"in the {self.description} set "
+                self.logger.info(f"The following columns {where}don't have a corresponding "
+                                 f"argument in `{self.model_name}.forward` and have been ignored: "
+                                 f"{', '.join(ignored)}.")
+                self.message_logged = True
+        return {k: v for k, v in feature.items() if k in self.signature_columns}
+
+    def __call__(self, features):
+        return self.data_collator([self._remove_columns(f) for f in features])
 
 
 def label_smoothed_loss(logits, labels, epsilon, num_items_in_batch=None, shift_labels=True):
@@ -242,6 +292,18 @@ def dataset_lengths(dataset, length_column_name: str | None = "length") -> list:
     return [len(example["input_ids"]) for example in dataset]
 
 
+def loader_kwargs(args) -> dict:
+    """The DataLoader arguments TrainingArguments' dataloader_* fields give: workers, pinned
+    memory (only where batches go to CUDA), persistent workers and prefetch (with workers).
+    Mirrors: Trainer._get_dataloader (dataloader_params)"""
+    kwargs = {"num_workers": args.dataloader_num_workers,
+              "pin_memory": args.dataloader_pin_memory and args.device.type == "cuda"}
+    if args.dataloader_num_workers > 0:
+        kwargs["persistent_workers"] = args.dataloader_persistent_workers
+        kwargs["prefetch_factor"] = args.dataloader_prefetch_factor
+    return kwargs
+
+
 def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) -> DataLoader:
     """A DataLoader over this rank's share of the seeded order. shuffle=True (training): the order
     args.train_sampling_strategy names - random (randperm(seed + epoch)), sequential, or
@@ -254,7 +316,7 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
             raise ValueError("an IterableDataset without __len__ under torchrun is not supported: "
                              "split the stream per rank, or give the dataset a length.")
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn,
-                          drop_last=drop_last, num_workers=args.dataloader_num_workers)
+                          drop_last=drop_last, **loader_kwargs(args))
     seed = args.data_seed if args.data_seed is not None else args.seed
     lengths = group_size = None
     if args.train_sampling_strategy == "group_by_length":
@@ -273,8 +335,10 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
     # global RNG (torch's base seed), so the dropout masks after it are peft's under TRL. A run
     # resumed mid-epoch iterates skip_first_batches' loader, which draws nothing: it starts from
     # the restored RNG, as transformers, which restores it after its iter().
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
-                      num_workers=args.dataloader_num_workers)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
+                        **loader_kwargs(args))
+    loader.total_batch_size = batch_size * distributed.get_world_size()  # accelerate's attribute
+    return loader
 
 
 def count_num_items_in_batch(batch_samples: list, shift_labels=True) -> torch.Tensor:

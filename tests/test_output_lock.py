@@ -281,10 +281,16 @@ def test_a_mistyped_metric_for_best_model_fails_at_start(tmp_path, data, capsys,
     assert "--metric_for_best_model eval_los: evaluation will not produce 'eval_los'" in err
     assert "eval_loss" in err and "eval_mean_token_accuracy" in err
     assert no_model_load == []
-    trainer = make_trainer(tmp_path / "api", metric_for_best_model="accuracy")
+    trainer = make_trainer(tmp_path / "api", metric_for_best_model="accuracy",
+                           eval_strategy="steps")
+    trainer.eval_dataset = rows()
     with pytest.raises(ValueError, match="'eval_accuracy'; it produces eval_loss, eval_perplexity"):
         trainer.train()
     assert trainer.state.global_step == 0
+    # no evaluation ever runs: the metric is never read, so it is not checked (as transformers)
+    trainer = make_trainer(tmp_path / "api-no-eval", metric_for_best_model="accuracy")
+    trainer.train()
+    assert trainer.state.global_step == 2
 
 
 def eval_keys(metrics) -> set:

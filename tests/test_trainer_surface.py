@@ -341,3 +341,271 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     # negative control: enable_jit_checkpoint off installs nothing
     off = Trainer(Linear(), args(tmp_path / "b", max_steps=1), train_dataset=rows())
     assert not any(isinstance(cb, JITCheckpointCallback) for cb in off.callback_handler.callbacks)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class WithConfig(Linear):
+    """Linear with a config that saves itself, as a PreTrainedModel's does."""
+
+    class Config:
+        def save_pretrained(self, folder):
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump({"model_type": "linear"}, f)
+
+    def __init__(self):
+        super().__init__()
+        self.config = self.Config()
+
+
+def test_checkpoint_holds_transformers_files_and_reads_json_args(tmp_path):
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2, per_device_train_batch_size=4)
+    Trainer(WithConfig(), args(tmp_path, **kw), train_dataset=rows()).train()
+    folder = tmp_path / "out" / "checkpoint-2"
+    for name in ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt",
+                 "trainer_state.json", "training_args.json", "training_args.bin"):
+        assert (folder / name).is_file(), name
+    # the pickle is never read back: a resume works with it unreadable
+    (folder / "training_args.bin").write_bytes(b"not a pickle")
+    kw["max_steps"] = 3
+    resumed = Trainer(WithConfig(), args(tmp_path, **kw), train_dataset=rows())
+    resumed.train(resume_from_checkpoint=str(folder))
+    assert resumed.state.global_step == 3
+
+
+def test_resume_from_a_sharded_checkpoint_equals_the_single_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=4,
+              learning_rate=0.1)
+    whole = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows())
+    whole.train()
+    folder = tmp_path / "out" / "checkpoint-2"
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    weight_map = {}
+    for i, name in enumerate(sorted(state)):
+        shard = f"model-{i + 1:05d}-of-{len(state):05d}.safetensors"
+        save_file({name: state[name]}, str(folder / shard))
+        weight_map[name] = shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    resumed = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows())
+    resumed.train(resume_from_checkpoint=str(folder))
+    assert (resumed.model.a.item(), resumed.model.b.item()) == \
+        (whole.model.a.item(), whole.model.b.item())
+
+
+def test_save_strategy_best_needs_a_metric_and_no_eval_reads_none(tmp_path):
+    with pytest.raises(ValueError, match="`args.metric_for_best_model` must be provided"):
+        args(tmp_path, save_strategy="best", eval_strategy="epoch")
+    # no evaluation ever runs, so a metric compute_metrics would give is not checked
+    trainer = Trainer(Linear(), args(tmp_path, max_steps=1, metric_for_best_model="accuracy",
+                                     save_strategy="no"), train_dataset=rows())
+    trainer.train()
+    assert trainer.state.best_metric is None
+
+
+def test_script_flags_are_accepted_and_inert(tmp_path):
+    a = args(tmp_path, do_train=True, do_eval=True, do_predict=True, eval_use_gather_object=True)
+    assert (a.do_train, a.do_eval, a.do_predict) == (True, True, True)
+
+
+# ----------------------------------------------------------------------------- dataloaders
+def test_eval_dataloader_drop_last_and_named_sets(tmp_path):
+    a = args(tmp_path, per_device_eval_batch_size=4, dataloader_drop_last=True)
+    trainer = Trainer(Linear(), a, eval_dataset={"first": rows(10), "second": rows(6)})
+    assert len(trainer.get_eval_dataloader("first")) == 2  # 10 // 4, the last 2 dropped
+    assert trainer.get_eval_dataloader("second").dataset is trainer.eval_dataset["second"]
+    assert trainer.get_eval_dataloader("first").total_batch_size == 4
+
+
+def test_remove_columns_collator_logs_the_dropped_keys_once():
+    from nanosft.trainer_utils import RemoveColumnsCollator
+
+    class Log:
+        def __init__(self):
+            self.messages = []
+
+        def info(self, message):
+            self.messages.append(message)
+
+    log = Log()
+    collate = RemoveColumnsCollator(lambda features: features, ["a"], log, "Model", "training")
+    assert collate([{"a": 1, "b": 2}]) == [{"a": 1}]
+    collate([{"a": 1, "b": 2}])
+    assert len(log.messages) == 1 and "b" in log.messages[0] and "Model.forward" in log.messages[0]
+
+
+def test_a_dataloader_without_dataset_attribute_trains(tmp_path):
+    class Twice(Trainer):  # a dataloader of another kind: no .dataset, a length
+        def get_train_dataloader(self):
+            loaders = [super().get_train_dataloader(), super().get_train_dataloader()]
+
+            class Chain:
+                def __len__(self):
+                    return sum(len(d) for d in loaders)
+
+                def __iter__(self):
+                    for d in loaders:
+                        yield from d
+
+            return Chain()
+
+    trainer = Twice(Linear(), args(tmp_path, per_device_train_batch_size=8, num_train_epochs=1,
+                                   save_strategy="no"), train_dataset=rows(16))
+    trainer.train()
+    assert trainer.state.global_step == 4  # 2 batches x 2 loaders
+
+
+# ----------------------------------------------------------------------------- samplers
+def test_shard_samplers_split_batches_round_robin():
+    from nanosft.trainer_pt_utils import IterableDatasetShard, ShardSampler
+
+    shards = [list(ShardSampler(list(range(10)), batch_size=2, num_processes=2, process_index=i))
+              for i in range(2)]
+    assert shards == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 0, 1]]  # the last batch loops to the start
+    streamed = [list(IterableDatasetShard(list(range(10)), batch_size=2, num_processes=2,
+                                          process_index=i)) for i in range(2)]
+    assert streamed == shards
+    dropped = list(ShardSampler(list(range(10)), batch_size=2, drop_last=True, num_processes=2))
+    assert dropped == [0, 1, 4, 5]
+
+
+def test_length_grouped_sampler_puts_the_longest_first():
+    from nanosft.trainer_pt_utils import LengthGroupedSampler
+
+    lengths = [3, 9, 1, 50, 7, 2, 8, 4]
+    generator = torch.Generator().manual_seed(0)
+    order = list(LengthGroupedSampler(2, lengths=lengths, generator=generator))
+    assert sorted(order) == list(range(8)) and lengths[order[0]] == 50
+    data = [{"input_ids": [0] * n} for n in lengths]
+    assert lengths[next(iter(LengthGroupedSampler(2, dataset=data)))] == 50
+
+
+def test_eval_loop_container_pads_and_concatenates():
+    from nanosft.trainer_pt_utils import EvalLoopContainer
+
+    box = EvalLoopContainer(padding_index=-100)
+    box.add((torch.ones(2, 3), {"loss": torch.tensor(1.0)}))
+    box.add((torch.ones(1, 5), {"loss": torch.tensor(2.0)}))
+    logits, extra = box.get_arrays()
+    assert logits.shape == (3, 5) and (logits[:2, 3:] == -100).all()
+    np.testing.assert_array_equal(extra["loss"], [1.0, 2.0])
+
+
+# ----------------------------------------------------------------------------- resume messages
+def test_resume_errors_use_transformers_words(tmp_path):
+    trainer = Trainer(Linear(), args(tmp_path, max_steps=1), train_dataset=rows())
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at .*checkpoint-9"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-9"))
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_resume_warns_about_args_that_differ_from_the_checkpoint(tmp_path, caplog):
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2, per_device_train_batch_size=4)
+    Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows()).train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    same = Trainer(Linear(), args(tmp_path, **{**kw, "max_steps": 3}), train_dataset=rows())
+    with caplog.at_level(logging.WARNING, logger="nanosft.trainer_utils"):
+        same.train(resume_from_checkpoint=checkpoint)
+    assert not caplog.records  # negative control: the same args
+    other = Trainer(Linear(), args(tmp_path, **{**kw, "max_steps": 3, "save_steps": 3,
+                                               "per_device_train_batch_size": 8}),
+                    train_dataset=rows())
+    with caplog.at_level(logging.WARNING, logger="nanosft.trainer_utils"):
+        other.train(resume_from_checkpoint=checkpoint)
+    text = caplog.records[-1].getMessage()
+    assert "save_steps: 3 (from args) != 2 (from trainer_state.json)" in text
+    assert "per_device_train_batch_size: 8 (from args) != 4 (from trainer_state.json)" in text
+
+
+def test_auto_find_batch_size_resumes_with_the_batch_size_it_found(tmp_path):
+    class OutOfMemoryAbove(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.train_batch_size > 12:
+                raise RuntimeError("CUDA out of memory.")
+
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=1, per_device_train_batch_size=16,
+              auto_find_batch_size=True)
+    first = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows(64),
+                    callbacks=[OutOfMemoryAbove()])
+    first.train()
+    assert first._train_batch_size == 12  # 16 -> 14 -> 12
+    kw["max_steps"] = 3
+    resumed = Trainer(Linear(), args(tmp_path, **kw), train_dataset=rows(64))
+    assert resumed._train_batch_size == 16
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed._train_batch_size == 12
+
+
+def test_best_checkpoint_is_the_saved_one_of_the_best_step(tmp_path):
+    # eval at each epoch end, a save at every step: the best step's checkpoint was saved before
+    # its evaluation, and becomes best_model_checkpoint at the next save
+    from nanosft.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    class FirstEpochBest(Trainer):
+        scores = iter([0.9, 0.5, 0.4])
+
+        def _evaluate(self):
+            metrics = {"eval_accuracy": next(self.scores)}
+            self._determine_best_metric(metrics)
+            return metrics
+
+    kw = dict(eval_strategy="epoch", save_strategy="steps", save_steps=1, num_train_epochs=3,
+              metric_for_best_model="accuracy", per_device_train_batch_size=8)
+    trainer = FirstEpochBest(Linear(), args(tmp_path, **kw), train_dataset=rows(16),
+                             eval_dataset=rows(4), compute_metrics=lambda p: {"accuracy": 0.0})
+    trainer.train()
+    assert trainer.state.best_global_step == 2
+    assert trainer.state.best_model_checkpoint == \
+        os.path.join(str(tmp_path / "out"), f"{PREFIX_CHECKPOINT_DIR}-2")
+
+
+def test_eval_delay_skips_the_first_evaluations(tmp_path):
+    class Evals(TrainerCallback):
+        steps = []
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    for delay, expected in ((0, [1, 2, 3, 4]), (3, [3, 4])):
+        Evals.steps = []
+        trainer = Trainer(Linear(), args(tmp_path / str(delay), eval_strategy="steps",
+                                         eval_steps=1, eval_delay=delay, max_steps=4,
+                                         save_strategy="no", per_device_train_batch_size=4),
+                          train_dataset=rows(), eval_dataset=rows(4), callbacks=[Evals()])
+        trainer.train()
+        assert Evals.steps == expected
+
+
+def test_dataloader_arguments_reach_the_dataloader(tmp_path):
+    a = args(tmp_path, dataloader_num_workers=2, dataloader_persistent_workers=True,
+             dataloader_prefetch_factor=3)
+    loader = Trainer(Linear(), a, train_dataset=rows()).get_train_dataloader()
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
+    assert loader.pin_memory is False  # use_cpu: nothing to pin for (transformers sets it False)
+    plain = Trainer(Linear(), args(tmp_path), train_dataset=rows()).get_train_dataloader()
+    assert (plain.num_workers, plain.persistent_workers) == (0, False)
+    with pytest.raises(ValueError, match="act on worker processes"):
+        args(tmp_path, dataloader_persistent_workers=True)
+
+
+def test_optimizer_cls_and_kwargs_takes_a_class_or_a_factory(tmp_path):
+    from nanosft.optim import is_optimizer_factory
+
+    trainer = Trainer(Linear(), args(tmp_path),
+                      optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.5}))
+    optimizer = trainer.create_optimizer()
+    assert isinstance(optimizer, torch.optim.SGD) and len(optimizer.param_groups) == 2
+
+    seen = []
+
+    class Factory:  # builds its own groups from the whole model (Muon / Dion style)
+        def __call__(self, model, **kwargs):
+            seen.append(model)
+            return torch.optim.SGD(model.parameters(), **kwargs)
+
+    assert is_optimizer_factory(Factory) and not is_optimizer_factory(torch.optim.SGD)
+    trainer = Trainer(Linear(), args(tmp_path), optimizer_cls_and_kwargs=(Factory, {"lr": 0.5}))
+    optimizer = trainer.create_optimizer()
+    assert seen == [trainer.model] and len(optimizer.param_groups) == 1

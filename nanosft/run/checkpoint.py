@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -45,6 +46,8 @@ from nanosft.run.output_folder import (  # noqa: F401 (finding and rotating chec
 from nanosft.trainer_callback import TrainerState
 
 TRAINING_ARGS_NAME = "training_args.json"
+TRAINING_ARGS_BIN_NAME = "training_args.bin"  # written for transformers' tools; nanosft reads JSON
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"  # a sharded model.safetensors
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 SCALER_NAME = "scaler.pt"
@@ -209,6 +212,9 @@ def save_model_weights(model, folder, state_dict=None):
     tensors, tied = _dedupe_shared(model.state_dict() if state_dict is None else state_dict)
     metadata = {"format": "pt", "tied": json.dumps(tied)}
     save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata=metadata)
+    config = getattr(model, "config", None)
+    if hasattr(config, "save_pretrained"):  # config.json, as save_pretrained writes beside it
+        config.save_pretrained(folder)
 
 
 def load_model_weights(model, folder):
@@ -235,9 +241,12 @@ def load_model_weights(model, folder):
         set_peft_model_state_dict(model, state, adapter_name=adapter_name, source=path)
         return
     path = os.path.join(folder, WEIGHTS_NAME)
-    state = _load_or_explain(path, load_file)
-    with safe_open(path, framework="pt") as f:
-        tied = json.loads((f.metadata() or {}).get("tied", "{}"))
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(folder, WEIGHTS_INDEX_NAME)):
+        state, tied = _load_sharded(folder), {}
+    else:
+        state = _load_or_explain(path, load_file)
+        with safe_open(path, framework="pt") as f:
+            tied = json.loads((f.metadata() or {}).get("tied", "{}"))
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a shape mismatch: torch names the tensor and both shapes
@@ -247,6 +256,16 @@ def load_model_weights(model, folder):
         raise ValueError(f"{path} does not fit this model: missing {missing[:5]}, unexpected "
                          f"{result.unexpected_keys[:5]}; was it saved from another architecture or "
                          "config?")
+
+
+def _load_sharded(folder):
+    """The state dict of a sharded checkpoint: each shard the index's weight_map names.
+    Mirrors: transformers load_sharded_checkpoint"""
+    index = _load_or_explain(os.path.join(folder, WEIGHTS_INDEX_NAME), _read_json)
+    state = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        state.update(_load_or_explain(os.path.join(folder, shard), load_file))
+    return state
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -276,12 +295,18 @@ def _write_all(folder, model, optimizer, lr_scheduler, scaler, trainer_state, ar
         torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
     save_rng_state(folder, 0, world_size)
     _write_json(trainer_state, os.path.join(folder, TRAINER_STATE_NAME))
+    if hasattr(args, "to_dict"):  # transformers' pickled training_args.bin, never read back
+        try:
+            torch.save(args, os.path.join(folder, TRAINING_ARGS_BIN_NAME))
+        except (pickle.PicklingError, TypeError, AttributeError):  # a field that cannot pickle
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, TRAINING_ARGS_BIN_NAME))
     args = args.to_dict() if hasattr(args, "to_dict") else args
     _write_json(args, os.path.join(folder, TRAINING_ARGS_NAME))
 
 
 def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=None,
-                    trainer_state: dict, args: dict, rank=0, world_size=1):
+                    trainer_state: dict, args, rank=0, world_size=1):
     """Write a complete checkpoint folder atomically: files go to a temp folder renamed at the end.
     Mirrors: transformers Trainer._save_checkpoint
     Rank 0 writes everything; other ranks add their rng_state_{rank}.pth once the folder exists."""
@@ -334,6 +359,8 @@ def _gather_sharded(model, optimizer):
 
 def _missing_files(checkpoint_dir, model, optimizer, lr_scheduler):
     weights = ADAPTER_WEIGHTS_NAME if _has_adapter(_unwrap(model)) else WEIGHTS_NAME
+    if weights == WEIGHTS_NAME and os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_INDEX_NAME)):
+        weights = WEIGHTS_INDEX_NAME  # sharded
     needed = [TRAINER_STATE_NAME, weights]
     needed += [OPTIMIZER_NAME] if optimizer is not None else []
     needed += [SCHEDULER_NAME] if lr_scheduler is not None else []

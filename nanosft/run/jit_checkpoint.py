@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 
-from nanosft.run.output_folder import PREFIX_CHECKPOINT_DIR
+from nanosft.trainer_utils import PREFIX_CHECKPOINT_DIR
 from nanosft.trainer_callback import TrainerCallback
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import torch
 
 from nanosft import distributed
 from nanosft.io.hub import FINAL_SAVE_MARKER
+from nanosft.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-PREFIX_CHECKPOINT_DIR = "checkpoint"
 TEMP_PREFIX = ".tmp-"  # ".tmp-checkpoint-20" while checkpoint-20 is being written
 TRAINER_STATE_NAME = "trainer_state.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -95,12 +95,14 @@ def resolve_resume_checkpoint(resume_from_checkpoint, output_dir, command_line=F
     if resume_from_checkpoint is True:
         found = get_last_checkpoint(output_dir)
         if found is None:
-            raise ValueError(f"{_no_checkpoint_message(output_dir, flag)}. {fresh}, or pass a "
+            raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): "
+                             f"{_no_checkpoint_message(output_dir, flag)}. {fresh}, or pass a "
                              "checkpoint-<step> folder.")
         return found
     if resume_from_checkpoint and not os.path.isdir(resume_from_checkpoint):
         name = flag if command_line else "resume_from_checkpoint"
-        raise ValueError(f"{name}: {resume_from_checkpoint!r} is not a folder; pass a "
+        raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: {name}: "
+                         f"{resume_from_checkpoint!r} is not a folder; pass a "
                          f"checkpoint-<step> folder written by this trainer, or {latest} for the "
                          "latest one.")
     return resume_from_checkpoint or None

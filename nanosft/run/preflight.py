@@ -88,7 +88,8 @@ def check_eval_setup(trainer) -> None:
     evaluation will produce."""
     args = trainer.args
     check_eval_data(args.eval_strategy, trainer.eval_dataset, eval_on_start=args.eval_on_start)
-    check_metric_name(args.metric_for_best_model, known_eval_metrics(trainer))
+    if args.eval_strategy != "no" or args.eval_on_start:  # no evaluation: the metric is never read
+        check_metric_name(args.metric_for_best_model, known_eval_metrics(trainer))
 
 
 @contextlib.contextmanager
