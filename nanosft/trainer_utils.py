@@ -97,6 +97,20 @@ def compare_trainer_and_checkpoint_args(training_args, trainer_state) -> None:
                        + "\n\t".join(differs))
 
 
+def with_last(iterable):
+    """(item, is_last) for each item, reading one ahead: a stream's last batch is known without
+    its length. Mirrors: accelerate GradientState.end_of_dataloader"""
+    iterator = iter(iterable)
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield item, False
+        item = following
+    yield item, True
+
+
 def has_length(dataset) -> bool:
     """Whether len(dataset) works (an IterableDataset streams: it has none).
     Mirrors: transformers trainer_utils.has_length"""
