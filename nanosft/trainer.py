@@ -38,7 +38,7 @@ from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # 
                                    denumpify_detensorize, evaluation_loop, find_batch_size,
                                    find_executable_batch_size, has_length, label_smoothed_loss,
                                    label_smoothing_unsupported, loss_shifts_labels,
-                                   model_accepts_loss_kwargs, no_sync, pad_and_concatenate,
+                                   model_accepts_loss_kwargs, no_sync,
                                    set_seed, signature_columns, skip_first_batches,
                                    speed_metrics, with_last)
 
