@@ -38,9 +38,9 @@ from nanosft.trainer_utils import (IGNORE_INDEX, MemoryTracker, TrainOutput,  # 
                                    denumpify_detensorize, evaluation_loop, find_batch_size,
                                    find_executable_batch_size, has_length, label_smoothed_loss,
                                    label_smoothing_unsupported, loss_shifts_labels,
-                                   model_accepts_loss_kwargs, no_sync, pad_and_concatenate,
+                                   model_accepts_loss_kwargs, no_sync,
                                    set_seed, signature_columns, skip_first_batches,
-                                   speed_metrics)
+                                   speed_metrics, with_last)
 
 logger = logging.getLogger(__name__)
 
@@ -829,7 +829,7 @@ class Trainer:
                 for key in ("predictions", "label_ids", "inputs", "losses")}
         metrics, examples, batches = None, 0, 0
         keep_all = not args.batch_eval_metrics or description == "Prediction"
-        for step, inputs in enumerate(dataloader):
+        for step, (inputs, last) in enumerate(with_last(dataloader)):
             loss, logits, labels = self.prediction_step(self.model, inputs, prediction_loss_only,
                                                         ignore_keys=ignore_keys)
             size = find_batch_size(inputs)
@@ -846,7 +846,6 @@ class Trainer:
             self._callback("on_prediction_step")
             if args.batch_eval_metrics:  # compute_metrics keeps running sums; the last reports
                 if self.compute_metrics is not None and logits is not None and labels is not None:
-                    last = has_length(dataloader) and step == len(dataloader) - 1
                     metrics = self.compute_metrics(self._eval_prediction(batch),
                                                    compute_result=last)
             elif args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:

@@ -1,7 +1,7 @@
-"""Pieces the Trainer is built from: seeding, TrainOutput, TrainerState/TrainerControl, the logging
-window and the model FLOPs it counts (model_flops), the seeded batch sampler (random, or grouped
-by length), resume skipping, label smoothing, the fp32 upcast of the logits and the loss-kwargs
-check.
+"""Pieces the Trainer is built from: seeding, TrainOutput / PredictionOutput / EvalLoopOutput, the
+seeded batch sampler (random, or grouped by length) or a stream's loader (has_length, with_last),
+the unused-column drop (RemoveColumnsCollator), resume skipping and the checkpoint-args warning,
+label smoothing, the fp32 upcast of the logits and the loss-kwargs check.
 
 The walkthrough prints none of it; trainer.py's loop (2.3-2.5) calls it. The split mirrors
 transformers, where these live beside trainer.py in trainer_utils.py (set_seed, TrainOutput),
@@ -95,6 +95,20 @@ def compare_trainer_and_checkpoint_args(training_args, trainer_state) -> None:
         logger.warning("Warning: The following arguments do not match the ones in the "
                        "`trainer_state.json` within the checkpoint directory: \n\t"
                        + "\n\t".join(differs))
+
+
+def with_last(iterable):
+    """(item, is_last) for each item, reading one ahead: a stream's last batch is known without
+    its length. Mirrors: accelerate GradientState.end_of_dataloader"""
+    iterator = iter(iterable)
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield item, False
+        item = following
+    yield item, True
 
 
 def has_length(dataset) -> bool:
@@ -514,25 +528,6 @@ class EvalPrediction:
         if not 0 <= idx < len(self.elements):
             raise IndexError("tuple index out of range")
         return self.elements[idx]
-
-
-def pad_and_concatenate(chunks: list, padding_index=IGNORE_INDEX):
-    """Per-batch arrays (B_i, T_i, ...) -> one numpy array (sum B_i, max T_i, ...), the shorter
-    rows right-padded with -100; None when there are no chunks.
-    Mirrors: transformers nested_concat / numpy_pad_and_concatenate (EvalLoopContainer)"""
-    arrays = [c.cpu().numpy() if torch.is_tensor(c) else np.asarray(c) for c in chunks]
-    if not arrays:
-        return None
-    if arrays[0].ndim < 2 or len({a.shape[1:] for a in arrays}) == 1:
-        return np.concatenate(arrays, axis=0)
-    width = max(a.shape[1] for a in arrays)
-    out = np.full((sum(len(a) for a in arrays), width, *arrays[0].shape[2:]), padding_index,
-                  dtype=arrays[0].dtype)
-    row = 0
-    for a in arrays:
-        out[row:row + len(a), :a.shape[1]] = a
-        row += len(a)
-    return out
 
 
 def denumpify_detensorize(metrics):

@@ -609,3 +609,16 @@ def test_optimizer_cls_and_kwargs_takes_a_class_or_a_factory(tmp_path):
     trainer = Trainer(Linear(), args(tmp_path), optimizer_cls_and_kwargs=(Factory, {"lr": 0.5}))
     optimizer = trainer.create_optimizer()
     assert seen == [trainer.model] and len(optimizer.param_groups) == 1
+
+
+def test_batch_eval_metrics_report_at_a_streams_last_batch(tmp_path):
+    calls = []
+
+    def metrics(prediction, compute_result):
+        calls.append(compute_result)
+        return {"batches": len(calls)} if compute_result else None
+
+    trainer = Trainer(Linear(2.0, 3.0), args(tmp_path, per_device_eval_batch_size=4,
+                                             batch_eval_metrics=True), compute_metrics=metrics)
+    result = trainer.evaluate(Stream(10))  # no __len__: 3 batches, the last known by lookahead
+    assert calls == [False, False, True] and result["eval_batches"] == 3
