@@ -21,10 +21,18 @@ from nanosft.nf4 import Linear4bit, is_quantized
 from nanosft.reference import fast_path
 
 
+def _fan_in_fan_out(base_layer):
+    # transformers' Conv1D (GPT-2) stores its weight (in, out), the transpose of nn.Linear's
+    return type(base_layer).__name__ == "Conv1D" and hasattr(base_layer, "nf")
+
+
 def base_weight(base_layer):
-    """Float weight [out, in] of a base layer: dequantized (a new tensor) for `Linear4bit`, else
-    the parameter itself. Mirrors: peft dequantize_module_weight"""
-    return base_layer.dequantize() if isinstance(base_layer, Linear4bit) else base_layer.weight
+    """Float weight [out, in] of a base layer: dequantized (a new tensor) for `Linear4bit`,
+    transposed for transformers' Conv1D, else the parameter itself.
+    Mirrors: peft dequantize_module_weight, transpose(weight, fan_in_fan_out)"""
+    if isinstance(base_layer, Linear4bit):
+        return base_layer.dequantize()
+    return base_layer.weight.T if _fan_in_fan_out(base_layer) else base_layer.weight
 
 
 def set_base_weight(base_layer, weight):
@@ -33,7 +41,8 @@ def set_base_weight(base_layer, weight):
     if isinstance(base_layer, Linear4bit):
         base_layer.set_weight(weight)  # quantized in weight.dtype, as peft's Params4bit(w_data) is
     else:
-        base_layer.weight.data = weight.to(base_layer.weight.dtype)
+        weight = weight.T if _fan_in_fan_out(base_layer) else weight
+        base_layer.weight.data = weight.contiguous().to(base_layer.weight.dtype)
 
 
 def dora_weight_norm(weight, lora_weight, scaling):
@@ -95,14 +104,19 @@ class LoraLinear(nn.Module):
     Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
-                 use_rslora=False, use_dora=False, init_lora_weights=True):
+                 use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False):
         super().__init__()
-        if not isinstance(base_layer, (nn.Linear, Linear4bit)):
-            raise TypeError(f"LoraLinear: base_layer must be nn.Linear or nanosft.nf4.Linear4bit, "
-                            f"got {type(base_layer).__name__}")
+        fan_in_fan_out = _fan_in_fan_out(base_layer)
+        if not isinstance(base_layer, (nn.Linear, Linear4bit)) and not fan_in_fan_out:
+            raise TypeError(f"LoraLinear: base_layer must be nn.Linear, nanosft.nf4.Linear4bit or "
+                            f"transformers' Conv1D, got {type(base_layer).__name__}")
         self.base_layer = base_layer
-        self.in_features = base_layer.in_features
-        self.out_features = base_layer.out_features
+        self.fan_in_fan_out = fan_in_fan_out  # peft sets it for Conv1D, warning if unset
+        if fan_in_fan_out:
+            self.in_features, self.out_features = base_layer.weight.shape  # stored (in, out)
+        else:
+            self.in_features = base_layer.in_features
+            self.out_features = base_layer.out_features
         # per-adapter modules and settings, keyed by adapter name
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
@@ -113,12 +127,13 @@ class LoraLinear(nn.Module):
         self.scaling = {}
         self.use_rslora = {}
         self.use_dora = {}
+        self.lora_bias = {}
         self.merged_adapters = []
         self.active_adapters = [adapter_name]
         self.disable_adapters = False
         self._dora_merged_norm = {}  # weight norms cached at merge time, needed to unmerge DoRA
         self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, use_dora,
-                          init_lora_weights)
+                          init_lora_weights, lora_bias)
 
     @property
     def merged(self):
@@ -142,7 +157,7 @@ class LoraLinear(nn.Module):
         return self.base_layer
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
-                     use_dora=False, init_lora_weights=True):
+                     use_dora=False, init_lora_weights=True, lora_bias=False):
         """Add adapter `adapter_name`: A and B (B zero by default: it starts as the identity),
         scaling, DoRA's m. Mirrors: peft LoraLayer.update_layer,
         reset_lora_parameters, DoraLinearVariant.init"""
@@ -159,10 +174,11 @@ class LoraLinear(nn.Module):
         self.lora_dropout[adapter_name] = dropout
         # RNG order as peft: A's constructor init, B's constructor init, then A is drawn again below
         self.lora_A[adapter_name] = AdapterLinear(self.in_features, r, bias=False)
-        self.lora_B[adapter_name] = AdapterLinear(r, self.out_features, bias=False)
+        self.lora_B[adapter_name] = AdapterLinear(r, self.out_features, bias=lora_bias)
         self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
         self.use_rslora[adapter_name] = use_rslora
         self.use_dora[adapter_name] = use_dora
+        self.lora_bias[adapter_name] = lora_bias
         self.reset_lora_parameters(adapter_name, init_lora_weights)
         # to the base's device, and its dtype if floating (4-bit uint8 weights leave fp32 adapters)
         w = self.base_layer.weight
@@ -187,6 +203,8 @@ class LoraLinear(nn.Module):
         else:
             nn.init.kaiming_uniform_(A, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B[adapter_name].weight)
+        if self.lora_B[adapter_name].bias is not None:
+            nn.init.zeros_(self.lora_B[adapter_name].bias)
 
     @torch.no_grad()
     def _dora_init_norm(self, name):
@@ -251,15 +269,28 @@ class LoraLinear(nn.Module):
         return weight
 
     @torch.no_grad()
-    def merge(self, adapter_names=None):
-        """Fold adapters into the base weight (4-bit: dequantize, add, requantize: slightly lossy).
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Fold adapters into the base weight (4-bit: dequantize, add, requantize: slightly lossy);
+        safe_merge: check the merged weight is finite before writing it.
         Mirrors: peft lora.Linear.merge, lora.bnb.Linear4bit.merge"""
+        if not isinstance(safe_merge, bool):  # merge("default"): the name went to safe_merge
+            raise TypeError("merge: adapter_names must be a list of names passed by keyword, "
+                            f"got {safe_merge!r} as safe_merge")
         names = self.active_adapters if adapter_names is None else adapter_names
         if isinstance(names, str):
             raise TypeError("merge: adapter_names must be a list of names, "
                             f"got the string {names!r}")
         for name in [n for n in names if n not in self.merged_adapters and n in self.lora_A]:
-            weight = self._merged_weight(name, base_weight(self.base_layer))
+            weight = self._merged_weight(name, base_weight(self.base_layer).clone())
+            if safe_merge and not torch.isfinite(weight).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
+                                 "to be broken")
+            bias = self.lora_B[name].bias
+            if bias is not None:
+                if self.base_layer.bias is None:
+                    raise RuntimeError("Impossible to merge LoRA with lora_bias=True because the "
+                                       "base layer has no bias.")
+                self.base_layer.bias.data += (bias * self.scaling[name]).to(bias.dtype)
             set_base_weight(self.base_layer, weight)
             self.merged_adapters.append(name)
 
@@ -275,6 +306,21 @@ class LoraLinear(nn.Module):
             weight = self._unmerged_weight(name, base_weight(self.base_layer))
             set_base_weight(self.base_layer, weight)
             self._dora_merged_norm.pop(name, None)
+            if self.lora_B[name].bias is not None:
+                self.base_layer.bias.data -= self.lora_B[name].bias * self.scaling[name]
+
+    def delete_adapter(self, adapter_name):
+        """Drop one adapter's modules and settings; a deleted active adapter hands over to the
+        remaining ones (or the first left, by name). Mirrors: peft BaseTunerLayer.delete_adapter"""
+        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_magnitude_vector", "r",
+                     "lora_alpha", "scaling", "use_rslora", "use_dora", "lora_bias"):
+            if adapter_name in getattr(self, attr):
+                getattr(self, attr).pop(adapter_name)
+        if adapter_name in self.active_adapters:
+            remaining = [n for n in self.active_adapters if n != adapter_name]
+            if not remaining and len(self.lora_A):
+                remaining = [sorted(self.lora_A)[0]]
+            self.set_adapter(remaining)
 
     def _check_forward_args(self, x, adapter_names):
         if x.shape[-1] != self.in_features:
@@ -386,6 +432,144 @@ class LoraLinear(nn.Module):
         return result.to(torch_result_dtype)
 
 
+class LoraEmbedding(nn.Module):
+    """A frozen nn.Embedding plus low-rank adapters: y = E[x] + (A^T[x] @ B^T) * s, with
+    `lora_embedding_A` [r, num_embeddings] (zeros) and `lora_embedding_B` [dim, r] (normal), so the
+    adapter starts as the identity. Mirrors: peft lora.Embedding
+    Differs: no DoRA on embeddings."""
+
+    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
+                 use_rslora=False, init_lora_weights=True):
+        super().__init__()
+        self.base_layer = base_layer
+        self.in_features = base_layer.num_embeddings
+        self.out_features = base_layer.embedding_dim
+        self.lora_embedding_A = nn.ParameterDict()
+        self.lora_embedding_B = nn.ParameterDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.r, self.lora_alpha, self.scaling, self.use_dora = {}, {}, {}, {}
+        self.merged_adapters = []
+        self.active_adapters = [adapter_name]
+        self.disable_adapters = False
+        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+
+    merged = LoraLinear.merged
+    weight = LoraLinear.weight
+    get_base_layer = LoraLinear.get_base_layer
+
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
+                     init_lora_weights=True):
+        """Add adapter `adapter_name`. Mirrors: peft lora.Embedding.update_layer"""
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = lora_alpha
+        self.use_dora[adapter_name] = False
+        self.lora_dropout[adapter_name] = (nn.Dropout(p=lora_dropout) if lora_dropout > 0.0
+                                           else nn.Identity())
+        w = self.base_layer.weight
+        A = torch.randn(r, self.in_features, device=w.device, dtype=w.dtype)
+        B = torch.randn(self.out_features, r, device=w.device, dtype=w.dtype)
+        self.lora_embedding_A[adapter_name] = nn.Parameter(A)
+        self.lora_embedding_B[adapter_name] = nn.Parameter(B)
+        self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        if init_lora_weights is True:  # peft: A zeros, B normal (the reverse of Linear's)
+            nn.init.zeros_(self.lora_embedding_A[adapter_name])
+            nn.init.normal_(self.lora_embedding_B[adapter_name])
+        elif init_lora_weights == "gaussian":
+            nn.init.normal_(self.lora_embedding_A[adapter_name], std=1 / r)
+            nn.init.normal_(self.lora_embedding_B[adapter_name])
+        self.set_adapter(self.active_adapters)
+
+    def set_adapter(self, adapter_names):
+        """Activate `adapter_names`; only their A and B require grad. Mirrors: peft set_adapter"""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for d in (self.lora_embedding_A, self.lora_embedding_B):
+            for key, p in d.items():
+                p.requires_grad_(key in names)
+        self.active_adapters = names
+
+    def enable_adapters(self, enabled):
+        """Switch all adapters on or off. Mirrors: peft BaseTunerLayer.enable_adapters"""
+        if enabled:
+            self.set_adapter(self.active_adapters)
+        else:
+            for d in (self.lora_embedding_A, self.lora_embedding_B):
+                d.requires_grad_(False)
+        self.disable_adapters = not enabled
+
+    def get_delta_weight(self, adapter_name):
+        """(B @ A)^T * scaling, [num_embeddings, dim].
+        Mirrors: peft lora.Embedding.get_delta_weight"""
+        A = self.lora_embedding_A[adapter_name]
+        B = self.lora_embedding_B[adapter_name]
+        return (B @ A).T * self.scaling[adapter_name]
+
+    @torch.no_grad()
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Add the active adapters' deltas to the embedding table. Mirrors: peft Embedding.merge"""
+        names = self.active_adapters if adapter_names is None else adapter_names
+        for name in [n for n in names if n not in self.merged_adapters
+                     and n in self.lora_embedding_A]:
+            weight = self.base_layer.weight.data + self.get_delta_weight(name)
+            if safe_merge and not torch.isfinite(weight).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
+                                 "to be broken")
+            self.base_layer.weight.data = weight
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self):
+        """Subtract merged deltas again, last first. Mirrors: peft lora.Embedding.unmerge"""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            self.base_layer.weight.data -= self.get_delta_weight(name)
+
+    def delete_adapter(self, adapter_name):
+        """Drop one adapter. Mirrors: peft BaseTunerLayer.delete_adapter"""
+        for attr in ("lora_embedding_A", "lora_embedding_B", "lora_dropout", "r", "lora_alpha",
+                     "scaling", "use_dora"):
+            if adapter_name in getattr(self, attr):
+                getattr(self, attr).pop(adapter_name)
+        if adapter_name in self.active_adapters:
+            remaining = [n for n in self.active_adapters if n != adapter_name]
+            if not remaining and len(self.lora_embedding_A):
+                remaining = [sorted(self.lora_embedding_A)[0]]
+            self.set_adapter(remaining)
+
+    def _embed(self, x, weight):
+        base = self.base_layer  # the base's padding_idx, max_norm, ... as peft passes them
+        return F.embedding(x, weight, padding_idx=base.padding_idx, max_norm=base.max_norm,
+                           norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,
+                           sparse=base.sparse)
+
+    def forward(self, x, adapter_names=None):
+        """Base rows plus each active adapter's low-rank rows.
+        Mirrors: peft lora.Embedding.forward"""
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x)
+        result = self.base_layer(x)
+        if adapter_names is not None:  # one adapter per row ("__base__": none)
+            for name in dict.fromkeys(adapter_names):
+                if name in self.lora_embedding_A:
+                    rows = [i for i, n in enumerate(adapter_names) if n == name]
+                    after_A = self._embed(x[rows], self.lora_embedding_A[name].T)
+                    delta = after_A @ self.lora_embedding_B[name].T * self.scaling[name]
+                    result[rows] = result[rows] + delta.to(result.dtype)
+            return result
+        if self.merged:
+            return result
+        result_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_embedding_A:
+                continue
+            after_A = self._embed(x, self.lora_embedding_A[name].T)  # (B, T, r)
+            result = result + (after_A @ self.lora_embedding_B[name].T) * self.scaling[name]
+        return result.to(result_dtype)
+
+
 # ----------------------------------------------------------------------------- around the adapters
 
 class ModulesToSaveWrapper(nn.Module):
@@ -395,18 +579,64 @@ class ModulesToSaveWrapper(nn.Module):
     def __init__(self, module, adapter_name, trainable=True):
         super().__init__()
         self.original_module = module.requires_grad_(False)
-        trained_copy = copy.deepcopy(module).requires_grad_(trainable)
-        self.modules_to_save = nn.ModuleDict({adapter_name: trained_copy})
+        self.modules_to_save = nn.ModuleDict()
         self.active_adapter = adapter_name
+        self.disable_adapters = False
+        self.update(adapter_name, trainable)
+
+    def update(self, adapter_name, trainable=True):
+        """Add a trained copy for `adapter_name`. Mirrors: peft ModulesToSaveWrapper.update"""
+        trained_copy = copy.deepcopy(self.original_module).requires_grad_(trainable)
+        self.modules_to_save[adapter_name] = trained_copy
+        if adapter_name != self.active_adapter:
+            trained_copy.requires_grad_(False)
+
+    @property
+    def active_adapters(self):
+        """The active adapter, as a list. Mirrors: peft AuxiliaryTrainingWrapper.active_adapters"""
+        return [self.active_adapter]
+
+    def set_adapter(self, adapter_names, inference_mode=False):
+        """Use (and train) the copy of the one active adapter this wrapper holds.
+        Mirrors: peft ModulesToSaveWrapper.set_adapter"""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        held = [n for n in names if n in self.modules_to_save]
+        if len(held) > 1:
+            raise ValueError(f"Attempted to set multiple ({held}) adapters at once for "
+                             "modules_to_save, which is not allowed.")
+        for key, module in self.modules_to_save.items():
+            module.requires_grad_(key in held and not inference_mode)
+        self.active_adapter = held[0] if held else names[0] if names else None
+
+    def enable_adapters(self, enabled):
+        """Off: the original module runs. Mirrors: peft ModulesToSaveWrapper.enable_adapters"""
+        if enabled:
+            self.set_adapter(self.active_adapter)
+        else:
+            self.modules_to_save.requires_grad_(False)
+        self.disable_adapters = not enabled
+
+    def delete_adapter(self, adapter_name, new_active_adapters=None):
+        """Drop one trained copy. Mirrors: peft ModulesToSaveWrapper.delete_adapter"""
+        self.modules_to_save.pop(adapter_name, None)
+        if self.active_adapter == adapter_name:
+            left = [n for n in (new_active_adapters or []) if n in self.modules_to_save]
+            self.active_adapter = left[0] if left else None
+
+    def _active_module(self):
+        if self.disable_adapters or self.active_adapter not in self.modules_to_save:
+            return self.original_module
+        return self.modules_to_save[self.active_adapter]
 
     @property
     def weight(self):
-        """The trained copy's weight. Mirrors: peft ModulesToSaveWrapper.weight"""
-        return self.modules_to_save[self.active_adapter].weight
+        """The active module's weight. Mirrors: peft ModulesToSaveWrapper.weight"""
+        return self._active_module().weight
 
     def forward(self, *args, **kwargs):
-        """Run the trained copy, never the original. Mirrors: peft ModulesToSaveWrapper.forward"""
-        return self.modules_to_save[self.active_adapter](*args, **kwargs)
+        """Run the active trained copy (the original when disabled or none is active).
+        Mirrors: peft ModulesToSaveWrapper.forward"""
+        return self._active_module()(*args, **kwargs)
 
 
 def prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
