@@ -391,8 +391,9 @@ def is_conv1d(module):
 def is_lora_target(module):
     """Whether LoRA can wrap `module`: a linear, 4-bit linear, Conv1D, embedding, or a LoRA layer
     already there (a second adapter). Mirrors: peft LoraModel._create_new_module's dispatch"""
-    return (isinstance(module, (*_LINEAR, nn.Embedding)) or is_conv1d(module)
-            or hasattr(module, "lora_A") or hasattr(module, "lora_embedding_A"))
+    return (isinstance(module, (*_LINEAR, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+            or is_conv1d(module) or hasattr(module, "lora_A")
+            or hasattr(module, "lora_embedding_A"))
 
 
 def linear_layer_names(model):
@@ -494,7 +495,7 @@ def find_target_modules(model, config):
         if not is_lora_target(module):
             raise ValueError(f"Target module {n!r} is a {type(module).__name__}, not a linear "
                              "layer: LoRA wraps torch.nn.Linear, Linear4bit, transformers' "
-                             f"Conv1D and torch.nn.Embedding, e.g. {linear}")
+                             f"Conv1D, nn.Conv1d/2d/3d and torch.nn.Embedding, e.g. {linear}")
     return names
 
 

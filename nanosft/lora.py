@@ -570,6 +570,131 @@ class LoraEmbedding(nn.Module):
         return result.to(result_dtype)
 
 
+class LoraConv(nn.Module):
+    """A frozen nn.Conv1d / Conv2d / Conv3d plus low-rank adapters: lora_A a conv of the base's
+    kernel, stride and padding into r channels, lora_B a 1x..x1 conv back out; y = base(x) +
+    B(A(dropout(x))) * s. Mirrors: peft lora.Conv1d / Conv2d / Conv3d (_ConvNd)
+    Differs: no DoRA on convolutions."""
+
+    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
+                 use_rslora=False, init_lora_weights=True, lora_bias=False):
+        super().__init__()
+        if r % base_layer.groups:
+            raise ValueError(f"Targeting a {type(base_layer).__name__} with groups="
+                             f"{base_layer.groups} and rank {r}. Currently, support is limited to "
+                             "conv layers where the rank is divisible by groups.")
+        self.base_layer = base_layer
+        self.in_features = base_layer.in_channels
+        self.out_features = base_layer.out_channels
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.lora_magnitude_vector = nn.ModuleDict()
+        self.r, self.lora_alpha, self.scaling, self.use_dora, self.lora_bias = {}, {}, {}, {}, {}
+        self.use_rslora = {}
+        self.merged_adapters = []
+        self.active_adapters = [adapter_name]
+        self.disable_adapters = False
+        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights,
+                          lora_bias)
+
+    merged = LoraLinear.merged
+    weight = LoraLinear.weight
+    bias = LoraLinear.bias
+    get_base_layer = LoraLinear.get_base_layer
+    set_adapter = LoraLinear.set_adapter
+    enable_adapters = LoraLinear.enable_adapters
+    delete_adapter = LoraLinear.delete_adapter
+    reset_lora_parameters = LoraLinear.reset_lora_parameters
+
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
+                     init_lora_weights=True, lora_bias=False):
+        """Add adapter `adapter_name` (A: the base's kernel into r channels; B: 1x1 out).
+        Mirrors: peft _ConvNd.update_layer"""
+        base = self.base_layer
+        conv = type(base)
+        ones = (1,) * (base.weight.dim() - 2)
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = lora_alpha
+        self.lora_dropout[adapter_name] = (nn.Dropout(p=lora_dropout) if lora_dropout > 0.0
+                                           else nn.Identity())
+        # RNG order as peft: A's constructor init, B's, then A drawn again
+        self.lora_A[adapter_name] = conv(self.in_features, r, base.kernel_size, base.stride,
+                                         base.padding, bias=False)
+        self.lora_B[adapter_name] = conv(r, self.out_features, ones, ones, groups=base.groups,
+                                         bias=lora_bias)
+        self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        self.use_rslora[adapter_name] = use_rslora
+        self.use_dora[adapter_name] = False
+        self.lora_bias[adapter_name] = lora_bias
+        self.reset_lora_parameters(adapter_name, init_lora_weights)
+        for d in (self.lora_A, self.lora_B):
+            d[adapter_name] = d[adapter_name].to(base.weight.device, base.weight.dtype)
+        self.set_adapter(self.active_adapters)
+
+    def get_delta_weight(self, adapter_name):
+        """B * A as one kernel, shaped like the base weight, times scaling.
+        Mirrors: peft _ConvNd.get_delta_weight"""
+        A, B = self.lora_A[adapter_name].weight, self.lora_B[adapter_name].weight
+        upcast = A.device.type == "cpu" and A.dtype in (torch.float16, torch.bfloat16)
+        A, B = (A.float(), B.float()) if upcast else (A, B)
+        if self.base_layer.weight.shape[2:] == (1,) * (A.dim() - 2):  # 1x1: a matrix product
+            flat = B.flatten(1) @ A.flatten(1)
+            delta = flat.reshape(*flat.shape, *A.shape[2:])
+        else:  # compose the two convolutions: A's kernel through B's 1x1 mixing
+            conv_fn = (F.conv1d, F.conv2d, F.conv3d)[A.dim() - 3]
+            delta = conv_fn(A.transpose(0, 1), B).transpose(0, 1)
+        return (delta * self.scaling[adapter_name]).to(self.lora_A[adapter_name].weight.dtype)
+
+    @torch.no_grad()
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Add the deltas to the base kernel. Mirrors: peft _ConvNd.merge"""
+        if self.base_layer.groups > 1:
+            raise NotImplementedError("Merging is not supported for _ConvNd layers with "
+                                      "groups > 1!")
+        names = self.active_adapters if adapter_names is None else adapter_names
+        for name in [n for n in names if n not in self.merged_adapters and n in self.lora_A]:
+            weight = self.base_layer.weight.data + self.get_delta_weight(name)
+            if safe_merge and not torch.isfinite(weight).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
+                                 "to be broken")
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
+            if self.lora_B[name].bias is not None:
+                self.base_layer.bias.data += self.lora_B[name].bias * self.scaling[name]
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self):
+        """Subtract the merged deltas, last first. Mirrors: peft _ConvNd.unmerge"""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            self.base_layer.weight.data -= self.get_delta_weight(name)
+            if self.lora_B[name].bias is not None:
+                self.base_layer.bias.data -= self.lora_B[name].bias * self.scaling[name]
+
+    def forward(self, x, adapter_names=None):
+        """Base output plus each active adapter's low-rank convolution.
+        Mirrors: peft _ConvNd.forward"""
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x)
+        if self.merged:
+            return self.base_layer(x)
+        result = self.base_layer(x)
+        result_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            lora_A = self.lora_A[name]
+            x_in = x.to(lora_A.weight.dtype)
+            result = result + self.lora_B[name](lora_A(self.lora_dropout[name](x_in))) * \
+                self.scaling[name]
+        return result.to(result_dtype)
+
+
 # ----------------------------------------------------------------------------- around the adapters
 
 class ModulesToSaveWrapper(nn.Module):

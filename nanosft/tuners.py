@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
-from nanosft.lora import LoraEmbedding, LoraLinear, ModulesToSaveWrapper
+from nanosft.lora import LoraConv, LoraEmbedding, LoraLinear, ModulesToSaveWrapper
 
 
 class BaseTunerLayer(abc.ABC):
@@ -53,6 +53,13 @@ def _new_or_updated_layer(target, config, adapter_name, name):
             target.update_layer(adapter_name, **common)
             return None
         return LoraEmbedding(target, adapter_name, **common)
+    if isinstance(target, (LoraConv, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if config.use_dora:
+            raise ValueError("nanosft has no DoRA on convolutions; target the linear layers")
+        if isinstance(target, LoraConv):
+            target.update_layer(adapter_name, lora_bias=config.lora_bias, **common)
+            return None
+        return LoraConv(target, adapter_name, lora_bias=config.lora_bias, **common)
     if isinstance(target, LoraLinear):
         target.update_layer(adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
                             **common)

@@ -271,3 +271,34 @@ def test_fp16_adapters_upcast_unless_asked_not_to():
     kept = get_peft_model(MLP().half(), LoraConfig(target_modules=["lin0"]),
                           autocast_adapter_dtype=False)
     assert dtypes(kept) == {torch.float16}
+
+
+class Conv2dModel(nn.Module):
+    """A 3x3 convolution and a 1x1 one, then a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.conv1x1 = nn.Conv2d(6, 4, 1)
+        self.lin = nn.Linear(4 * 5 * 5, 2)
+
+    def forward(self, X):
+        return self.lin(self.conv1x1(self.conv(X)).flatten(1))
+
+
+@pytest.mark.parametrize("targets", [["conv"], ["conv1x1"], ["conv", "conv1x1"]])
+def test_lora_on_conv2d_matches_peft(targets):
+    cfg = dict(target_modules=targets, init_lora_weights=False)
+    ours, theirs = _pair(Conv2dModel, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    X = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(ours(X), theirs(X), **TOL)
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
+    for name in targets:  # the merged kernel equals peft's delta
+        torch.testing.assert_close(ours.base_model.model.get_submodule(name).get_delta_weight(
+            "default"), theirs.base_model.model.get_submodule(name).get_delta_weight("default"),
+            **TOL)
+    before = ours(X)
+    ours.merge_adapter()
+    torch.testing.assert_close(ours(X), before, **TOL)
+    ours.unmerge_adapter()
+    torch.testing.assert_close(ours(X), before, **TOL)
