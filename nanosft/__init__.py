@@ -24,6 +24,7 @@ _LAZY_NAMES = {
     "get_peft_model_state_dict": "nanosft.adapter_files",
     "set_peft_model_state_dict": "nanosft.adapter_files",
     "get_base_model_state_dict": "nanosft.tuners",
+    "set_base_model_state_dict": "nanosft.tuners",
     "BaseTunerLayer": "nanosft.tuners",
     "LoraModel": "nanosft.tuners",
     "BitsAndBytesConfig": "nanosft.nf4",

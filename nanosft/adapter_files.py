@@ -457,6 +457,8 @@ def resolve_target_modules(model, config):
     Mirrors: peft _maybe_include_all_linear_layers,
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"""
     target = config.target_modules
+    if target is None and getattr(config, "target_parameters", None):
+        return []  # LoRA on parameters only (peft allows target_modules=None then)
     if target is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in DEFAULT_TARGET_MODULES:

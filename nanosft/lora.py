@@ -52,6 +52,24 @@ def dora_weight_norm(weight, lora_weight, scaling):
     return torch.linalg.norm(weight, dim=1).to(weight.dtype)
 
 
+def adapters_to_merge(layer, adapter_names=None):
+    """The adapters a merge folds in: the named (or active) ones not merged yet; warns, as peft,
+    when some or all already are. Mirrors: peft check_adapters_to_merge"""
+    names = layer.active_adapters if adapter_names is None else adapter_names
+    if isinstance(names, str):
+        raise TypeError("merge: adapter_names must be a list of names, got the string "
+                        f"{names!r}")
+    if layer.merged:
+        names = [n for n in names if n not in layer.merged_adapters]
+        if names:
+            merged = ",".join(layer.merged_adapters)
+            warnings.warn(f"Already following adapters were merged {merged}. You are now "
+                          f"additionally merging {','.join(names)}.")
+        else:
+            warnings.warn("All adapters are already merged, nothing to do.")
+    return names
+
+
 class DoraMagnitude(nn.Module):
     """DoRA's magnitude m (`.weight`, [out]); calling it returns the term added to the base output.
     What 2.7's DoRA branch calls as `self.lora_magnitude_vector[active_adapter](...)`.
@@ -276,11 +294,8 @@ class LoraLinear(nn.Module):
         if not isinstance(safe_merge, bool):  # merge("default"): the name went to safe_merge
             raise TypeError("merge: adapter_names must be a list of names passed by keyword, "
                             f"got {safe_merge!r} as safe_merge")
-        names = self.active_adapters if adapter_names is None else adapter_names
-        if isinstance(names, str):
-            raise TypeError("merge: adapter_names must be a list of names, "
-                            f"got the string {names!r}")
-        for name in [n for n in names if n not in self.merged_adapters and n in self.lora_A]:
+        names = adapters_to_merge(self, adapter_names)
+        for name in [n for n in names if n in self.lora_A]:
             weight = self._merged_weight(name, base_weight(self.base_layer).clone())
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
@@ -506,9 +521,8 @@ class LoraEmbedding(nn.Module):
     @torch.no_grad()
     def merge(self, safe_merge=False, adapter_names=None):
         """Add the active adapters' deltas to the embedding table. Mirrors: peft Embedding.merge"""
-        names = self.active_adapters if adapter_names is None else adapter_names
-        for name in [n for n in names if n not in self.merged_adapters
-                     and n in self.lora_embedding_A]:
+        names = adapters_to_merge(self, adapter_names)
+        for name in [n for n in names if n in self.lora_embedding_A]:
             weight = self.base_layer.weight.data + self.get_delta_weight(name)
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
@@ -652,8 +666,8 @@ class LoraConv(nn.Module):
         if self.base_layer.groups > 1:
             raise NotImplementedError("Merging is not supported for _ConvNd layers with "
                                       "groups > 1!")
-        names = self.active_adapters if adapter_names is None else adapter_names
-        for name in [n for n in names if n not in self.merged_adapters and n in self.lora_A]:
+        names = adapters_to_merge(self, adapter_names)
+        for name in [n for n in names if n in self.lora_A]:
             weight = self.base_layer.weight.data + self.get_delta_weight(name)
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
@@ -727,8 +741,8 @@ class ModulesToSaveWrapper(nn.Module):
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         held = [n for n in names if n in self.modules_to_save]
         if len(held) > 1:
-            raise ValueError(f"Attempted to set multiple ({held}) adapters at once for "
-                             "modules_to_save, which is not allowed.")
+            raise ValueError("Only one adapter can be set at a time for ModulesToSaveWrapper, "
+                             f"got {held}")
         for key, module in self.modules_to_save.items():
             module.requires_grad_(key in held and not inference_mode)
         self.active_adapter = held[0] if held else names[0] if names else None

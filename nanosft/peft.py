@@ -102,9 +102,12 @@ class PeftModel(nn.Module):
                 raise ValueError("PREFIX_TUNING does not work with gradient checkpointing.")
             encoder = PrefixEncoder(config)
         encoder.to(self.word_embeddings.weight.device).requires_grad_(not config.inference_mode)
-        self.prompt_encoder = nn.ModuleDict({adapter_name: encoder})
+        if not hasattr(self, "prompt_encoder"):  # one encoder per adapter
+            self.prompt_encoder = nn.ModuleDict()
+            self.prompt_tokens = {}
+        self.prompt_encoder[adapter_name] = encoder
         total = config.num_virtual_tokens * config.num_transformer_submodules
-        self.prompt_tokens = {adapter_name: torch.arange(total)}
+        self.prompt_tokens[adapter_name] = torch.arange(total)
 
     @property
     def active_peft_config(self):
@@ -339,6 +342,15 @@ class PeftModel(nn.Module):
         """Generate with the adapted model. Mirrors: peft PeftModel.generate"""
         return self.get_base_model().generate(*args, **kwargs)
 
+    def prepare_model_for_gradient_checkpointing(self, model):
+        """Make the embeddings' output require grad when `model` checkpoints (a frozen base gives
+        checkpointed blocks no grad otherwise). Mirrors: peft
+        PeftModel.prepare_model_for_gradient_checkpointing"""
+        if getattr(model, "is_gradient_checkpointing", True) and hasattr(
+                model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+        return model
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
         """Checkpointing in the base model. Mirrors: transformers gradient_checkpointing_enable"""
         self.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs)
@@ -413,13 +425,10 @@ class PeftModelForCausalLM(PeftModel):
         """Generate with the adapted model: LoRA through the base model's generate; prompt
         learning by running this forward on the whole sequence each step (no cache), greedy or
         sampled. Mirrors: peft PeftModelForCausalLM.generate
-        Differs: prompt learning takes keyword arguments only (as peft), and no beam search."""
+        Differs: no beam search for prompt learning."""
         if not self.active_peft_config.is_prompt_learning:
             return self.get_base_model().generate(*args, **kwargs)
-        if args:
-            raise TypeError("generate() with prompt learning takes keyword arguments only "
-                            "(input_ids=..., attention_mask=...)")
-        return self._generate_prompt_learning(**kwargs)
+        return self._generate_prompt_learning(*args, **kwargs)
 
     def _generate_prompt_learning(self, input_ids, attention_mask=None, max_new_tokens=None,
                                   do_sample=False, temperature=None, top_k=None, top_p=None,

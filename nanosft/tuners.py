@@ -229,8 +229,8 @@ class LoraModel(nn.Module):
         if adapter_name not in self.peft_config:
             raise ValueError(f"Adapter {adapter_name} does not exist")
         if any(adapter_name in layer.merged_adapters for layer in self._layers()):
-            raise ValueError(f"Cannot delete adapter '{adapter_name}' because it is currently "
-                             "merged. Please unmerge the adapter first before deleting it.")
+            raise ValueError(f"Cannot delete adapter(s) {[adapter_name]} while they are merged. "
+                             "Please unmerge them first.")
         del self.peft_config[adapter_name]
         new_active = [n for n in self.active_adapters if n != adapter_name]
         if not new_active and self.peft_config:
@@ -294,3 +294,21 @@ def get_base_model_state_dict(model):
             continue
         out[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = value
     return out
+
+
+def set_base_model_state_dict(model, state_dict):
+    """Load a base model's state dict (keys as the unwrapped model has them) into a PEFT model,
+    under its LoRA layers' `base_layer` and modules_to_save's `original_module`.
+    Mirrors: peft set_base_model_state_dict"""
+    from nanosft.adapter_files import LoadResult
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = {}
+    for key in base.state_dict():
+        if ".lora_" in key or ".modules_to_save." in key:
+            continue
+        own[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = key
+    unexpected = sorted(set(state_dict) - set(own))
+    missing = sorted(set(own) - set(state_dict))
+    base.load_state_dict({own[k]: v for k, v in state_dict.items() if k in own}, strict=False)
+    return LoadResult(missing_keys=missing, unexpected_keys=unexpected)

@@ -3,8 +3,9 @@
 Compared: the logits of PeftModelForCausalLM.forward over tiny GPT-2, OPT and Llama (GQA) models
 built in-process from configs (GPT-2 and OPT have no head_dim and no num_key_value_heads, so
 prefix tuning sizes its cache from hidden_size / heads; transformers 5 takes it as a Cache), at
-fp32 with assert_close(atol=rtol=1e-5); and the greedy ids of generate() (keyword arguments only,
-as peft) equal to peft's. Both libraries build their encoders from the same seed. No network.
+fp32 with assert_close(atol=rtol=1e-5); and the greedy ids of generate() (keyword or positional
+input_ids) equal to peft's; a second adapter beside the first. Both libraries build their
+encoders from the same seed. No network.
 Run: PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m pytest -q \
      tests/test_prompt_learning_transformers.py
 """
@@ -89,5 +90,21 @@ def test_generate_matches_peft(model_name, kind):
     want = theirs.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4,
                            do_sample=False, eos_token_id=-1, pad_token_id=0)
     assert got.tolist() == want.tolist()
-    with pytest.raises(TypeError):  # peft too: prompt learning takes keywords only
-        ours.generate(input_ids)
+    positional = ours.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4,
+                               eos_token_id=-1)
+    assert positional.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_second_prompt_adapter_keeps_the_first(kind):
+    ours, _ = _pair("gpt2", kind)
+    input_ids, attention_mask = _batch()
+    first = ours(input_ids=input_ids, attention_mask=attention_mask).logits
+    ours_cls, _, kwargs = KINDS[kind]
+    ours.add_adapter("second", ours_cls(num_virtual_tokens=3, **kwargs))
+    assert sorted(ours.prompt_encoder) == ["default", "second"]
+    torch.testing.assert_close(ours(input_ids=input_ids, attention_mask=attention_mask).logits,
+                               first, atol=0, rtol=0)
+    ours.set_adapter("second")
+    other = ours(input_ids=input_ids, attention_mask=attention_mask).logits
+    assert not torch.allclose(other, first)  # the second adapter's own prompts

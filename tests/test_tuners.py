@@ -18,7 +18,7 @@ from torch import nn
 
 from nanosft.adapter_files import LoraConfig, PeftType, PromptLearningConfig, PromptTuningInit
 from nanosft.peft import PeftModel, PeftModelForCausalLM, get_peft_model
-from nanosft.tuners import BaseTunerLayer, get_base_model_state_dict
+from nanosft.tuners import BaseTunerLayer, get_base_model_state_dict, set_base_model_state_dict
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -154,6 +154,21 @@ def test_base_model_state_dict_has_the_base_keys():
     assert sorted(mine) == sorted(ref) == sorted(MLP().state_dict())
     for k in ref:
         torch.testing.assert_close(mine[k], ref[k], atol=0, rtol=0)
+    fresh = MLP().state_dict()
+    result = set_base_model_state_dict(ours, fresh)
+    assert result.missing_keys == result.unexpected_keys == []
+    for k, v in get_base_model_state_dict(ours).items():
+        torch.testing.assert_close(v, fresh[k], atol=0, rtol=0)
+
+
+def test_merging_twice_warns_and_changes_nothing():
+    model = get_peft_model(MLP(), LoraConfig(target_modules=["lin0"], init_lora_weights=False))
+    model.merge_adapter()
+    merged = model.base_model.model.lin0.base_layer.weight.detach().clone()
+    with pytest.warns(UserWarning, match="All adapters are already merged"):
+        model.merge_adapter()
+    torch.testing.assert_close(model.base_model.model.lin0.base_layer.weight, merged,
+                               atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("targets", [["conv1d"], ["emb"], ["emb", "conv1d"]])
