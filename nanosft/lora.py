@@ -450,11 +450,11 @@ class LoraLinear(nn.Module):
 class LoraEmbedding(nn.Module):
     """A frozen nn.Embedding plus low-rank adapters: y = E[x] + (A^T[x] @ B^T) * s, with
     `lora_embedding_A` [r, num_embeddings] (zeros) and `lora_embedding_B` [dim, r] (normal), so the
-    adapter starts as the identity. Mirrors: peft lora.Embedding
-    Differs: no DoRA on embeddings."""
+    adapter starts as the identity; DoRA scales each output channel by m / ||E^T + s B A||.
+    Mirrors: peft lora.Embedding, DoraEmbeddingLayer"""
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
-                 use_rslora=False, init_lora_weights=True):
+                 use_rslora=False, init_lora_weights=True, use_dora=False):
         super().__init__()
         self.base_layer = base_layer
         self.in_features = base_layer.num_embeddings
@@ -462,22 +462,25 @@ class LoraEmbedding(nn.Module):
         self.lora_embedding_A = nn.ParameterDict()
         self.lora_embedding_B = nn.ParameterDict()
         self.lora_dropout = nn.ModuleDict()
+        self.lora_magnitude_vector = nn.ModuleDict()
         self.r, self.lora_alpha, self.scaling, self.use_dora = {}, {}, {}, {}
+        self._dora_merged_norm = {}
         self.merged_adapters = []
         self.active_adapters = [adapter_name]
         self.disable_adapters = False
-        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights,
+                          use_dora)
 
     merged = LoraLinear.merged
     weight = LoraLinear.weight
     get_base_layer = LoraLinear.get_base_layer
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
-                     init_lora_weights=True):
+                     init_lora_weights=True, use_dora=False):
         """Add adapter `adapter_name`. Mirrors: peft lora.Embedding.update_layer"""
         self.r[adapter_name] = r
         self.lora_alpha[adapter_name] = lora_alpha
-        self.use_dora[adapter_name] = False
+        self.use_dora[adapter_name] = use_dora
         self.lora_dropout[adapter_name] = (nn.Dropout(p=lora_dropout) if lora_dropout > 0.0
                                            else nn.Identity())
         w = self.base_layer.weight
@@ -492,7 +495,17 @@ class LoraEmbedding(nn.Module):
         elif init_lora_weights == "gaussian":
             nn.init.normal_(self.lora_embedding_A[adapter_name], std=1 / r)
             nn.init.normal_(self.lora_embedding_B[adapter_name])
+        if use_dora:  # m starts as the per-channel norm of E^T + s B A
+            with torch.no_grad():
+                norm = self._dora_norm(adapter_name, self.base_layer.weight)
+            self.lora_magnitude_vector[adapter_name] = DoraMagnitude(norm)
         self.set_adapter(self.active_adapters)
+
+    def _dora_norm(self, name, weight, delta=None):
+        # ||E^T + s B A|| per embedding channel, [dim] (peft's get_weight_norm, fan_in_fan_out)
+        if delta is None:
+            delta = self.get_delta_weight(name)  # (num_embeddings, dim), scaling included
+        return torch.linalg.norm(weight.T + delta.T, dim=1).to(weight.dtype)
 
     def set_adapter(self, adapter_names):
         """Activate `adapter_names`; only their A and B require grad. Mirrors: peft set_adapter"""
@@ -500,6 +513,8 @@ class LoraEmbedding(nn.Module):
         for d in (self.lora_embedding_A, self.lora_embedding_B):
             for key, p in d.items():
                 p.requires_grad_(key in names)
+        for key, m in self.lora_magnitude_vector.items():
+            m.requires_grad_(key in names)
         self.active_adapters = names
 
     def enable_adapters(self, enabled):
@@ -507,7 +522,7 @@ class LoraEmbedding(nn.Module):
         if enabled:
             self.set_adapter(self.active_adapters)
         else:
-            for d in (self.lora_embedding_A, self.lora_embedding_B):
+            for d in (self.lora_embedding_A, self.lora_embedding_B, self.lora_magnitude_vector):
                 d.requires_grad_(False)
         self.disable_adapters = not enabled
 
@@ -523,7 +538,12 @@ class LoraEmbedding(nn.Module):
         """Add the active adapters' deltas to the embedding table. Mirrors: peft Embedding.merge"""
         names = adapters_to_merge(self, adapter_names)
         for name in [n for n in names if n in self.lora_embedding_A]:
-            weight = self.base_layer.weight.data + self.get_delta_weight(name)
+            delta = self.get_delta_weight(name)
+            weight = self.base_layer.weight.data + delta
+            if self.use_dora[name]:  # m / ||E0^T + dW^T|| per channel, the norm cached to unmerge
+                norm = self._dora_norm(name, self.base_layer.weight.data, delta).detach()
+                self._dora_merged_norm[name] = norm
+                weight = (self.lora_magnitude_vector[name].weight / norm).view(1, -1) * weight
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
                                  "to be broken")
@@ -537,12 +557,16 @@ class LoraEmbedding(nn.Module):
             warnings.warn("Already unmerged. Nothing to do.")
         while self.merged_adapters:
             name = self.merged_adapters.pop()
-            self.base_layer.weight.data -= self.get_delta_weight(name)
+            weight = self.base_layer.weight.data
+            if self.use_dora[name]:
+                norm = self._dora_merged_norm.pop(name)
+                weight = weight / (self.lora_magnitude_vector[name].weight / norm).view(1, -1)
+            self.base_layer.weight.data = weight - self.get_delta_weight(name)
 
     def delete_adapter(self, adapter_name):
         """Drop one adapter. Mirrors: peft BaseTunerLayer.delete_adapter"""
         for attr in ("lora_embedding_A", "lora_embedding_B", "lora_dropout", "r", "lora_alpha",
-                     "scaling", "use_dora"):
+                     "scaling", "use_dora", "lora_magnitude_vector"):
             if adapter_name in getattr(self, attr):
                 getattr(self, attr).pop(adapter_name)
         if adapter_name in self.active_adapters:
@@ -580,7 +604,16 @@ class LoraEmbedding(nn.Module):
             if name not in self.lora_embedding_A:
                 continue
             after_A = self._embed(x, self.lora_embedding_A[name].T)  # (B, T, r)
-            result = result + (after_A @ self.lora_embedding_B[name].T) * self.scaling[name]
+            lora_result = (after_A @ self.lora_embedding_B[name].T) * self.scaling[name]
+            if not self.use_dora[name]:
+                result = result + lora_result
+                continue
+            # DoRA 4.3: the norm is a constant (no gradient); m / ||.|| scales base and update alike
+            A, B = self.lora_embedding_A[name], self.lora_embedding_B[name]
+            delta = ((B @ A).T * self.scaling[name]).detach()
+            norm = self._dora_norm(name, self.base_layer.weight, delta).detach()
+            mag_norm_scale = self.lora_magnitude_vector[name].weight / norm  # (dim,)
+            result = mag_norm_scale * result + mag_norm_scale * lora_result
         return result.to(result_dtype)
 
 

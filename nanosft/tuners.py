@@ -47,12 +47,10 @@ def _new_or_updated_layer(target, config, adapter_name, name):
     common = dict(r=r, lora_alpha=alpha, lora_dropout=config.lora_dropout,
                   use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights)
     if isinstance(target, LoraEmbedding) or isinstance(target, nn.Embedding):
-        if config.use_dora:
-            raise ValueError("nanosft has no DoRA on nn.Embedding; target the linear layers")
         if isinstance(target, LoraEmbedding):
-            target.update_layer(adapter_name, **common)
+            target.update_layer(adapter_name, use_dora=config.use_dora, **common)
             return None
-        return LoraEmbedding(target, adapter_name, **common)
+        return LoraEmbedding(target, adapter_name, use_dora=config.use_dora, **common)
     if isinstance(target, (LoraConv, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         if config.use_dora:
             raise ValueError("nanosft has no DoRA on convolutions; target the linear layers")

@@ -171,9 +171,10 @@ def test_merging_twice_warns_and_changes_nothing():
                                atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("use_dora", [False, True])
 @pytest.mark.parametrize("targets", [["conv1d"], ["emb"], ["emb", "conv1d"]])
-def test_lora_on_conv1d_and_embedding_matches_peft(targets, tmp_path):
-    cfg = dict(target_modules=targets, init_lora_weights=False)
+def test_lora_on_conv1d_and_embedding_matches_peft(targets, use_dora, tmp_path):
+    cfg = dict(target_modules=targets, init_lora_weights=False, use_dora=use_dora)
     ours, theirs = _pair(EmbConv1D, LoraConfig(**cfg), peft.LoraConfig(**cfg))
     X = torch.randint(0, 50, (2, 5))
     torch.testing.assert_close(ours(X), theirs(X), **TOL)
