@@ -197,9 +197,9 @@ class PromptLearningConfig:
 
     def __post_init__(self):
         name = type(self).__name__
-        if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens <= 0:
-            raise ValueError(f"{name}.num_virtual_tokens must be a positive int, "
-                             f"got {self.num_virtual_tokens!r}")
+        n = self.num_virtual_tokens  # None until set (peft's default): checked when wrapping
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
+            raise ValueError(f"{name}.num_virtual_tokens must be a positive int, got {n!r}")
         if isinstance(self.task_type, enum.Enum):  # peft's TaskType: saved as its string
             self.task_type = self.task_type.value
         if self.peft_type is not None:

@@ -159,6 +159,10 @@ class LoraLinear(nn.Module):
         Mirrors: peft BaseTunerLayer.merged"""
         return bool(self.merged_adapters)
 
+    def _all_available_adapter_names(self):
+        """Every adapter this layer holds, sorted. Mirrors: peft _all_available_adapter_names"""
+        return sorted(self.r)
+
     @property
     def weight(self):
         """The base layer's weight, for code reading `q_proj.weight`. Mirrors: peft .weight"""
@@ -474,6 +478,7 @@ class LoraEmbedding(nn.Module):
     merged = LoraLinear.merged
     weight = LoraLinear.weight
     get_base_layer = LoraLinear.get_base_layer
+    _all_available_adapter_names = LoraLinear._all_available_adapter_names
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
                      init_lora_weights=True, use_dora=False):
@@ -620,11 +625,11 @@ class LoraEmbedding(nn.Module):
 class LoraConv(nn.Module):
     """A frozen nn.Conv1d / Conv2d / Conv3d plus low-rank adapters: lora_A a conv of the base's
     kernel, stride and padding into r channels, lora_B a 1x..x1 conv back out; y = base(x) +
-    B(A(dropout(x))) * s. Mirrors: peft lora.Conv1d / Conv2d / Conv3d (_ConvNd)
-    Differs: no DoRA on convolutions."""
+    B(A(dropout(x))) * s; DoRA scales each output channel by m / ||W + s B A||.
+    Mirrors: peft lora.Conv1d / Conv2d / Conv3d (_ConvNd), _DoraConvNdLayer"""
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
-                 use_rslora=False, init_lora_weights=True, lora_bias=False):
+                 use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False):
         super().__init__()
         if r % base_layer.groups:
             raise ValueError(f"Targeting a {type(base_layer).__name__} with groups="
@@ -639,23 +644,25 @@ class LoraConv(nn.Module):
         self.lora_magnitude_vector = nn.ModuleDict()
         self.r, self.lora_alpha, self.scaling, self.use_dora, self.lora_bias = {}, {}, {}, {}, {}
         self.use_rslora = {}
+        self._dora_merged_norm = {}
         self.merged_adapters = []
         self.active_adapters = [adapter_name]
         self.disable_adapters = False
         self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights,
-                          lora_bias)
+                          lora_bias, use_dora)
 
     merged = LoraLinear.merged
     weight = LoraLinear.weight
     bias = LoraLinear.bias
     get_base_layer = LoraLinear.get_base_layer
+    _all_available_adapter_names = LoraLinear._all_available_adapter_names
     set_adapter = LoraLinear.set_adapter
     enable_adapters = LoraLinear.enable_adapters
     delete_adapter = LoraLinear.delete_adapter
     reset_lora_parameters = LoraLinear.reset_lora_parameters
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
-                     init_lora_weights=True, lora_bias=False):
+                     init_lora_weights=True, lora_bias=False, use_dora=False):
         """Add adapter `adapter_name` (A: the base's kernel into r channels; B: 1x1 out).
         Mirrors: peft _ConvNd.update_layer"""
         base = self.base_layer
@@ -672,12 +679,34 @@ class LoraConv(nn.Module):
                                          bias=lora_bias)
         self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
         self.use_rslora[adapter_name] = use_rslora
-        self.use_dora[adapter_name] = False
+        self.use_dora[adapter_name] = use_dora
         self.lora_bias[adapter_name] = lora_bias
         self.reset_lora_parameters(adapter_name, init_lora_weights)
         for d in (self.lora_A, self.lora_B):
             d[adapter_name] = d[adapter_name].to(base.weight.device, base.weight.dtype)
+        if use_dora:  # m starts as ||W + s B A|| per output channel, shaped (1, out, 1, ...)
+            with torch.no_grad():
+                norm = self._dora_norm(base.weight, self._lora_weight(adapter_name),
+                                       self.scaling[adapter_name])
+            self.lora_magnitude_vector[adapter_name] = DoraMagnitude(norm)
         self.set_adapter(self.active_adapters)
+
+    def _lora_weight(self, name):
+        # B A as a kernel shaped like W (B is 1x..x1): peft's get_lora_weight for convolutions
+        A, B = self.lora_A[name].weight, self.lora_B[name].weight
+        r = A.shape[0]
+        return (B.reshape(-1, r) @ A.reshape(r, -1)).reshape(self.base_layer.weight.shape)
+
+    @staticmethod
+    def _dora_norm(weight, lora_weight, scaling):
+        # ||W + s B A|| over all but the output channel, as (1, out, 1, ...)
+        weight = weight + scaling * lora_weight
+        dims = tuple(range(1, weight.dim()))
+        return weight.norm(p=2, dim=dims, keepdim=True).transpose(1, 0)
+
+    def _dora_factor(self, name, norm):
+        view = (-1,) + (1,) * (self.base_layer.weight.dim() - 1)
+        return (self.lora_magnitude_vector[name].weight / norm).view(*view)
 
     def get_delta_weight(self, adapter_name):
         """B * A as one kernel, shaped like the base weight, times scaling.
@@ -701,7 +730,12 @@ class LoraConv(nn.Module):
                                       "groups > 1!")
         names = adapters_to_merge(self, adapter_names)
         for name in [n for n in names if n in self.lora_A]:
-            weight = self.base_layer.weight.data + self.get_delta_weight(name)
+            delta = self.get_delta_weight(name)
+            weight = self.base_layer.weight.data + delta
+            if self.use_dora[name]:  # m / ||W0 + dW|| per channel; the norm cached to unmerge
+                norm = self._dora_norm(self.base_layer.weight.data, delta, 1).detach()
+                self._dora_merged_norm[name] = norm
+                weight = self._dora_factor(name, norm) * weight
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
                                  "to be broken")
@@ -717,7 +751,10 @@ class LoraConv(nn.Module):
             warnings.warn("Already unmerged. Nothing to do.")
         while self.merged_adapters:
             name = self.merged_adapters.pop()
-            self.base_layer.weight.data -= self.get_delta_weight(name)
+            weight = self.base_layer.weight.data
+            if self.use_dora[name]:
+                weight = weight / self._dora_factor(name, self._dora_merged_norm.pop(name))
+            self.base_layer.weight.data = weight - self.get_delta_weight(name)
             if self.lora_B[name].bias is not None:
                 self.base_layer.bias.data -= self.lora_B[name].bias * self.scaling[name]
 
@@ -736,10 +773,31 @@ class LoraConv(nn.Module):
             if name not in self.lora_A:
                 continue
             lora_A = self.lora_A[name]
+            lora_B = self.lora_B[name]
+            dropout = self.lora_dropout[name]
+            scaling = self.scaling[name]
             x_in = x.to(lora_A.weight.dtype)
-            result = result + self.lora_B[name](lora_A(self.lora_dropout[name](x_in))) * \
-                self.scaling[name]
+            if not self.use_dora[name]:
+                result = result + lora_B(lora_A(dropout(x_in))) * scaling
+                continue
+            result = result + self._dora_term(name, x_in, result, lora_A, lora_B, dropout, scaling)
         return result.to(result_dtype)
+
+    def _dora_term(self, name, x, result, lora_A, lora_B, dropout, scaling):
+        # (m / ||W + s B A|| - 1) * W x + m / ||.|| * s B A x, the norm a constant (DoRA 4.3)
+        base = self.base_layer
+        norm = self._dora_norm(base.weight, self._lora_weight(name).detach(), scaling).detach()
+        mag_norm_scale = self.lora_magnitude_vector[name].weight / norm  # (1, out, 1, ...)
+        if isinstance(dropout, nn.Identity) or not self.training:
+            base_result = result  # W x + bias: take the bias out again
+            if base.bias is not None:
+                base_result = base_result - base.bias.view(1, -1, *(1,) * (result.dim() - 2))
+        else:
+            x = dropout(x)
+            conv_fn = (F.conv1d, F.conv2d, F.conv3d)[base.weight.dim() - 3]
+            base_result = conv_fn(x, base.weight, None, base.stride, base.padding, base.dilation,
+                                  base.groups)
+        return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_B(lora_A(x)) * scaling
 
 
 # ----------------------------------------------------------------------------- around the adapters

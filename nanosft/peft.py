@@ -41,6 +41,9 @@ def prepare_prompt_learning_config(config, model):
     token_dim, num_attention_heads; prefix tuning sizes its keys and values by the KV heads (GQA:
     token_dim = num_key_value_heads x head_dim); encoder_hidden_size defaults to token_dim.
     Mirrors: peft _prepare_prompt_learning_config"""
+    if config.num_virtual_tokens is None:
+        raise ValueError(f"{type(config).__name__}.num_virtual_tokens must be a positive int, "
+                         "got None")
     base = model.config
     base = base.get_text_config() if hasattr(base, "get_text_config") else base
     config.num_layers = config.num_layers or base.num_hidden_layers

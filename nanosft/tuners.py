@@ -52,12 +52,11 @@ def _new_or_updated_layer(target, config, adapter_name, name):
             return None
         return LoraEmbedding(target, adapter_name, use_dora=config.use_dora, **common)
     if isinstance(target, (LoraConv, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        if config.use_dora:
-            raise ValueError("nanosft has no DoRA on convolutions; target the linear layers")
+        extra = dict(lora_bias=config.lora_bias, use_dora=config.use_dora)
         if isinstance(target, LoraConv):
-            target.update_layer(adapter_name, lora_bias=config.lora_bias, **common)
+            target.update_layer(adapter_name, **extra, **common)
             return None
-        return LoraConv(target, adapter_name, lora_bias=config.lora_bias, **common)
+        return LoraConv(target, adapter_name, **extra, **common)
     if isinstance(target, LoraLinear):
         target.update_layer(adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
                             **common)
@@ -294,7 +293,7 @@ def get_base_model_state_dict(model):
     return out
 
 
-def set_base_model_state_dict(model, state_dict):
+def set_base_model_state_dict(model, state_dict, strict=False):
     """Load a base model's state dict (keys as the unwrapped model has them) into a PEFT model,
     under its LoRA layers' `base_layer` and modules_to_save's `original_module`.
     Mirrors: peft set_base_model_state_dict"""

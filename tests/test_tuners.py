@@ -302,9 +302,10 @@ class Conv2dModel(nn.Module):
         return self.lin(self.conv1x1(self.conv(X)).flatten(1))
 
 
+@pytest.mark.parametrize("use_dora", [False, True])
 @pytest.mark.parametrize("targets", [["conv"], ["conv1x1"], ["conv", "conv1x1"]])
-def test_lora_on_conv2d_matches_peft(targets):
-    cfg = dict(target_modules=targets, init_lora_weights=False)
+def test_lora_on_conv2d_matches_peft(targets, use_dora):
+    cfg = dict(target_modules=targets, init_lora_weights=False, use_dora=use_dora)
     ours, theirs = _pair(Conv2dModel, LoraConfig(**cfg), peft.LoraConfig(**cfg))
     X = torch.randn(2, 3, 5, 5)
     torch.testing.assert_close(ours(X), theirs(X), **TOL)
