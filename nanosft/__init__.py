@@ -18,6 +18,7 @@ _LAZY_NAMES = {
     "PeftModel": "nanosft.peft",
     "PeftModelForCausalLM": "nanosft.peft",
     "PeftType": "nanosft.adapter_files",
+    "PeftConfig": "nanosft.adapter_files",
     "PromptLearningConfig": "nanosft.adapter_files",
     "PromptTuningInit": "nanosft.adapter_files",
     "PromptEmbedding": "nanosft.prompt_learning",

@@ -22,6 +22,7 @@ from torch import nn
 from nanosft.nf4 import Linear4bit
 
 PEFT_FORMAT_VERSION = "0.21.2"  # the peft release whose adapter files we read and write
+__version__ = PEFT_FORMAT_VERSION  # what a new config records as peft_version (peft: its own)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 BIN_WEIGHTS_NAME = "adapter_model.bin"  # safe_serialization=False
@@ -79,6 +80,14 @@ def _check_unused(d, defaults, source):
                              f"implement; remove it or use peft itself")
 
 
+def read_config_json(path_json_file):
+    """An adapter_config.json as a dict. Mirrors: peft PeftConfig.from_json_file"""
+    import json
+
+    with open(path_json_file, encoding="utf-8") as f:
+        return json.load(f)
+
+
 @dataclasses.dataclass
 class LoraConfig:
     """LoRA hyper-parameters, peft's field names and defaults (target_modules None: q_proj, v_proj).
@@ -108,9 +117,11 @@ class LoraConfig:
     exclude_modules: list | str | None = None
     fan_in_fan_out: bool = False  # weight stored (in, out): transformers' Conv1D (GPT-2)
     lora_bias: bool = False  # lora_B gets a bias (merged into the base layer's bias)
+    peft_version: str | None = None  # the writer's version: kept from a file, else ours
 
     def __post_init__(self):
         self.peft_type = PeftType(self.peft_type)
+        self.peft_version = self.peft_version or __version__
         if isinstance(self.task_type, enum.Enum):
             self.task_type = TaskType(self.task_type.value)
         if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
@@ -156,7 +167,7 @@ class LoraConfig:
         fields["peft_type"] = self.peft_type.value  # json-ready strings, as peft writes them
         if isinstance(fields["task_type"], enum.Enum):
             fields["task_type"] = fields["task_type"].value
-        return {**_LORA_UNUSED, **fields, "peft_version": PEFT_FORMAT_VERSION}
+        return {**_LORA_UNUSED, **fields}
 
     @classmethod
     def from_dict(cls, d, source="adapter config"):
@@ -164,6 +175,8 @@ class LoraConfig:
         Mirrors: peft PeftConfig.from_peft_type"""
         _check_unused(d, _LORA_UNUSED, source)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    from_json_file = staticmethod(read_config_json)
 
     def save_pretrained(self, save_directory, **kwargs):
         """Write adapter_config.json into `save_directory`.
@@ -190,6 +203,7 @@ class PromptLearningConfig:
     base_model_name_or_path: str | None = None
     inference_mode: bool = False
     peft_type: str | None = None
+    peft_version: str | None = None  # the writer's version: kept from a file, else ours
 
     # adapter_config.json keys of peft features nanosft does not implement (written as peft does)
     _unused = {"auto_mapping": None, "modules_to_save": None, "revision": None}
@@ -204,6 +218,7 @@ class PromptLearningConfig:
             self.task_type = self.task_type.value
         if self.peft_type is not None:
             self.peft_type = PeftType(self.peft_type)
+        self.peft_version = self.peft_version or __version__
 
     @property
     def is_prompt_learning(self):
@@ -216,7 +231,9 @@ class PromptLearningConfig:
         names = [f.name for f in dataclasses.fields(self) if f.name not in self._not_saved]
         fields = {name: getattr(self, name) for name in names}
         fields = {k: v.value if isinstance(v, enum.Enum) else v for k, v in fields.items()}
-        return {**self._unused, **fields, "peft_version": PEFT_FORMAT_VERSION}
+        return {**self._unused, **fields}
+
+    from_json_file = staticmethod(read_config_json)
 
     def save_pretrained(self, save_directory, **kwargs):
         """Write adapter_config.json into `save_directory`.
@@ -319,6 +336,19 @@ def prompt_init_token_ids(config, total):
         raise ValueError(f"prompt_tuning_init_text={config.prompt_tuning_init_text!r} "
                          "encodes to no tokens")
     return (ids * -(-total // len(ids)))[:total]  # truncate, or repeat up to the virtual length
+
+
+class PeftConfig:
+    """Reads any adapter config file into the class its peft_type names.
+    Mirrors: peft PeftConfig.from_pretrained, from_json_file
+    Differs: a reader only; the config classes do not inherit from it."""
+
+    @staticmethod
+    def from_pretrained(pretrained_model_name_or_path, subfolder=None, **kwargs):
+        """The config of an adapter folder. Mirrors: peft PeftConfig.from_pretrained"""
+        return load_config_file(None, pretrained_model_name_or_path, subfolder, kwargs)
+
+    from_json_file = staticmethod(read_config_json)
 
 
 def peft_config_from_dict(d, source="adapter config"):

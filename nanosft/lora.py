@@ -552,7 +552,7 @@ class LoraEmbedding(nn.Module):
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
                                  "to be broken")
-            self.base_layer.weight.data = weight
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
             self.merged_adapters.append(name)
 
     @torch.no_grad()
@@ -566,7 +566,8 @@ class LoraEmbedding(nn.Module):
             if self.use_dora[name]:
                 norm = self._dora_merged_norm.pop(name)
                 weight = weight / (self.lora_magnitude_vector[name].weight / norm).view(1, -1)
-            self.base_layer.weight.data = weight - self.get_delta_weight(name)
+            weight = weight - self.get_delta_weight(name)
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
 
     def delete_adapter(self, adapter_name):
         """Drop one adapter. Mirrors: peft BaseTunerLayer.delete_adapter"""
@@ -754,7 +755,8 @@ class LoraConv(nn.Module):
             weight = self.base_layer.weight.data
             if self.use_dora[name]:
                 weight = weight / self._dora_factor(name, self._dora_merged_norm.pop(name))
-            self.base_layer.weight.data = weight - self.get_delta_weight(name)
+            weight = weight - self.get_delta_weight(name)
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
             if self.lora_B[name].bias is not None:
                 self.base_layer.bias.data -= self.lora_B[name].bias * self.scaling[name]
 
@@ -848,7 +850,8 @@ class ModulesToSaveWrapper(nn.Module):
 
     def delete_adapter(self, adapter_name, new_active_adapters=None):
         """Drop one trained copy. Mirrors: peft ModulesToSaveWrapper.delete_adapter"""
-        self.modules_to_save.pop(adapter_name, None)
+        if adapter_name in self.modules_to_save:
+            del self.modules_to_save[adapter_name]
         if self.active_adapter == adapter_name:
             left = [n for n in (new_active_adapters or []) if n in self.modules_to_save]
             self.active_adapter = left[0] if left else None

@@ -309,6 +309,21 @@ class PeftModel(nn.Module):
             save_adapter_files(folder, config, state, safe_serialization=safe_serialization,
                                has_model_config=hasattr(self.get_base_model(), "config"))
 
+    def push_to_hub(self, repo_id, commit_message="Upload adapter", private=None, token=None,
+                    **kwargs):
+        """Save the adapters to a temporary folder and upload it to the Hub repo `repo_id`
+        (needs huggingface_hub, the `hub` extra). Mirrors: PushToHubMixin.push_to_hub"""
+        import tempfile
+
+        from huggingface_hub import HfApi  # the hub extra: imported on use
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, **kwargs)
+            return api.upload_folder(repo_id=repo_id, folder_path=folder,
+                                     commit_message=commit_message)
+
     @classmethod
     def from_pretrained(cls, model, model_id, adapter_name="default", is_trainable=False,
                         config=None, autocast_adapter_dtype=True, low_cpu_mem_usage=False,

@@ -319,3 +319,55 @@ def test_lora_on_conv2d_matches_peft(targets, use_dora):
     torch.testing.assert_close(ours(X), before, **TOL)
     ours.unmerge_adapter()
     torch.testing.assert_close(ours(X), before, **TOL)
+
+
+def test_push_to_hub_uploads_the_saved_folder(monkeypatch):
+    import huggingface_hub
+
+    seen = {}
+
+    class FakeApi:  # no network: record what would be uploaded
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            seen["repo"] = repo_id
+
+        def upload_folder(self, repo_id, folder_path, commit_message):
+            seen["files"] = sorted(os.listdir(folder_path))
+            return "done"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    model = get_peft_model(MLP(), LoraConfig(target_modules=["lin0"]))
+    assert model.push_to_hub("me/adapter") == "done"
+    assert seen == {"repo": "me/adapter", "files": ["README.md", "adapter_config.json",
+                                                     "adapter_model.safetensors"]}
+
+
+def test_peft_version_is_the_writers(tmp_path, monkeypatch):
+    from nanosft import adapter_files
+    from nanosft.adapter_files import PeftConfig
+
+    monkeypatch.setattr(adapter_files, "__version__", "0.10.0")
+    config = LoraConfig(target_modules=["lin0"])
+    assert config.peft_version == "0.10.0"
+    config.save_pretrained(tmp_path)
+    monkeypatch.setattr(adapter_files, "__version__", "9.9.9")
+    assert PeftConfig.from_pretrained(tmp_path).peft_version == "0.10.0"  # the file's, kept
+    assert LoraConfig.from_json_file(tmp_path / "adapter_config.json")["peft_version"] == "0.10.0"
+    assert peft.LoraConfig.from_pretrained(tmp_path).peft_version == "0.10.0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_bases_keep_their_dtype_through_merge(dtype):
+    # fp32 adapters (autocast) merged into a half base: the base stays half, forward still runs
+    model = get_peft_model(EmbConv1D().to(dtype), LoraConfig(target_modules=["emb", "conv1d"]))
+    conv = get_peft_model(Conv2dModel().to(dtype), LoraConfig(target_modules=["conv"]))
+    X = torch.randint(0, 50, (2, 5))
+    for m, x in ((model, X), (conv, torch.randn(2, 3, 5, 5, dtype=dtype))):
+        m(x)
+        m.merge_adapter()
+        m(x)
+        m.unmerge_adapter()
+        assert {p.dtype for n, p in m.named_parameters() if "lora_" not in n} == {dtype}
+        m(x)
