@@ -177,6 +177,8 @@ class PeftModel(nn.Module):
     def forward(self, *args, **kwargs):
         """The base model's forward, whatever it takes (the LoRA layers sit inside it).
         Mirrors: peft PeftModel.forward"""
+        if self.peft_type == "LORA":
+            return self.base_model(*args, **kwargs)  # LoraModel: adapter_names, if given
         return self.get_base_model()(*args, **kwargs)
 
     def get_nb_trainable_parameters(self):
@@ -358,6 +360,8 @@ class PeftModel(nn.Module):
     # delegates the Trainer and the CLI use
     def generate(self, *args, **kwargs):
         """Generate with the adapted model. Mirrors: peft PeftModel.generate"""
+        if self.peft_type == "LORA":
+            return self.base_model.generate(*args, **kwargs)  # adapter_names, if given
         return self.get_base_model().generate(*args, **kwargs)
 
     def prepare_model_for_gradient_checkpointing(self, model):
@@ -445,13 +449,13 @@ class PeftModelForCausalLM(PeftModel):
         sampled. Mirrors: peft PeftModelForCausalLM.generate
         Differs: no beam search for prompt learning."""
         if not self.active_peft_config.is_prompt_learning:
-            return self.get_base_model().generate(*args, **kwargs)
+            return self.base_model.generate(*args, **kwargs)  # LoraModel: adapter_names
         return self._generate_prompt_learning(*args, **kwargs)
 
     def _generate_prompt_learning(self, input_ids, attention_mask=None, max_new_tokens=None,
                                   do_sample=False, temperature=None, top_k=None, top_p=None,
                                   eos_token_id=None, pad_token_id=None, num_beams=1,
-                                  max_length=None, **kwargs):
+                                  max_length=None, return_dict_in_generate=False, **kwargs):
         if num_beams != 1:
             raise NotImplementedError("nanosft generates prompt-learning models without beams")
         config = self.get_base_model().config
@@ -463,7 +467,8 @@ class PeftModelForCausalLM(PeftModel):
         pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
         temperature = (temperature or 1.0) if do_sample else 0.0
         return generate_uncached(self.forward, input_ids, attention_mask, max_new_tokens,
-                                 temperature, top_k, top_p, eos, 0 if pad is None else pad)
+                                 temperature, top_k, top_p, eos, 0 if pad is None else pad,
+                                 return_dict_in_generate)
 
 
 def _transformers_cache(base, past_key_values):

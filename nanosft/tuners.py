@@ -9,6 +9,7 @@ peft.py (walkthrough 2.6's forward) and lora.py (2.7's forward) so neither is re
 """
 
 import abc
+import contextlib
 import warnings
 
 import torch
@@ -143,10 +144,39 @@ class LoraModel(nn.Module):
         mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
         cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype)
 
-    def forward(self, *args, **kwargs):
-        """The model's forward; the LoRA layers inside it do the rest.
-        What 2.6's `self.base_model(...)` runs. Mirrors: peft BaseTuner.forward"""
-        return self.model(*args, **kwargs)
+    def forward(self, *args, adapter_names=None, **kwargs):
+        """The model's forward; the LoRA layers inside it do the rest (`adapter_names`: one
+        adapter per batch row, "__base__" for none). What 2.6's `self.base_model(...)` runs.
+        Mirrors: peft BaseTuner.forward, LoraModel._enable_peft_forward_hooks"""
+        with self._mixed_batch(adapter_names):
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args, adapter_names=None, **kwargs):
+        """The model's generate, with per-row adapters when asked. Mirrors: peft generate"""
+        with self._mixed_batch(adapter_names):
+            return self.model.generate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _mixed_batch(self, adapter_names):
+        # hand `adapter_names` to every LoRA layer's forward for the length of one call
+        if adapter_names is None:
+            yield
+            return
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        unknown = sorted(set(adapter_names) - set(self.peft_config) - {"__base__"})
+        if unknown:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {unknown}")
+
+        def hook(module, args, kwargs):
+            return args, {**kwargs, "adapter_names": adapter_names}
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+                   for m in self.model.modules() if isinstance(m, (LoraLinear, LoraEmbedding))]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def __getattr__(self, name):
         """Attributes the wrapper lacks come from the model. Mirrors: peft BaseTuner.__getattr__"""

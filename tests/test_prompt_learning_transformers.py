@@ -93,6 +93,14 @@ def test_generate_matches_peft(model_name, kind):
     positional = ours.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4,
                                eos_token_id=-1)
     assert positional.tolist() == want.tolist()
+    # the first step's scores: the logits after the prompts, as peft's (cached) generate gives them
+    got = ours.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2,
+                        eos_token_id=-1, return_dict_in_generate=True, output_scores=True)
+    want = theirs.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2,
+                           do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           return_dict_in_generate=True, output_scores=True)
+    torch.testing.assert_close(got.scores[0], want.scores[0], **TOL)
+    assert got.sequences.tolist() == want.sequences.tolist()
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

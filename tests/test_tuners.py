@@ -371,3 +371,26 @@ def test_half_bases_keep_their_dtype_through_merge(dtype):
         m.unmerge_adapter()
         assert {p.dtype for n, p in m.named_parameters() if "lora_" not in n} == {dtype}
         m(x)
+
+
+def test_mixed_adapter_batch_matches_peft():
+    # one adapter per row ("__base__": none), through the generic wrapper's forward
+    cfg = dict(target_modules=["lin0", "lin1"], init_lora_weights=False)
+    ours, theirs = _pair(MLP, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    torch.manual_seed(7)
+    ours.add_adapter("other", LoraConfig(**cfg))
+    torch.manual_seed(7)
+    theirs.add_adapter("other", peft.LoraConfig(**cfg))
+    ours.eval()
+    theirs.eval()
+    X = torch.randn(3, 10)
+    names = ["default", "other", "__base__"]
+    got = ours(X=X, adapter_names=names)
+    torch.testing.assert_close(got, theirs(X=X, adapter_names=names), **TOL)
+    ours.set_adapter("other")
+    torch.testing.assert_close(got[1], ours(X=X)[1], **TOL)  # row 1 is adapter "other" alone
+    with ours.disable_adapter():
+        torch.testing.assert_close(got[2], ours(X=X)[2], **TOL)  # row 2 is the base
+    ours.train()
+    with pytest.raises(ValueError, match="training mode"):
+        ours(X=X, adapter_names=names)
