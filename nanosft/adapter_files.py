@@ -22,8 +22,10 @@ from torch import nn
 from nanosft.nf4 import Linear4bit
 
 PEFT_FORMAT_VERSION = "0.21.2"  # the peft release whose adapter files we read and write
+__version__ = PEFT_FORMAT_VERSION  # what a new config records as peft_version (peft: its own)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+BIN_WEIGHTS_NAME = "adapter_model.bin"  # safe_serialization=False
 PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft is_prompt_learning
 
 # adapter_config.json keys of peft features nanosft does not implement, with peft's defaults
@@ -31,9 +33,8 @@ PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft i
 _LORA_UNUSED = {
     "alora_invocation_tokens": None, "arrow_config": None,
     "auto_mapping": None, "corda_config": None, "ensure_weight_tying": False, "eva_config": None,
-    "exclude_modules": None, "fan_in_fan_out": False, "kasa_config": None,
-    "layer_replication": None, "layers_pattern": None, "layers_to_transform": None,
-    "loftq_config": {}, "lora_bias": False, "lora_ga_config": None, "megatron_config": None,
+    "kasa_config": None, "layer_replication": None,
+    "loftq_config": {}, "lora_ga_config": None, "megatron_config": None,
     "megatron_core": "megatron.core", "monteclora_config": None, "qalora_group_size": 16,
     "revision": None,
     "trainable_token_indices": None, "use_bdlora": None, "use_qalora": False,
@@ -54,12 +55,37 @@ class TaskType(str, enum.Enum):
     FEATURE_EXTRACTION = "FEATURE_EXTRACTION"
 
 
+class PeftType(str, enum.Enum):
+    """The adapter method a config describes; a str, so PeftType.LORA == "LORA" and it is saved as
+    that string. Mirrors: peft PeftType (the four methods nanosft implements)"""
+    LORA = "LORA"
+    PROMPT_TUNING = "PROMPT_TUNING"
+    P_TUNING = "P_TUNING"
+    PREFIX_TUNING = "PREFIX_TUNING"
+
+
+class PromptTuningInit(str, enum.Enum):
+    """How prompt tuning's virtual tokens start: the embeddings of a text, of random vocabulary
+    tokens, or nn.Embedding's N(0, 1). Mirrors: peft PromptTuningInit"""
+    TEXT = "TEXT"
+    SAMPLE_VOCAB = "SAMPLE_VOCAB"
+    RANDOM = "RANDOM"
+
+
 def _check_unused(d, defaults, source):
     # a peft-only feature switched on would load silently wrong: refuse it, naming file and key
     for key, value in d.items():
         if key in defaults and key not in _HARMLESS and value and value != defaults[key]:
             raise ValueError(f"{source} sets {key}={value!r}, a peft feature nanosft does not "
                              f"implement; remove it or use peft itself")
+
+
+def read_config_json(path_json_file):
+    """An adapter_config.json as a dict. Mirrors: peft PeftConfig.from_json_file"""
+    import json
+
+    with open(path_json_file, encoding="utf-8") as f:
+        return json.load(f)
 
 
 @dataclasses.dataclass
@@ -85,8 +111,28 @@ class LoraConfig:
     # {regex: r or alpha} for the modules / parameters whose name ends in a match
     rank_pattern: dict = dataclasses.field(default_factory=dict)
     alpha_pattern: dict = dataclasses.field(default_factory=dict)
+    # which layers: only those whose index (after `layers_pattern`, e.g. "layers") is listed
+    layers_to_transform: list | int | None = None
+    layers_pattern: list | str | None = None
+    exclude_modules: list | str | None = None
+    fan_in_fan_out: bool = False  # weight stored (in, out): transformers' Conv1D (GPT-2)
+    lora_bias: bool = False  # lora_B gets a bias (merged into the base layer's bias)
+    peft_version: str | None = None  # the writer's version: kept from a file, else ours
 
     def __post_init__(self):
+        self.peft_type = PeftType(self.peft_type)
+        self.peft_version = self.peft_version or __version__
+        if isinstance(self.task_type, enum.Enum):
+            self.task_type = TaskType(self.task_type.value)
+        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
+            raise ValueError("`layers_to_transform` cannot be used when `target_modules` is a str.")
+        if isinstance(self.target_modules, str) and self.layers_pattern is not None:
+            raise ValueError("`layers_pattern` cannot be used when `target_modules` is a str.")
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("When `layers_pattern` is specified, `layers_to_transform` must "
+                             "also be specified. ")
+        if self.use_dora and self.lora_bias:
+            raise ValueError("DoRA does not support lora_bias yet, set it to False")
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError("LoraConfig.r must be a positive integer (the adapter rank), "
                              f"got r={self.r!r}")
@@ -104,14 +150,24 @@ class LoraConfig:
                              "implemented; use True (peft's default), False or 'gaussian'")
         if isinstance(self.target_modules, (set, tuple)):
             self.target_modules = sorted(self.target_modules)
+        if isinstance(self.exclude_modules, (set, tuple)):
+            self.exclude_modules = sorted(self.exclude_modules)
         if isinstance(self.target_parameters, (set, tuple)):
             self.target_parameters = sorted(self.target_parameters)
+
+    @property
+    def is_prompt_learning(self):
+        """False: LoRA lives in the model's layers. Mirrors: peft PeftConfig.is_prompt_learning"""
+        return False
 
     def to_dict(self):
         """The adapter_config.json dict, key for key as peft writes it.
         Mirrors: peft PeftConfig.to_dict"""
         fields = dataclasses.asdict(self)
-        return {**_LORA_UNUSED, **fields, "peft_version": PEFT_FORMAT_VERSION}
+        fields["peft_type"] = self.peft_type.value  # json-ready strings, as peft writes them
+        if isinstance(fields["task_type"], enum.Enum):
+            fields["task_type"] = fields["task_type"].value
+        return {**_LORA_UNUSED, **fields}
 
     @classmethod
     def from_dict(cls, d, source="adapter config"):
@@ -119,6 +175,18 @@ class LoraConfig:
         Mirrors: peft PeftConfig.from_peft_type"""
         _check_unused(d, _LORA_UNUSED, source)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    from_json_file = staticmethod(read_config_json)
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """Write adapter_config.json into `save_directory`.
+        Mirrors: peft PeftConfig.save_pretrained"""
+        save_config_file(self, save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder=None, **kwargs):
+        """Read adapter_config.json from a folder. Mirrors: peft PeftConfig.from_pretrained"""
+        return load_config_file(cls, pretrained_model_name_or_path, subfolder, kwargs)
 
 
 @dataclasses.dataclass
@@ -135,6 +203,7 @@ class PromptLearningConfig:
     base_model_name_or_path: str | None = None
     inference_mode: bool = False
     peft_type: str | None = None
+    peft_version: str | None = None  # the writer's version: kept from a file, else ours
 
     # adapter_config.json keys of peft features nanosft does not implement (written as peft does)
     _unused = {"auto_mapping": None, "modules_to_save": None, "revision": None}
@@ -142,18 +211,39 @@ class PromptLearningConfig:
 
     def __post_init__(self):
         name = type(self).__name__
-        if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens <= 0:
-            raise ValueError(f"{name}.num_virtual_tokens must be a positive int, "
-                             f"got {self.num_virtual_tokens!r}")
+        n = self.num_virtual_tokens  # None until set (peft's default): checked when wrapping
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
+            raise ValueError(f"{name}.num_virtual_tokens must be a positive int, got {n!r}")
         if isinstance(self.task_type, enum.Enum):  # peft's TaskType: saved as its string
             self.task_type = self.task_type.value
+        if self.peft_type is not None:
+            self.peft_type = PeftType(self.peft_type)
+        self.peft_version = self.peft_version or __version__
+
+    @property
+    def is_prompt_learning(self):
+        """True: the adapter is virtual tokens, not layers. Mirrors: peft is_prompt_learning"""
+        return True
 
     def to_dict(self):
         """The adapter_config.json dict, key for key as peft writes it.
         Mirrors: peft PeftConfig.to_dict"""
         names = [f.name for f in dataclasses.fields(self) if f.name not in self._not_saved]
         fields = {name: getattr(self, name) for name in names}
-        return {**self._unused, **fields, "peft_version": PEFT_FORMAT_VERSION}
+        fields = {k: v.value if isinstance(v, enum.Enum) else v for k, v in fields.items()}
+        return {**self._unused, **fields}
+
+    from_json_file = staticmethod(read_config_json)
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """Write adapter_config.json into `save_directory`.
+        Mirrors: peft PeftConfig.save_pretrained"""
+        save_config_file(self, save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder=None, **kwargs):
+        """Read adapter_config.json from a folder. Mirrors: peft PeftConfig.from_pretrained"""
+        return load_config_file(cls, pretrained_model_name_or_path, subfolder, kwargs)
 
     @classmethod
     def from_dict(cls, d, source="adapter config"):
@@ -180,9 +270,10 @@ class PromptTuningConfig(PromptLearningConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.prompt_tuning_init not in ("RANDOM", "TEXT"):
-            raise ValueError("prompt_tuning_init must be 'RANDOM' or 'TEXT', "
+        if self.prompt_tuning_init not in ("RANDOM", "TEXT", "SAMPLE_VOCAB"):
+            raise ValueError("prompt_tuning_init must be 'RANDOM', 'TEXT' or 'SAMPLE_VOCAB', "
                              f"got {self.prompt_tuning_init!r}")
+        self.prompt_tuning_init = PromptTuningInit(self.prompt_tuning_init)
         has_tokenizer = self.tokenizer or self.tokenizer_name_or_path
         text_ok = self.prompt_tuning_init_text and has_tokenizer
         # loading a saved adapter (inference_mode) needs no text: the embeddings come from the file
@@ -247,6 +338,19 @@ def prompt_init_token_ids(config, total):
     return (ids * -(-total // len(ids)))[:total]  # truncate, or repeat up to the virtual length
 
 
+class PeftConfig:
+    """Reads any adapter config file into the class its peft_type names.
+    Mirrors: peft PeftConfig.from_pretrained, from_json_file
+    Differs: a reader only; the config classes do not inherit from it."""
+
+    @staticmethod
+    def from_pretrained(pretrained_model_name_or_path, subfolder=None, **kwargs):
+        """The config of an adapter folder. Mirrors: peft PeftConfig.from_pretrained"""
+        return load_config_file(None, pretrained_model_name_or_path, subfolder, kwargs)
+
+    from_json_file = staticmethod(read_config_json)
+
+
 def peft_config_from_dict(d, source="adapter config"):
     """The config class `peft_type` names (LoRA or a prompt-learning one), from an
     adapter_config.json dict. Mirrors: peft PeftConfig.from_pretrained"""
@@ -258,15 +362,68 @@ def peft_config_from_dict(d, source="adapter config"):
     return kinds[d["peft_type"]].from_dict(d, source)
 
 
+def save_config_file(config, save_directory):
+    """Write a config's adapter_config.json (sorted keys, as peft).
+    Mirrors: peft PeftConfig.save_pretrained"""
+    from nanosft.io import hub  # the files layer below: imported on use
+
+    os.makedirs(save_directory, exist_ok=True)
+    hub.write_json(config.to_dict(), os.path.join(save_directory, CONFIG_NAME), sort_keys=True)
+
+
+def load_config_file(cls, folder, subfolder=None, overrides=None):
+    """A config of class `cls` (or the class peft_type names) from a folder's adapter_config.json,
+    with `overrides` set on top. Mirrors: peft PeftConfig.from_pretrained"""
+    from nanosft.io import hub  # the files layer below: imported on use
+
+    path = os.path.join(folder, subfolder or "", CONFIG_NAME)
+    d = {**hub.read_json(path), **(overrides or {})}
+    config = peft_config_from_dict(d, source=path)
+    if cls is not None and not isinstance(config, cls):
+        raise TypeError(f"{path} holds a {type(config).__name__}, not a {cls.__name__}")
+    return config
+
+
 # ----------------------------------------------------------------------------- target modules
 
-# peft's defaults for the model types nanosft loads; peft has none for phi3 and smollm3, so
+# peft's default target_modules per model_type (the facts of peft's
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); peft has none for phi3 and smollm3, so
 # those need target_modules, as in peft
-DEFAULT_TARGET_MODULES = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"],
-                          "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"],
-                          "gemma3_text": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"]}
+DEFAULT_TARGET_MODULES = {
+    "t5": ["q", "v"], "mt5": ["q", "v"], "bart": ["q_proj", "v_proj"], "gpt2": ["c_attn"],
+    "bloom": ["query_key_value"], "blip-2": ["q", "v", "q_proj", "v_proj"],
+    "opt": ["q_proj", "v_proj"], "gptj": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"],
+    "gpt_neo": ["q_proj", "v_proj"], "bert": ["query", "value"], "roberta": ["query", "value"],
+    "xlm-roberta": ["query", "value"], "electra": ["query", "value"],
+    "deberta-v2": ["query_proj", "value_proj"], "deberta": ["in_proj"],
+    "layoutlm": ["query", "value"], "llama": ["q_proj", "v_proj"], "llama4": ["q_proj", "v_proj"],
+    "chatglm": ["query_key_value"], "gpt_bigcode": ["c_attn"], "mpt": ["Wqkv"],
+    "RefinedWebModel": ["query_key_value"], "RefinedWeb": ["query_key_value"],
+    "falcon": ["query_key_value"], "btlm": ["c_proj", "c_attn"], "codegen": ["qkv_proj"],
+    "mistral": ["q_proj", "v_proj"], "mixtral": ["q_proj", "v_proj"],
+    "stablelm": ["q_proj", "v_proj"], "phi": ["q_proj", "v_proj", "fc1", "fc2"],
+    "gemma": ["q_proj", "v_proj"], "gemma2": ["q_proj", "v_proj"],
+    "gemma3_text": ["q_proj", "v_proj"], "gemma4": r".*language_model\..*\.(q_proj|v_proj)",
+    "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"],
+    "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "rwkv": ["key", "value", "receptance", "output"],
+    "rwkv7": ["r_proj", "k_proj", "v_proj", "o_proj", "key", "value"]}
 
-_LINEAR = (nn.Linear, Linear4bit)  # the layers a LoraLinear wraps
+_LINEAR = (nn.Linear, Linear4bit)  # the layers a LoraLinear wraps (and transformers' Conv1D)
+
+
+def is_conv1d(module):
+    """transformers' Conv1D (GPT-2): a linear whose weight is stored (in, out), found by name so
+    nothing here imports transformers. Mirrors: peft's isinstance(target, Conv1D)"""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def is_lora_target(module):
+    """Whether LoRA can wrap `module`: a linear, 4-bit linear, Conv1D, embedding, or a LoRA layer
+    already there (a second adapter). Mirrors: peft LoraModel._create_new_module's dispatch"""
+    return (isinstance(module, (*_LINEAR, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+            or is_conv1d(module) or hasattr(module, "lora_A")
+            or hasattr(module, "lora_embedding_A"))
 
 
 def linear_layer_names(model):
@@ -274,7 +431,8 @@ def linear_layer_names(model):
     Mirrors: peft _maybe_include_all_linear_layers (its search)"""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [n for n, m in model.named_modules()
-            if isinstance(m, _LINEAR) and m is not head and ".lora_" not in n]
+            if (isinstance(m, _LINEAR) or is_conv1d(m)) and m is not head and ".lora_" not in n
+            and not n.endswith(".base_layer")]
 
 
 def pattern_value(patterns, key, default):
@@ -292,6 +450,36 @@ def target_module_matches(target, name):
     if isinstance(target, str):
         return re.fullmatch(target, name) is not None
     return any(name == t or name.endswith("." + t) for t in target)
+
+
+def layer_index_allowed(config, name):
+    """With `layers_to_transform`: whether `name` sits in a listed layer (the first number after
+    `layers_pattern`, or after any module name). Mirrors: peft check_target_module_exists"""
+    indexes = config.layers_to_transform
+    if indexes is None or (isinstance(indexes, list) and not indexes):
+        return True
+    patterns = config.layers_pattern
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        match = None
+        for p in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    idx = int(match.group("idx"))
+    return idx == indexes if isinstance(indexes, int) else idx in indexes
+
+
+def _excluded(config, name):
+    # peft's _ExcludedModule: exclude_modules, and anything inside modules_to_save
+    excluded = getattr(config, "exclude_modules", None)
+    if excluded and target_module_matches(excluded, name):
+        return True
+    to_save = config.modules_to_save or []
+    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in to_save)
 
 
 def resolve_target_modules(model, config):
@@ -314,27 +502,35 @@ def resolve_target_modules(model, config):
 
 
 def find_target_modules(model, config):
-    """Names of the modules LoRA wraps, in `model.named_modules()` order (peft's init order).
+    """Names of the modules LoRA wraps, in `model.named_modules()` order (peft's init order); the
+    modules inside a LoRA layer are skipped (a second adapter goes onto the LoRA layer itself).
     Mirrors: peft BaseTuner.inject_adapter, check_target_module_exists
     Differs: a list entry that matches nothing is an error (peft errors only if nothing matches)."""
     target = resolve_target_modules(model, config)
     if target is None:  # target_parameters alone
         return []
-    skip = config.modules_to_save or []
-    names = [n for n, _ in model.named_modules()
-             if target_module_matches(target, n) and not target_module_matches(skip, n)]
+    inside = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
+    candidates = [n for n, _ in model.named_modules()
+                  if not any(n.startswith(p + ".") for p in inside)]
+    names = [n for n in candidates if target_module_matches(target, n)
+             and not _excluded(config, n) and layer_index_allowed(config, n)]
     linear = sorted({n.rsplit(".", 1)[-1] for n in linear_layer_names(model)})
-    for t in [target] if isinstance(target, str) else target:
-        if not any(target_module_matches(t if isinstance(target, str) else [t], n) for n in names):
+    # peft errors only when nothing matches; a plain list without layer filters is checked per entry
+    per_entry = config.layers_to_transform is None and not config.exclude_modules
+    entries = [target] if isinstance(target, str) or not per_entry else target
+    for t in entries:
+        entry = t if isinstance(target, str) else [t]
+        if not names or (per_entry and not any(target_module_matches(entry, n) for n in names)):
             raise ValueError(f"LoraConfig.target_modules entry {t!r} matches no module of "
-                             f"{type(model).__name__} (searched all "
-                             f"{len(list(model.named_modules()))} module names); "
-                             f"its linear layers are named {linear}")
+                             f"{type(model).__name__} (Target modules {t!r} not found in the base "
+                             f"model; searched all {len(list(model.named_modules()))} module "
+                             f"names); its linear layers are named {linear}")
     for n in names:
         module = model.get_submodule(n)
-        if not isinstance(module, _LINEAR):
-            raise ValueError(f"target module {n!r} is a {type(module).__name__}, not a linear "
-                             f"layer; LoRA wraps nn.Linear / Linear4bit only, e.g. {linear}")
+        if not is_lora_target(module):
+            raise ValueError(f"Target module {n!r} is a {type(module).__name__}, not a linear "
+                             "layer: LoRA wraps torch.nn.Linear, Linear4bit, transformers' "
+                             f"Conv1D, nn.Conv1d/2d/3d and torch.nn.Embedding, e.g. {linear}")
     return names
 
 
@@ -345,6 +541,7 @@ def _saved_key(key, adapter_name):
     a = re.escape(adapter_name)
     key = re.sub(rf"\.lora_magnitude_vector\.{a}\.weight$", ".lora_magnitude_vector", key)
     key = re.sub(rf"\.modules_to_save\.{a}\.", ".", key)
+    key = re.sub(rf"\.(lora_embedding_A|lora_embedding_B)\.{a}$", r".\1", key)
     return re.sub(rf"\.(lora_A|lora_B)\.{a}\.", r".\1.", key)
 
 
@@ -353,7 +550,7 @@ def _adapter_keys(model, adapter_name):
     config = model.peft_config[adapter_name]
     keys = {}
     for k in model.state_dict():
-        is_lora = "lora_" in k and f".{adapter_name}." in k
+        is_lora = "lora_" in k and (f".{adapter_name}." in k or k.endswith(f".{adapter_name}"))
         bias_trains = config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in k)
         is_bias = k.endswith(".bias") and ".original_module." not in k and bias_trains
         if is_lora or is_bias or f".modules_to_save.{adapter_name}." in k:
@@ -361,7 +558,8 @@ def _adapter_keys(model, adapter_name):
     return keys
 
 
-def get_peft_model_state_dict(model, state_dict=None, adapter_name="default"):
+def get_peft_model_state_dict(model, state_dict=None, adapter_name="default",
+                              unwrap_compiled=False, save_embedding_layers="auto"):
     """The adapter's tensors under peft's saved keys (no adapter name). Prompt learning saves one
     `prompt_embeddings`: the encoder's output (P-tuning: after its MLP / LSTM; prefix tuning: the
     flat per-layer keys and values), so a loaded adapter needs no encoder.
@@ -403,22 +601,60 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
                              f"{tuple(own[k].shape)}; the adapter was made for another base "
                              "model or rank")
     model.load_state_dict({k: state_dict[saved] for saved, k in keys.items()}, strict=False)
+    return LoadResult(missing_keys=[], unexpected_keys=[])
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What loading an adapter's tensors left out: nothing, or set_peft_model_state_dict raises.
+    Mirrors: torch's _IncompatibleKeys (as peft returns it)"""
+    missing_keys: list
+    unexpected_keys: list
 
 
 # ----------------------------------------------------------------------------- the two files
 
-def save_adapter_files(save_directory, config, state_dict):
-    """Write adapter_model.safetensors and adapter_config.json (each atomically), as peft does.
-    Mirrors: peft PeftModel.save_pretrained (its file writing)
-    Differs: no README.md model card; the config is saved with inference_mode=True, as peft's."""
+def save_adapter_files(save_directory, config, state_dict, safe_serialization=True,
+                       has_model_config=True):
+    """Write adapter_model.safetensors (or .bin) and adapter_config.json (each atomically) and a
+    README.md model card, as peft does. Mirrors: peft PeftModel.save_pretrained (its file writing)
+    Differs: the card holds peft's front matter only; the config is saved with inference_mode=True,
+    as peft's."""
+    import torch
+
     from nanosft.io import hub  # the files layer below: imported on use
 
     os.makedirs(save_directory, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
-    hub.atomic_write(os.path.join(save_directory, WEIGHTS_NAME),
-                     lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    if safe_serialization:
+        hub.atomic_write(os.path.join(save_directory, WEIGHTS_NAME),
+                         lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    else:
+        hub.atomic_write(os.path.join(save_directory, BIN_WEIGHTS_NAME),
+                         lambda tmp: torch.save(tensors, tmp))
     config_dict = {**config.to_dict(), "inference_mode": True}
     hub.write_json(config_dict, os.path.join(save_directory, CONFIG_NAME), sort_keys=True)
+    write_model_card(save_directory, config, has_model_config)
+
+
+def write_model_card(save_directory, config, has_model_config=True):
+    """README.md with the Hub's front matter (library_name: peft, base_model, tags), kept if the
+    folder has one. Mirrors: peft PeftModel.create_or_update_model_card"""
+    path = os.path.join(save_directory, "README.md")
+    if os.path.exists(path):
+        return
+    lines = ["---", "library_name: peft"]
+    base = config.base_model_name_or_path
+    if has_model_config and base:
+        lines.append(f"base_model: {base}")
+    tags = ([f"base_model:adapter:{base}"] if has_model_config and base else [])
+    tags += [config.peft_type.value.lower()] if config.peft_type == "LORA" else []
+    tags += ["transformers"] if has_model_config else []
+    if tags:
+        lines += ["tags:"] + [f"- {t}" for t in tags]
+    lines += ["---", "", "# Model Card", "", "An adapter written by nanosft in peft's format.", ""]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
 
 
 def load_adapter_files(model_id):
@@ -428,6 +664,12 @@ def load_adapter_files(model_id):
 
     config_path = os.path.join(model_id, CONFIG_NAME)
     weights_path = os.path.join(model_id, WEIGHTS_NAME)
+    bin_path = os.path.join(model_id, BIN_WEIGHTS_NAME)
+    if not os.path.isfile(weights_path) and os.path.isfile(bin_path):
+        import torch
+
+        config = peft_config_from_dict(hub.read_json(config_path), source=config_path)
+        return config, torch.load(bin_path, weights_only=True), bin_path
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} not found; an adapter folder holds {CONFIG_NAME} "

@@ -106,3 +106,38 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens=20, temperatu
     if put is not streamer:
         streamer.end()
     return ids
+
+
+class GenerateOutput:
+    """`sequences` (B, T + n) and per-step `scores` (n tensors (B, V)): what generate returns with
+    return_dict_in_generate=True. Mirrors: transformers GenerateDecoderOnlyOutput"""
+
+    def __init__(self, sequences, scores):
+        self.sequences = sequences
+        self.scores = scores
+
+
+@torch.no_grad()
+def generate_uncached(forward, input_ids, attention_mask=None, max_new_tokens=20, temperature=0.0,
+                      top_k=None, top_p=None, eos_token_id=None, pad_token_id=0,
+                      return_dict_in_generate=False):
+    """Prompt + new ids (B, T + n), each step the whole sequence through `forward` (no cache): what
+    prompt learning generates with, since its prompts or prefix go in on every call.
+    Mirrors: transformers GenerationMixin._sample (use_cache=False)"""
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, dtype=torch.long,
+                       device=input_ids.device).reshape(-1)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    ids = input_ids
+    scores = []
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for _ in range(max_new_tokens):
+        logits = forward(input_ids=ids, attention_mask=mask)["logits"]  # (B, n + T, V)
+        scores.append(logits[:, -1])
+        new = sample_next_token(logits[:, -1], temperature, top_k, top_p)
+        new = new.masked_fill(done, pad_token_id)  # finished rows only pad
+        done = done | torch.isin(new, eos)
+        ids = torch.cat((ids, new[:, None]), dim=1)
+        mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+        if bool(done.all()):
+            break
+    return GenerateOutput(ids, tuple(scores)) if return_dict_in_generate else ids

@@ -29,6 +29,11 @@ class PromptEmbedding(nn.Module):
             ids = torch.tensor(prompt_init_token_ids(config, total), device=device)
             with torch.no_grad():  # copy the words' embeddings, in fp32
                 self.embedding.weight.copy_(word_embeddings(ids))
+        elif config.prompt_tuning_init == "SAMPLE_VOCAB" and not config.inference_mode:
+            device = word_embeddings.weight.device  # rows of random vocabulary tokens
+            ids = torch.randint(0, word_embeddings.num_embeddings, (total,), device=device)
+            with torch.no_grad():
+                self.embedding.weight.copy_(word_embeddings(ids))
 
     def forward(self, indices):
         """Look up the virtual tokens' rows.

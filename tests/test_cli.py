@@ -437,3 +437,18 @@ def test_merge_refuses_to_overwrite(random_adapter, tmp_path, capsys):
         capsys,
     )
     _assert_one_paragraph_error(code, err, "taken", "not empty")
+
+
+def test_load_model_keeps_the_hub_id_it_was_given(monkeypatch, tmp_path):
+    """`nanosft train --model org/name` must write base_model_name_or_path = "org/name", as peft
+    does with transformers' _name_or_path, not the Hub cache's absolute snapshot path."""
+    import nanosft.cli as cli
+
+    monkeypatch.setattr(cli, "resolve_folder", lambda flag, name: DEFAULT)  # the cached snapshot
+    model = cli.load_model("HuggingFaceTB/SmolLM2-135M")
+    assert model.name_or_path == "HuggingFaceTB/SmolLM2-135M"
+    get_peft_model(model, LoraConfig(r=4)).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M"
+    # negative control: the folder itself, when that is what was given
+    assert cli.load_model(DEFAULT).name_or_path == os.fspath(DEFAULT)

@@ -101,7 +101,10 @@ def test_configs_refuse_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="PrefixTuningConfig.init_weights must be None"):
         PrefixTuningConfig(num_virtual_tokens=2, init_weights="gaussian")
     with pytest.raises(ValueError, match="PromptEncoderConfig.num_virtual_tokens must be"):
-        PromptEncoderConfig()
+        PromptEncoderConfig(num_virtual_tokens=0)
+    # None is peft's default: the config builds, wrapping a model with it does not
+    with pytest.raises(ValueError, match="PromptEncoderConfig.num_virtual_tokens must be"):
+        get_peft_model(_model(), PromptEncoderConfig())
     with pytest.warns(UserWarning, match="encoder_num_layers` is ignored"):
         get_peft_model(_model(), PromptEncoderConfig(num_virtual_tokens=2, encoder_num_layers=4))
 

@@ -53,6 +53,7 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu", dt
     from nanosft.families.auto import AutoConfig, causal_lm_class
     from nanosft.peft import PeftModelForCausalLM
 
+    given = os.fspath(model_dir)  # a Hub id stays the id in adapter_config.json, as transformers
     model_dir = resolve_folder("--model", model_dir)
     adapter_dir = None if adapter_dir is None else resolve_folder("--adapter", adapter_dir)
     # QLoRA's 4-bit options; each linear weight is quantized as it is read (no fp32 copy)
@@ -63,6 +64,7 @@ def load_model(model_dir, adapter_dir=None, load_in_4bit=False, device="cpu", dt
     model = causal_lm_class(config).from_pretrained(model_dir, config=config, dtype=dtype,
                                                     device_map=device,
                                                     quantization_config=quantization_config)
+    model.name_or_path = given  # transformers keeps the name it was given (_name_or_path)
     if adapter_dir is not None:
         model = PeftModelForCausalLM.from_pretrained(model, adapter_dir)
     return model.eval()

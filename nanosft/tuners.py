@@ -1,0 +1,345 @@
+"""The tuner surface: LoRA put into any nn.Module, and peft's adapter API around it.
+
+`inject_adapter` swaps each targeted module (nn.Linear, 4-bit linear, transformers' Conv1D,
+nn.Embedding) for a LoRA layer, or adds an adapter to the LoRA layer already there; `LoraModel`
+holds the model (names read `base_model.model....`) and carries peft's `LoraModel` / `BaseTuner`
+methods: several adapters by name, the active set, merge / unmerge in place, unload, delete.
+`BaseTunerLayer` and `LoraLayer` are what peft's isinstance checks ask for. Kept apart from
+peft.py (walkthrough 2.6's forward) and lora.py (2.7's forward) so neither is read through it.
+"""
+
+import abc
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
+from nanosft.lora import LoraConv, LoraEmbedding, LoraLinear, ModulesToSaveWrapper
+
+
+class BaseTunerLayer(abc.ABC):
+    """What every adapter layer is to an isinstance check: a module with a `base_layer` and
+    `active_adapters` (LoraLinear, LoraEmbedding, the parameter wrappers); no code is inherited.
+    Mirrors: peft BaseTunerLayer"""
+
+    @classmethod
+    def __subclasshook__(cls, C):
+        if not issubclass(C, nn.Module):
+            return NotImplemented
+        names = set().union(*(vars(k) for k in C.__mro__))
+        return bool({"update_layer", "merge", "unmerge"} <= names) or NotImplemented
+
+
+class LoraLayer(BaseTunerLayer):
+    """A LoRA layer to an isinstance check. Mirrors: peft LoraLayer"""
+
+
+def _replace_module(model, name, new):
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _new_or_updated_layer(target, config, adapter_name, name):
+    # an existing LoRA layer gets one more adapter; a plain module becomes a LoRA layer
+    r = pattern_value(config.rank_pattern, name, config.r)
+    alpha = pattern_value(config.alpha_pattern, name, config.lora_alpha)
+    common = dict(r=r, lora_alpha=alpha, lora_dropout=config.lora_dropout,
+                  use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights)
+    if isinstance(target, LoraEmbedding) or isinstance(target, nn.Embedding):
+        if isinstance(target, LoraEmbedding):
+            target.update_layer(adapter_name, use_dora=config.use_dora, **common)
+            return None
+        return LoraEmbedding(target, adapter_name, use_dora=config.use_dora, **common)
+    if isinstance(target, (LoraConv, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        extra = dict(lora_bias=config.lora_bias, use_dora=config.use_dora)
+        if isinstance(target, LoraConv):
+            target.update_layer(adapter_name, **extra, **common)
+            return None
+        return LoraConv(target, adapter_name, **extra, **common)
+    if isinstance(target, LoraLinear):
+        target.update_layer(adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
+                            **common)
+        return None
+    if type(target).__name__ == "Conv1D" and not config.fan_in_fan_out:
+        warnings.warn("fan_in_fan_out is set to False but the target module is `Conv1D`. "
+                      "Setting fan_in_fan_out to True.")
+        config.fan_in_fan_out = True
+    return LoraLinear(target, adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
+                      **common)
+
+
+def inject_adapter(model, config, adapter_name="default"):
+    """Put adapter `adapter_name` on every target module, in named_modules order (peft's RNG order).
+    Mirrors: peft BaseTuner.inject_adapter, LoraModel._create_and_replace"""
+    convert = getattr(model, "convert_peft_config", None)  # a family's rewrite (MoE experts)
+    if convert is not None:
+        convert(config)
+    names = find_target_modules(model, config) if config.target_modules != [] else []
+    config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
+    for name in names:
+        layer = _new_or_updated_layer(model.get_submodule(name), config, adapter_name, name)
+        if layer is not None:
+            _replace_module(model, name, layer)
+    if config.target_parameters:  # LoRA on parameters: product layer, imported on use
+        from nanosft.expert_lora import inject_parameter_adapters
+
+        inject_parameter_adapters(model, config, adapter_name, _replace_module)
+    return names
+
+
+def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
+    """Freeze the base (bias per `config.bias`), wrap `modules_to_save`, upcast fp16/bf16 adapters.
+    Mirrors: peft _mark_only_adapters_as_trainable, _set_trainable"""
+    trainable = not config.inference_mode
+    for n, p in model.named_parameters():
+        if ".modules_to_save." in n:
+            continue  # the wrappers keep their own requires_grad
+        bias_trains = config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in n)
+        own = "lora_" in n and f".{adapter_name}" in n
+        if own or (n.endswith(".bias") and bias_trains and "lora_" not in n):
+            p.requires_grad = trainable
+        elif "lora_" not in n:
+            p.requires_grad = False
+    to_save = config.modules_to_save or []
+    for name, module in list(model.named_modules()):
+        if not to_save or ".lora_" in name or ".modules_to_save." in name:
+            continue
+        if name.endswith(".original_module") or not _matches_any(to_save, name):
+            continue
+        if isinstance(module, ModulesToSaveWrapper):
+            module.update(adapter_name, trainable)
+        elif not isinstance(module, ModulesToSaveWrapper):
+            _replace_module(model, name, ModulesToSaveWrapper(module, adapter_name, trainable))
+
+
+def _matches_any(to_save, name):
+    return any(name == t or name.endswith("." + t) for t in to_save)
+
+
+def cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype=True):
+    """fp16 / bf16 adapter weights of `adapter_name` to fp32 (stable training), unless asked not to.
+    Mirrors: peft cast_adapter_dtype"""
+    if not autocast_adapter_dtype:
+        return
+    for n, p in model.named_parameters():
+        if "lora_" in n and f".{adapter_name}" in n and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()
+
+
+class LoraModel(nn.Module):
+    """Holds the model as `.model` after injection: names read `base_model.model.<module>`; the
+    adapter API works on every LoRA layer inside it.
+    Mirrors: peft LoraModel (BaseTuner)"""
+
+    prefix = "lora_"
+
+    def __init__(self, model, peft_config, adapter_name="default", autocast_adapter_dtype=True):
+        super().__init__()
+        self.model = model
+        self.peft_config = peft_config
+        self.active_adapter = adapter_name
+        self.targeted_module_names = inject_adapter(model, peft_config[adapter_name], adapter_name)
+        mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
+        cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype)
+
+    def forward(self, *args, adapter_names=None, **kwargs):
+        """The model's forward; the LoRA layers inside it do the rest (`adapter_names`: one
+        adapter per batch row, "__base__" for none). What 2.6's `self.base_model(...)` runs.
+        Mirrors: peft BaseTuner.forward, LoraModel._enable_peft_forward_hooks"""
+        with self._mixed_batch(adapter_names):
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args, adapter_names=None, **kwargs):
+        """The model's generate, with per-row adapters when asked. Mirrors: peft generate"""
+        with self._mixed_batch(adapter_names):
+            return self.model.generate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _mixed_batch(self, adapter_names):
+        # hand `adapter_names` to every LoRA layer's forward for the length of one call
+        if adapter_names is None:
+            yield
+            return
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        unknown = sorted(set(adapter_names) - set(self.peft_config) - {"__base__"})
+        if unknown:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {unknown}")
+
+        def hook(module, args, kwargs):
+            return args, {**kwargs, "adapter_names": adapter_names}
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+                   for m in self.model.modules() if isinstance(m, (LoraLinear, LoraEmbedding))]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def __getattr__(self, name):
+        """Attributes the wrapper lacks come from the model. Mirrors: peft BaseTuner.__getattr__"""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model":
+                raise
+            return getattr(self.model, name)
+
+    @property
+    def active_adapters(self):
+        """The active adapter names, a list. Mirrors: peft BaseTuner.active_adapters"""
+        names = self.active_adapter
+        return [names] if isinstance(names, str) else list(names)
+
+    def _layers(self):
+        return [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+
+    def _wrappers(self):
+        return [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+
+    def add_adapter(self, adapter_name, config, autocast_adapter_dtype=True):
+        """Inject one more adapter (inactive until set_adapter).
+        Mirrors: peft BaseTuner.inject_adapter (as PeftModel.add_adapter calls it)"""
+        if len(self.peft_config) >= 1 and config.bias != "none" and any(
+                c.bias != "none" for c in self.peft_config.values()):
+            raise ValueError("LoraModel supports only 1 adapter with bias. When using multiple "
+                             "adapters, set bias to 'none' for all adapters.")
+        self.peft_config[adapter_name] = config
+        try:
+            inject_adapter(self.model, config, adapter_name)
+        except Exception:
+            del self.peft_config[adapter_name]
+            raise
+        mark_only_adapters_as_trainable(self.model, config, adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=False)  # the new one stays inactive
+        cast_adapter_dtype(self.model, adapter_name, autocast_adapter_dtype)
+
+    def set_adapter(self, adapter_name, inference_mode=False):
+        """Make `adapter_name` (a name or list) active; only its weights require grad.
+        Mirrors: peft BaseTuner.set_adapter"""
+        for layer in self._layers():
+            layer.set_adapter(adapter_name)
+            if inference_mode:
+                for d in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A",
+                          "lora_embedding_B"):
+                    if hasattr(layer, d):
+                        getattr(layer, d).requires_grad_(False)
+        for wrapper in self._wrappers():
+            wrapper.set_adapter(adapter_name, inference_mode)
+        self.active_adapter = adapter_name
+
+    def _enable_adapter_layers(self, enabled):
+        params = [m for m in self.model.modules() if hasattr(m, "parameter_name")]  # ParamWrapper
+        for module in self._layers() + self._wrappers() + params:
+            module.enable_adapters(enabled)
+
+    def disable_adapter_layers(self):
+        """Every adapter off: the model computes as its base.
+        Mirrors: peft BaseTuner.disable_adapter_layers"""
+        for name in self.active_adapters:
+            bias = getattr(self.peft_config[name], "bias", "none")
+            if bias != "none":
+                warnings.warn(f"Careful, disabling adapter layers with bias configured to be "
+                              f"'{bias}' does not produce the same output as the base model would "
+                              "without adaption.")
+        self._enable_adapter_layers(False)
+
+    def enable_adapter_layers(self):
+        """Every adapter on again. Mirrors: peft BaseTuner.enable_adapter_layers"""
+        self._enable_adapter_layers(True)
+
+    def delete_adapter(self, adapter_name):
+        """Remove an adapter from every layer; a merged one must be unmerged first.
+        Mirrors: peft BaseTuner.delete_adapter"""
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"Adapter {adapter_name} does not exist")
+        if any(adapter_name in layer.merged_adapters for layer in self._layers()):
+            raise ValueError(f"Cannot delete adapter(s) {[adapter_name]} while they are merged. "
+                             "Please unmerge them first.")
+        del self.peft_config[adapter_name]
+        new_active = [n for n in self.active_adapters if n != adapter_name]
+        if not new_active and self.peft_config:
+            new_active = sorted(self.peft_config)[:1]
+            warnings.warn(f"Adapter {adapter_name} was active which is now deleted. Setting active "
+                          f"adapter to {new_active[0]}.")
+        for layer in self._layers():
+            layer.delete_adapter(adapter_name)
+            layer.set_adapter(new_active)
+        for wrapper in self._wrappers():
+            wrapper.delete_adapter(adapter_name, new_active)
+        self.active_adapter = new_active
+
+    def merge_adapter(self, adapter_names=None, safe_merge=False):
+        """Fold the (active) adapters into the base weights, keeping them to unmerge.
+        Mirrors: peft BaseTuner.merge_adapter"""
+        for layer in self._layers():
+            layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
+
+    def unmerge_adapter(self):
+        """Take every merged adapter out again. Mirrors: peft BaseTuner.unmerge_adapter"""
+        for layer in self._layers():
+            if layer.merged:
+                layer.unmerge()
+
+    def _unload_and_optionally_merge(self, merge=True, safe_merge=False, adapter_names=None):
+        replaced = []  # names already swapped for their base: what was inside them is gone
+        for name, module in list(self.model.named_modules()):
+            if any(name.startswith(r + ".") for r in replaced):
+                continue
+            if hasattr(module, "parameter_name"):  # ParamWrapper: one per wrapped parameter
+                if isinstance(self.model.get_submodule(name), ModulesToSaveWrapper):
+                    continue
+                replaced.append(name)
+                while hasattr(module, "parameter_name"):  # nested: one per parameter
+                    if merge and not module.merged:
+                        module.merge()
+                    module = module.base_layer
+                _replace_module(self.model, name, module)
+            elif isinstance(module, BaseTunerLayer):
+                if merge:
+                    module.merge(safe_merge=safe_merge, adapter_names=adapter_names)
+                _replace_module(self.model, name, module.base_layer)
+            elif isinstance(module, ModulesToSaveWrapper):
+                keep = module._active_module() if merge else module.original_module
+                _replace_module(self.model, name, keep)
+        return self.model
+
+    def merge_and_unload(self, progressbar=False, safe_merge=False, adapter_names=None):
+        """Merge the adapters and return the plain model. Mirrors: peft merge_and_unload"""
+        return self._unload_and_optionally_merge(True, safe_merge, adapter_names)
+
+    def unload(self):
+        """Return the plain model with the adapters dropped, not merged. Mirrors: peft unload"""
+        return self._unload_and_optionally_merge(merge=False)
+
+
+def get_base_model_state_dict(model):
+    """The base model's own state dict from a PEFT model: keys as the unwrapped model has them, no
+    adapter tensors (a merged model is read merged). Mirrors: peft get_base_model_state_dict"""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key or ".modules_to_save." in key:
+            continue
+        out[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = value
+    return out
+
+
+def set_base_model_state_dict(model, state_dict, strict=False):
+    """Load a base model's state dict (keys as the unwrapped model has them) into a PEFT model,
+    under its LoRA layers' `base_layer` and modules_to_save's `original_module`.
+    Mirrors: peft set_base_model_state_dict"""
+    from nanosft.adapter_files import LoadResult
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = {}
+    for key in base.state_dict():
+        if ".lora_" in key or ".modules_to_save." in key:
+            continue
+        own[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = key
+    unexpected = sorted(set(state_dict) - set(own))
+    missing = sorted(set(own) - set(state_dict))
+    base.load_state_dict({own[k]: v for k, v in state_dict.items() if k in own}, strict=False)
+    return LoadResult(missing_keys=missing, unexpected_keys=unexpected)
