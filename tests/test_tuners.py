@@ -431,3 +431,17 @@ def test_set_requires_grad_names_the_adapters():
         vocab_size=64, n_embd=16, n_layer=1, n_head=4)), PromptTuningConfig(num_virtual_tokens=2))
     with pytest.raises(TypeError, match="prompt learning"):
         prompt.set_requires_grad("default")
+
+
+def test_config_refuses_unknown_task_types_and_ignores_newer_keys(tmp_path):
+    with pytest.raises(ValueError, match="Invalid task type: 'nope'"):
+        LoraConfig(task_type="nope")
+    config = LoraConfig(target_modules=["lin0"])
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**saved, "foobar": "baz"}))
+    with pytest.warns(UserWarning, match=r"Unexpected keyword arguments \['foobar'\]"):
+        again = LoraConfig.from_pretrained(tmp_path)
+    assert again.to_dict() == config.to_dict()
+    with pytest.warns(UserWarning, match="foobar"):  # peft says the same of it
+        peft.LoraConfig.from_pretrained(tmp_path)
