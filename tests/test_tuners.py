@@ -391,6 +391,8 @@ def test_mixed_adapter_batch_matches_peft():
     torch.testing.assert_close(got[1], ours(X=X)[1], **TOL)  # row 1 is adapter "other" alone
     with ours.disable_adapter():
         torch.testing.assert_close(got[2], ours(X=X)[2], **TOL)  # row 2 is the base
+    with pytest.raises(ValueError, match="Length of `adapter_names` should be the same"):
+        ours(X=X, adapter_names=names[:2])  # peft's words for a batch and names that differ
     ours.train()
     with pytest.raises(ValueError, match="training mode"):
         ours(X=X, adapter_names=names)
