@@ -27,6 +27,7 @@ _LAZY_NAMES = {
     "set_peft_model_state_dict": "nanosft.adapter_files",
     "get_base_model_state_dict": "nanosft.tuners",
     "set_base_model_state_dict": "nanosft.tuners",
+    "inject_adapter_in_model": "nanosft.tuners",
     "BaseTunerLayer": "nanosft.tuners",
     "LoraModel": "nanosft.tuners",
     "BitsAndBytesConfig": "nanosft.nf4",

@@ -15,6 +15,7 @@ import enum
 import math
 import os
 import re
+import warnings
 
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -72,6 +73,22 @@ class PromptTuningInit(str, enum.Enum):
     RANDOM = "RANDOM"
 
 
+def _check_task_type(task_type):
+    # peft's words for a task_type it does not know
+    if task_type is not None and task_type not in [t.value for t in TaskType]:
+        raise ValueError(f"Invalid task type: '{task_type}'. Must be one of the following task "
+                         f"types: {', '.join(TaskType)}.")
+
+
+def _warn_unexpected(cls, d, known):
+    # a newer writer's keys are ignored, said once (peft's forward compatibility)
+    unexpected = sorted(k for k in d if k not in known)
+    if unexpected:
+        warnings.warn(f"Unexpected keyword arguments {unexpected} for class {cls.__name__}, these "
+                      "are ignored. This probably means that you're loading a configuration file "
+                      "that was saved using a higher version of the library.")
+
+
 def _check_unused(d, defaults, source):
     # a peft-only feature switched on would load silently wrong: refuse it, naming file and key
     for key, value in d.items():
@@ -122,6 +139,7 @@ class LoraConfig:
     def __post_init__(self):
         self.peft_type = PeftType(self.peft_type)
         self.peft_version = self.peft_version or __version__
+        _check_task_type(self.task_type)
         if isinstance(self.task_type, enum.Enum):
             self.task_type = TaskType(self.task_type.value)
         if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
@@ -174,7 +192,9 @@ class LoraConfig:
         """Build from an adapter_config.json dict; peft keys we do not model must hold defaults.
         Mirrors: peft PeftConfig.from_peft_type"""
         _check_unused(d, _LORA_UNUSED, source)
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+        names = [f.name for f in dataclasses.fields(cls)]
+        _warn_unexpected(cls, d, {*names, *_LORA_UNUSED})
+        return cls(**{name: d[name] for name in names if name in d})
 
     from_json_file = staticmethod(read_config_json)
 
@@ -216,9 +236,11 @@ class PromptLearningConfig:
             raise ValueError(f"{name}.num_virtual_tokens must be a positive int, got {n!r}")
         if isinstance(self.task_type, enum.Enum):  # peft's TaskType: saved as its string
             self.task_type = self.task_type.value
+        _check_task_type(self.task_type)
         if self.peft_type is not None:
             self.peft_type = PeftType(self.peft_type)
         self.peft_version = self.peft_version or __version__
+        _check_task_type(self.task_type)
 
     @property
     def is_prompt_learning(self):
@@ -251,6 +273,7 @@ class PromptLearningConfig:
         Mirrors: peft PeftConfig.from_peft_type"""
         _check_unused(d, cls._unused, source)
         names = [f.name for f in dataclasses.fields(cls) if f.name not in cls._not_saved]
+        _warn_unexpected(cls, d, {*names, *cls._unused})
         return cls(**{name: d[name] for name in names if name in d})
 
 

@@ -348,7 +348,9 @@ class LoraLinear(nn.Module):
         if adapter_names is None:
             return
         if len(adapter_names) != len(x):
-            raise ValueError(f"adapter_names has {len(adapter_names)} entries but x has "
+            raise ValueError("Length of `adapter_names` should be the same as the number of "
+                             f"inputs, but got {len(adapter_names)} and {len(x)} respectively: "
+                             f"adapter_names has {len(adapter_names)} entries but x has "
                              f"{len(x)} rows; give one adapter name (or '__base__') per row")
         if self.merged:
             raise ValueError("Cannot pass adapter_names while adapters are merged; "

@@ -243,6 +243,14 @@ class PeftModel(nn.Module):
         if len(self.active_adapters) == 1:
             self.active_adapter = self.active_adapters[0]
 
+    def set_requires_grad(self, adapter_names, requires_grad=True):
+        """Switch gradients of the named adapters on or off (LoRA only).
+        Mirrors: peft PeftModel.set_requires_grad"""
+        if self.active_peft_config.is_prompt_learning:
+            raise TypeError("Setting `requires_grad` is not supported for prompt learning methods "
+                            f"like {self.active_peft_config.peft_type.value}.")
+        self.base_model.set_requires_grad(adapter_names, requires_grad)
+
     def load_adapter(self, model_id, adapter_name, is_trainable=False, torch_device=None,
                      autocast_adapter_dtype=True, low_cpu_mem_usage=False, **kwargs):
         """Read a saved adapter into this model under `adapter_name` (inactive); returns the

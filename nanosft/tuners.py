@@ -230,6 +230,21 @@ class LoraModel(nn.Module):
             wrapper.set_adapter(adapter_name, inference_mode)
         self.active_adapter = adapter_name
 
+    def set_requires_grad(self, adapter_names, requires_grad=True):
+        """Switch gradients of the named adapters' weights on or off, active or not.
+        Mirrors: peft BaseTuner.set_requires_grad"""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for layer in self._layers():
+            for attr in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A",
+                         "lora_embedding_B"):
+                for name in names:
+                    if name in getattr(layer, attr, {}):
+                        getattr(layer, attr)[name].requires_grad_(requires_grad)
+        for wrapper in self._wrappers():
+            for name in names:
+                if name in wrapper.modules_to_save:
+                    wrapper.modules_to_save[name].requires_grad_(requires_grad)
+
     def _enable_adapter_layers(self, enabled):
         params = [m for m in self.model.modules() if hasattr(m, "parameter_name")]  # ParamWrapper
         for module in self._layers() + self._wrappers() + params:
@@ -343,3 +358,22 @@ def set_base_model_state_dict(model, state_dict, strict=False):
     missing = sorted(set(own) - set(state_dict))
     base.load_state_dict({own[k]: v for k, v in state_dict.items() if k in own}, strict=False)
     return LoadResult(missing_keys=missing, unexpected_keys=unexpected)
+
+
+def inject_adapter_in_model(peft_config, model, adapter_name="default", low_cpu_mem_usage=False,
+                            state_dict=None):
+    """Put LoRA layers into `model` in place and return it (no PeftModel around it; only the
+    adapters train). low_cpu_mem_usage: the adapter weights are left on the meta device, to be
+    filled by a load. Mirrors: peft inject_adapter_in_model"""
+    if peft_config.is_prompt_learning:
+        raise ValueError("`inject_adapter_in_model` does not support prompt learning and adaption "
+                         "prompt yet.")
+    model = LoraModel(model, {adapter_name: peft_config}, adapter_name).model
+    if low_cpu_mem_usage:
+        for layer in [m for m in model.modules() if isinstance(m, BaseTunerLayer)]:
+            for name in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                         "lora_magnitude_vector"):
+                if hasattr(layer, name) and adapter_name in getattr(layer, name):
+                    getattr(layer, name)[adapter_name] = getattr(layer, name)[adapter_name].to(
+                        "meta")
+    return model

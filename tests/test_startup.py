@@ -63,7 +63,7 @@ def test_top_level_names_are_the_modules_objects():
     from nanosft.families import auto
 
     for name, module in [("AutoModelForCausalLM", auto), ("AutoTokenizer", auto),
-                         ("PeftModel", auto), ("BitsAndBytesConfig", nf4), ("SFTConfig", args),
+                         ("PeftModel", peft), ("BitsAndBytesConfig", nf4), ("SFTConfig", args),
                          ("TrainingArguments", args), ("SFTTrainer", sft), ("Trainer", trainer),
                          ("LoraConfig", peft), ("get_peft_model", peft)]:
         assert getattr(nanosft, name) is getattr(module, name)

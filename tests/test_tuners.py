@@ -391,6 +391,59 @@ def test_mixed_adapter_batch_matches_peft():
     torch.testing.assert_close(got[1], ours(X=X)[1], **TOL)  # row 1 is adapter "other" alone
     with ours.disable_adapter():
         torch.testing.assert_close(got[2], ours(X=X)[2], **TOL)  # row 2 is the base
+    with pytest.raises(ValueError, match="Length of `adapter_names` should be the same"):
+        ours(X=X, adapter_names=names[:2])  # peft's words for a batch and names that differ
     ours.train()
     with pytest.raises(ValueError, match="training mode"):
         ours(X=X, adapter_names=names)
+
+
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
+def test_inject_adapter_in_model_matches_peft(low_cpu_mem_usage):
+    from nanosft.tuners import inject_adapter_in_model
+
+    cfg = dict(target_modules=["lin0"], init_lora_weights=False)
+    torch.manual_seed(0)
+    ours_base, theirs_base = MLP(), MLP()
+    theirs_base.load_state_dict(ours_base.state_dict())
+    torch.manual_seed(1)
+    ours = inject_adapter_in_model(LoraConfig(**cfg), ours_base,
+                                   low_cpu_mem_usage=low_cpu_mem_usage)
+    torch.manual_seed(1)
+    theirs = peft.inject_adapter_in_model(peft.LoraConfig(**cfg), theirs_base,
+                                          low_cpu_mem_usage=low_cpu_mem_usage)
+    assert ours is ours_base and type(ours.lin0).__name__ == "LoraLinear"
+    assert _grads(ours) == _grads(theirs)
+    devices = {n: p.device.type for n, p in ours.named_parameters()}
+    assert devices == {n: p.device.type for n, p in theirs.named_parameters()}
+    if not low_cpu_mem_usage:
+        X = torch.randn(2, 10)
+        torch.testing.assert_close(ours(X), theirs(X), **TOL)
+
+
+def test_set_requires_grad_names_the_adapters():
+    model = get_peft_model(MLP(), LoraConfig(target_modules=["lin0"]))
+    model.add_adapter("other", LoraConfig(target_modules=["lin0"]))
+    model.set_requires_grad("other")  # inactive, yet trainable now
+    assert "base_model.model.lin0.lora_A.other.weight" in _grads(model)
+    model.set_requires_grad(["default", "other"], requires_grad=False)
+    assert _grads(model) == []
+    from nanosft.adapter_files import PromptTuningConfig
+    prompt = get_peft_model(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_embd=16, n_layer=1, n_head=4)), PromptTuningConfig(num_virtual_tokens=2))
+    with pytest.raises(TypeError, match="prompt learning"):
+        prompt.set_requires_grad("default")
+
+
+def test_config_refuses_unknown_task_types_and_ignores_newer_keys(tmp_path):
+    with pytest.raises(ValueError, match="Invalid task type: 'nope'"):
+        LoraConfig(task_type="nope")
+    config = LoraConfig(target_modules=["lin0"])
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**saved, "foobar": "baz"}))
+    with pytest.warns(UserWarning, match=r"Unexpected keyword arguments \['foobar'\]"):
+        again = LoraConfig.from_pretrained(tmp_path)
+    assert again.to_dict() == config.to_dict()
+    with pytest.warns(UserWarning, match="foobar"):  # peft says the same of it
+        peft.LoraConfig.from_pretrained(tmp_path)

@@ -236,7 +236,8 @@ class AutoTokenizer:
 class PeftModel:
     """Put a saved adapter (folder or Hub id) on a model; returns a PeftModelForCausalLM.
     Mirrors: peft PeftModel.from_pretrained
-    Differs: a loader only; isinstance checks use nanosft.peft.PeftModelForCausalLM."""
+    Differs: a loader only (the top-level `nanosft.PeftModel` is nanosft.peft's class, which
+    wraps any module and loads the same folders and Hub ids)."""
 
     @staticmethod
     def from_pretrained(model, model_id, adapter_name="default", is_trainable=False, *,
