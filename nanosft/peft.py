@@ -26,7 +26,8 @@ from nanosft.adapter_files import (  # noqa: F401
     resolve_target_modules, save_adapter_files, set_peft_model_state_dict, target_module_matches)
 from nanosft.generation import generate_uncached
 from nanosft.lora import (  # noqa: F401
-    LoraEmbedding, LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
+    LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
+from nanosft.lora_layers import LoraEmbedding  # noqa: F401
 from nanosft.nf4 import is_quantized
 from nanosft.prompt_learning import PrefixEncoder, PromptEmbedding, PromptEncoder
 # the tuner surface (injection, the adapter API), re-exported for the same reason

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
-from nanosft.lora import LoraConv, LoraEmbedding, LoraLinear, ModulesToSaveWrapper
+from nanosft.lora import LoraLinear, ModulesToSaveWrapper
+from nanosft.lora_layers import LoraConv, LoraEmbedding
 
 
 class BaseTunerLayer(abc.ABC):

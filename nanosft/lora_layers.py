@@ -1,0 +1,369 @@
+"""LoRA and DoRA on the other module types peft wraps: `nn.Embedding` (LoraEmbedding) and
+`nn.Conv1d/2d/3d` (LoraConv), with the same adapter surface as lora.LoraLinear (adapters keyed by
+name, merge / unmerge, active and disabled adapters). Not on the walkthrough's path, whose 2.7 is
+LoraLinear.forward: kept here so lora.py reads beside it.
+Papers: LoRA (2106.09685), DoRA (2402.09353).
+"""
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanosft.lora import DoraMagnitude, LoraLinear, adapters_to_merge
+
+
+class LoraEmbedding(nn.Module):
+    """A frozen nn.Embedding plus low-rank adapters: y = E[x] + (A^T[x] @ B^T) * s, with
+    `lora_embedding_A` [r, num_embeddings] (zeros) and `lora_embedding_B` [dim, r] (normal), so the
+    adapter starts as the identity; DoRA scales each output channel by m / ||E^T + s B A||.
+    Mirrors: peft lora.Embedding, DoraEmbeddingLayer"""
+
+    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
+                 use_rslora=False, init_lora_weights=True, use_dora=False):
+        super().__init__()
+        self.base_layer = base_layer
+        self.in_features = base_layer.num_embeddings
+        self.out_features = base_layer.embedding_dim
+        self.lora_embedding_A = nn.ParameterDict()
+        self.lora_embedding_B = nn.ParameterDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.lora_magnitude_vector = nn.ModuleDict()
+        self.r, self.lora_alpha, self.scaling, self.use_dora = {}, {}, {}, {}
+        self._dora_merged_norm = {}
+        self.merged_adapters = []
+        self.active_adapters = [adapter_name]
+        self.disable_adapters = False
+        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights,
+                          use_dora)
+
+    merged = LoraLinear.merged
+    weight = LoraLinear.weight
+    get_base_layer = LoraLinear.get_base_layer
+    _all_available_adapter_names = LoraLinear._all_available_adapter_names
+
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
+                     init_lora_weights=True, use_dora=False):
+        """Add adapter `adapter_name`. Mirrors: peft lora.Embedding.update_layer"""
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = lora_alpha
+        self.use_dora[adapter_name] = use_dora
+        self.lora_dropout[adapter_name] = (nn.Dropout(p=lora_dropout) if lora_dropout > 0.0
+                                           else nn.Identity())
+        w = self.base_layer.weight
+        A = torch.randn(r, self.in_features, device=w.device, dtype=w.dtype)
+        B = torch.randn(self.out_features, r, device=w.device, dtype=w.dtype)
+        self.lora_embedding_A[adapter_name] = nn.Parameter(A)
+        self.lora_embedding_B[adapter_name] = nn.Parameter(B)
+        self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        if init_lora_weights is True:  # peft: A zeros, B normal (the reverse of Linear's)
+            nn.init.zeros_(self.lora_embedding_A[adapter_name])
+            nn.init.normal_(self.lora_embedding_B[adapter_name])
+        elif init_lora_weights == "gaussian":
+            nn.init.normal_(self.lora_embedding_A[adapter_name], std=1 / r)
+            nn.init.normal_(self.lora_embedding_B[adapter_name])
+        if use_dora:  # m starts as the per-channel norm of E^T + s B A
+            with torch.no_grad():
+                norm = self._dora_norm(adapter_name, self.base_layer.weight)
+            self.lora_magnitude_vector[adapter_name] = DoraMagnitude(norm)
+        self.set_adapter(self.active_adapters)
+
+    def _dora_norm(self, name, weight, delta=None):
+        # ||E^T + s B A|| per embedding channel, [dim] (peft's get_weight_norm, fan_in_fan_out)
+        if delta is None:
+            delta = self.get_delta_weight(name)  # (num_embeddings, dim), scaling included
+        return torch.linalg.norm(weight.T + delta.T, dim=1).to(weight.dtype)
+
+    def set_adapter(self, adapter_names):
+        """Activate `adapter_names`; only their A and B require grad. Mirrors: peft set_adapter"""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for d in (self.lora_embedding_A, self.lora_embedding_B):
+            for key, p in d.items():
+                p.requires_grad_(key in names)
+        for key, m in self.lora_magnitude_vector.items():
+            m.requires_grad_(key in names)
+        self.active_adapters = names
+
+    def enable_adapters(self, enabled):
+        """Switch all adapters on or off. Mirrors: peft BaseTunerLayer.enable_adapters"""
+        if enabled:
+            self.set_adapter(self.active_adapters)
+        else:
+            for d in (self.lora_embedding_A, self.lora_embedding_B, self.lora_magnitude_vector):
+                d.requires_grad_(False)
+        self.disable_adapters = not enabled
+
+    def get_delta_weight(self, adapter_name):
+        """(B @ A)^T * scaling, [num_embeddings, dim].
+        Mirrors: peft lora.Embedding.get_delta_weight"""
+        A = self.lora_embedding_A[adapter_name]
+        B = self.lora_embedding_B[adapter_name]
+        return (B @ A).T * self.scaling[adapter_name]
+
+    @torch.no_grad()
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Add the active adapters' deltas to the embedding table. Mirrors: peft Embedding.merge"""
+        names = adapters_to_merge(self, adapter_names)
+        for name in [n for n in names if n in self.lora_embedding_A]:
+            delta = self.get_delta_weight(name)
+            weight = self.base_layer.weight.data + delta
+            if self.use_dora[name]:  # m / ||E0^T + dW^T|| per channel, the norm cached to unmerge
+                norm = self._dora_norm(name, self.base_layer.weight.data, delta).detach()
+                self._dora_merged_norm[name] = norm
+                weight = (self.lora_magnitude_vector[name].weight / norm).view(1, -1) * weight
+            if safe_merge and not torch.isfinite(weight).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
+                                 "to be broken")
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self):
+        """Subtract merged deltas again, last first. Mirrors: peft lora.Embedding.unmerge"""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            weight = self.base_layer.weight.data
+            if self.use_dora[name]:
+                norm = self._dora_merged_norm.pop(name)
+                weight = weight / (self.lora_magnitude_vector[name].weight / norm).view(1, -1)
+            weight = weight - self.get_delta_weight(name)
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
+
+    def delete_adapter(self, adapter_name):
+        """Drop one adapter. Mirrors: peft BaseTunerLayer.delete_adapter"""
+        for attr in ("lora_embedding_A", "lora_embedding_B", "lora_dropout", "r", "lora_alpha",
+                     "scaling", "use_dora", "lora_magnitude_vector"):
+            if adapter_name in getattr(self, attr):
+                getattr(self, attr).pop(adapter_name)
+        if adapter_name in self.active_adapters:
+            remaining = [n for n in self.active_adapters if n != adapter_name]
+            if not remaining and len(self.lora_embedding_A):
+                remaining = [sorted(self.lora_embedding_A)[0]]
+            self.set_adapter(remaining)
+
+    def _embed(self, x, weight):
+        base = self.base_layer  # the base's padding_idx, max_norm, ... as peft passes them
+        return F.embedding(x, weight, padding_idx=base.padding_idx, max_norm=base.max_norm,
+                           norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,
+                           sparse=base.sparse)
+
+    def forward(self, x, adapter_names=None):
+        """Base rows plus each active adapter's low-rank rows.
+        Mirrors: peft lora.Embedding.forward"""
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x)
+        result = self.base_layer(x)
+        if adapter_names is not None:  # one adapter per row ("__base__": none)
+            for name in dict.fromkeys(adapter_names):
+                if name in self.lora_embedding_A:
+                    rows = [i for i, n in enumerate(adapter_names) if n == name]
+                    after_A = self._embed(x[rows], self.lora_embedding_A[name].T)
+                    delta = after_A @ self.lora_embedding_B[name].T * self.scaling[name]
+                    result[rows] = result[rows] + delta.to(result.dtype)
+            return result
+        if self.merged:
+            return result
+        result_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_embedding_A:
+                continue
+            after_A = self._embed(x, self.lora_embedding_A[name].T)  # (B, T, r)
+            lora_result = (after_A @ self.lora_embedding_B[name].T) * self.scaling[name]
+            if not self.use_dora[name]:
+                result = result + lora_result
+                continue
+            # DoRA 4.3: the norm is a constant (no gradient); m / ||.|| scales base and update alike
+            A, B = self.lora_embedding_A[name], self.lora_embedding_B[name]
+            delta = ((B @ A).T * self.scaling[name]).detach()
+            norm = self._dora_norm(name, self.base_layer.weight, delta).detach()
+            mag_norm_scale = self.lora_magnitude_vector[name].weight / norm  # (dim,)
+            result = mag_norm_scale * result + mag_norm_scale * lora_result
+        return result.to(result_dtype)
+
+
+class LoraConv(nn.Module):
+    """A frozen nn.Conv1d / Conv2d / Conv3d plus low-rank adapters: lora_A a conv of the base's
+    kernel, stride and padding into r channels, lora_B a 1x..x1 conv back out; y = base(x) +
+    B(A(dropout(x))) * s; DoRA scales each output channel by m / ||W + s B A||.
+    Mirrors: peft lora.Conv1d / Conv2d / Conv3d (_ConvNd), _DoraConvNdLayer"""
+
+    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
+                 use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False):
+        super().__init__()
+        if r % base_layer.groups:
+            raise ValueError(f"Targeting a {type(base_layer).__name__} with groups="
+                             f"{base_layer.groups} and rank {r}. Currently, support is limited to "
+                             "conv layers where the rank is divisible by groups.")
+        self.base_layer = base_layer
+        self.in_features = base_layer.in_channels
+        self.out_features = base_layer.out_channels
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.lora_magnitude_vector = nn.ModuleDict()
+        self.r, self.lora_alpha, self.scaling, self.use_dora, self.lora_bias = {}, {}, {}, {}, {}
+        self.use_rslora = {}
+        self._dora_merged_norm = {}
+        self.merged_adapters = []
+        self.active_adapters = [adapter_name]
+        self.disable_adapters = False
+        self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights,
+                          lora_bias, use_dora)
+
+    merged = LoraLinear.merged
+    weight = LoraLinear.weight
+    bias = LoraLinear.bias
+    get_base_layer = LoraLinear.get_base_layer
+    _all_available_adapter_names = LoraLinear._all_available_adapter_names
+    set_adapter = LoraLinear.set_adapter
+    enable_adapters = LoraLinear.enable_adapters
+    delete_adapter = LoraLinear.delete_adapter
+    reset_lora_parameters = LoraLinear.reset_lora_parameters
+
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
+                     init_lora_weights=True, lora_bias=False, use_dora=False):
+        """Add adapter `adapter_name` (A: the base's kernel into r channels; B: 1x1 out).
+        Mirrors: peft _ConvNd.update_layer"""
+        base = self.base_layer
+        conv = type(base)
+        ones = (1,) * (base.weight.dim() - 2)
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = lora_alpha
+        self.lora_dropout[adapter_name] = (nn.Dropout(p=lora_dropout) if lora_dropout > 0.0
+                                           else nn.Identity())
+        # RNG order as peft: A's constructor init, B's, then A drawn again
+        self.lora_A[adapter_name] = conv(self.in_features, r, base.kernel_size, base.stride,
+                                         base.padding, bias=False)
+        self.lora_B[adapter_name] = conv(r, self.out_features, ones, ones, groups=base.groups,
+                                         bias=lora_bias)
+        self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        self.use_rslora[adapter_name] = use_rslora
+        self.use_dora[adapter_name] = use_dora
+        self.lora_bias[adapter_name] = lora_bias
+        self.reset_lora_parameters(adapter_name, init_lora_weights)
+        for d in (self.lora_A, self.lora_B):
+            d[adapter_name] = d[adapter_name].to(base.weight.device, base.weight.dtype)
+        if use_dora:  # m starts as ||W + s B A|| per output channel, shaped (1, out, 1, ...)
+            with torch.no_grad():
+                norm = self._dora_norm(base.weight, self._lora_weight(adapter_name),
+                                       self.scaling[adapter_name])
+            self.lora_magnitude_vector[adapter_name] = DoraMagnitude(norm)
+        self.set_adapter(self.active_adapters)
+
+    def _lora_weight(self, name):
+        # B A as a kernel shaped like W (B is 1x..x1): peft's get_lora_weight for convolutions
+        A, B = self.lora_A[name].weight, self.lora_B[name].weight
+        r = A.shape[0]
+        return (B.reshape(-1, r) @ A.reshape(r, -1)).reshape(self.base_layer.weight.shape)
+
+    @staticmethod
+    def _dora_norm(weight, lora_weight, scaling):
+        # ||W + s B A|| over all but the output channel, as (1, out, 1, ...)
+        weight = weight + scaling * lora_weight
+        dims = tuple(range(1, weight.dim()))
+        return weight.norm(p=2, dim=dims, keepdim=True).transpose(1, 0)
+
+    def _dora_factor(self, name, norm):
+        view = (-1,) + (1,) * (self.base_layer.weight.dim() - 1)
+        return (self.lora_magnitude_vector[name].weight / norm).view(*view)
+
+    def get_delta_weight(self, adapter_name):
+        """B * A as one kernel, shaped like the base weight, times scaling.
+        Mirrors: peft _ConvNd.get_delta_weight"""
+        A, B = self.lora_A[adapter_name].weight, self.lora_B[adapter_name].weight
+        upcast = A.device.type == "cpu" and A.dtype in (torch.float16, torch.bfloat16)
+        A, B = (A.float(), B.float()) if upcast else (A, B)
+        if self.base_layer.weight.shape[2:] == (1,) * (A.dim() - 2):  # 1x1: a matrix product
+            flat = B.flatten(1) @ A.flatten(1)
+            delta = flat.reshape(*flat.shape, *A.shape[2:])
+        else:  # compose the two convolutions: A's kernel through B's 1x1 mixing
+            conv_fn = (F.conv1d, F.conv2d, F.conv3d)[A.dim() - 3]
+            delta = conv_fn(A.transpose(0, 1), B).transpose(0, 1)
+        return (delta * self.scaling[adapter_name]).to(self.lora_A[adapter_name].weight.dtype)
+
+    @torch.no_grad()
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Add the deltas to the base kernel. Mirrors: peft _ConvNd.merge"""
+        if self.base_layer.groups > 1:
+            raise NotImplementedError("Merging is not supported for _ConvNd layers with "
+                                      "groups > 1!")
+        names = adapters_to_merge(self, adapter_names)
+        for name in [n for n in names if n in self.lora_A]:
+            delta = self.get_delta_weight(name)
+            weight = self.base_layer.weight.data + delta
+            if self.use_dora[name]:  # m / ||W0 + dW|| per channel; the norm cached to unmerge
+                norm = self._dora_norm(self.base_layer.weight.data, delta, 1).detach()
+                self._dora_merged_norm[name] = norm
+                weight = self._dora_factor(name, norm) * weight
+            if safe_merge and not torch.isfinite(weight).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
+                                 "to be broken")
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
+            if self.lora_B[name].bias is not None:
+                self.base_layer.bias.data += self.lora_B[name].bias * self.scaling[name]
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self):
+        """Subtract the merged deltas, last first. Mirrors: peft _ConvNd.unmerge"""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            weight = self.base_layer.weight.data
+            if self.use_dora[name]:
+                weight = weight / self._dora_factor(name, self._dora_merged_norm.pop(name))
+            weight = weight - self.get_delta_weight(name)
+            self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
+            if self.lora_B[name].bias is not None:
+                self.base_layer.bias.data -= self.lora_B[name].bias * self.scaling[name]
+
+    def forward(self, x, adapter_names=None):
+        """Base output plus each active adapter's low-rank convolution.
+        Mirrors: peft _ConvNd.forward"""
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x)
+        if self.merged:
+            return self.base_layer(x)
+        result = self.base_layer(x)
+        result_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            lora_A = self.lora_A[name]
+            lora_B = self.lora_B[name]
+            dropout = self.lora_dropout[name]
+            scaling = self.scaling[name]
+            x_in = x.to(lora_A.weight.dtype)
+            if not self.use_dora[name]:
+                result = result + lora_B(lora_A(dropout(x_in))) * scaling
+                continue
+            result = result + self._dora_term(name, x_in, result, lora_A, lora_B, dropout, scaling)
+        return result.to(result_dtype)
+
+    def _dora_term(self, name, x, result, lora_A, lora_B, dropout, scaling):
+        # (m / ||W + s B A|| - 1) * W x + m / ||.|| * s B A x, the norm a constant (DoRA 4.3)
+        base = self.base_layer
+        norm = self._dora_norm(base.weight, self._lora_weight(name).detach(), scaling).detach()
+        mag_norm_scale = self.lora_magnitude_vector[name].weight / norm  # (1, out, 1, ...)
+        if isinstance(dropout, nn.Identity) or not self.training:
+            base_result = result  # W x + bias: take the bias out again
+            if base.bias is not None:
+                base_result = base_result - base.bias.view(1, -1, *(1,) * (result.dim() - 2))
+        else:
+            x = dropout(x)
+            conv_fn = (F.conv1d, F.conv2d, F.conv3d)[base.weight.dim() - 3]
+            base_result = conv_fn(x, base.weight, None, base.stride, base.padding, base.dilation,
+                                  base.groups)
+        return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_B(lora_A(x)) * scaling
+
+
+# ----------------------------------------------------------------------------- around the adapters
