@@ -18,6 +18,7 @@ _LAZY_NAMES = {
     "AutoTokenizer": "nanosft.families.auto",
     "PeftModel": "nanosft.families.auto",
     "BitsAndBytesConfig": "nanosft.nf4",
+    "ParallelismConfig": "nanosft.parallel.mesh",
     "SFTConfig": "nanosft.args",
     "TrainingArguments": "nanosft.args",
     "SFTTrainer": "nanosft.sft",
