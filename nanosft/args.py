@@ -241,8 +241,9 @@ class TrainingArguments:
     fsdp: str | bool | list | None = None
     fsdp_config: dict | str | None = None
     # N-D parallel under torchrun: dp_replicate x dp_shard x tp (x cp) sizes, their product the
-    # world size (nanosft.ParallelismConfig, accelerate's, or a dict); guide: tensor parallel
-    parallelism_config: object = None
+    # world size: a dict of them, nanosft.ParallelismConfig or accelerate's (made a
+    # ParallelismConfig in __post_init__); guide: tensor parallel
+    parallelism_config: dict | None = None
     # The Hub, as transformers names it (scripts read args.push_to_hub); read only when pushing,
     # which needs the network: push_to_hub=True is refused (PUSH_NEEDS_NETWORK)
     push_to_hub: bool = False

@@ -194,3 +194,17 @@ def test_heads_tp_size_does_not_divide_are_refused():
 def test_sizes_not_supported_are_refused(sizes, words):
     with pytest.raises(ValueError, match=words):
         ParallelismConfig(**sizes)
+
+
+def test_train_flags_make_one_parallelism_config(tmp_path, monkeypatch):
+    from nanosft.cli import build_parser, build_train_configs
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = ["train", "--model", "m", "--data", "d.jsonl", "--output_dir", str(tmp_path / "o"),
+            "--tp_size", "2", "--dp_shard_size", "2"]
+    args = build_parser().parse_args(argv)
+    sft = build_train_configs(args, args.sft_names, args.lora_names)[0]
+    assert sft.parallelism_config == ParallelismConfig(dp_shard_size=2, tp_size=2)
+    args = build_parser().parse_args(argv[:-2])  # 2 of 4 ranks laid out: refused, named
+    with pytest.raises(ValueError, match="tp_size=2 = 2 ranks, but 4 processes"):
+        build_train_configs(args, args.sft_names, args.lora_names)
