@@ -7,6 +7,7 @@ over "dp_shard" (fully_shard per decoder layer and the root; a tensor-parallel w
 sees the ranks. Built on distributed.py, mesh.py, fsdp.py and tensor_parallel.py.
 """
 
+import fnmatch
 import math
 
 import torch
@@ -14,13 +15,55 @@ import torch
 from nanosft.distributed import all_reduce_sum, get_world_size, is_dtensor
 from nanosft.parallel.fsdp import apply_fsdp, normalize_fsdp_config
 from nanosft.parallel.mesh import check_parallelism
-from nanosft.parallel.tensor_parallel import apply_tensor_parallel
+from nanosft.parallel.tensor_parallel import (AUTO_PLAN_MODEL_TYPES, LLAMA_TP_PLAN,
+                                              apply_tensor_parallel)
+
+
+def _is_lora_linear(module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+def adapter_tp_plan(model) -> dict:
+    """The Llama tp plan for `model` (a CausalLM), with each LoRA layer's adapters following its
+    base layer: column-parallel base -> A whole, B split along its output rows (each rank adds
+    its slice of B A x to its slice of W x); row-parallel base -> A split along its input columns
+    (A x summed over ranks), B whole. Mirrors: peft's layers under a transformers tp_plan
+    Differs: DoRA, 4-bit bases and dropout > 0 are refused (not implemented yet)."""
+    plan = {}
+    for pattern, style in LLAMA_TP_PLAN.items():
+        layers = [m for n, m in model.model.named_modules()
+                  if fnmatch.fnmatchcase(n, pattern)]
+        if not any(_is_lora_linear(m) for m in layers):
+            plan[pattern] = style
+            continue
+        for m in layers:
+            if (any(m.use_dora.values()) or not isinstance(m.base_layer, torch.nn.Linear)
+                    or any(not isinstance(d, torch.nn.Identity) for d in m.lora_dropout.values())):
+                raise ValueError("tensor parallel with DoRA, a 4-bit base or lora_dropout > 0 is "
+                                 "not implemented yet; use plain LoRA with lora_dropout=0, or "
+                                 "dp_shard_size (FSDP) alone")
+        plan[f"{pattern}.base_layer"] = style
+        plan[f"{pattern}.{'lora_B' if style == 'colwise' else 'lora_A'}.*"] = style
+    return plan
+
+
+def _local_features(model, tp_size) -> None:
+    """A LoRA layer under tensor parallel sees its rank's piece: a row-parallel one reads
+    in_features / tp_size inputs, a column-parallel one writes out_features / tp_size outputs
+    (LoraLinear checks the input's width against in_features)."""
+    for pattern, style in LLAMA_TP_PLAN.items():
+        for name, m in model.model.named_modules():
+            if fnmatch.fnmatchcase(name, pattern) and _is_lora_linear(m):
+                if style == "rowwise":
+                    m.in_features //= tp_size
+                else:
+                    m.out_features //= tp_size
 
 
 def parallelize(model, args):
     """Lay `model` over args.parallelism_config's mesh, in place; returns the model to call (DDP's
     wrapper when dp_replicate_size > 1, else `model`). Mirrors: accelerate prepare_nd_parallel
-    Differs: LoRA under tensor parallel and a model loaded with tp_plan are refused (not yet)."""
+    Differs: a model loaded with tp_plan is refused (not yet)."""
     config = args.parallelism_config
     check_parallelism(config, get_world_size(), model)
     if any(is_dtensor(p) for p in model.parameters()):
@@ -28,11 +71,11 @@ def parallelize(model, args):
                          "parallelism_config, load it plain and the Trainer applies the plan")
     mesh = config.get_device_mesh(torch.device(args.device).type)
     if config.tp_size > 1:
-        if hasattr(model, "get_base_model"):
-            raise ValueError(f"parallelism_config(tp_size={config.tp_size}) with a PEFT model: "
-                             "LoRA under tensor parallel is not implemented yet; train the "
-                             "adapter with dp_shard_size (FSDP) instead")
-        apply_tensor_parallel(model, mesh=mesh["tp"])
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        model_type = getattr(base.config, "model_type", "llama")
+        plan = adapter_tp_plan(base) if model_type in AUTO_PLAN_MODEL_TYPES else "auto"
+        apply_tensor_parallel(base, tp_plan=plan, mesh=mesh["tp"])  # "auto" refuses the type
+        _local_features(base, config.tp_size)
     if config.dp_shard_size > 1:
         fsdp_config = args.fsdp_config if args.fsdp else normalize_fsdp_config(True, None)
         apply_fsdp(model, fsdp_config, args.device, mesh=mesh["dp_shard"])
