@@ -9,7 +9,8 @@ active) and every trainable parameter afterwards, within 1e-5 (measured: full 2.
 dp_shard x tp, 7.1e-7 under tp; LoRA on all 7 projections 7.9e-7 and 6.0e-8), for full fine-tuning
 and for LoRA, whose adapters follow their base layer's plan (column-parallel base: A whole, B split
 along its output; row-parallel base: A split along its input, B whole; the local shapes are
-asserted). Negative controls, in the same launch:
+asserted); and Trainer.save_model under each mesh writes the files one process writes (whole
+tensors gathered from the DTensor pieces). Negative controls, in the same launch:
 - the token count summed over all 4 ranks instead of the 2 data-parallel ones (tensor-parallel
   ranks count the same rows twice): the logged losses halve;
 - the clip norm with every value counted on every rank that holds it: grad_norm differs.
@@ -17,7 +18,7 @@ Also: the mesh's dim names and which rows each rank reads (the tp ranks of one d
 same rows), and sizes refused before any work (product != world size, heads tp_size does not
 divide, accelerate's object accepted).
 Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; ~24 s wall for the file on a shared 2-core machine.
+token rows, one thread per process; ~32 s wall for the file on a shared 2-core machine.
 Run: python -m pytest -q tests/test_nd_parallel.py
 """
 
@@ -95,6 +96,8 @@ def _worker(rank, port, out, world_size, sizes):
     lora = make_trainer(os.path.join(out, "lora"), BATCH, ParallelismConfig(**sizes), "lora")
     lora.train()
     result["lora"] = trained(lora)
+    trainer.save_model(os.path.join(out, "saved-full"))  # every rank: the pieces are gathered
+    lora.save_model(os.path.join(out, "saved-lora"))
     q = lora.model.get_base_model().model.layers[0].self_attn.q_proj
     o = lora.model.get_base_model().model.layers[0].self_attn.o_proj
     result["lora_local_shapes"] = [tuple(distributed_local(w)) for w in (
@@ -147,7 +150,9 @@ def runs(tmp_path_factory):
         lora.train()
         folder = out / name.replace(" ", "")
         folder.mkdir()
-        results[name] = ({**trained(single), "lora": trained(lora)},
+        single.save_model(str(folder / "single-full"))
+        lora.save_model(str(folder / "single-lora"))
+        results[name] = ({**trained(single), "lora": trained(lora), "folder": folder},
                          launch(folder, world_size, sizes))
     return results
 
@@ -182,6 +187,22 @@ def test_adapters_follow_their_base_layers_plan(runs):
     # splits rows again: under dp_shard x tp every piece's first dim halves once more)
     assert runs["tp"][1]["lora_local_shapes"] == [(4, 32), (16, 4), (4, 16), (32, 4)]
     assert runs["dp_shard x tp"][1]["lora_local_shapes"] == [(2, 32), (8, 4), (2, 16), (16, 4)]
+
+
+@pytest.mark.parametrize("name", MESHES)
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_save_model_writes_the_files_of_one_process(runs, name, mode):
+    from safetensors.torch import load_file
+
+    folder = runs[name][0]["folder"]
+    one, nd = folder / f"single-{mode}", folder / f"saved-{mode}"
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in nd.iterdir())
+    weights = "model.safetensors" if mode == "full" else "adapter_model.safetensors"
+    a, b = load_file(one / weights), load_file(nd / weights)
+    assert list(a) == list(b) and a
+    for key in a:  # whole tensors (gathered from the DTensor pieces), the trained values
+        assert a[key].shape == b[key].shape, key
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=TOL, msg=key)
 
 
 def test_mesh_names_and_rows_per_rank(runs):

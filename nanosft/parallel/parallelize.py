@@ -66,6 +66,8 @@ def parallelize(model, args):
     Differs: a model loaded with tp_plan is refused (not yet)."""
     config = args.parallelism_config
     check_parallelism(config, get_world_size(), model)
+    if config.total_size == 1:  # one process: nothing to lay out
+        return model
     if any(is_dtensor(p) for p in model.parameters()):
         raise ValueError("this model is already split over ranks (loaded with tp_plan); with "
                          "parallelism_config, load it plain and the Trainer applies the plan")
