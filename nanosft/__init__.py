@@ -31,6 +31,7 @@ _LAZY_NAMES = {
     "BaseTunerLayer": "nanosft.tuners",
     "LoraModel": "nanosft.tuners",
     "BitsAndBytesConfig": "nanosft.nf4",
+    "ParallelismConfig": "nanosft.parallel.mesh",
     "SFTConfig": "nanosft.args",
     "TrainingArguments": "nanosft.args",
     "SFTTrainer": "nanosft.sft",

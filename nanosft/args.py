@@ -51,7 +51,6 @@ TRAINING_ARGS_NOT_SUPPORTED = {
     "trackio_bucket_id": (None, _TRACKIO), "trackio_static_space_id": (None, _TRACKIO),
     "deepspeed": (None, "DeepSpeed is out of scope (nanosft shards with FSDP2: fsdp=...)"),
     "accelerator_config": (None, "nanosft does not run on accelerate (no Accelerator to set up)"),
-    "parallelism_config": (None, "accelerate's ParallelismConfig is out of scope (use fsdp=...)"),
     "debug": ("", "TPU metrics and the underflow/overflow debugger are out of scope"),
     "use_liger_kernel": (False, "Liger kernels are out of scope (the fused LM-head loss is "
                                 "nanosft's own speed path)"),
@@ -249,6 +248,10 @@ class TrainingArguments:
     # (guide: FSDP)
     fsdp: str | bool | list | None = None
     fsdp_config: dict | str | None = None
+    # N-D parallel under torchrun: dp_replicate x dp_shard x tp (x cp) sizes, their product the
+    # world size: a dict of them, nanosft.ParallelismConfig or accelerate's (made a
+    # ParallelismConfig in __post_init__); guide: tensor parallel
+    parallelism_config: dict | None = None
     # The Hub, as transformers names it (scripts read args.push_to_hub); read only when pushing,
     # which needs the network: push_to_hub=True is refused (PUSH_NEEDS_NETWORK)
     push_to_hub: bool = False
@@ -306,6 +309,7 @@ class TrainingArguments:
         self._validate_precision()
         self._validate_loader()
         self._validate_fsdp()
+        self._validate_parallelism()
         if os.path.isfile(self.output_dir):
             _fail("output_dir", self.output_dir, "it is an existing file; pass a directory path")
 
@@ -407,6 +411,19 @@ class TrainingArguments:
 
         self.fsdp, self.fsdp_config = True, normalize_fsdp_config(self.fsdp, self.fsdp_config)
         check_fsdp_options(self)
+
+    def _validate_parallelism(self):
+        if self.parallelism_config is None:  # the parallel package stays unimported
+            return
+        from nanosft.parallel.fsdp import check_fsdp_options
+        from nanosft.parallel.mesh import as_parallelism_config, check_parallelism
+
+        self.parallelism_config = as_parallelism_config(self.parallelism_config)
+        check_parallelism(self.parallelism_config, self.world_size)
+        if self.fsdp and self.parallelism_config.dp_shard_size == 1:
+            _fail("fsdp", True, "with parallelism_config, FSDP2 shards over dp_shard_size ranks, "
+                  "which is 1 here; set dp_shard_size or drop fsdp")
+        check_fsdp_options(self, "parallelism_config")  # DTensor parameters: the same limits
 
     # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----
     @property
@@ -526,6 +543,8 @@ def _jsonable(value):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
+    if callable(getattr(value, "to_dict", None)):  # parallelism_config
+        return _jsonable(value.to_dict())
     return str(value)
 
 

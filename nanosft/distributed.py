@@ -65,13 +65,25 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` over all ranks in place and return it (a no-op for one process).
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum `tensor` over all ranks (or the ranks of `group`) in place and return it (a no-op for
+    one process).
     Guide: distributed training | Mirrors: transformers Trainer._get_num_items_in_batch
     (accelerator.gather(...).sum())"""
     if is_initialized() and get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def data_parallel(args) -> tuple:
+    """(size, rank, group) of the ranks that read different rows: every rank (group None), or the
+    data-parallel dims of args.parallelism_config, whose tensor-parallel ranks share their rows
+    (group None when there is one data shard: nothing to sum). Mirrors: transformers
+    Trainer dp_world_size (world_size // tp_size // cp_size) and accelerate's dp mesh"""
+    config = getattr(args, "parallelism_config", None)
+    if config is None:
+        return get_world_size(), get_rank(), None
+    return config.data_parallel_group(torch.device(args.device).type)
 
 
 def barrier() -> None:

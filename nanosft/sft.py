@@ -312,7 +312,7 @@ class SFTTrainer(Trainer):
             if self.args.loss_type == "dft":  # TRL's DFT ignores label smoothing
                 loss = dft_loss(outputs.logits, labels, num_items_in_batch)
                 if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                    loss = loss * self.args.world_size
+                    loss = loss * distributed.data_parallel(self.args)[0]
         else:  # speed path (nanosft.fast.lm_head): no (B, T, V) logits
             with self.compute_loss_context_manager():  # the model's loss: sum of -log p / tokens
                 outputs = model(**inputs, num_items_in_batch=num_items_in_batch, fused_lm_head=True)
@@ -325,7 +325,8 @@ class SFTTrainer(Trainer):
             stats = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.sum(),
                                  outputs.is_top1.sum().float()])
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                loss = loss * self.args.world_size  # as Trainer.compute_loss: DDP averages ranks
+                # as Trainer.compute_loss: DDP / FSDP average the data-parallel ranks
+                loss = loss * distributed.data_parallel(self.args)[0]
         if self.aux_loss_enabled:
             loss = self._add_aux_loss(loss, outputs, num_items_in_batch)
         self._record_metrics(mode, stats.detach(), inputs)
@@ -346,7 +347,7 @@ class SFTTrainer(Trainer):
         steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
         if self.args.loss_type == "dft":  # the model's loss was replaced by the DFT loss
             return loss + weighted / steps
-        scale = (self.args.world_size if self.args.average_tokens_across_devices
+        scale = (distributed.data_parallel(self.args)[0] if self.args.average_tokens_across_devices
                  and num_items_in_batch is not None else 1)
         if scale == 1 and steps == 1:  # the model's nll + coef * aux_loss is TRL's sum already
             return loss

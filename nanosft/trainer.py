@@ -175,8 +175,9 @@ class Trainer:
         Differs: the walkthrough passes total_train_batch_size in and gets epoch_based and
         len_dataloader back; 5.23 computes the first here and returns it and steps_in_epoch."""
         # "total_train_batch_size = self._train_batch_size * args.gradient_accumulation_steps * ..."
+        # (5.23: the data-parallel ranks, dp_world_size; tensor-parallel ranks share their rows)
         total_train_batch_size = (self._train_batch_size * args.gradient_accumulation_steps
-                                  * args.world_size)
+                                  * distributed.data_parallel(args)[0])
         if not has_length(dataloader):  # a stream: max_steps alone sets the schedule
             return self._streamed_training_values(args, total_train_batch_size)
         steps_in_epoch = len(dataloader)  # micro-batches of this rank
@@ -258,8 +259,10 @@ class Trainer:
                           "num_items_in_batch is not counted; each micro-batch's loss is the "
                           "model's own (as transformers does).")
             return batch_samples, None
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            num_items_in_batch = distributed.all_reduce_sum(num_items_in_batch)
+        dp_world_size, _, dp_group = distributed.data_parallel(self.args)
+        if self.args.average_tokens_across_devices and dp_world_size > 1:
+            # over the ranks reading different rows: tensor-parallel ranks count theirs once
+            num_items_in_batch = distributed.all_reduce_sum(num_items_in_batch, dp_group)
         return batch_samples, num_items_in_batch / 1  # int64 -> float32, as transformers
 
     # ----- train() and the loop of walkthrough 2.3 -----
@@ -675,8 +678,9 @@ class Trainer:
                                  "as DataCollatorForLanguageModeling does).")
         if (self.args.average_tokens_across_devices and num_items_in_batch is not None
                 and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
-            # num_items_in_batch counts every rank's tokens and DDP averages: undo the average
-            loss = loss * self.args.world_size
+            # num_items_in_batch counts every data-parallel rank's tokens and DDP / FSDP average
+            # their gradients: undo the average
+            loss = loss * distributed.data_parallel(self.args)[0]
         return (loss, outputs) if return_outputs else loss
 
     # ----- the sync step: clip (the optimizer step itself is inline in the loop) -----
@@ -686,6 +690,10 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        if self.args.parallelism_config is not None:  # DTensor grads on several meshes
+            from nanosft.parallel import clip_grad_norm_
+
+            return clip_grad_norm_(model.parameters(), max_norm)
         # under FSDP the norm of sharded gradients is a DTensor: to_full gives one number
         return distributed.to_full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 

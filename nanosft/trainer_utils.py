@@ -340,10 +340,12 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
         # transformers groups by args' batch size (not auto_find_batch_size's) x accumulation
         group_size = (args.train_batch_size * args.gradient_accumulation_steps if shuffle
                       else batch_size)
+    # the ranks reading different rows: all, or parallelism_config's data-parallel ones
+    num_replicas, rank, _ = distributed.data_parallel(args)
     sampler = SeedableBatchSampler(len(dataset), batch_size, seed=seed,
                                    shuffle=shuffle and args.train_sampling_strategy == "random",
-                                   drop_last=drop_last, rank=distributed.get_rank(),
-                                   num_replicas=distributed.get_world_size(), lengths=lengths,
+                                   drop_last=drop_last, rank=rank,
+                                   num_replicas=num_replicas, lengths=lengths,
                                    group_size=group_size)
     # No generator, as transformers' loaders have none: each iter() draws one int64 from the
     # global RNG (torch's base seed), so the dropout masks after it are peft's under TRL. A run

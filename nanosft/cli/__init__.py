@@ -133,6 +133,10 @@ def build_train_configs(args, sft_names, lora_names):
     for key, value in from_file.items():
         values[allowed[key]][key] = value
     values["sft"].update(collect(args, "SFTConfig."))
+    sizes = collect(args, "ParallelismConfig.")  # --tp_size 2 ...: one parallelism_config
+    if sizes:
+        values["sft"]["parallelism_config"] = {**(values["sft"].get("parallelism_config")
+                                                  or {}), **sizes}
     values["lora"].update(collect(args, "LoraConfig."))
     for key, value in args.lora_defaults.items():  # `trl sft` flags: TRL ModelConfig's defaults
         values["lora"].setdefault(key, value)
@@ -493,6 +497,10 @@ def build_parser(train_fields=True):
         train.set_defaults(sft_names=add_dataclass_flags(train, SFTConfig, "SFTConfig."),
                            lora_names=add_dataclass_flags(train, LoraConfig, "LoraConfig."))
         add_trl_flags(train)
+        for size in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+            train.add_argument(f"--{size}", dest=f"ParallelismConfig.{size}", type=int,
+                               default=argparse.SUPPRESS, metavar="N",
+                               help=f"parallelism_config's {size} (under torchrun)")
 
     generate = add_parser("generate", help="answer one prompt (streamed)")
     _add_sampling_flags(generate)

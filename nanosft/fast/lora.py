@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanosft.distributed import is_dtensor
+
 
 @functools.cache
 def _has_bf16_gemm():
@@ -82,8 +84,8 @@ def bf16_adapter_linear(layer, x):
 def lora_addmm(result, x, lora_A, lora_B, dropout, scaling):
     """result + lora_B(lora_A(dropout(x))) * scaling with B's product added by one addmm, when all
     of it is fp32 without autocast; else None (the caller runs the walkthrough's line)."""
-    if not _fp32_throughout(x, result, lora_A, lora_B):
-        return None
+    if not _fp32_throughout(x, result, lora_A, lora_B) or is_dtensor(lora_B.weight):
+        return None  # tensor parallel: B's module hooks split its output
     return _add_low_rank(result, lora_A(dropout(x)), lora_B.weight, scaling)
 
 
@@ -229,6 +231,9 @@ def add_lora(layer, x, result):
     names = [n for n in layer.active_adapters if n in layer.lora_A]
     if (not names or any(layer.use_dora[n] for n in names) or torch.is_autocast_enabled()
             or result.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    if any(is_dtensor(layer.lora_A[n].weight) or is_dtensor(layer.lora_B[n].weight)
+           for n in names):  # tensor parallel: the modules' own hooks split and gather
         return None
     # asked before autocast is switched off below. Autocast reuses one cast of an input that is
     # a leaf requiring grad for the base and lora_A (its gradients then meet in bf16): such an x

@@ -5,11 +5,23 @@ tensor parallelism (tp_plan loading). `wrap_model` is the Trainer's one entry po
 import torch
 
 
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """The global-norm clip over DTensors of several meshes (parallelize.clip_grad_norm_)."""
+    from nanosft.parallel.parallelize import clip_grad_norm_ as clip
+
+    return clip(parameters, max_norm)
+
+
 def wrap_model(model, args):
-    """Shard `model` in place with FSDP2 (args.fsdp), else wrap it in DDP under torchrun; then
-    torch.compile as args say. Returns the model to call; `model` itself stays what checkpoints
-    save. Mirrors: accelerate Accelerator.prepare_model"""
-    if args.fsdp:  # fully_shard swaps in sharded parameters: before the optimizer is built
+    """Lay `model` over args.parallelism_config's mesh (tensor parallel, FSDP2, DDP), else shard it
+    in place with FSDP2 (args.fsdp), else wrap it in DDP under torchrun; then torch.compile as args
+    say. Returns the model to call; `model` itself stays what checkpoints save.
+    Mirrors: accelerate Accelerator.prepare_model"""
+    if args.parallelism_config is not None:
+        from nanosft.parallel.parallelize import parallelize
+
+        model = parallelize(model, args)
+    elif args.fsdp:  # fully_shard swaps in sharded parameters: before the optimizer is built
         from nanosft.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, args.fsdp_config, args.device)

@@ -115,7 +115,7 @@ def normalize_fsdp_config(fsdp, fsdp_config) -> dict | None:
     return config
 
 
-def check_fsdp_options(args) -> None:
+def check_fsdp_options(args, feature="fsdp") -> None:
     """Refuse TrainingArguments that FSDP here cannot honour, naming the option and the fix.
     Mirrors: accelerate FullyShardedDataParallelPlugin checks"""
     clashes = {
@@ -131,7 +131,8 @@ def check_fsdp_options(args) -> None:
     }
     for name, (bad, fix) in clashes.items():
         if bad:
-            raise ValueError(f"fsdp with {name}={getattr(args, name)!r} is not supported: {fix}.")
+            raise ValueError(f"{feature} with {name}={getattr(args, name)!r} is not supported: "
+                             f"{fix}.")
 
 
 # ----------------------------------------------------------------------------- 4-bit statistics
@@ -204,8 +205,9 @@ def _decoder_layers(model, names):
     return layers
 
 
-def apply_fsdp(model, fsdp_config: dict, device) -> nn.Module:
-    """fully_shard every decoder layer, then the root, over all ranks; returns `model` (in place).
+def apply_fsdp(model, fsdp_config: dict, device, mesh=None) -> nn.Module:
+    """fully_shard every decoder layer, then the root, over all ranks or the 1-D `mesh` (a
+    parallelism config's "dp_shard" dim); returns `model` (in place).
     Mirrors: accelerate fsdp2_prepare_model (transformer-layer auto-wrap)
     4-bit layers get their absmax registered first: packed bytes and statistics shard alike."""
     require_process_group("fsdp")
@@ -220,7 +222,8 @@ def apply_fsdp(model, fsdp_config: dict, device) -> nn.Module:
     linears = [m for m in model.modules() if _is_linear4bit(m)]
     for lin in linears:
         expose_quant_statistics(lin)
-    mesh = init_device_mesh(torch.device(device).type, (get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(torch.device(device).type, (get_world_size(),))
     reshard = fsdp_config["reshard_after_forward"]
     owned = set()
     for layer in layers:

@@ -62,8 +62,9 @@ def check_tp_sizes(config, tp_size: int) -> None:
 AUTO_PLAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
-    """Shard a CausalLM's decoder layers over all ranks (DTensor colwise / rowwise), in place.
+def apply_tensor_parallel(model, tp_plan="auto", mesh=None) -> nn.Module:
+    """Shard a CausalLM's decoder layers over all ranks, or over the 1-D `mesh` (a parallelism
+    config's "tp" dim), as DTensors (colwise / rowwise), in place.
     Mirrors: transformers from_pretrained(tp_plan="auto")
     Differs: embeddings, norms and lm_head stay whole on each rank (transformers splits lm_head)."""
     model_type = getattr(model.config, "model_type", "llama")
@@ -94,11 +95,12 @@ def apply_tensor_parallel(model, tp_plan="auto") -> nn.Module:
             f'tp_plan={tp_plan!r} is invalid: pass "auto" or a dict of module patterns to '
             '"colwise" / "rowwise"'
         )
-    check_tp_sizes(model.config, get_world_size())
+    check_tp_sizes(model.config, get_world_size() if mesh is None else mesh.size())
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_type == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    mesh = init_device_mesh(device_type, (get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (get_world_size(),))
     parallelize_module(model.model, mesh, {k: styles[v]() for k, v in plan.items()})
     return model
 

@@ -343,10 +343,11 @@ def save_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
 
 
 def _gather_sharded(model, optimizer):
-    # (whole model state, whole optimizer state) of an FSDP model, else (None, None); an adapter
-    # checkpoint gathers the trainable tensors only, not the frozen (maybe 4-bit) base
+    # (whole model state, whole optimizer state) of an FSDP or tensor-parallel model (DTensor
+    # parameters), else (None, None); an adapter checkpoint gathers the trainable tensors only,
+    # not the frozen (maybe 4-bit) base
     model = _unwrap(model)
-    if not fsdp.is_fsdp(model):
+    if not (fsdp.is_fsdp(model) or any(distributed.is_dtensor(p) for p in model.parameters())):
         return None, None
     only = None
     if _has_adapter(model):
