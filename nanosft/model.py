@@ -125,10 +125,11 @@ class Attention(nn.Module):
 
     def sdpa(self, q, k, v, mask=None, is_causal=False):
         """Scaled dot-product attention at this layer's scale: (B, H, T, D) out."""
+        # speed path: short bf16 / fp16 rows on CPU through the fp32 kernel (nanosft.fast.attention)
+        attention = fast_path("scaled_dot_product_attention") or F.scaled_dot_product_attention
         # enable_gqa: query head j reads kv head j // (H // KV), as transformers' repeat_kv.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              scale=self.scaling,
-                                              enable_gqa=self.num_kv_heads != self.num_heads)
+        return attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
+                         enable_gqa=self.num_kv_heads != self.num_heads)
 
 
 class MLP(nn.Module):

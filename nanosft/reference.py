@@ -2,11 +2,12 @@
 that executes.
 
 By default a few speed paths (nanosft.fast: the fused LM head, one addmm for fp32 adapters, bf16
-adapter products as fp32 GEMMs, unpadded attention, recomputed norms) replace mirrored statements;
-they are tested equal to reference mode. `NANOSFT_REFERENCE=1` in the environment (read once, at
-import), or `with reference_mode():` / `set_reference_mode(True)` from Python, switches them all
-off, and with them the product layer's reporting callbacks, so a reader stepping through a
-tutorial in a debugger lands on the walkthrough's own lines.
+adapter products as fp32 GEMMs, unpadded attention, recomputed norms, short half-precision CPU
+attention on the fp32 kernel) replace mirrored statements; they are tested equal to reference mode.
+`NANOSFT_REFERENCE=1` in the environment (read once, at import), or `with reference_mode():` /
+`set_reference_mode(True)` from Python, switches them all off, and with them the product layer's
+reporting callbacks, so a reader stepping through a tutorial in a debugger lands on the
+walkthrough's own lines.
 """
 
 import contextlib
