@@ -901,6 +901,20 @@ def switch_table(rows):
     return "\n".join(lines)
 
 
+def onednn_kernels():
+    """What oneDNN says in a fresh process (ONEDNN_VERBOSE=1): the CPU ISA it dispatches for and
+    the kernel of a bf16 GEMM at the model's shapes, e.g. "brg_matmul:avx512_core_amx" (AMX),
+    "brg_matmul:avx512_core_bf16" (AVX512-BF16). None where torch runs no oneDNN kernel."""
+    probe = ("import torch; a = torch.randn(64, 576, dtype=torch.bfloat16); "
+             "torch.mm(a, torch.randn(576, 1536, dtype=torch.bfloat16))")
+    out = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True,
+                         text=True, env={**os.environ, "ONEDNN_VERBOSE": "1"}).stdout
+    isa = next((ln.split("isa:", 1)[1] for ln in out.splitlines() if ",isa:" in ln), None)
+    kernel = next((ln.split(",")[6] for ln in out.splitlines()
+                   if ",primitive,exec,cpu,matmul," in ln), None)
+    return {"isa": isa, "bf16_matmul": kernel}
+
+
 def machine_info():
     """CPU model, cores, bf16 matrix units, load, library versions and the nanosft commit."""
     import importlib.metadata as md
@@ -941,6 +955,7 @@ def machine_info():
         "torch_threads": torch.get_num_threads(),
         "amx_bf16": "amx_bf16" in flags,
         "avx512_bf16": "avx512_bf16" in flags,
+        "onednn": onednn_kernels() if torch.backends.mkldnn.is_available() else {},
         "loadavg": os.getloadavg(),
         "python": platform.python_version(),
         "versions": versions,
@@ -992,12 +1007,16 @@ def replace_section(path, section):
 def render_real(results, calibration, fx, info, command, started, finished, notes="",
                 dequantize=()):
     """The real-size section of RESULTS.md: machine, set-up, calibration and the table."""
-    name = f"real-size-{fx.opts.device}"
+    rows = next((k for k, v in REAL_ROWS.items() if SIZE_DATA[REAL_SIZE].items() >= v.items()),
+                "chat")
+    # one section per row set: the short-row case sits beside the long one in RESULTS.md
+    name = f"real-size-{fx.opts.device}" + ("" if rows == "chat" else f"-{rows}-rows")
     c = fx.hf_config
     lengths = [len(r["input_ids"]) for r in fx.rows]
     lines = [
         f"<!-- section: {name} -->",
-        f"## Real size ({REAL_SIZE} shapes, {fx.opts.device})", "",
+        f"## Real size ({REAL_SIZE} shapes, {fx.opts.device}"
+        + ("" if rows == "chat" else f", {rows} rows") + ")", "",
         f"Command: `{command}`", "",
         f"Run {started} to {finished} UTC on {info['cpu']}, {info['cores']} cores, torch threads "
         f"{info['torch_threads']}{', ' + info['gpu'] if info.get('gpu') else ''}. Versions: "
@@ -1013,14 +1032,21 @@ def render_real(results, calibration, fx, info, command, started, finished, note
         f"on all seven projections. bf16w: the user's bf16 recipe, weights loaded in bf16 (QLoRA: "
         "bnb_4bit_compute_dtype=bf16, the rest bf16) and bf16=True, on both stacks.", "",
         "Matmul calibration at the model's own GEMM shapes (torch.mm, best of 3): "
-        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in calibration.items()) + ".", "",
-        real_table(results, calibration), "",
+        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in calibration.items())
+        + (f"; bf16 / fp32 {calibration['bf16'] / calibration['fp32']:.2f}x"
+           if {"bf16", "fp32"} <= set(calibration) else "") + ". oneDNN: ISA "
+        + f"{info.get('onednn', {}).get('isa')}, bf16 GEMM kernel "
+        + f"{info.get('onednn', {}).get('bf16_matmul')}.", "",
+        real_table(results, calibration, fx), "",
         *(["NF4 dequantize per call (the first MLP weight, double quant, blocksize 64; best of "
            "200 interleaved calls; page faults from getrusage; the speed path's time includes "
            "decoding the absmax, as a forward does):", *dequantize, ""] if dequantize else []),
         "GFLOP/s: model FLOPs, 6N per token for full fine-tuning and 4N for a frozen base (plus 6 "
         "per LoRA weight), plus causal attention, over the timed steps; % matmul: that rate over "
-        "the calibration of the case's dtype. vs own fp32: nanosft bf16 over nanosft fp32 tok/s. "
+        "the calibration of the case's dtype. vs own fp32: nanosft bf16 over nanosft fp32 tok/s "
+        "(in brackets per CPU second). nanosft/ref (CPU s): tokens per CPU second of the process, "
+        "all threads, each stack's best repetition by that measure (a busy machine hurts it "
+        "less than wall time); CPU s / step: nanosft's, the timed steps' mean. "
         "peak MiB: peak RSS (CPU) or max_memory_allocated (CUDA) above the level at train()'s "
         "start. max dloss ref-ref(eager): the reference against itself with eager instead of SDPA "
         "attention, the yardstick for nanosft's bf16 difference.",
@@ -1186,15 +1212,18 @@ def run_real(opts, reps, workdir, modes=REAL_MODES, only=None, on_rep=None, log=
     return results, calibration, fx
 
 
-def real_table(results, calibration, modes=REAL_MODES):
+def real_table(results, calibration, fx, modes=REAL_MODES):
     """One row per case: best-of-repetitions speed of each stack, GFLOP/s and its share of the
     calibrated matmul rate, peak memory, and the loss differences (nanosft vs reference; in bf16
     also the reference vs itself on eager attention)."""
-    head = ["case", "nanosft tok/s", "ref tok/s", "nanosft/ref", "nanosft GFLOP/s (% matmul)",
+    head = ["case", "nanosft tok/s", "ref tok/s", "nanosft/ref", "nanosft/ref (CPU s)",
+            "nanosft CPU s / step", "nanosft GFLOP/s (% matmul)",
             "ref GFLOP/s (% matmul)", "vs own fp32", "nanosft peak MiB", "ref peak MiB",
             "peak nanosft/ref", "max dloss nanosft-ref", "max dloss ref-ref(eager)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     best = {k: max(v, key=lambda r: r.tokens_per_s) for k, v in results.items()}
+    best_cpu = {k: max(v, key=lambda r: r.tokens_per_cpu_s) for k, v in results.items()}
+    fx_tokens = fx.tokens[fx.opts.warmup:]
     for case in real_cases(modes, tuple(calibration)):
         nano = best.get((REAL_SIZE, case.name, "nano"))
         ref = best.get((REAL_SIZE, case.name, "ref"))
@@ -1202,12 +1231,17 @@ def real_table(results, calibration, modes=REAL_MODES):
             continue
         cal = calibration["bf16" if case.weights_bf16 else "fp32"]
         fp32 = best.get((REAL_SIZE, case.mode, "nano"))
+        cpu_fp32 = best_cpu.get((REAL_SIZE, case.mode, "nano"))
+        cpu_nano, cpu_ref = (best_cpu[(REAL_SIZE, case.name, st)] for st in ("nano", "ref"))
         eager = best.get((REAL_SIZE, case.name, "ref-eager"))
         cells = [case.name, f"{nano.tokens_per_s:.0f}", f"{ref.tokens_per_s:.0f}",
                  f"{nano.tokens_per_s / ref.tokens_per_s:.2f}",
+                 f"{cpu_nano.tokens_per_cpu_s / cpu_ref.tokens_per_cpu_s:.2f}",
+                 f"{statistics.mean(fx_tokens) / cpu_nano.tokens_per_cpu_s:.2f}",
                  f"{nano.gflops:.1f} ({100 * nano.gflops / cal:.0f}%)",
                  f"{ref.gflops:.1f} ({100 * ref.gflops / cal:.0f}%)",
-                 (f"{nano.tokens_per_s / fp32.tokens_per_s:.2f}"
+                 (f"{nano.tokens_per_s / fp32.tokens_per_s:.2f} "
+                  f"({cpu_nano.tokens_per_cpu_s / cpu_fp32.tokens_per_cpu_s:.2f})"
                   if fp32 and case.weights_bf16 else "-"),
                  f"{nano.peak_mib:.0f}", f"{ref.peak_mib:.0f}",
                  f"{nano.peak_mib / ref.peak_mib:.2f}",
@@ -1438,7 +1472,7 @@ def main(argv=None):
             results, calibration, fx = run_real(opts, args.reps, workdir, modes, only,
                                                 report_real, dtypes=dtypes)
             report_real(results, calibration, fx, final=True)
-            print(real_table(results, calibration, modes))
+            print(real_table(results, calibration, fx, modes))
             print("\n".join(dequantize))
             print(f"wrote {out}")
             return
