@@ -241,6 +241,11 @@ class TrainingArguments:
     torch_compile: bool = False
     use_cpu: bool = False
     skip_memory_metrics: bool = True  # False: init_/train_mem_cpu_* (and _gpu_) deltas in metrics
+    # Differs: nanosft's own. A 4-bit base's weights are dequantized in every forward and again
+    # in backward ("per_call", bitsandbytes' way); "per_step" dequantizes each once per optimizer
+    # step and holds it until the optimizer step (CPU speed path: the memory of every NF4 linear
+    # in its compute dtype, counted by the memory ledger; off in reference mode)
+    nf4_dequantize: str = "per_call"
     # Distributed.
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
@@ -354,6 +359,7 @@ class TrainingArguments:
         _check_choice("save_strategy", self.save_strategy, INTERVAL_STRATEGIES + ("best",))
         _check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen,
                       ("no", "all", "non_padding"))
+        _check_choice("nf4_dequantize", self.nf4_dequantize, ("per_call", "per_step"))
         for target in [self.report_to] if isinstance(self.report_to, str) else self.report_to:
             _check_choice("report_to", target, REPORT_TO)
         if self.lr_scheduler_kwargs is not None and not isinstance(self.lr_scheduler_kwargs, dict):

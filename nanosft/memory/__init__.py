@@ -121,13 +121,18 @@ def estimate_memory(config, plan, device_type="cpu"):
     ab = DTYPE_BYTES[plan.adapter_dtype]
     base = trainable = grads = optim = 0
     any_8bit = False
-    n_quant = 0
+    n_quant = held = 0
+    # nf4_held: each 4-bit weight dequantized once per step and kept, in the weights' dtype and,
+    # under bf16 autocast over a wider base, in bf16 too (forward in bf16, backward in the stored
+    # dtype): nanosft.fast.nf4.hold_dequantized
+    held_bytes = wd + (2 if plan.bf16 and wd != 2 else 0)
     for name, shape in parameter_shapes(config):
         numel = math.prod(shape)
         lin = name.split(".")[-2]
         quant = (plan.load_in_4bit and lin in layer_linears(config) and name.endswith("weight")
                  and nf4_quantizable(shape, device_type))
         n_quant += quant
+        held += quant * numel * held_bytes
         nf4_expert = plan.nf4_experts and lin == "experts" and len(shape) == 3
         if nf4_expert:  # NF4 codes + statistics per expert, the zero placeholder's one value
             nbytes = _shard(nf4_nbytes(shape, plan.bnb_4bit_use_double_quant) + wd, shape, world)
@@ -221,6 +226,10 @@ def estimate_memory(config, plan, device_type="cpu"):
     else:
         rows["logits and loss (B x T x V)"] = logits
         notes["logits and loss (B x T x V)"] = f"V={V}: logits, fp32 log-probs and their gradient"
+    if plan.nf4_held and n_quant:
+        rows["4-bit weights dequantized (held)"] = held
+        notes["4-bit weights dequantized (held)"] = ("nf4_dequantize=\"per_step\": every NF4 "
+                                                     "linear in its compute dtype for the step")
     if world > 1:  # FSDP gathers one layer's full weights, and prefetches the next
         # the largest layer (an MoE layer's experts beside GLM's dense first layers); 4-bit
         # linears travel at half a byte, the experts and router in their float dtype
@@ -287,6 +296,15 @@ def uses_fused_lm_head(args):
             and not reference_mode_enabled())
 
 
+def holds_dequantized(args):
+    """Whether a run under `args` keeps each 4-bit weight dequantized for the whole step
+    (nf4_dequantize="per_step", a speed path: off in reference mode)."""
+    from nanosft.reference import reference_mode_enabled
+
+    per_step = getattr(args, "nf4_dequantize", "per_call") == "per_step"
+    return per_step and not reference_mode_enabled()
+
+
 def plan_from_model(model, args, max_length, device_type="cpu"):
     """A MemoryPlan read off a live (peft-wrapped or not, 4-bit or not) model and its arguments.
     Mirrors: what SFTTrainer.__init__ set up (peft_config, 4-bit base)"""
@@ -309,7 +327,8 @@ def plan_from_model(model, args, max_length, device_type="cpu"):
                       gradient_checkpointing=bool(args.gradient_checkpointing),
                       optim_args=args.optim_args, bf16=bool(args.bf16),
                       nf4_experts=bool(nf4_experts), bnb_4bit_use_double_quant=nested,
-                      fused_lm_head=uses_fused_lm_head(args))
+                      fused_lm_head=uses_fused_lm_head(args),
+                      nf4_held=holds_dequantized(args))
 
 
 def predict_for_trainer(model, args):

@@ -68,6 +68,9 @@ class MemoryPlan:
     # SFTTrainer's speed path (nanosft.fast.lm_head): lm_head over 256 supervised tokens at a time,
     # no (B, T, V) logits; False: transformers' path, the full logits and the loss's log-probs
     fused_lm_head: bool = False
+    # TrainingArguments.nf4_dequantize="per_step": every 4-bit weight dequantized once per step
+    # and held until the optimizer step (nanosft.fast.nf4.hold_dequantized)
+    nf4_held: bool = False
 
     def __post_init__(self):
         for name in ("per_device_train_batch_size", "max_length", "r", "fsdp"):

@@ -312,11 +312,41 @@ def report_targets(args) -> set:
     return {"nanosft", "tensorboard"} if "all" in names else names - {"none"}
 
 
+class HoldDequantizedCallback(TrainerCallback):
+    """nf4_dequantize="per_step": from each optimizer step's first micro-batch to its end, every
+    4-bit weight is dequantized once and reused by the window's forwards and backwards
+    (nanosft.fast.nf4.hold_dequantized); evaluation and saving, after on_step_end, hold nothing."""
+
+    def __init__(self):
+        self._hold = None
+
+    def _release(self):
+        if self._hold is not None:
+            self._hold.__exit__(None, None, None)
+            self._hold = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from nanosft.fast.nf4 import hold_dequantized
+
+        self._release()
+        self._hold = hold_dequantized()
+        self._hold.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._release()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._release()
+
+
 def reporting_callbacks(args) -> list:
     """The progress bar and the callbacks args.report_to asks for, in the order they must run:
-    throughput first (its numbers reach the bar and the files), the non-finite guard last."""
+    throughput first (its numbers reach the bar and the files), the non-finite guard last; and
+    the product layer's one speed callback, nf4_dequantize="per_step" (HoldDequantizedCallback)."""
     targets = report_targets(args)
     callbacks = [ThroughputCallback()] if targets else []
+    if getattr(args, "nf4_dequantize", "per_call") == "per_step":
+        callbacks.append(HoldDequantizedCallback())
     if "nanosft" in targets:
         callbacks.append(MemoryCallback())
     callbacks.append(progress_callback(args))
