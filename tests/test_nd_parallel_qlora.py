@@ -6,11 +6,13 @@ ParallelismConfig; nanosft.parallel.parallelize lays it out (tensor_parallel_pef
 along whole blocks, column-parallel rows / row-parallel columns; DoRA magnitudes following the
 output dim; row-parallel dropout masks sliced from the whole input's). Compared with one process
 at per-device batch x data-parallel ranks: the logged loss and grad_norm of each of 3 optimizer
-steps (accumulation 2, clipping active) and every trainable parameter afterwards, within 1e-5:
-- tp (2 processes): QLoRA, QLoRA + DoRA, LoRA with lora_dropout=0.1, DoRA with lora_dropout=0.1
-  (the masks equal one process's: colwise layers draw on the whole input, rowwise ones slice the
-  whole input's mask; the tp ranks share the generator's state);
-- dp_shard x tp (4): QLoRA, QLoRA + DoRA (FSDP2 shards the 4-bit pieces again);
+steps (accumulation 2, clipping active) and every trainable parameter afterwards, within 1e-5
+(one case 2e-5, see LOOSER):
+- tp (2 processes): QLoRA, QLoRA on q/v only (the other projections bare 4-bit layers), QLoRA +
+  DoRA, LoRA with lora_dropout=0.1, DoRA with lora_dropout=0.1 (the masks equal one process's:
+  colwise layers draw on the whole input, rowwise ones slice the whole input's mask; the tp ranks
+  share the generator's state);
+- dp_shard x tp (4): QLoRA, QLoRA + DoRA, DoRA (FSDP2 shards the tp pieces again);
 - dp_replicate x tp (4): full, LoRA, QLoRA (FSDP2 over ("dp_replicate", "dp_shard") with
   dp_shard 1: each replica holds its tp piece whole, gradients all-reduced across replicas);
 - dp_replicate x dp_shard (4, HSDP): full, QLoRA.
@@ -19,8 +21,10 @@ its own rows (as DDP does), which no one-process run with the global batch draws
 Also asserted: each rank's 4-bit piece (codes, absmax, shape) and DoRA magnitude shapes; a piece
 dequantizes bit-equal to the slice of the whole weight; a row-parallel dropout mask is the slice
 of the whole input's (a mask drawn on the piece is not); sizes that cut a block refused, naming
-the numbers. Hermetic: torch.multiprocessing spawn on localhost, one thread a process;
-~40 s wall for the file on a shared 2-core machine.
+the numbers; save_model under tp writes the QLoRA + DoRA adapter file one process writes
+(magnitudes and adapters gathered whole). Hermetic: torch.multiprocessing spawn on localhost, one
+thread a process; ~60 s wall for the file on a shared 2-core machine, 85 s under load (two
+spawns, of 2 and 4 processes, each running every mode of its meshes).
 Run: python -m pytest -q tests/test_nd_parallel_qlora.py
 """
 
@@ -70,7 +74,8 @@ def build(mode):
         quantize_model(model, skip_modules=SKIP)
     if mode == "full":
         return model
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian",
+    targets = ["q_proj", "v_proj"] if mode == "qlora_qv" else TARGETS  # the rest bare 4-bit
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian",
                         use_dora="dora" in mode, lora_dropout=0.1 if "dropout" in mode else 0.0)
     return get_peft_model(model, config)
 
@@ -103,25 +108,30 @@ def pieces(trainer):
     layer = trainer.model.get_base_model().model.layers[0]
     out = {}
     for name, m in (("q_proj", layer.self_attn.q_proj), ("down_proj", layer.mlp.down_proj)):
-        if isinstance(m.base_layer, Linear4bit):
-            qs = m.base_layer.quant_state
-            out[name] = (tuple(qs.shape), _local_shape(m.base_layer.weight),
-                         _local_shape(m.base_layer.weight_absmax if hasattr(
-                             m.base_layer, "weight_absmax") else qs.absmax))
+        lin = getattr(m, "base_layer", m)  # a LoRA layer's base, or a bare 4-bit layer
+        if isinstance(lin, Linear4bit):
+            absmax = lin.weight_absmax if hasattr(lin, "weight_absmax") else lin.quant_state.absmax
+            out[name] = (tuple(lin.quant_state.shape), _local_shape(lin.weight),
+                         _local_shape(absmax))
     for name, m in (("q_mag", layer.self_attn.q_proj), ("o_mag", layer.self_attn.o_proj)):
-        if "default" in m.lora_magnitude_vector:
+        if "default" in getattr(m, "lora_magnitude_vector", {}):
             out[name] = _local_shape(m.lora_magnitude_vector["default"].weight)
     return out
 
 
 # (mesh name, sizes, modes) per launch; every mode runs in the same spawn
 LAUNCHES = {
-    2: [("tp", {"tp_size": 2}, ("qlora", "qdora", "lora_dropout", "dora_dropout"))],
-    4: [("dp_shard x tp", {"dp_shard_size": 2, "tp_size": 2}, ("qlora", "qdora")),
+    2: [("tp", {"tp_size": 2}, ("qlora", "qlora_qv", "qdora", "lora_dropout", "dora_dropout"))],
+    4: [("dp_shard x tp", {"dp_shard_size": 2, "tp_size": 2}, ("qlora", "qdora", "dora")),
         ("dp_replicate x tp", {"dp_replicate_size": 2, "tp_size": 2}, ("full", "lora", "qlora")),
         ("dp_replicate x dp_shard", {"dp_replicate_size": 2, "dp_shard_size": 2},
          ("full", "qlora"))],
 }
+# Parameters within 2e-5, not 1e-5, for float DoRA under dp_shard x tp (measured 1.3e-5, losses and
+# grad norms 9.5e-7): one process's first gradient of one magnitude entry (layer 1 o_proj, index 4)
+# is -4.1e-9, a cancellation below Adam's eps (1e-8), where the update lr * g / (|g| + eps) turns
+# the 1e-10 rounding of a differently ordered sum into 1e-5 of movement.
+LOOSER = {("dp_shard x tp", "dora"): 2e-5}
 SAVED = ("tp", "qdora")  # save_model's adapter file, compared with one process's
 CASES = [(mesh, mode) for launches in LAUNCHES.values() for mesh, _, modes in launches
          for mode in modes]
@@ -184,11 +194,12 @@ def test_trains_as_one_process(runs, mesh, mode):
     torch.testing.assert_close(nd["logged"], single["logged"], rtol=0, atol=TOL)
     assert set(nd["params"]) == set(single["params"]) and single["params"]
     worst = max((nd["params"][k] - v).abs().max().item() for k, v in single["params"].items())
+    logged = max(abs(a - b) for x, y in zip(nd["logged"], single["logged"]) for a, b in zip(x, y))
     start = {n: p.detach() for n, p in build(mode).named_parameters() if p.requires_grad}
     moved = max((v - start[k]).abs().max().item() for k, v in single["params"].items())
     print(f"{mesh} {mode}: largest parameter difference from one process {worst:.2e} "
-          f"(moved {moved:.2e})")
-    assert worst <= TOL and moved > 100 * TOL
+          f"(moved {moved:.2e}), loss / grad_norm {logged:.2e}")
+    assert worst <= LOOSER.get((mesh, mode), TOL) and moved > 100 * TOL
 
 
 def test_4bit_pieces_and_dora_magnitudes_follow_the_plan(runs):
@@ -197,6 +208,7 @@ def test_4bit_pieces_and_dora_magnitudes_follow_the_plan(runs):
     # dp_shard halves each stored tensor once more; its quant_state keeps the tp piece's shape.
     tp = {"q_proj": ((32, 64), (1024, 1), (32,)), "down_proj": ((64, 64), (2048, 1), (64,))}
     assert runs["tp", "qlora"]["pieces"] == tp
+    assert runs["tp", "qlora_qv"]["pieces"] == tp  # down_proj a bare 4-bit layer here
     assert runs["dp_replicate x tp", "qlora"]["pieces"] == tp  # replicas hold the whole piece
     assert runs["dp_shard x tp", "qlora"]["pieces"] == {
         "q_proj": ((32, 64), (512, 1), (16,)), "down_proj": ((64, 64), (1024, 1), (32,))}
@@ -206,6 +218,7 @@ def test_4bit_pieces_and_dora_magnitudes_follow_the_plan(runs):
     assert runs["tp", "qdora"]["pieces"]["q_mag"] == (32,)
     assert runs["tp", "qdora"]["pieces"]["o_mag"] == (64,)
     assert runs["dp_shard x tp", "qdora"]["pieces"]["q_mag"] == (16,)
+    assert runs["dp_shard x tp", "dora"]["pieces"] == {"q_mag": (16,), "o_mag": (32,)}
 
 
 def test_save_model_writes_the_adapter_of_one_process(runs):

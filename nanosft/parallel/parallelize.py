@@ -10,7 +10,6 @@ the ranks. Built on distributed.py, mesh.py, fsdp.py, tensor_parallel.py and
 tensor_parallel_peft.py.
 """
 
-import fnmatch
 import math
 
 import torch
@@ -45,13 +44,12 @@ def _local_features(model, tp_size) -> None:
     """A LoRA layer under tensor parallel sees its rank's piece: a row-parallel one reads
     in_features / tp_size inputs, a column-parallel one writes out_features / tp_size outputs
     (LoraLinear checks the input's width against in_features)."""
-    for pattern, style in LLAMA_TP_PLAN.items():
-        for name, m in model.model.named_modules():
-            if fnmatch.fnmatchcase(name, pattern) and _is_lora_linear(m):
-                if style == "rowwise":
-                    m.in_features //= tp_size
-                else:
-                    m.out_features //= tp_size
+    for _, m, style in planned_layers(model, LLAMA_TP_PLAN):
+        if _is_lora_linear(m):
+            if style == "rowwise":
+                m.in_features //= tp_size
+            else:
+                m.out_features //= tp_size
 
 
 def parallelize(model, args):
