@@ -22,8 +22,8 @@ class ParallelismConfig:
     """How the ranks split the work: dp_replicate_size (DDP replicas), dp_shard_size (FSDP2
     shards), tp_size (tensor parallel), cp_size (context parallel); their product is the world
     size. Mirrors: accelerate ParallelismConfig (field names; None reads 1)
-    Differs: the mesh keeps size-1 dims (mesh["tp"] always exists); cp_size > 1 and
-    dp_replicate_size > 1 together with another dim are refused (not implemented yet)."""
+    Differs: the mesh keeps size-1 dims (mesh["tp"] always exists); cp_size > 1 is refused
+    (not implemented yet)."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -43,13 +43,6 @@ class ParallelismConfig:
             raise ValueError(f"ParallelismConfig(cp_size={self.cp_size}): context parallelism "
                              "is not implemented yet; use cp_size=1 (split the work with "
                              "dp_shard_size and tp_size)")
-        others = self.dp_shard_size * self.tp_size * self.cp_size
-        if self.dp_replicate_size > 1 and others > 1:
-            raise ValueError(
-                f"ParallelismConfig(dp_replicate_size={self.dp_replicate_size}) together with "
-                f"dp_shard_size={self.dp_shard_size}, tp_size={self.tp_size}: replicas of a "
-                "sharded or tensor-parallel model (HSDP) are not implemented yet; use "
-                "dp_shard_size instead of dp_replicate_size")
 
     @property
     def sizes(self) -> dict:

@@ -1,13 +1,15 @@
 """Apply a ParallelismConfig's plan to a plain model, and clip gradients spread over its meshes.
 
 As torchtitan's parallelize step and the guide's 3D_parallel.py: tensor parallel first (the Llama
-tp_plan over the mesh's "tp" dim: each decoder layer's projections become DTensors), then FSDP2
-over "dp_shard" (fully_shard per decoder layer and the root; a tensor-parallel weight becomes a
-2-D DTensor, sharded along dp_shard and tp), or DDP over "dp_replicate" alone. The model never
-sees the ranks. Built on distributed.py, mesh.py, fsdp.py and tensor_parallel.py.
+tp_plan over the mesh's "tp" dim: each decoder layer's float projections become DTensors; 4-bit
+bases, DoRA magnitudes and row-parallel dropout of LoRA layers follow in tensor_parallel_peft.py),
+then FSDP2 over "dp_shard" (fully_shard per decoder layer and the root; a tensor-parallel weight
+becomes a 2-D DTensor, sharded along dp_shard and tp), or over "dp_replicate" x "dp_shard" when
+replicas stand beside another dim (HSDP), or DDP over "dp_replicate" alone. The model never sees
+the ranks. Built on distributed.py, mesh.py, fsdp.py, tensor_parallel.py and
+tensor_parallel_peft.py.
 """
 
-import fnmatch
 import math
 
 import torch
@@ -17,33 +19,24 @@ from nanosft.parallel.fsdp import apply_fsdp, normalize_fsdp_config
 from nanosft.parallel.mesh import check_parallelism
 from nanosft.parallel.tensor_parallel import (AUTO_PLAN_MODEL_TYPES, LLAMA_TP_PLAN,
                                               apply_tensor_parallel)
-
-
-def _is_lora_linear(module) -> bool:
-    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+from nanosft.parallel.tensor_parallel_peft import (_is_lora_linear, check_4bit_blocks,
+                                                   parallelize_peft_layers, planned_layers)
 
 
 def adapter_tp_plan(model) -> dict:
-    """The Llama tp plan for `model` (a CausalLM), with each LoRA layer's adapters following its
-    base layer: column-parallel base -> A whole, B split along its output rows (each rank adds
-    its slice of B A x to its slice of W x); row-parallel base -> A split along its input columns
-    (A x summed over ranks), B whole. Mirrors: peft's layers under a transformers tp_plan
-    Differs: DoRA, 4-bit bases and dropout > 0 are refused (not implemented yet)."""
+    """The Llama tp plan for `model` (a CausalLM) over its float layers, with each LoRA layer's
+    adapters following its base layer: column-parallel base -> A whole, B split along its output
+    rows (each rank adds its slice of B A x to its slice of W x); row-parallel base -> A split
+    along its input columns (A x summed over ranks), B whole. 4-bit layers, DoRA magnitudes and
+    row-parallel dropout are left to tensor_parallel_peft.parallelize_peft_layers.
+    Mirrors: peft's layers under a transformers tp_plan"""
     plan = {}
-    for pattern, style in LLAMA_TP_PLAN.items():
-        layers = [m for n, m in model.model.named_modules()
-                  if fnmatch.fnmatchcase(n, pattern)]
-        if not any(_is_lora_linear(m) for m in layers):
-            plan[pattern] = style
-            continue
-        for m in layers:
-            if (any(m.use_dora.values()) or not isinstance(m.base_layer, torch.nn.Linear)
-                    or any(not isinstance(d, torch.nn.Identity) for d in m.lora_dropout.values())):
-                raise ValueError("tensor parallel with DoRA, a 4-bit base or lora_dropout > 0 is "
-                                 "not implemented yet; use plain LoRA with lora_dropout=0, or "
-                                 "dp_shard_size (FSDP) alone")
-        plan[f"{pattern}.base_layer"] = style
-        plan[f"{pattern}.{'lora_B' if style == 'colwise' else 'lora_A'}.*"] = style
+    for name, m, style in planned_layers(model, LLAMA_TP_PLAN):
+        base = m.base_layer if _is_lora_linear(m) else m
+        if isinstance(base, torch.nn.Linear):
+            plan[f"{name}.base_layer" if base is not m else name] = style
+        if base is not m:
+            plan[f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.*"] = style
     return plan
 
 
@@ -51,18 +44,20 @@ def _local_features(model, tp_size) -> None:
     """A LoRA layer under tensor parallel sees its rank's piece: a row-parallel one reads
     in_features / tp_size inputs, a column-parallel one writes out_features / tp_size outputs
     (LoraLinear checks the input's width against in_features)."""
-    for pattern, style in LLAMA_TP_PLAN.items():
-        for name, m in model.model.named_modules():
-            if fnmatch.fnmatchcase(name, pattern) and _is_lora_linear(m):
-                if style == "rowwise":
-                    m.in_features //= tp_size
-                else:
-                    m.out_features //= tp_size
+    for _, m, style in planned_layers(model, LLAMA_TP_PLAN):
+        if _is_lora_linear(m):
+            if style == "rowwise":
+                m.in_features //= tp_size
+            else:
+                m.out_features //= tp_size
 
 
 def parallelize(model, args):
     """Lay `model` over args.parallelism_config's mesh, in place; returns the model to call (DDP's
-    wrapper when dp_replicate_size > 1, else `model`). Mirrors: accelerate prepare_nd_parallel
+    wrapper when dp_replicate_size alone is > 1, else `model`). FSDP2 runs over "dp_shard", or
+    over ("dp_replicate", "dp_shard") when there are replicas beside another dim (HSDP: sharded
+    within a replica, gradients all-reduced across replicas; with dp_shard_size 1 each replica
+    holds the whole tensor-parallel piece). Mirrors: accelerate prepare_nd_parallel
     Differs: a model loaded with tp_plan is refused (not yet)."""
     config = args.parallelism_config
     check_parallelism(config, get_world_size(), model)
@@ -71,17 +66,22 @@ def parallelize(model, args):
     if any(is_dtensor(p) for p in model.parameters()):
         raise ValueError("this model is already split over ranks (loaded with tp_plan); with "
                          "parallelism_config, load it plain and the Trainer applies the plan")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if config.tp_size > 1:
+        check_4bit_blocks(base, LLAMA_TP_PLAN, config.tp_size)
     mesh = config.get_device_mesh(torch.device(args.device).type)
     if config.tp_size > 1:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         model_type = getattr(base.config, "model_type", "llama")
         plan = adapter_tp_plan(base) if model_type in AUTO_PLAN_MODEL_TYPES else "auto"
         apply_tensor_parallel(base, tp_plan=plan, mesh=mesh["tp"])  # "auto" refuses the type
+        parallelize_peft_layers(base, LLAMA_TP_PLAN, mesh["tp"])
         _local_features(base, config.tp_size)
-    if config.dp_shard_size > 1:
+    replicas = config.dp_replicate_size > 1
+    if config.dp_shard_size > 1 or (replicas and config.tp_size > 1):
         fsdp_config = args.fsdp_config if args.fsdp else normalize_fsdp_config(True, None)
-        apply_fsdp(model, fsdp_config, args.device, mesh=mesh["dp_shard"])
-    elif config.dp_replicate_size > 1:  # mesh.py refuses replicas beside any other dim
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if replicas else mesh["dp_shard"]
+        apply_fsdp(model, fsdp_config, args.device, mesh=dp_mesh)
+    elif replicas:  # replicas of a whole model: DDP
         device_ids = [args.local_process_index] if args.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
