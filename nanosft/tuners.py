@@ -18,6 +18,7 @@ from torch import nn
 from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding
+from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
 
 
 class BaseTunerLayer(abc.ABC):
@@ -95,7 +96,7 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
     Mirrors: peft _mark_only_adapters_as_trainable, _set_trainable"""
     trainable = not config.inference_mode
     for n, p in model.named_parameters():
-        if ".modules_to_save." in n:
+        if ".modules_to_save." in n or ".token_adapter." in n:
             continue  # the wrappers keep their own requires_grad
         bias_trains = config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in n)
         own = "lora_" in n and f".{adapter_name}" in n
@@ -117,6 +118,80 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
 
 def _matches_any(to_save, name):
     return any(name == t or name.endswith("." + t) for t in to_save)
+
+
+def _input_embedding(model):
+    # the input embedding module (the wrapped one if a wrapper stands there) and its name
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get is not None else None
+    name = next((n for n, m in model.named_modules() if m is embedding), None)
+    if isinstance(embedding, TrainableTokensWrapper):
+        embedding = embedding.original_module
+    return embedding, name
+
+
+def add_trainable_tokens(model, config, adapter_name="default"):
+    """`config.trainable_token_indices`: wrap the embedding (a list: the input embedding; a dict:
+    {module name: indices}) so only those rows train; modules tied to the input embedding (an LM
+    head sharing its weight) get a wrapper that shares its rows, so the two stay equal.
+    Mirrors: peft set_additional_trainable_modules (its trainable_token_indices part)"""
+    indices = getattr(config, "trainable_token_indices", None)
+    if indices is None:
+        return
+    embedding, embedding_name = _input_embedding(model)
+    targets = dict(indices) if isinstance(indices, dict) else {
+        (embedding_name or "embed_tokens"): list(indices)}
+    for target in targets:
+        if target in (config.modules_to_save or []):
+            raise ValueError("The embedding layer is already marked to be trained fully, either "
+                             f"specify `modules_to_save=[..., \"{target}\", ...]` or "
+                             f"`trainable_tokens={{'{target}': x}}` but not both.")
+    tied = tied_module_names(model, embedding) if embedding is not None else []
+    ties = bool(tied) and bool(getattr(getattr(model, "config", None), "tie_word_embeddings",
+                                       False))
+    # a tied module listed with the embedding's own indices is left to the tying below
+    embedding_indices = next((v for k, v in targets.items()
+                              if embedding_name and embedding_name.endswith(k)), None)
+    tied_targets = [k for k in targets if any(_matches_any([k], t) for t in tied)]
+    mismatch = any(targets[k] != embedding_indices for k in tied_targets)
+    if ties and mismatch and embedding_indices is not None and config.ensure_weight_tying:
+        listed = ", ".join(f"{k}: {v}" for k, v in targets.items())
+        raise ValueError("Cannot ensure weight tying when different token indices are specified "
+                         f"for tied layers. Conflicting layers: {listed}. Please use the same "
+                         "indices for all tied layers or set ensure_weight_tying=False.")
+    trainable = not config.inference_mode
+    for target, rows in targets.items():
+        if ties and not mismatch and embedding_indices is not None and target in tied_targets:
+            continue
+        found = _wrap_tokens(model, [target], adapter_name, rows, trainable)
+        if not found:
+            raise ValueError(f"trainable_token_indices names {target!r}, which matches no module "
+                             "of the model; give the embedding module's name, e.g. "
+                             f"{embedding_name or 'embed_tokens'!r}")
+    if config.ensure_weight_tying and not ties:
+        warnings.warn("ensure_weight_tying=True but the model does not have tied weights "
+                      "(tie_word_embeddings=False). Weight tying will not be applied for "
+                      "trainable_token_indices.")
+    wrapper = model.get_input_embeddings() if embedding_name else None
+    if ties and isinstance(wrapper, TrainableTokensWrapper) and (
+            config.ensure_weight_tying or not mismatch):
+        rows = wrapper.token_adapter.token_indices[adapter_name]
+        _wrap_tokens(model, tied, adapter_name, rows, trainable, wrapper.token_adapter)
+
+
+def _wrap_tokens(model, names, adapter_name, rows, trainable, tied_adapter=None):
+    # wrap (or add an adapter to the wrapper of) every module named by `names`
+    found = False
+    for name, module in list(model.named_modules()):
+        if not _matches_any(names, name) or ".token_adapter" in name:
+            continue
+        found = True
+        if isinstance(module, TrainableTokensWrapper):
+            module.update(adapter_name, rows, trainable)
+        else:
+            _replace_module(model, name, TrainableTokensWrapper(
+                module, adapter_name, rows, tied_adapter=tied_adapter, trainable=trainable))
+    return found
 
 
 def cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype=True):
@@ -143,6 +218,7 @@ class LoraModel(nn.Module):
         self.active_adapter = adapter_name
         self.targeted_module_names = inject_adapter(model, peft_config[adapter_name], adapter_name)
         mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
+        add_trainable_tokens(model, peft_config[adapter_name], adapter_name)
         cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype)
 
     def forward(self, *args, adapter_names=None, **kwargs):
@@ -172,7 +248,8 @@ class LoraModel(nn.Module):
         def hook(module, args, kwargs):
             return args, {**kwargs, "adapter_names": adapter_names}
         handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-                   for m in self.model.modules() if isinstance(m, (LoraLinear, LoraEmbedding))]
+                   for m in self.model.modules()
+                   if isinstance(m, (LoraLinear, LoraEmbedding, TrainableTokensWrapper))]
         try:
             yield
         finally:
@@ -198,7 +275,8 @@ class LoraModel(nn.Module):
         return [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
 
     def _wrappers(self):
-        return [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+        wrappers = (ModulesToSaveWrapper, TrainableTokensWrapper)
+        return [m for m in self.model.modules() if isinstance(m, wrappers)]
 
     def add_adapter(self, adapter_name, config, autocast_adapter_dtype=True):
         """Inject one more adapter (inactive until set_adapter).
@@ -214,7 +292,9 @@ class LoraModel(nn.Module):
             del self.peft_config[adapter_name]
             raise
         mark_only_adapters_as_trainable(self.model, config, adapter_name)
-        self.set_adapter(self.active_adapters, inference_mode=False)  # the new one stays inactive
+        add_trainable_tokens(self.model, config, adapter_name)
+        # the new one stays inactive; the active ones train unless the new config is for inference
+        self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
         cast_adapter_dtype(self.model, adapter_name, autocast_adapter_dtype)
 
     def set_adapter(self, adapter_name, inference_mode=False):
@@ -243,7 +323,11 @@ class LoraModel(nn.Module):
                         getattr(layer, attr)[name].requires_grad_(requires_grad)
         for wrapper in self._wrappers():
             for name in names:
-                if name in wrapper.modules_to_save:
+                if isinstance(wrapper, TrainableTokensWrapper):
+                    deltas = wrapper.token_adapter.trainable_tokens_delta
+                    if name in deltas:
+                        deltas[name].requires_grad_(requires_grad)
+                elif name in wrapper.modules_to_save:
                     wrapper.modules_to_save[name].requires_grad_(requires_grad)
 
     def _enable_adapter_layers(self, enabled):
@@ -313,6 +397,9 @@ class LoraModel(nn.Module):
                         module.merge()
                     module = module.base_layer
                 _replace_module(self.model, name, module)
+            elif isinstance(module, TrainableTokensWrapper):
+                replaced.append(name)
+                _replace_module(self.model, name, module.unload(merge, safe_merge, adapter_names))
             elif isinstance(module, BaseTunerLayer):
                 if merge:
                     module.merge(safe_merge=safe_merge, adapter_names=adapter_names)
@@ -337,10 +424,16 @@ def get_base_model_state_dict(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {}
     for key, value in base.state_dict().items():
-        if ".lora_" in key or ".modules_to_save." in key:
+        if ".lora_" in key or ".modules_to_save." in key or ".trainable_tokens_" in key:
             continue
-        out[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = value
+        out[_base_key(key)] = value
     return out
+
+
+def _base_key(key):
+    # the unwrapped model's name of a wrapped module's tensor
+    key = key.replace(".token_adapter.base_layer.", ".")
+    return key.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
 def set_base_model_state_dict(model, state_dict, strict=False):
@@ -352,9 +445,9 @@ def set_base_model_state_dict(model, state_dict, strict=False):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     own = {}
     for key in base.state_dict():
-        if ".lora_" in key or ".modules_to_save." in key:
+        if ".lora_" in key or ".modules_to_save." in key or ".trainable_tokens_" in key:
             continue
-        own[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = key
+        own[_base_key(key)] = key
     unexpected = sorted(set(state_dict) - set(own))
     missing = sorted(set(own) - set(state_dict))
     base.load_state_dict({own[k]: v for k, v in state_dict.items() if k in own}, strict=False)
