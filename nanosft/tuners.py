@@ -15,6 +15,7 @@ import warnings
 import torch
 from torch import nn
 
+from nanosft.alora import alora_offsets, is_alora_batch
 from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding
@@ -49,6 +50,11 @@ def _new_or_updated_layer(target, config, adapter_name, name):
     alpha = pattern_value(config.alpha_pattern, name, config.lora_alpha)
     common = dict(r=r, lora_alpha=alpha, lora_dropout=config.lora_dropout,
                   use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights)
+    use_alora = config.alora_invocation_tokens is not None
+    if use_alora and not isinstance(target, LoraLinear) and (
+            not _is_linear_target(target)):
+        raise ValueError(f"{type(target).__name__} does not support aLoRA (yet), please set "
+                         "use_alora to False")
     if isinstance(target, LoraEmbedding) or isinstance(target, nn.Embedding):
         if isinstance(target, LoraEmbedding):
             target.update_layer(adapter_name, use_dora=config.use_dora, **common)
@@ -62,14 +68,20 @@ def _new_or_updated_layer(target, config, adapter_name, name):
         return LoraConv(target, adapter_name, **extra, **common)
     if isinstance(target, LoraLinear):
         target.update_layer(adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
-                            **common)
+                            use_alora=use_alora, **common)
         return None
     if type(target).__name__ == "Conv1D" and not config.fan_in_fan_out:
         warnings.warn("fan_in_fan_out is set to False but the target module is `Conv1D`. "
                       "Setting fan_in_fan_out to True.")
         config.fan_in_fan_out = True
     return LoraLinear(target, adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
-                      **common)
+                      use_alora=use_alora, **common)
+
+
+def _is_linear_target(module):
+    # what a LoraLinear wraps: nn.Linear, a 4-bit linear, transformers' Conv1D
+    return not isinstance(module, (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, LoraEmbedding,
+                                   LoraConv))
 
 
 def inject_adapter(model, config, adapter_name="default"):
@@ -221,23 +233,64 @@ class LoraModel(nn.Module):
         add_trainable_tokens(model, peft_config[adapter_name], adapter_name)
         cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype)
 
-    def forward(self, *args, adapter_names=None, **kwargs):
+    def forward(self, *args, adapter_names=None, alora_offsets=None, **kwargs):
         """The model's forward; the LoRA layers inside it do the rest (`adapter_names`: one
-        adapter per batch row, "__base__" for none). What 2.6's `self.base_model(...)` runs.
+        adapter per batch row, "__base__" for none; aLoRA adapters: `alora_offsets` found in the
+        input ids). What 2.6's `self.base_model(...)` runs.
         Mirrors: peft BaseTuner.forward, LoraModel._enable_peft_forward_hooks"""
-        with self._mixed_batch(adapter_names):
+        for handle in self.__dict__.pop("_alora_handles", []):  # kept for the last backward
+            handle.remove()
+        offsets = self._alora_offsets(args, kwargs, adapter_names, alora_offsets)
+        with self._mixed_batch(adapter_names, offsets):
             return self.model(*args, **kwargs)
 
-    def generate(self, *args, adapter_names=None, **kwargs):
-        """The model's generate, with per-row adapters when asked. Mirrors: peft generate"""
-        with self._mixed_batch(adapter_names):
+    def generate(self, *args, adapter_names=None, alora_offsets=None, **kwargs):
+        """The model's generate, with per-row adapters when asked (aLoRA: the offsets found in
+        the prompt hold for every step). Mirrors: peft PeftModel.generate"""
+        offsets = self._alora_offsets(args, kwargs, adapter_names, alora_offsets)
+        if offsets is not None and (kwargs.get("num_beams") or 1) > 1:
+            raise ValueError("Beam search not yet supported for aLoRA.")
+        with self._mixed_batch(adapter_names, offsets):
             return self.model.generate(*args, **kwargs)
 
+    def _alora_offsets(self, args, kwargs, adapter_names, offsets):
+        # peft get_alora_offsets_for_forward / _for_generate: None when no aLoRA adapter is used
+        active = self.active_adapters[0] if self.active_adapters else None
+        if offsets is not None or not is_alora_batch(self.peft_config, active, adapter_names):
+            return offsets
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None and args and isinstance(args[0], torch.Tensor):
+            input_ids = args[0]
+        if input_ids is None:
+            warnings.warn("Cannot calculate aLoRA offsets when only inputs_embeds are provided. "
+                          "Disabling aLoRA for this forward pass.")
+            return None
+        input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+        return alora_offsets(self.peft_config, active, input_ids, adapter_names)
+
     @contextlib.contextmanager
-    def _mixed_batch(self, adapter_names):
-        # hand `adapter_names` to every LoRA layer's forward for the length of one call
-        if adapter_names is None:
+    def _mixed_batch(self, adapter_names, offsets=None):
+        # hand `adapter_names` (and aLoRA offsets) to every LoRA layer for the length of one call
+        if adapter_names is None and offsets is None:
             yield
+            return
+        if offsets is not None and adapter_names is None:
+            def alora_hook(module, args, kwargs):
+                return args, {**kwargs, "alora_offsets": offsets}
+            handles = [m.register_forward_pre_hook(alora_hook, with_kwargs=True)
+                       for m in self.model.modules() if isinstance(m, LoraLinear)]
+            # checkpointed blocks run their forward again in backward, after this call: the
+            # offsets stay until the next call (peft: hooks on each checkpointed layer)
+            keep = self.training and any(getattr(m, "gradient_checkpointing", False)
+                                         for m in self.model.modules())
+            try:
+                yield
+            finally:
+                if keep:
+                    self._alora_handles = handles
+                else:
+                    for h in handles:
+                        h.remove()
             return
         if self.training:
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
@@ -246,7 +299,8 @@ class LoraModel(nn.Module):
             raise ValueError(f"Trying to infer with non-existing adapter(s): {unknown}")
 
         def hook(module, args, kwargs):
-            return args, {**kwargs, "adapter_names": adapter_names}
+            extra = {"alora_offsets": offsets} if isinstance(module, LoraLinear) else {}
+            return args, {**kwargs, "adapter_names": adapter_names, **extra}
         handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
                    for m in self.model.modules()
                    if isinstance(m, (LoraLinear, LoraEmbedding, TrainableTokensWrapper))]
