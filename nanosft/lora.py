@@ -340,7 +340,7 @@ class LoraLinear(nn.Module):
         remaining ones (or the first left, by name). Mirrors: peft BaseTunerLayer.delete_adapter"""
         for attr in ("lora_A", "lora_B", "lora_dropout", "lora_magnitude_vector", "r",
                      "lora_alpha", "scaling", "use_rslora", "use_dora", "lora_bias", "use_alora"):
-            if adapter_name in getattr(self, attr):
+            if adapter_name in getattr(self, attr, {}):  # LoraConv shares this, has no use_alora
                 getattr(self, attr).pop(adapter_name)
         if adapter_name in self.active_adapters:
             remaining = [n for n in self.active_adapters if n != adapter_name]

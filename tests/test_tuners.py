@@ -447,3 +447,15 @@ def test_config_refuses_unknown_task_types_and_ignores_newer_keys(tmp_path):
     assert again.to_dict() == config.to_dict()
     with pytest.warns(UserWarning, match="foobar"):  # peft says the same of it
         peft.LoraConfig.from_pretrained(tmp_path)
+
+
+def test_deleting_a_conv_adapter_matches_peft():
+    cfg = dict(target_modules=["conv"], init_lora_weights=False)
+    ours, theirs = _pair(Conv2dModel, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    for model, lib in ((ours, None), (theirs, peft)):
+        torch.manual_seed(5)
+        model.add_adapter("other", (lib.LoraConfig if lib else LoraConfig)(**cfg))
+        model.delete_adapter("default")
+    assert list(ours.base_model.model.conv.lora_A) == ["other"]
+    X = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(ours(X), theirs(X), **TOL)
