@@ -628,6 +628,9 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
         keys = {"prompt_embeddings": f"prompt_encoder.{adapter_name}.embedding.weight"}
     else:
         keys = _adapter_keys(model, adapter_name)
+    own = model.state_dict()
+    # a bias a bias="all" / "lora_only" adapter saved loads into any model that has it (peft)
+    keys.update({k: k for k in state_dict if k not in keys and k.endswith(".bias") and k in own})
     unexpected = sorted(set(state_dict) - set(keys))
     missing = sorted(set(keys) - set(state_dict))
     if unexpected:
@@ -637,7 +640,6 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     if missing:
         raise ValueError(f"{source}: adapter tensor {missing[0]!r} "
                          f"(and {len(missing) - 1} more) is missing")
-    own = model.state_dict()
     for saved, k in keys.items():
         if state_dict[saved].shape != own[k].shape:
             raise ValueError(f"{source}: tensor {saved!r} has shape "

@@ -16,7 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from nanosft.adapter_files import LoraConfig, PeftType, PromptLearningConfig, PromptTuningInit
+from nanosft.adapter_files import (
+    LoraConfig, PeftType, PromptLearningConfig, PromptTuningInit, get_peft_model_state_dict,
+    set_peft_model_state_dict)
 from nanosft.peft import PeftModel, PeftModelForCausalLM, get_peft_model
 from nanosft.tuners import BaseTunerLayer, get_base_model_state_dict, set_base_model_state_dict
 
@@ -459,3 +461,24 @@ def test_deleting_a_conv_adapter_matches_peft():
     assert list(ours.base_model.model.conv.lora_A) == ["other"]
     X = torch.randn(2, 3, 5, 5)
     torch.testing.assert_close(ours(X), theirs(X), **TOL)
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_trained_biases_load_into_a_bias_none_model_as_in_peft(bias):
+    # the saved biases are loaded wherever the model has them, whatever the new config's bias
+    cfg = dict(target_modules=["lin0"], init_lora_weights=False)
+    ours, theirs = _pair(MLP, LoraConfig(**cfg, bias=bias), peft.LoraConfig(**cfg, bias=bias))
+    with torch.no_grad():
+        for model in (ours, theirs):
+            for name, p in model.named_parameters():
+                if name.endswith(".bias") and p.requires_grad:
+                    p.fill_(1.23)
+    state = {"nano": get_peft_model_state_dict(ours),
+             "peft": peft.get_peft_model_state_dict(theirs)}
+    assert sorted(state["nano"]) == sorted(state["peft"])
+    X = torch.randn(3, 10)
+    fresh_ours, fresh_theirs = _pair(MLP, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    set_peft_model_state_dict(fresh_ours, state["peft"])
+    peft.set_peft_model_state_dict(fresh_theirs, state["nano"])
+    torch.testing.assert_close(fresh_ours(X), theirs(X), **TOL)
+    torch.testing.assert_close(fresh_theirs(X), ours(X), **TOL)
