@@ -360,12 +360,12 @@ class LoraLinear(nn.Module):
                              f"adapter_names has {len(adapter_names)} entries but x has "
                              f"{len(x)} rows; give one adapter name (or '__base__') per row")
         if self.merged:
-            raise ValueError("Cannot pass adapter_names while adapters are merged; "
-                             "call unmerge() first.")
+            raise ValueError("Cannot pass `adapter_names` when there are merged adapters, please "
+                             "call `unmerge_adapter` first.")
         dora = sorted({n for n in adapter_names if self.use_dora.get(n, False)})
         if dora:
-            raise ValueError(f"Cannot pass adapter_names for DoRA adapters {dora}; "
-                             "mixed batches support LoRA only.")
+            raise ValueError(f"Cannot pass `adapter_names` when DoRA is enabled. (DoRA adapters "
+                             f"{dora}: mixed batches support LoRA only.)")
 
     @staticmethod
     def _cast_input_dtype(x, dtype):

@@ -296,7 +296,7 @@ class LoraModel(nn.Module):
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
         unknown = sorted(set(adapter_names) - set(self.peft_config) - {"__base__"})
         if unknown:
-            raise ValueError(f"Trying to infer with non-existing adapter(s): {unknown}")
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
 
         def hook(module, args, kwargs):
             extra = {"alora_offsets": offsets} if isinstance(module, LoraLinear) else {}

@@ -482,3 +482,21 @@ def test_trained_biases_load_into_a_bias_none_model_as_in_peft(bias):
     peft.set_peft_model_state_dict(fresh_theirs, state["nano"])
     torch.testing.assert_close(fresh_ours(X), theirs(X), **TOL)
     torch.testing.assert_close(fresh_theirs(X), ours(X), **TOL)
+
+
+def test_mixed_batch_refusals_use_peft_words():
+    # the same ValueError text as peft for a merged model, a DoRA adapter and an unknown name
+    X = torch.randn(2, 10)
+    for cfg, prepare, names in (
+            (dict(), lambda m: m.merge_adapter(), ["default", "__base__"]),
+            (dict(use_dora=True), lambda m: None, ["default", "__base__"]),
+            (dict(), lambda m: None, ["default", "does-not-exist"])):
+        cfg = dict(target_modules=["lin0"], **cfg)
+        messages = []
+        for model in _pair(MLP, LoraConfig(**cfg), peft.LoraConfig(**cfg)):
+            model.eval()
+            prepare(model)
+            with pytest.raises(ValueError) as err:
+                model(X, adapter_names=names)
+            messages.append(str(err.value))
+        assert messages[0].startswith(messages[1]), messages
