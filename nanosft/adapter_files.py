@@ -32,17 +32,16 @@ PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft i
 # adapter_config.json keys of peft features nanosft does not implement, with peft's defaults
 # (written as they are, so peft reads our files; refused when a file switches one on)
 _LORA_UNUSED = {
-    "alora_invocation_tokens": None, "arrow_config": None,
-    "auto_mapping": None, "corda_config": None, "ensure_weight_tying": False, "eva_config": None,
+    "arrow_config": None,
+    "auto_mapping": None, "corda_config": None, "eva_config": None,
     "kasa_config": None, "layer_replication": None,
     "loftq_config": {}, "lora_ga_config": None, "megatron_config": None,
     "megatron_core": "megatron.core", "monteclora_config": None, "qalora_group_size": 16,
     "revision": None,
-    "trainable_token_indices": None, "use_bdlora": None, "use_qalora": False,
+    "use_bdlora": None, "use_qalora": False,
     "velora_config": None}
 # keys that change nothing nanosft computes, whatever their value
-_HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "loftq_config",
-             "ensure_weight_tying"}
+_HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "loftq_config"}
 
 
 class TaskType(str, enum.Enum):
@@ -135,6 +134,13 @@ class LoraConfig:
     fan_in_fan_out: bool = False  # weight stored (in, out): transformers' Conv1D (GPT-2)
     lora_bias: bool = False  # lora_B gets a bias (merged into the base layer's bias)
     peft_version: str | None = None  # the writer's version: kept from a file, else ours
+    # a few embedding rows trained in place of the whole matrix: [indices] for the input
+    # embedding, or {module name: [indices]} (nanosft.trainable_tokens)
+    trainable_token_indices: list | dict | None = None
+    # keep modules tied to the input embedding (an LM head) tied through the adapter
+    ensure_weight_tying: bool = False
+    # aLoRA: the adapter acts only from the last occurrence of these token ids on
+    alora_invocation_tokens: list | None = None
 
     def __post_init__(self):
         self.peft_type = PeftType(self.peft_type)
@@ -224,6 +230,13 @@ class PromptLearningConfig:
     inference_mode: bool = False
     peft_type: str | None = None
     peft_version: str | None = None  # the writer's version: kept from a file, else ours
+    # a few embedding rows trained in place of the whole matrix: [indices] for the input
+    # embedding, or {module name: [indices]} (nanosft.trainable_tokens)
+    trainable_token_indices: list | dict | None = None
+    # keep modules tied to the input embedding (an LM head) tied through the adapter
+    ensure_weight_tying: bool = False
+    # aLoRA: the adapter acts only from the last occurrence of these token ids on
+    alora_invocation_tokens: list | None = None
 
     # adapter_config.json keys of peft features nanosft does not implement (written as peft does)
     _unused = {"auto_mapping": None, "modules_to_save": None, "revision": None}
@@ -564,6 +577,7 @@ def _saved_key(key, adapter_name):
     a = re.escape(adapter_name)
     key = re.sub(rf"\.lora_magnitude_vector\.{a}\.weight$", ".lora_magnitude_vector", key)
     key = re.sub(rf"\.modules_to_save\.{a}\.", ".", key)
+    key = re.sub(rf"\.trainable_tokens_delta\.{a}$", ".trainable_tokens_delta", key)
     key = re.sub(rf"\.(lora_embedding_A|lora_embedding_B)\.{a}$", r".\1", key)
     return re.sub(rf"\.(lora_A|lora_B)\.{a}\.", r".\1.", key)
 
@@ -572,7 +586,14 @@ def _adapter_keys(model, adapter_name):
     # {saved key: model state-dict key} for every tensor the adapter file holds
     config = model.peft_config[adapter_name]
     keys = {}
+    # a wrapper tied to the embedding's rows saves nothing of its own
+    tied = tuple(f"{n}." for n, m in model.named_modules()
+                 if getattr(getattr(m, "token_adapter", None), "tied_adapter", None) is not None)
     for k in model.state_dict():
+        if k.endswith(f".trainable_tokens_delta.{adapter_name}"):
+            if not k.startswith(tied):
+                keys[_saved_key(k, adapter_name)] = k
+            continue
         is_lora = "lora_" in k and (f".{adapter_name}." in k or k.endswith(f".{adapter_name}"))
         bias_trains = config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in k)
         is_bias = k.endswith(".bias") and ".original_module." not in k and bias_trains
@@ -607,6 +628,9 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
         keys = {"prompt_embeddings": f"prompt_encoder.{adapter_name}.embedding.weight"}
     else:
         keys = _adapter_keys(model, adapter_name)
+    own = model.state_dict()
+    # a bias a bias="all" / "lora_only" adapter saved loads into any model that has it (peft)
+    keys.update({k: k for k in state_dict if k not in keys and k.endswith(".bias") and k in own})
     unexpected = sorted(set(state_dict) - set(keys))
     missing = sorted(set(keys) - set(state_dict))
     if unexpected:
@@ -616,7 +640,6 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     if missing:
         raise ValueError(f"{source}: adapter tensor {missing[0]!r} "
                          f"(and {len(missing) - 1} more) is missing")
-    own = model.state_dict()
     for saved, k in keys.items():
         if state_dict[saved].shape != own[k].shape:
             raise ValueError(f"{source}: tensor {saved!r} has shape "

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanosft.alora import alora_delta
 from nanosft.nf4 import Linear4bit, is_quantized
 from nanosft.reference import fast_path
 
@@ -123,7 +124,8 @@ class LoraLinear(nn.Module):
     Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
-                 use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False):
+                 use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False,
+                 use_alora=False):
         super().__init__()
         fan_in_fan_out = _fan_in_fan_out(base_layer)
         if not isinstance(base_layer, (nn.Linear, Linear4bit)) and not fan_in_fan_out:
@@ -147,12 +149,13 @@ class LoraLinear(nn.Module):
         self.use_rslora = {}
         self.use_dora = {}
         self.lora_bias = {}
+        self.use_alora = {}  # aLoRA adapters (nanosft.alora): active from an invocation on
         self.merged_adapters = []
         self.active_adapters = [adapter_name]
         self.disable_adapters = False
         self._dora_merged_norm = {}  # weight norms cached at merge time, needed to unmerge DoRA
         self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, use_dora,
-                          init_lora_weights, lora_bias)
+                          init_lora_weights, lora_bias, use_alora)
 
     @property
     def merged(self):
@@ -180,7 +183,7 @@ class LoraLinear(nn.Module):
         return self.base_layer
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
-                     use_dora=False, init_lora_weights=True, lora_bias=False):
+                     use_dora=False, init_lora_weights=True, lora_bias=False, use_alora=False):
         """Add adapter `adapter_name`: A and B (B zero by default: it starts as the identity),
         scaling, DoRA's m. Mirrors: peft LoraLayer.update_layer,
         reset_lora_parameters, DoraLinearVariant.init"""
@@ -202,6 +205,7 @@ class LoraLinear(nn.Module):
         self.use_rslora[adapter_name] = use_rslora
         self.use_dora[adapter_name] = use_dora
         self.lora_bias[adapter_name] = lora_bias
+        self.use_alora[adapter_name] = use_alora
         self.reset_lora_parameters(adapter_name, init_lora_weights)
         # to the base's device, and its dtype if floating (4-bit uint8 weights leave fp32 adapters)
         w = self.base_layer.weight
@@ -300,6 +304,8 @@ class LoraLinear(nn.Module):
             raise TypeError("merge: adapter_names must be a list of names passed by keyword, "
                             f"got {safe_merge!r} as safe_merge")
         names = adapters_to_merge(self, adapter_names)
+        if any(self.use_alora.get(n) for n in names):
+            raise NotImplementedError("aLoRA does not support merging.")
         for name in [n for n in names if n in self.lora_A]:
             weight = self._merged_weight(name, base_weight(self.base_layer).clone())
             if safe_merge and not torch.isfinite(weight).all():
@@ -333,8 +339,8 @@ class LoraLinear(nn.Module):
         """Drop one adapter's modules and settings; a deleted active adapter hands over to the
         remaining ones (or the first left, by name). Mirrors: peft BaseTunerLayer.delete_adapter"""
         for attr in ("lora_A", "lora_B", "lora_dropout", "lora_magnitude_vector", "r",
-                     "lora_alpha", "scaling", "use_rslora", "use_dora", "lora_bias"):
-            if adapter_name in getattr(self, attr):
+                     "lora_alpha", "scaling", "use_rslora", "use_dora", "lora_bias", "use_alora"):
+            if adapter_name in getattr(self, attr, {}):  # LoraConv shares this, has no use_alora
                 getattr(self, attr).pop(adapter_name)
         if adapter_name in self.active_adapters:
             remaining = [n for n in self.active_adapters if n != adapter_name]
@@ -354,18 +360,18 @@ class LoraLinear(nn.Module):
                              f"adapter_names has {len(adapter_names)} entries but x has "
                              f"{len(x)} rows; give one adapter name (or '__base__') per row")
         if self.merged:
-            raise ValueError("Cannot pass adapter_names while adapters are merged; "
-                             "call unmerge() first.")
+            raise ValueError("Cannot pass `adapter_names` when there are merged adapters, please "
+                             "call `unmerge_adapter` first.")
         dora = sorted({n for n in adapter_names if self.use_dora.get(n, False)})
         if dora:
-            raise ValueError(f"Cannot pass adapter_names for DoRA adapters {dora}; "
-                             "mixed batches support LoRA only.")
+            raise ValueError(f"Cannot pass `adapter_names` when DoRA is enabled. (DoRA adapters "
+                             f"{dora}: mixed batches support LoRA only.)")
 
     @staticmethod
     def _cast_input_dtype(x, dtype):
         return x if x.dtype == dtype else x.to(dtype)
 
-    def _mixed_batch_forward(self, x, adapter_names):
+    def _mixed_batch_forward(self, x, adapter_names, alora_offsets=None):
         """Row i gets adapter adapter_names[i]'s delta ("__base__": none). Mirrors: peft
         LoraLayer._mixed_batch_forward. Differs: the base output is cloned (peft adds rows in place
         into bnb's MatMul4Bit view, which autograd refuses); adapters run in first-seen order
@@ -381,14 +387,20 @@ class LoraLinear(nn.Module):
             if requires_conversion:
                 expected_dtype = result.dtype
                 x = self._cast_input_dtype(x, lora_A.weight.dtype)
+            if self.use_alora[name]:  # its rows' offsets only
+                offsets = None if alora_offsets is None else [alora_offsets[i] for i in rows]
+                result[rows] = alora_delta(x[rows], result[rows], lora_A, lora_B,
+                                           self.lora_dropout[name], self.scaling[name], offsets)
+                continue
             output = lora_B(lora_A(self.lora_dropout[name](x[rows]))) * self.scaling[name]
             if requires_conversion:
                 output = output.to(expected_dtype)
             result[rows] += output
         return result
 
-    def forward(self, x, adapter_names=None):
-        """Base output plus each active adapter's (DoRA-scaled) low-rank update (or per-row ones).
+    def forward(self, x, adapter_names=None, alora_offsets=None):
+        """Base output plus each active adapter's (DoRA-scaled) low-rank update (or per-row ones;
+        aLoRA adapters: on each row's last alora_offsets[i] positions only).
         Walkthrough 2.7 | Mirrors: peft lora.bnb.Linear4bit.forward, lora.Linear.forward
         Differs: DoRA's dropped input stays in a local `x_dora` (peft 0.21.2; the walkthrough
         rebinds x); casts as peft 0.21.2: DoRA adds, then casts; a float base casts at the end."""
@@ -398,11 +410,13 @@ class LoraLinear(nn.Module):
                 self.unmerge()
             return self.base_layer(x)
         if adapter_names is not None:  # "elif adapter_names is not None: _mixed_batch_forward"
-            return self._mixed_batch_forward(x, adapter_names)
+            return self._mixed_batch_forward(x, adapter_names, alora_offsets)
         if self.merged:  # "elif self.merged": the deltas already live in the base weight
             return self.base_layer(x)
         result = self.base_layer(x)  # "result = self.base_layer(x, *args, **kwargs)"
         # speed path (nanosft.fast.lora; off in reference mode): the loop's sum without the clone
+        if any(self.use_alora.get(n) for n in self.active_adapters):  # not a full-sequence sum
+            return self._alora_forward(x, result, alora_offsets)
         if (add_lora := fast_path("add_lora")) is not None:
             if (fused := add_lora(self, x, result)) is not None:
                 return fused
@@ -452,6 +466,19 @@ class LoraLinear(nn.Module):
                 if requires_conversion and cast_each:
                     result = result.to(expected_dtype)  # add, then cast (peft's DoRA variant)
         return result.to(torch_result_dtype)
+
+
+    def _alora_forward(self, x, result, alora_offsets):
+        # aLoRA adapters change only the positions from the invocation on; others as usual
+        dtype = result.dtype
+        for name in [n for n in self.active_adapters if n in self.lora_A]:
+            lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+            dropout, scaling = self.lora_dropout[name], self.scaling[name]
+            if self.use_alora[name]:
+                result = alora_delta(x, result, lora_A, lora_B, dropout, scaling, alora_offsets)
+            else:
+                result = result + lora_B(lora_A(dropout(x.to(lora_A.weight.dtype)))) * scaling
+        return result.to(dtype)
 
 
 class ModulesToSaveWrapper(nn.Module):

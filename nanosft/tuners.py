@@ -15,9 +15,11 @@ import warnings
 import torch
 from torch import nn
 
+from nanosft.alora import alora_offsets, is_alora_batch
 from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding
+from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
 
 
 class BaseTunerLayer(abc.ABC):
@@ -48,6 +50,11 @@ def _new_or_updated_layer(target, config, adapter_name, name):
     alpha = pattern_value(config.alpha_pattern, name, config.lora_alpha)
     common = dict(r=r, lora_alpha=alpha, lora_dropout=config.lora_dropout,
                   use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights)
+    use_alora = config.alora_invocation_tokens is not None
+    if use_alora and not isinstance(target, LoraLinear) and (
+            not _is_linear_target(target)):
+        raise ValueError(f"{type(target).__name__} does not support aLoRA (yet), please set "
+                         "use_alora to False")
     if isinstance(target, LoraEmbedding) or isinstance(target, nn.Embedding):
         if isinstance(target, LoraEmbedding):
             target.update_layer(adapter_name, use_dora=config.use_dora, **common)
@@ -61,14 +68,20 @@ def _new_or_updated_layer(target, config, adapter_name, name):
         return LoraConv(target, adapter_name, **extra, **common)
     if isinstance(target, LoraLinear):
         target.update_layer(adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
-                            **common)
+                            use_alora=use_alora, **common)
         return None
     if type(target).__name__ == "Conv1D" and not config.fan_in_fan_out:
         warnings.warn("fan_in_fan_out is set to False but the target module is `Conv1D`. "
                       "Setting fan_in_fan_out to True.")
         config.fan_in_fan_out = True
     return LoraLinear(target, adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
-                      **common)
+                      use_alora=use_alora, **common)
+
+
+def _is_linear_target(module):
+    # what a LoraLinear wraps: nn.Linear, a 4-bit linear, transformers' Conv1D
+    return not isinstance(module, (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, LoraEmbedding,
+                                   LoraConv))
 
 
 def inject_adapter(model, config, adapter_name="default"):
@@ -95,7 +108,7 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
     Mirrors: peft _mark_only_adapters_as_trainable, _set_trainable"""
     trainable = not config.inference_mode
     for n, p in model.named_parameters():
-        if ".modules_to_save." in n:
+        if ".modules_to_save." in n or ".token_adapter." in n:
             continue  # the wrappers keep their own requires_grad
         bias_trains = config.bias == "all" or (config.bias == "lora_only" and ".base_layer." in n)
         own = "lora_" in n and f".{adapter_name}" in n
@@ -117,6 +130,80 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
 
 def _matches_any(to_save, name):
     return any(name == t or name.endswith("." + t) for t in to_save)
+
+
+def _input_embedding(model):
+    # the input embedding module (the wrapped one if a wrapper stands there) and its name
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get is not None else None
+    name = next((n for n, m in model.named_modules() if m is embedding), None)
+    if isinstance(embedding, TrainableTokensWrapper):
+        embedding = embedding.original_module
+    return embedding, name
+
+
+def add_trainable_tokens(model, config, adapter_name="default"):
+    """`config.trainable_token_indices`: wrap the embedding (a list: the input embedding; a dict:
+    {module name: indices}) so only those rows train; modules tied to the input embedding (an LM
+    head sharing its weight) get a wrapper that shares its rows, so the two stay equal.
+    Mirrors: peft set_additional_trainable_modules (its trainable_token_indices part)"""
+    indices = getattr(config, "trainable_token_indices", None)
+    if indices is None:
+        return
+    embedding, embedding_name = _input_embedding(model)
+    targets = dict(indices) if isinstance(indices, dict) else {
+        (embedding_name or "embed_tokens"): list(indices)}
+    for target in targets:
+        if target in (config.modules_to_save or []):
+            raise ValueError("The embedding layer is already marked to be trained fully, either "
+                             f"specify `modules_to_save=[..., \"{target}\", ...]` or "
+                             f"`trainable_tokens={{'{target}': x}}` but not both.")
+    tied = tied_module_names(model, embedding) if embedding is not None else []
+    ties = bool(tied) and bool(getattr(getattr(model, "config", None), "tie_word_embeddings",
+                                       False))
+    # a tied module listed with the embedding's own indices is left to the tying below
+    embedding_indices = next((v for k, v in targets.items()
+                              if embedding_name and embedding_name.endswith(k)), None)
+    tied_targets = [k for k in targets if any(_matches_any([k], t) for t in tied)]
+    mismatch = any(targets[k] != embedding_indices for k in tied_targets)
+    if ties and mismatch and embedding_indices is not None and config.ensure_weight_tying:
+        listed = ", ".join(f"{k}: {v}" for k, v in targets.items())
+        raise ValueError("Cannot ensure weight tying when different token indices are specified "
+                         f"for tied layers. Conflicting layers: {listed}. Please use the same "
+                         "indices for all tied layers or set ensure_weight_tying=False.")
+    trainable = not config.inference_mode
+    for target, rows in targets.items():
+        if ties and not mismatch and embedding_indices is not None and target in tied_targets:
+            continue
+        found = _wrap_tokens(model, [target], adapter_name, rows, trainable)
+        if not found:
+            raise ValueError(f"trainable_token_indices names {target!r}, which matches no module "
+                             "of the model; give the embedding module's name, e.g. "
+                             f"{embedding_name or 'embed_tokens'!r}")
+    if config.ensure_weight_tying and not ties:
+        warnings.warn("ensure_weight_tying=True but the model does not have tied weights "
+                      "(tie_word_embeddings=False). Weight tying will not be applied for "
+                      "trainable_token_indices.")
+    wrapper = model.get_input_embeddings() if embedding_name else None
+    if ties and isinstance(wrapper, TrainableTokensWrapper) and (
+            config.ensure_weight_tying or not mismatch):
+        rows = wrapper.token_adapter.token_indices[adapter_name]
+        _wrap_tokens(model, tied, adapter_name, rows, trainable, wrapper.token_adapter)
+
+
+def _wrap_tokens(model, names, adapter_name, rows, trainable, tied_adapter=None):
+    # wrap (or add an adapter to the wrapper of) every module named by `names`
+    found = False
+    for name, module in list(model.named_modules()):
+        if not _matches_any(names, name) or ".token_adapter" in name:
+            continue
+        found = True
+        if isinstance(module, TrainableTokensWrapper):
+            module.update(adapter_name, rows, trainable)
+        else:
+            _replace_module(model, name, TrainableTokensWrapper(
+                module, adapter_name, rows, tied_adapter=tied_adapter, trainable=trainable))
+    return found
 
 
 def cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype=True):
@@ -143,36 +230,80 @@ class LoraModel(nn.Module):
         self.active_adapter = adapter_name
         self.targeted_module_names = inject_adapter(model, peft_config[adapter_name], adapter_name)
         mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
+        add_trainable_tokens(model, peft_config[adapter_name], adapter_name)
         cast_adapter_dtype(model, adapter_name, autocast_adapter_dtype)
 
-    def forward(self, *args, adapter_names=None, **kwargs):
+    def forward(self, *args, adapter_names=None, alora_offsets=None, **kwargs):
         """The model's forward; the LoRA layers inside it do the rest (`adapter_names`: one
-        adapter per batch row, "__base__" for none). What 2.6's `self.base_model(...)` runs.
+        adapter per batch row, "__base__" for none; aLoRA adapters: `alora_offsets` found in the
+        input ids). What 2.6's `self.base_model(...)` runs.
         Mirrors: peft BaseTuner.forward, LoraModel._enable_peft_forward_hooks"""
-        with self._mixed_batch(adapter_names):
+        for handle in self.__dict__.pop("_alora_handles", []):  # kept for the last backward
+            handle.remove()
+        offsets = self._alora_offsets(args, kwargs, adapter_names, alora_offsets)
+        with self._mixed_batch(adapter_names, offsets):
             return self.model(*args, **kwargs)
 
-    def generate(self, *args, adapter_names=None, **kwargs):
-        """The model's generate, with per-row adapters when asked. Mirrors: peft generate"""
-        with self._mixed_batch(adapter_names):
+    def generate(self, *args, adapter_names=None, alora_offsets=None, **kwargs):
+        """The model's generate, with per-row adapters when asked (aLoRA: the offsets found in
+        the prompt hold for every step). Mirrors: peft PeftModel.generate"""
+        offsets = self._alora_offsets(args, kwargs, adapter_names, alora_offsets)
+        if offsets is not None and (kwargs.get("num_beams") or 1) > 1:
+            raise ValueError("Beam search not yet supported for aLoRA.")
+        with self._mixed_batch(adapter_names, offsets):
             return self.model.generate(*args, **kwargs)
 
+    def _alora_offsets(self, args, kwargs, adapter_names, offsets):
+        # peft get_alora_offsets_for_forward / _for_generate: None when no aLoRA adapter is used
+        active = self.active_adapters[0] if self.active_adapters else None
+        if offsets is not None or not is_alora_batch(self.peft_config, active, adapter_names):
+            return offsets
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None and args and isinstance(args[0], torch.Tensor):
+            input_ids = args[0]
+        if input_ids is None:
+            warnings.warn("Cannot calculate aLoRA offsets when only inputs_embeds are provided. "
+                          "Disabling aLoRA for this forward pass.")
+            return None
+        input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+        return alora_offsets(self.peft_config, active, input_ids, adapter_names)
+
     @contextlib.contextmanager
-    def _mixed_batch(self, adapter_names):
-        # hand `adapter_names` to every LoRA layer's forward for the length of one call
-        if adapter_names is None:
+    def _mixed_batch(self, adapter_names, offsets=None):
+        # hand `adapter_names` (and aLoRA offsets) to every LoRA layer for the length of one call
+        if adapter_names is None and offsets is None:
             yield
+            return
+        if offsets is not None and adapter_names is None:
+            def alora_hook(module, args, kwargs):
+                return args, {**kwargs, "alora_offsets": offsets}
+            handles = [m.register_forward_pre_hook(alora_hook, with_kwargs=True)
+                       for m in self.model.modules() if isinstance(m, LoraLinear)]
+            # checkpointed blocks run their forward again in backward, after this call: the
+            # offsets stay until the next call (peft: hooks on each checkpointed layer)
+            keep = self.training and any(getattr(m, "gradient_checkpointing", False)
+                                         for m in self.model.modules())
+            try:
+                yield
+            finally:
+                if keep:
+                    self._alora_handles = handles
+                else:
+                    for h in handles:
+                        h.remove()
             return
         if self.training:
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
         unknown = sorted(set(adapter_names) - set(self.peft_config) - {"__base__"})
         if unknown:
-            raise ValueError(f"Trying to infer with non-existing adapter(s): {unknown}")
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
 
         def hook(module, args, kwargs):
-            return args, {**kwargs, "adapter_names": adapter_names}
+            extra = {"alora_offsets": offsets} if isinstance(module, LoraLinear) else {}
+            return args, {**kwargs, "adapter_names": adapter_names, **extra}
         handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-                   for m in self.model.modules() if isinstance(m, (LoraLinear, LoraEmbedding))]
+                   for m in self.model.modules()
+                   if isinstance(m, (LoraLinear, LoraEmbedding, TrainableTokensWrapper))]
         try:
             yield
         finally:
@@ -198,7 +329,8 @@ class LoraModel(nn.Module):
         return [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
 
     def _wrappers(self):
-        return [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+        wrappers = (ModulesToSaveWrapper, TrainableTokensWrapper)
+        return [m for m in self.model.modules() if isinstance(m, wrappers)]
 
     def add_adapter(self, adapter_name, config, autocast_adapter_dtype=True):
         """Inject one more adapter (inactive until set_adapter).
@@ -214,7 +346,9 @@ class LoraModel(nn.Module):
             del self.peft_config[adapter_name]
             raise
         mark_only_adapters_as_trainable(self.model, config, adapter_name)
-        self.set_adapter(self.active_adapters, inference_mode=False)  # the new one stays inactive
+        add_trainable_tokens(self.model, config, adapter_name)
+        # the new one stays inactive; the active ones train unless the new config is for inference
+        self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
         cast_adapter_dtype(self.model, adapter_name, autocast_adapter_dtype)
 
     def set_adapter(self, adapter_name, inference_mode=False):
@@ -243,7 +377,11 @@ class LoraModel(nn.Module):
                         getattr(layer, attr)[name].requires_grad_(requires_grad)
         for wrapper in self._wrappers():
             for name in names:
-                if name in wrapper.modules_to_save:
+                if isinstance(wrapper, TrainableTokensWrapper):
+                    deltas = wrapper.token_adapter.trainable_tokens_delta
+                    if name in deltas:
+                        deltas[name].requires_grad_(requires_grad)
+                elif name in wrapper.modules_to_save:
                     wrapper.modules_to_save[name].requires_grad_(requires_grad)
 
     def _enable_adapter_layers(self, enabled):
@@ -313,6 +451,9 @@ class LoraModel(nn.Module):
                         module.merge()
                     module = module.base_layer
                 _replace_module(self.model, name, module)
+            elif isinstance(module, TrainableTokensWrapper):
+                replaced.append(name)
+                _replace_module(self.model, name, module.unload(merge, safe_merge, adapter_names))
             elif isinstance(module, BaseTunerLayer):
                 if merge:
                     module.merge(safe_merge=safe_merge, adapter_names=adapter_names)
@@ -337,10 +478,16 @@ def get_base_model_state_dict(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {}
     for key, value in base.state_dict().items():
-        if ".lora_" in key or ".modules_to_save." in key:
+        if ".lora_" in key or ".modules_to_save." in key or ".trainable_tokens_" in key:
             continue
-        out[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = value
+        out[_base_key(key)] = value
     return out
+
+
+def _base_key(key):
+    # the unwrapped model's name of a wrapped module's tensor
+    key = key.replace(".token_adapter.base_layer.", ".")
+    return key.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
 def set_base_model_state_dict(model, state_dict, strict=False):
@@ -352,9 +499,9 @@ def set_base_model_state_dict(model, state_dict, strict=False):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     own = {}
     for key in base.state_dict():
-        if ".lora_" in key or ".modules_to_save." in key:
+        if ".lora_" in key or ".modules_to_save." in key or ".trainable_tokens_" in key:
             continue
-        own[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = key
+        own[_base_key(key)] = key
     unexpected = sorted(set(state_dict) - set(own))
     missing = sorted(set(own) - set(state_dict))
     base.load_state_dict({own[k]: v for k, v in state_dict.items() if k in own}, strict=False)

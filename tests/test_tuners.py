@@ -16,7 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from nanosft.adapter_files import LoraConfig, PeftType, PromptLearningConfig, PromptTuningInit
+from nanosft.adapter_files import (
+    LoraConfig, PeftType, PromptLearningConfig, PromptTuningInit, get_peft_model_state_dict,
+    set_peft_model_state_dict)
 from nanosft.peft import PeftModel, PeftModelForCausalLM, get_peft_model
 from nanosft.tuners import BaseTunerLayer, get_base_model_state_dict, set_base_model_state_dict
 
@@ -447,3 +449,54 @@ def test_config_refuses_unknown_task_types_and_ignores_newer_keys(tmp_path):
     assert again.to_dict() == config.to_dict()
     with pytest.warns(UserWarning, match="foobar"):  # peft says the same of it
         peft.LoraConfig.from_pretrained(tmp_path)
+
+
+def test_deleting_a_conv_adapter_matches_peft():
+    cfg = dict(target_modules=["conv"], init_lora_weights=False)
+    ours, theirs = _pair(Conv2dModel, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    for model, lib in ((ours, None), (theirs, peft)):
+        torch.manual_seed(5)
+        model.add_adapter("other", (lib.LoraConfig if lib else LoraConfig)(**cfg))
+        model.delete_adapter("default")
+    assert list(ours.base_model.model.conv.lora_A) == ["other"]
+    X = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(ours(X), theirs(X), **TOL)
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_trained_biases_load_into_a_bias_none_model_as_in_peft(bias):
+    # the saved biases are loaded wherever the model has them, whatever the new config's bias
+    cfg = dict(target_modules=["lin0"], init_lora_weights=False)
+    ours, theirs = _pair(MLP, LoraConfig(**cfg, bias=bias), peft.LoraConfig(**cfg, bias=bias))
+    with torch.no_grad():
+        for model in (ours, theirs):
+            for name, p in model.named_parameters():
+                if name.endswith(".bias") and p.requires_grad:
+                    p.fill_(1.23)
+    state = {"nano": get_peft_model_state_dict(ours),
+             "peft": peft.get_peft_model_state_dict(theirs)}
+    assert sorted(state["nano"]) == sorted(state["peft"])
+    X = torch.randn(3, 10)
+    fresh_ours, fresh_theirs = _pair(MLP, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    set_peft_model_state_dict(fresh_ours, state["peft"])
+    peft.set_peft_model_state_dict(fresh_theirs, state["nano"])
+    torch.testing.assert_close(fresh_ours(X), theirs(X), **TOL)
+    torch.testing.assert_close(fresh_theirs(X), ours(X), **TOL)
+
+
+def test_mixed_batch_refusals_use_peft_words():
+    # the same ValueError text as peft for a merged model, a DoRA adapter and an unknown name
+    X = torch.randn(2, 10)
+    for cfg, prepare, names in (
+            (dict(), lambda m: m.merge_adapter(), ["default", "__base__"]),
+            (dict(use_dora=True), lambda m: None, ["default", "__base__"]),
+            (dict(), lambda m: None, ["default", "does-not-exist"])):
+        cfg = dict(target_modules=["lin0"], **cfg)
+        messages = []
+        for model in _pair(MLP, LoraConfig(**cfg), peft.LoraConfig(**cfg)):
+            model.eval()
+            prepare(model)
+            with pytest.raises(ValueError) as err:
+                model(X, adapter_names=names)
+            messages.append(str(err.value))
+        assert messages[0].startswith(messages[1]), messages
