@@ -230,13 +230,6 @@ class PromptLearningConfig:
     inference_mode: bool = False
     peft_type: str | None = None
     peft_version: str | None = None  # the writer's version: kept from a file, else ours
-    # a few embedding rows trained in place of the whole matrix: [indices] for the input
-    # embedding, or {module name: [indices]} (nanosft.trainable_tokens)
-    trainable_token_indices: list | dict | None = None
-    # keep modules tied to the input embedding (an LM head) tied through the adapter
-    ensure_weight_tying: bool = False
-    # aLoRA: the adapter acts only from the last occurrence of these token ids on
-    alora_invocation_tokens: list | None = None
 
     # adapter_config.json keys of peft features nanosft does not implement (written as peft does)
     _unused = {"auto_mapping": None, "modules_to_save": None, "revision": None}
