@@ -443,6 +443,7 @@ def _read_json(path):
 
 # JSON types of the trainer_state.json fields the resumed loop computes with
 _STATE_TYPES = {"epoch": (int, float), "global_step": (int,), "total_flos": (int, float),
+                "num_input_tokens_seen": (int,),
                 "logging_steps": (int,), "eval_steps": (int,), "save_steps": (int,),
                 "log_history": (list,), "best_metric": (int, float, type(None)),
                 "best_global_step": (int, type(None))}
