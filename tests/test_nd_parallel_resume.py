@@ -7,16 +7,17 @@ processes, a fresh Trainer) resumes from it. For full fine-tuning and for LoRA o
 logged loss and grad_norm of steps 3-4 and every trainable parameter at the end equal the
 uninterrupted run (asserted within 1e-5; measured bitwise equal). Resuming the same checkpoint
 under another mesh (tp alone on 2 processes, the same global batch: per-device batch doubled)
-equals it within 1e-5 (the split over ranks changes the order of sums); another global batch is
-refused before any work, naming both layouts. Negative control: ignore_data_skip (the resumed run
-reads the interrupted epoch from its start) gives other losses.
+equals it within 1e-5 (measured 3.7e-9: the split over ranks changes the order of sums); another
+global batch is refused before any work, naming both layouts. Negative control: ignore_data_skip
+(the resumed run reads the interrupted epoch from its start) gives other losses.
 Reporting: num_input_tokens_seen, total_flos, tokens/s x window time, and the eval example count
 of the mesh run equal the one-process run with the same global batch (the tensor-parallel ranks of
 one data shard read the same rows: counted once, not tp_size times); the run streams its rows
-(an IterableDataset, shard over the 2 data-parallel ranks, not the 4 processes): the logged losses
+(an IterableDataset, split over the 2 data-parallel ranks, not the 4 processes): the logged losses
 equal one process's.
 Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; ~55 s wall for the file on a shared 2-core machine.
+token rows, one thread per process; ~60 s wall for the file (3 launches, 8 training runs) on a
+shared 2-core machine.
 Run: python -m pytest -q tests/test_nd_parallel_resume.py
 """
 
