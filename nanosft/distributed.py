@@ -86,6 +86,15 @@ def data_parallel(args) -> tuple:
     return config.data_parallel_group(torch.device(args.device).type)
 
 
+def all_reduce_data_parallel(tensor: torch.Tensor, args) -> torch.Tensor:
+    """Sum `tensor` in place over the ranks that read different rows (data_parallel(args)): every
+    rank, or parallelism_config's data-parallel ones, whose tensor-parallel ranks hold the same
+    counts and must add them once; a no-op for one data shard. Mirrors: accelerate's gather over
+    the dp mesh (transformers Trainer dp_world_size)"""
+    size, _, group = data_parallel(args)
+    return all_reduce_sum(tensor, group) if size > 1 else tensor
+
+
 def barrier() -> None:
     """Wait until every rank gets here (a no-op for one process). Guide: distributed training |
     Mirrors: accelerate wait_for_everyone"""
@@ -137,6 +146,27 @@ def shard_batches(
     return batches[rank::num_replicas]
 
 
+def shard_stream(rows, batch_size: int, num_replicas: int, rank: int, drop_last: bool = False):
+    """Rank `rank`'s rows of a stream that every rank reads whole: of each round of
+    num_replicas x batch_size rows, the rank-th batch_size; a short last round is filled from
+    the first round's rows again (dropped with drop_last).
+    Guide: distributed training | Mirrors: accelerate IterableDatasetShard (split_batches=False)"""
+    total = batch_size * num_replicas
+    mine = slice(rank * batch_size, (rank + 1) * batch_size)
+    first_round, current = None, []
+    for row in rows:
+        current.append(row)
+        if len(current) == total:
+            yield from current[mine]
+            first_round = current if first_round is None else first_round
+            current = []
+    if current and not drop_last:
+        first_round = current.copy() if first_round is None else first_round
+        while len(current) < total:
+            current += first_round
+        yield from current[:total][mine]
+
+
 def require_process_group(feature: str) -> None:
     """Raise, naming the fix, when there is no multi-process group (a plain `python script.py`).
     Guide: distributed training | Mirrors: accelerate PartialState (distributed_type checks)"""
@@ -184,7 +214,11 @@ def fingerprint_examples(dataset, keys=FINGERPRINT_KEYS) -> str:
     """16 hex digits of BLAKE2b over each example's `keys` (token ids, labels, masks), in order:
     two ranks get the same string only when they hold the same tokenized examples."""
     digest = hashlib.blake2b(digest_size=8)
-    for i in range(len(dataset)):
+    try:
+        length = len(dataset)
+    except (TypeError, NotImplementedError):  # a stream: never read ahead to compare
+        return "stream"
+    for i in range(length):
         example = dataset[i]
         if not isinstance(example, Mapping):
             continue

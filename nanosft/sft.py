@@ -363,7 +363,9 @@ class SFTTrainer(Trainer):
                 local = mask.sum() if mask is not None else inputs["position_ids"].size(1)
                 local = torch.as_tensor(local, dtype=stats.dtype, device=stats.device)
                 stats = torch.cat([stats, local[None]])
-            sums = distributed.all_reduce_sum(stats).tolist()  # float32 counts exact below 2**24
+            # over the ranks reading different rows (tensor-parallel ranks count theirs once);
+            # float32 counts are exact below 2**24
+            sums = distributed.all_reduce_data_parallel(stats, self.args).tolist()
         valid, entropy, correct = sums[:3]
         self._metrics[mode]["entropy"].append(entropy / valid if valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)

@@ -784,7 +784,7 @@ class Trainer:
         self.callback_handler.eval_dataloader = dataloader
         if self.compute_metrics is None:  # the loss alone: no logits kept
             eval_loss, examples, batches = evaluation_loop(
-                model, dataloader, self.compute_loss, self._prepare_inputs, self.args.device,
+                model, dataloader, self.compute_loss, self._prepare_inputs, self.args,
                 on_step=lambda: self._callback("on_prediction_step"))
             metrics = {f"{metric_key_prefix}_loss": eval_loss}
         else:

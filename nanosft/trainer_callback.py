@@ -65,6 +65,7 @@ class TrainerState:
     num_train_epochs: int = 0
     train_batch_size: int | None = None
     total_flos: float = 0.0  # 6 x input_ids elements x parameters, summed over steps and ranks
+    num_input_tokens_seen: int = 0  # args.include_num_input_tokens_seen's count, all data shards
     logging_steps: int = 500
     eval_steps: int = 500
     save_steps: int = 500

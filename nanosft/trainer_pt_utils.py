@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, IterableDataset, Sampler
 
+from nanosft.distributed import shard_stream
 from nanosft.trainer_utils import IGNORE_INDEX, get_length_grouped_indices, label_smoothed_loss
 
 
@@ -278,22 +279,13 @@ class IterableDatasetShard(IterableDataset):
         generator = getattr(self.dataset, "generator", None)
         if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
             generator.manual_seed(self.seed + self.epoch)
-        total = self.batch_size * self.num_processes
-        mine = range(self.process_index * self.batch_size,
-                     (self.process_index + 1) * self.batch_size)
-        first_batch, current = None, []
+        yield from shard_stream(self._counted(), self.batch_size, self.num_processes,
+                                self.process_index, self.drop_last)
+
+    def _counted(self):
         for element in self.dataset:
             self.num_examples += 1
-            current.append(element)
-            if len(current) == total:
-                yield from (current[i] for i in mine)
-                first_batch = current.copy() if first_batch is None else first_batch
-                current = []
-        if not self.drop_last and current:
-            first_batch = current.copy() if first_batch is None else first_batch
-            while len(current) < total:
-                current += first_batch
-            yield from (current[i] for i in mine)
+            yield element
 
     def __len__(self):
         total = self.batch_size * self.num_processes

@@ -318,6 +318,17 @@ def loader_kwargs(args) -> dict:
     return kwargs
 
 
+class _StreamShard(torch.utils.data.IterableDataset):  # what DataLoader takes for a stream
+    """This data shard's rows of a stream every rank reads (distributed.shard_stream)."""
+
+    def __init__(self, dataset, batch_size, num_replicas, rank, drop_last):
+        self.dataset = dataset
+        self.shard = (batch_size, num_replicas, rank, drop_last)
+
+    def __iter__(self):
+        return distributed.shard_stream(iter(self.dataset), *self.shard)
+
+
 def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) -> DataLoader:
     """A DataLoader over this rank's share of the seeded order. shuffle=True (training): the order
     args.train_sampling_strategy names - random (randperm(seed + epoch)), sequential, or
@@ -325,12 +336,15 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
     (eval): dataset order, or group_by_length over eval batches, as transformers' eval sampler.
     Mirrors: Trainer._get_dataloader, _get_train_sampler, _get_eval_sampler +
     accelerate prepare_data_loader"""
+    # the ranks reading different rows: all, or parallelism_config's data-parallel ones
+    num_replicas, rank, _ = distributed.data_parallel(args)
     if not has_length(dataset):  # streamed: read in order, never whole (no sampler, no length)
-        if distributed.get_world_size() > 1:
-            raise ValueError("an IterableDataset without __len__ under torchrun is not supported: "
-                             "split the stream per rank, or give the dataset a length.")
-        return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn,
-                          drop_last=drop_last, **loader_kwargs(args))
+        if num_replicas > 1:  # every rank reads the stream, keeps its data shard's rows
+            dataset = _StreamShard(dataset, batch_size, num_replicas, rank, drop_last)
+        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn,
+                            drop_last=drop_last, **loader_kwargs(args))
+        loader.total_batch_size = batch_size * num_replicas
+        return loader
     seed = args.data_seed if args.data_seed is not None else args.seed
     lengths = group_size = None
     if args.train_sampling_strategy == "group_by_length":
@@ -340,8 +354,6 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
         # transformers groups by args' batch size (not auto_find_batch_size's) x accumulation
         group_size = (args.train_batch_size * args.gradient_accumulation_steps if shuffle
                       else batch_size)
-    # the ranks reading different rows: all, or parallelism_config's data-parallel ones
-    num_replicas, rank, _ = distributed.data_parallel(args)
     sampler = SeedableBatchSampler(len(dataset), batch_size, seed=seed,
                                    shuffle=shuffle and args.train_sampling_strategy == "random",
                                    drop_last=drop_last, rank=rank,
@@ -353,7 +365,7 @@ def build_dataloader(dataset, batch_size, args, collate_fn, shuffle, drop_last) 
     # the restored RNG, as transformers, which restores it after its iter().
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
                         **loader_kwargs(args))
-    loader.total_batch_size = batch_size * distributed.get_world_size()  # accelerate's attribute
+    loader.total_batch_size = batch_size * num_replicas  # accelerate's attribute
     return loader
 
 
@@ -429,11 +441,12 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device, on_step=None):
-    """(mean loss with each batch weighted by its size, examples, batches) over all ranks;
-    on_step() after each batch (the callbacks' on_prediction_step).
+def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, args, on_step=None):
+    """(mean loss with each batch weighted by its size, examples, batches) over the data-parallel
+    ranks (tensor-parallel ranks read the same batches: counted once); on_step() after each batch
+    (the callbacks' on_prediction_step).
     Mirrors: Trainer.evaluation_loop (losses repeated batch-size times, then averaged)"""
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss x size, examples, batches
+    totals = torch.zeros(3, dtype=torch.float64, device=args.device)  # loss x size, examples, batch
     with torch.no_grad():
         for batch in dataloader:
             loss = compute_loss(model, prepare_inputs(batch))
@@ -441,7 +454,7 @@ def evaluation_loop(model, dataloader, compute_loss, prepare_inputs, device, on_
             totals += torch.cat([(loss.double() * size)[None], totals.new_tensor([size, 1.0])])
             if on_step is not None:
                 on_step()
-    loss_sum, examples, batches = distributed.all_reduce_sum(totals).tolist()
+    loss_sum, examples, batches = distributed.all_reduce_data_parallel(totals, args).tolist()
     return loss_sum / max(examples, 1), examples, batches
 
 

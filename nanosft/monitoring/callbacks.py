@@ -1,12 +1,13 @@
-"""The callbacks that report on a run: throughput and MFU, stop on non-finite losses, the memory
-ledger and peak, metrics.jsonl and live TensorBoard events.
+"""The callbacks that report on a run: tokens seen, throughput and MFU, stop on non-finite losses,
+the memory ledger and peak, metrics.jsonl and live TensorBoard events.
 
 Outside reference mode the Trainer adds `reporting_callbacks(args)` after DefaultFlowCallback, as
 args.report_to asks: "none" keeps the progress bar (nanosft.trainer_callback) and the non-finite
 guard; "nanosft" adds throughput / MFU, the memory ledger and metrics.jsonl; "tensorboard" adds
-throughput and TensorBoard events; "all" both. Each can be taken off with
-`trainer.remove_callback(cls)`. ThroughputCallback comes first: it adds its numbers to the logs
-(and to the entry already in state.log_history) before the callbacks after it print or write them.
+throughput and TensorBoard events; "all" both; include_num_input_tokens_seen adds the token count.
+Each can be taken off with `trainer.remove_callback(cls)`. The counters come first: they add their
+numbers to the logs (and to the entry already in state.log_history) before the callbacks after them
+print or write them. Counts are summed over the data-parallel ranks only.
 Mirrors transformers TensorBoardCallback; the rest is nanosft's.
 """
 
@@ -84,13 +85,15 @@ class ThroughputCallback(TrainerCallback):
 
     def store_flos(self, args, state, model) -> float:
         """Add the window's 6 x input_ids x non-embedding parameters to state.total_flos; return the
-        window's model FLOPs; both summed over ranks. Mirrors: Trainer.store_flos"""
+        window's model FLOPs; both summed over the data-parallel ranks (the tensor-parallel ranks of
+        one data shard each count the whole model on the same rows: once).
+        Mirrors: Trainer.store_flos"""
         window = self.window
         flos = [6 * window.input_ids * non_embedding_parameters(model),
                 model_flops(*matmul_parameters(model), *attention_shape(model), window.seq_lengths)]
         if args.world_size > 1:  # float64: exact far past fp32's 2^24
             summed = torch.tensor(flos, dtype=torch.float64, device=args.device)
-            flos = distributed.all_reduce_sum(summed).tolist()
+            flos = distributed.all_reduce_data_parallel(summed, args).tolist()
         state.total_flos += float(flos[0])
         self.model_flos += float(flos[1])
         self.window = LogWindow()  # stored: never counted twice
@@ -105,9 +108,11 @@ class ThroughputCallback(TrainerCallback):
             steps = state.global_step - self.last_logged_step
             window = self.window
             flos = self.store_flos(args, state, model)
-            speed = window.speed(args.world_size, steps, flos)
+            dp = distributed.data_parallel(args)[0]
+            speed = window.speed(dp, steps, flos)
             self._raise_peak(args, speed["train_model_flops_per_second"])
-            _update_logs(state, logs, window.speed(args.world_size, steps, flos, self.peak_flops))
+            _update_logs(state, logs, window.speed(dp, steps, flos, self.peak_flops,
+                                                   args.world_size))
             self.last_logged_step = state.global_step
         elif "train_runtime" in logs:  # the final metrics of train()
             self.store_flos(args, state, model)
@@ -139,6 +144,36 @@ class ThroughputCallback(TrainerCallback):
             line += (f", MFU {100 * metrics['mfu']:.1f}% of {self.peak_flops / 1e9:.1f} GFLOP/s"
                      f"{ranks} ({source})")
         return line
+
+
+def input_tokens(inputs: dict, which: str) -> int:
+    """The tokens of one micro-batch include_num_input_tokens_seen counts: "all" every input_ids
+    element, "non_padding" the attention_mask ones (every element without a mask); 0 without
+    input_ids."""
+    if "input_ids" not in inputs:
+        return 0
+    mask = inputs.get("attention_mask")
+    if which == "non_padding" and mask is not None:
+        return int(mask.sum())
+    return inputs["input_ids"].numel()
+
+
+class TokensSeenCallback(TrainerCallback):
+    """state.num_input_tokens_seen, added to every log, as args.include_num_input_tokens_seen
+    asks ("all" or "non_padding"): each window's micro-batches counted once per data shard (summed
+    over the data-parallel ranks; the tensor-parallel ranks of a shard read the same rows). Kept
+    in trainer_state.json, so a resumed run counts on.
+    Mirrors: transformers Trainer._track_num_input_tokens and Trainer.log
+    Differs: one all-reduce per optimizer step, not per micro-batch."""
+
+    def on_step_begin(self, args, state, control, batch_samples=(), **kwargs):
+        which = args.include_num_input_tokens_seen
+        count = sum(input_tokens(inputs, which) for inputs in batch_samples)
+        count = torch.tensor(count, dtype=torch.int64, device=args.device)
+        state.num_input_tokens_seen += int(distributed.all_reduce_data_parallel(count, args))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        _update_logs(state, logs, {"num_input_tokens_seen": state.num_input_tokens_seen})
 
 
 class NonFiniteTrainingError(ValueError):
@@ -344,7 +379,8 @@ def reporting_callbacks(args) -> list:
     throughput first (its numbers reach the bar and the files), the non-finite guard last; and
     the product layer's one speed callback, nf4_dequantize="per_step" (HoldDequantizedCallback)."""
     targets = report_targets(args)
-    callbacks = [ThroughputCallback()] if targets else []
+    callbacks = [TokensSeenCallback()] if args.include_num_input_tokens_seen != "no" else []
+    callbacks += [ThroughputCallback()] if targets else []
     if getattr(args, "nf4_dequantize", "per_call") == "per_step":
         callbacks.append(HoldDequantizedCallback())
     if "nanosft" in targets:

@@ -35,13 +35,17 @@ class LogWindow:
         self.input_ids += inputs["input_ids"].numel()
         self.seq_lengths += sequence_lengths(inputs["input_ids"], mask, inputs.get("position_ids"))
 
-    def speed(self, world_size: int, steps: int, model_flos=None, peak_flops=None) -> dict:
-        """Tokens/s and samples/s of all ranks (each sees about as many as this one), steps/s and
-        seconds per optimizer step, over the window of `steps` optimizer steps; given the window's
-        model FLOPs of all ranks, their rate, and its share of world_size x peak_flops (mfu)."""
+    def speed(self, data_parallel_size: int, steps: int, model_flos=None, peak_flops=None,
+              world_size=None) -> dict:
+        """Tokens/s and samples/s of the data-parallel ranks (each reads about as many rows as this
+        one; the tensor-parallel ranks of one shard read the same rows), steps/s and seconds per
+        optimizer step, over the window of `steps` optimizer steps; given the window's model FLOPs
+        of all ranks, their rate, and its share of world_size (default: data_parallel_size) x
+        peak_flops (mfu)."""
         seconds = max(time.time() - self.start, 1e-9)
-        speed = {"train_tokens_per_second": round(self.tokens * world_size / seconds, 1),
-                 "train_samples_per_second": round(self.samples * world_size / seconds, 3),
+        world_size = data_parallel_size if world_size is None else world_size
+        speed = {"train_tokens_per_second": round(self.tokens * data_parallel_size / seconds, 1),
+                 "train_samples_per_second": round(self.samples * data_parallel_size / seconds, 3),
                  "train_steps_per_second": round(steps / seconds, 3),
                  "train_step_time": round(seconds / max(steps, 1), 4)}
         if model_flos is not None:

@@ -171,6 +171,13 @@ def _has_adapter(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "save_pretrained")
 
 
+def is_sharded(model) -> bool:
+    """True when `model`'s parameters are split over ranks: FSDP2, tensor parallel, or both under
+    parallelism_config (DTensor parameters). Its checkpoint files still hold whole tensors."""
+    model = _unwrap(model)
+    return fsdp.is_fsdp(model) or any(distributed.is_dtensor(p) for p in model.parameters())
+
+
 def _dedupe_shared(state_dict):
     """Drop exact aliases (tied weights: lm_head.weight == embed_tokens.weight), clone views.
     safetensors refuses tensors that share memory. Returns (tensors, {dropped: kept name})."""
@@ -219,8 +226,13 @@ def save_model_weights(model, folder, state_dict=None):
 
 def load_model_weights(model, folder):
     """Copy what save_model_weights wrote into the live `model` in place; mismatches are errors.
+    A model split over ranks (FSDP, tensor parallel) keeps each rank's part of the whole tensors.
     Mirrors: transformers Trainer._load_from_checkpoint"""
-    model = _unwrap(model)
+    with fsdp.whole_tensors_into_shards() if is_sharded(model) else contextlib.nullcontext():
+        _copy_weights(_unwrap(model), folder)
+
+
+def _copy_weights(model, folder):
     encoder = _trainable_prompt_encoder(model) if _has_adapter(model) else None
     if encoder is not None:
         encoder_path = os.path.join(folder, PROMPT_ENCODER_NAME)
@@ -347,7 +359,7 @@ def _gather_sharded(model, optimizer):
     # parameters), else (None, None); an adapter checkpoint gathers the trainable tensors only,
     # not the frozen (maybe 4-bit) base
     model = _unwrap(model)
-    if not (fsdp.is_fsdp(model) or any(distributed.is_dtensor(p) for p in model.parameters())):
+    if not is_sharded(model):
         return None, None
     only = None
     if _has_adapter(model):
@@ -431,6 +443,7 @@ def _read_json(path):
 
 # JSON types of the trainer_state.json fields the resumed loop computes with
 _STATE_TYPES = {"epoch": (int, float), "global_step": (int,), "total_flos": (int, float),
+                "num_input_tokens_seen": (int,),
                 "logging_steps": (int,), "eval_steps": (int,), "save_steps": (int,),
                 "log_history": (list,), "best_metric": (int, float, type(None)),
                 "best_global_step": (int, type(None))}
@@ -478,9 +491,8 @@ def load_checkpoint(checkpoint_dir, *, model, optimizer, lr_scheduler, scaler=No
     _load_optimizer_and_scheduler, _load_rng_state. Every torch.load uses weights_only=True."""
     check_same_setup(checkpoint_dir, model)
     check_is_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler)
-    sharded = fsdp.is_fsdp(_unwrap(model))
-    with fsdp.whole_tensors_into_shards() if sharded else contextlib.nullcontext():
-        load_model_weights(model, checkpoint_dir)  # FSDP: each rank keeps its part of the file
+    sharded = is_sharded(model)
+    load_model_weights(model, checkpoint_dir)  # FSDP / TP: each rank keeps its part of the file
 
     def read_pt(path):
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -612,12 +624,70 @@ def _final_save_failed(output_dir, checkpoints_dir, error) -> str:
             f"there. {then}")
 
 
+def _saved_world_size(checkpoint_dir) -> int:
+    """The processes that wrote `checkpoint_dir`: one rng_state_{rank}.pth each, or one
+    rng_state.pth."""
+    names = os.listdir(checkpoint_dir)
+    return sum(1 for n in names if n.startswith("rng_state_") and n.endswith(".pth")) or 1
+
+
+def _layout(sizes, world_size) -> str:
+    if sizes is None:
+        return f"{world_size} data-parallel process{'es' if world_size > 1 else ''}"
+    return "parallelism_config " + " x ".join(f"{k}={v}" for k, v in sorted(sizes.items()))
+
+
+def check_resume_layout(checkpoint_dir, args) -> None:
+    """A checkpoint saved under one mesh (parallelism_config, or N data-parallel processes) and
+    resumed under another: its files hold whole tensors, so any mesh reloads the weights and the
+    optimizer; but the data position (micro-batches already read) only means the same rows when
+    each optimizer step still reads as many, so another global batch is refused, naming both
+    layouts and the per-device batch that fits. Mirrors: nothing (transformers does not check)"""
+    try:
+        saved = _read_json(os.path.join(checkpoint_dir, TRAINING_ARGS_NAME))
+    except (OSError, ValueError):
+        return  # an older checkpoint: nothing to compare with
+    config = getattr(args, "parallelism_config", None)
+    sizes = None if config is None else config.to_dict()
+    saved_sizes = saved.get("parallelism_config")
+    if saved_sizes is None and sizes is None:
+        return  # DDP / FSDP / one process: as transformers, the world size is the user's
+    saved_world = _saved_world_size(checkpoint_dir)
+    if saved_sizes == sizes:
+        return
+    saved_dp = (saved_sizes["dp_replicate_size"] * saved_sizes["dp_shard_size"]
+                if saved_sizes else saved_world)
+    dp = config.data_parallel_size if config is not None else args.world_size
+    saved_batch = saved.get("per_device_train_batch_size", args.per_device_train_batch_size)
+    saved_accumulation = saved.get("gradient_accumulation_steps", 1)
+    saved_global = saved_batch * saved_accumulation * saved_dp
+    current_global = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
+    if saved_global != current_global:
+        fits = saved_global / (args.gradient_accumulation_steps * dp)
+        hint = (f"per_device_train_batch_size={int(fits)}" if fits == int(fits) else
+                f"a layout with {saved_dp} data-parallel ranks")
+        raise ValueError(
+            f"{checkpoint_dir} was saved under {_layout(saved_sizes, saved_world)} with a global "
+            f"batch of {saved_global} rows per optimizer step ({saved_batch} per device x "
+            f"{saved_accumulation} accumulation x {saved_dp} data-parallel ranks), but this run "
+            f"uses {_layout(sizes, args.world_size)} with {current_global} "
+            f"({args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x {dp}); "
+            f"the saved data position would skip other rows. Resume with {hint}, or under the "
+            "saved layout.")
+    if distributed.get_rank() == 0:
+        print(f"Resuming {checkpoint_dir}, saved under {_layout(saved_sizes, saved_world)}, under "
+              f"{_layout(sizes, args.world_size)}: the whole tensors of its files are split over "
+              "the new mesh; the same global batch keeps the data position.")
+
+
 def resolve_and_check(args, model, resume_from_checkpoint):
     """Before training: the checkpoint to resume (None, the latest valid for True, or a folder);
-    a fresh run refused in another run's output_dir; a checkpoint of another set-up refused.
+    a fresh run refused in another run's output_dir; a checkpoint of another set-up, or of
+    another global batch under another mesh, refused.
     Mirrors: transformers Trainer.train (resume handling)"""
     resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
     check_output_dir(args, resuming=resume_from_checkpoint is not None)
     if resume_from_checkpoint is not None:
         check_same_setup(resume_from_checkpoint, model)
+        check_resume_layout(resume_from_checkpoint, args)
     return resume_from_checkpoint
