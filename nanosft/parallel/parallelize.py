@@ -3,8 +3,10 @@
 As torchtitan's parallelize step and the guide's 3D_parallel.py: tensor parallel first (the Llama
 tp_plan over the mesh's "tp" dim: each decoder layer's projections become DTensors), then FSDP2
 over "dp_shard" (fully_shard per decoder layer and the root; a tensor-parallel weight becomes a
-2-D DTensor, sharded along dp_shard and tp), or DDP over "dp_replicate" alone. The model never
-sees the ranks. Built on distributed.py, mesh.py, fsdp.py and tensor_parallel.py.
+2-D DTensor, sharded along dp_shard and tp), or DDP over "dp_replicate" alone. Context parallel
+(cp_size > 1): FSDP2 over dp_shard x cp, and context_parallel.ContextParallel hands each cp rank
+its part of every row. The model never sees the ranks. Built on distributed.py, mesh.py,
+fsdp.py, tensor_parallel.py and context_parallel.py.
 """
 
 import fnmatch
@@ -62,7 +64,8 @@ def _local_features(model, tp_size) -> None:
 
 def parallelize(model, args):
     """Lay `model` over args.parallelism_config's mesh, in place; returns the model to call (DDP's
-    wrapper when dp_replicate_size > 1, else `model`). Mirrors: accelerate prepare_nd_parallel
+    wrapper when dp_replicate_size > 1, context_parallel.ContextParallel's when cp_size > 1, else
+    `model`). Mirrors: accelerate prepare_nd_parallel
     Differs: a model loaded with tp_plan is refused (not yet)."""
     config = args.parallelism_config
     check_parallelism(config, get_world_size(), model)
@@ -78,6 +81,13 @@ def parallelize(model, args):
         plan = adapter_tp_plan(base) if model_type in AUTO_PLAN_MODEL_TYPES else "auto"
         apply_tensor_parallel(base, tp_plan=plan, mesh=mesh["tp"])  # "auto" refuses the type
         _local_features(base, config.tp_size)
+    if config.cp_size > 1:  # context parallel: FSDP2 over dp_shard x cp, each rank its part
+        from nanosft.parallel import context_parallel
+
+        context_parallel.check_context_parallel(model, args)
+        fsdp_config = args.fsdp_config if args.fsdp else normalize_fsdp_config(True, None)
+        apply_fsdp(model, fsdp_config, args.device, mesh=config.dp_shard_cp_mesh)
+        return context_parallel.ContextParallel(model, mesh["cp"])
     if config.dp_shard_size > 1:
         fsdp_config = args.fsdp_config if args.fsdp else normalize_fsdp_config(True, None)
         apply_fsdp(model, fsdp_config, args.device, mesh=mesh["dp_shard"])
