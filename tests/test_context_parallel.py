@@ -8,16 +8,17 @@ nanosft.masking's mask: outputs in fp32 within 1e-6, q/k/v gradients within 1e-6
 relative (they reach ~5: a few fp32 ulps); every rank scores as many causal (query, key) pairs;
 the loss of the parts summed equals the whole rows' loss.
 Under spawn: the logged loss and grad_norm of 3 optimizer steps (gradient accumulation 2,
-clipping active) and every trainable parameter afterwards equal one process within 1e-5 (measured
-largest parameter differences: cp full 5.3e-7, LoRA 4.5e-8; dp_shard x cp full 3.1e-7, LoRA
-3.5e-7). Negative controls in the cp launch:
+clipping active) and every trainable parameter afterwards equal one process within 1e-5, for full
+fine-tuning and LoRA under both meshes and QLoRA (NF4 base) under cp (measured largest parameter
+differences: cp full 5.3e-7, LoRA 4.5e-8, QLoRA 3.0e-8; dp_shard x cp full 3.1e-7, LoRA 3.5e-7).
+Negative controls in the cp launch:
 - each rank's tokens at local positions 0..T_local-1, not their global ones: the logged values
   move 4.4e-4 and the parameters 3.9e-3 from one process;
 - the loss returned without the cp factor (FSDP's average over cp ranks not undone): the logged
   losses and gradient norms halve.
 Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; 40-70 s wall for the file on a shared, loaded 2-core
-machine (~24 s of CPU).
+token rows, one thread per process; 45-70 s wall for the file on a shared, loaded 2-core
+machine (~27 s of CPU).
 Run: python -m pytest -q tests/test_context_parallel.py
 """
 
@@ -37,6 +38,7 @@ from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.loss import causal_lm_loss
 from nanosft.masking import build_attention_mask
+from nanosft.nf4 import quantize_model
 from nanosft.parallel import context_parallel
 from nanosft.parallel.context_parallel import (build_layout, load_balanced_index,
                                                online_softmax_attention, padded_length,
@@ -141,6 +143,8 @@ def rows(n=24):
 
 def build(mode):
     model = tiny_model(seed=0)
+    if mode == "qlora":
+        quantize_model(model)  # NF4 base: FSDP over dp_shard x cp shards its packed bytes
     if mode == "full":
         return model
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -179,10 +183,10 @@ class WithoutCpFactor(context_parallel.ContextParallel):
         return outputs
 
 
-def _worker(rank, port, out, world_size, sizes):
+def _worker(rank, port, out, world_size, sizes, modes):
     join_as_rank(rank, port, world_size)
     result = {}
-    for mode in ("full", "lora"):
+    for mode in modes:
         trainer = make_trainer(os.path.join(out, mode), BATCH, ParallelismConfig(**sizes), mode)
         trainer.train()
         result[mode] = trained(trainer)
@@ -204,31 +208,31 @@ def _worker(rank, port, out, world_size, sizes):
     leave_group()
 
 
-def launch(out, world_size, sizes):
+def launch(out, world_size, sizes, modes):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out), world_size, sizes), nprocs=world_size, join=True)
+    mp.spawn(_worker, args=(port, str(out), world_size, sizes, modes), nprocs=world_size,
+             join=True)
     return torch.load(out / "result.pt", weights_only=False)
 
 
 MESHES = {"cp": (2, {"cp_size": 2}), "dp_shard x cp": (4, {"dp_shard_size": 2, "cp_size": 2})}
+MODES = {"cp": ("full", "lora", "qlora"), "dp_shard x cp": ("full", "lora")}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("cp")
-    single = {}
     results = {}
     for name, (world_size, sizes) in MESHES.items():
         dp = sizes.get("dp_shard_size", 1)
-        if dp not in single:
-            single[dp] = {mode: trained(_train(out / f"single-{mode}-{dp}", BATCH * dp, mode))
-                          for mode in ("full", "lora")}
+        single = {mode: trained(_train(out / f"single-{mode}-{dp}", BATCH * dp, mode))
+                  for mode in MODES[name]}
         folder = out / name.replace(" ", "")
         folder.mkdir()
-        results[name] = (single[dp], launch(folder, world_size, sizes))
+        results[name] = (single, launch(folder, world_size, sizes, MODES[name]))
     return results
 
 
@@ -243,8 +247,7 @@ def worst(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("name", MESHES)
-@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("name, mode", [(n, m) for n in MESHES for m in MODES[n]])
 def test_mesh_trains_as_one_process(runs, name, mode):
     single, nd = runs[name][0][mode], runs[name][1][mode]
     assert len(single["logged"]) == len(nd["logged"]) == 3
