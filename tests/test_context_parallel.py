@@ -287,3 +287,29 @@ def test_loss_without_the_cp_factor_is_wrong(runs):
 def test_cp_with_tp_is_refused():
     with pytest.raises(ValueError, match="context parallel together with tensor parallel"):
         ParallelismConfig(cp_size=2, tp_size=2)
+
+
+def test_sft_trainer_under_cp_is_refused(tmp_path, monkeypatch):
+    from nanosft.args import SFTConfig
+    from nanosft.sft import SFTTrainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                     parallelism_config={"cp_size": 2})
+    with pytest.raises(ValueError, match="SFTTrainer with parallelism_config cp_size=2"):
+        SFTTrainer(tiny_model(seed=0), args, train_dataset=rows())
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor > 0"),
+])
+def test_what_cp_does_not_split_is_refused(change, words):
+    from types import SimpleNamespace
+
+    from nanosft.parallel.context_parallel import check_context_parallel
+
+    model = tiny_model(seed=0, **{k: v for k, v in change.items() if k == "rope_scaling"})
+    args = SimpleNamespace(label_smoothing_factor=change.get("label_smoothing_factor", 0))
+    with pytest.raises(ValueError, match=words):
+        check_context_parallel(model, args)
