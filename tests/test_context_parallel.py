@@ -1,6 +1,6 @@
 """Context parallel (nanosft.parallel.context_parallel): the online-softmax merge equals one
-softmax over all keys, and the Trainer under parallelism_config cp (2 CPU processes) and
-dp_shard x cp (4 processes, gloo) trains to what one process trains with the same global batch.
+softmax over all keys, and the Trainer under parallelism_config cp (2 CPU processes), dp_shard x cp
+and cp x tp (4 processes each, gloo) trains to what one process trains with the same global batch.
 
 Single process: attention of simulated cp ranks (load-balanced split, odd lengths padded, right
 and left padding, packed rows, GQA) merged block by block, against torch SDPA over
@@ -9,16 +9,17 @@ relative (they reach ~5: a few fp32 ulps); every rank scores as many causal (que
 the loss of the parts summed equals the whole rows' loss.
 Under spawn: the logged loss and grad_norm of 3 optimizer steps (gradient accumulation 2,
 clipping active) and every trainable parameter afterwards equal one process within 1e-5, for full
-fine-tuning and LoRA under both meshes and QLoRA (NF4 base) under cp (measured largest parameter
-differences: cp full 5.3e-7, LoRA 4.5e-8, QLoRA 3.0e-8; dp_shard x cp full 3.1e-7, LoRA 3.5e-7).
+fine-tuning and LoRA under the three meshes and QLoRA (NF4 base) under cp (measured largest
+parameter differences: cp full 5.3e-7, LoRA 4.5e-8, QLoRA 3.0e-8; dp_shard x cp full 3.1e-7, LoRA
+3.5e-7; cp x tp full 5.3e-7, LoRA 4.5e-8).
 Negative controls in the cp launch:
 - each rank's tokens at local positions 0..T_local-1, not their global ones: the logged values
   move 4.4e-4 and the parameters 3.9e-3 from one process;
 - the loss returned without the cp factor (FSDP's average over cp ranks not undone): the logged
   losses and gradient norms halve.
 Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; 45-70 s wall for the file on a shared, loaded 2-core
-machine (~27 s of CPU).
+token rows, one thread per process; ~60 s wall for the file on a shared, loaded 2-core machine
+(~41 s of CPU: three launches of 2-4 processes, most of it starting them).
 Run: python -m pytest -q tests/test_context_parallel.py
 """
 
@@ -217,22 +218,26 @@ def launch(out, world_size, sizes, modes):
     return torch.load(out / "result.pt", weights_only=False)
 
 
-MESHES = {"cp": (2, {"cp_size": 2}), "dp_shard x cp": (4, {"dp_shard_size": 2, "cp_size": 2})}
-MODES = {"cp": ("full", "lora", "qlora"), "dp_shard x cp": ("full", "lora")}
+MESHES = {"cp": (2, {"cp_size": 2}), "dp_shard x cp": (4, {"dp_shard_size": 2, "cp_size": 2}),
+          "cp x tp": (4, {"cp_size": 2, "tp_size": 2})}
+MODES = {"cp": ("full", "lora", "qlora"), "dp_shard x cp": ("full", "lora"),
+         "cp x tp": ("full", "lora")}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("cp")
-    results = {}
+    single, results = {}, {}
     for name, (world_size, sizes) in MESHES.items():
         dp = sizes.get("dp_shard_size", 1)
-        single = {mode: trained(_train(out / f"single-{mode}-{dp}", BATCH * dp, mode))
-                  for mode in MODES[name]}
+        for mode in MODES[name]:
+            if (dp, mode) not in single:  # one process, the global batch
+                single[dp, mode] = trained(_train(out / f"single-{mode}-{dp}", BATCH * dp, mode))
         folder = out / name.replace(" ", "")
         folder.mkdir()
-        results[name] = (single, launch(folder, world_size, sizes, MODES[name]))
+        results[name] = ({mode: single[dp, mode] for mode in MODES[name]},
+                         launch(folder, world_size, sizes, MODES[name]))
     return results
 
 
@@ -265,6 +270,8 @@ def test_cp_ranks_read_the_same_rows(runs):
     batches = runs["dp_shard x cp"][1]["per_rank_rows"]  # ranks (dp_shard, cp): 0 1 | 2 3
     assert batches[0] == batches[1] and batches[2] == batches[3]
     assert not set(map(tuple, batches[0])) & set(map(tuple, batches[2]))
+    batches = runs["cp x tp"][1]["per_rank_rows"]  # one data shard: all 4 ranks
+    assert batches[0] == batches[1] == batches[2] == batches[3]
 
 
 def test_local_positions_are_wrong(runs):
@@ -284,11 +291,6 @@ def test_loss_without_the_cp_factor_is_wrong(runs):
 
 
 # ----- refused before any work
-def test_cp_with_tp_is_refused():
-    with pytest.raises(ValueError, match="context parallel together with tensor parallel"):
-        ParallelismConfig(cp_size=2, tp_size=2)
-
-
 def test_sft_trainer_under_cp_is_refused(tmp_path, monkeypatch):
     from nanosft.args import SFTConfig
     from nanosft.sft import SFTTrainer

@@ -256,7 +256,6 @@ def test_heads_tp_size_does_not_divide_are_refused():
 
 
 @pytest.mark.parametrize("sizes, words", [
-    ({"cp_size": 2, "tp_size": 2}, "context parallel together with tensor parallel"),
     ({"dp_replicate_size": 2, "tp_size": 2}, "HSDP"),
     ({"tp_size": 0}, "whole number >= 1"),
 ])

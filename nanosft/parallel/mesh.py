@@ -22,8 +22,8 @@ class ParallelismConfig:
     """How the ranks split the work: dp_replicate_size (DDP replicas), dp_shard_size (FSDP2
     shards), tp_size (tensor parallel), cp_size (context parallel); their product is the world
     size. Mirrors: accelerate ParallelismConfig (field names; None reads 1)
-    Differs: the mesh keeps size-1 dims (mesh["tp"] always exists); cp_size > 1 with tp_size > 1,
-    and dp_replicate_size > 1 together with another dim, are refused (not implemented yet)."""
+    Differs: the mesh keeps size-1 dims (mesh["tp"] always exists); dp_replicate_size > 1
+    together with another dim is refused (not implemented yet)."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -40,10 +40,6 @@ class ParallelismConfig:
                 raise ValueError(f"ParallelismConfig({name}={value!r}) is invalid: use a whole "
                                  "number >= 1")
             setattr(self, name, value)
-        if self.cp_size > 1 and self.tp_size > 1:
-            raise ValueError(f"ParallelismConfig(cp_size={self.cp_size}, tp_size={self.tp_size}): "
-                             "context parallel together with tensor parallel is not implemented "
-                             "yet; use cp_size with dp_shard_size, or tp_size with dp_shard_size")
         others = self.dp_shard_size * self.tp_size * self.cp_size
         if self.dp_replicate_size > 1 and others > 1:
             raise ValueError(
