@@ -17,9 +17,11 @@ Negative controls in the cp launch:
   move 4.4e-4 and the parameters 3.9e-3 from one process;
 - the loss returned without the cp factor (FSDP's average over cp ranks not undone): the logged
   losses and gradient norms halve.
+Trainer.evaluate after cp training (whole rows on every rank, the sharded weights gathered by
+FSDP) gives one process's eval_loss within 1e-5.
 Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; ~60 s wall for the file on a shared, loaded 2-core machine
-(~41 s of CPU: three launches of 2-4 processes, most of it starting them).
+token rows, one thread per process; 40-60 s wall for the file on a shared 2-core machine (~40 s
+of CPU: three launches of 2-4 processes, most of it starting them).
 Run: python -m pytest -q tests/test_context_parallel.py
 """
 
@@ -191,6 +193,8 @@ def _worker(rank, port, out, world_size, sizes, modes):
         trainer = make_trainer(os.path.join(out, mode), BATCH, ParallelismConfig(**sizes), mode)
         trainer.train()
         result[mode] = trained(trainer)
+        if mode == "full" and world_size == 2:  # evaluate: whole rows on every rank
+            result["eval_loss"] = trainer.evaluate(rows(8))["eval_loss"]
     result["rows"] = [list(b) for b in trainer.get_train_dataloader().batch_sampler]
     if world_size == 2:  # the negative controls
         with mock.patch.object(context_parallel, "shard_rows", local_positions):
@@ -233,7 +237,9 @@ def runs(tmp_path_factory):
         dp = sizes.get("dp_shard_size", 1)
         for mode in MODES[name]:
             if (dp, mode) not in single:  # one process, the global batch
-                single[dp, mode] = trained(_train(out / f"single-{mode}-{dp}", BATCH * dp, mode))
+                trainer = _train(out / f"single-{mode}-{dp}", BATCH * dp, mode)
+                single[dp, mode] = trained(trainer)
+                single[dp, mode]["eval_loss"] = trainer.evaluate(rows(8))["eval_loss"]
         folder = out / name.replace(" ", "")
         folder.mkdir()
         results[name] = ({mode: single[dp, mode] for mode in MODES[name]},
@@ -264,6 +270,11 @@ def test_mesh_trains_as_one_process(runs, name, mode):
     print(f"{name} {mode}: largest parameter difference from one process {difference:.2e} "
           f"(moved {moved:.2e})")
     assert difference <= TOL and moved > 100 * TOL
+
+
+def test_evaluate_after_cp_training_is_one_process_evaluate(runs):
+    single, nd = runs["cp"][0]["full"], runs["cp"][1]
+    assert abs(nd["eval_loss"] - single["eval_loss"]) < TOL
 
 
 def test_cp_ranks_read_the_same_rows(runs):

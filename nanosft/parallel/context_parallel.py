@@ -133,12 +133,12 @@ class ContextParallelLayout:
         """This rank's queries q (B, H, T, D) over every cp rank's k, v (B, KV, T, D each):
         (B, H, T, D). The blocks are merged in a ring's order (own first, then rank - 1, ...)."""
         keys, values = gather_blocks(k, self.group), gather_blocks(v, self.group)
-        me = self.group_rank()
+        me = self._group_rank()
         order = [(me - step) % len(keys) for step in range(len(keys))]
         return online_softmax_attention(q, [keys[j] for j in order], [values[j] for j in order],
                                         [self.block_mask(j) for j in order], scale)
 
-    def group_rank(self) -> int:
+    def _group_rank(self) -> int:
         if self.group is None:
             return 0
         import torch.distributed as dist
