@@ -426,9 +426,10 @@ class TrainingArguments:
 
         self.parallelism_config = as_parallelism_config(self.parallelism_config)
         check_parallelism(self.parallelism_config, self.world_size)
-        if self.fsdp and self.parallelism_config.dp_shard_size == 1:
-            _fail("fsdp", True, "with parallelism_config, FSDP2 shards over dp_shard_size ranks, "
-                  "which is 1 here; set dp_shard_size or drop fsdp")
+        sizes = self.parallelism_config
+        if self.fsdp and sizes.dp_shard_size * sizes.cp_size == 1:
+            _fail("fsdp", True, "with parallelism_config, FSDP2 shards over dp_shard_size x "
+                  "cp_size ranks, which is 1 here; set dp_shard_size or drop fsdp")
         check_fsdp_options(self, "parallelism_config")  # DTensor parameters: the same limits
 
     # ----- distributed environment (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----

@@ -99,8 +99,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, past=None):
         """(B, T, C) -> (B, T, C) and the layer's (k, v) cache, each (B, KV, past + T, D).
-        mask: a boolean (B|1, 1, T, S) tensor, None (plain causal) or a list of document lengths
-        (one packed row)."""
+        mask: a boolean (B|1, 1, T, S) tensor, None (plain causal), a list of document lengths
+        (one packed row) or a context-parallel layout (it attends itself)."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds H / tp query and KV / tp kv heads
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -116,7 +116,9 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
-        if isinstance(mask, list):  # document lengths of one packed row: causal inside each
+        if hasattr(mask, "attend"):  # context parallel: this rank's queries over every rank's k, v
+            y = mask.attend(q, k, v, self.scaling)  # (nanosft.parallel.context_parallel)
+        elif isinstance(mask, list):  # document lengths of one packed row: causal inside each
             docs = zip(*(t.split(mask, dim=2) for t in (q, k, v)))
             y = torch.cat([self.sdpa(*qkv, is_causal=True) for qkv in docs], 2)
         else:
@@ -212,9 +214,14 @@ class DecoderModel(nn.Module):
         # speed path (nanosft.fast.unpad, off in reference mode): packed or right-padded rows run
         # as one row of real tokens, one causal SDPA per document, instead of a dense mask
         unpad = None if use_cache else fast_path("unpad")
-        layout = None if unpad is None else unpad.layout(self, attention_mask, position_ids, B, T,
-                                                        past_len)
-        if layout is None:
+        # context parallel hands over its own mask: this rank's part of each row attends over every
+        # rank's keys (nanosft.parallel.context_parallel); nothing to build or unpad
+        context_parallel = hasattr(attention_mask, "attend")
+        layout = None if unpad is None or context_parallel else unpad.layout(
+            self, attention_mask, position_ids, B, T, past_len)
+        if context_parallel:
+            mask = attention_mask
+        elif layout is None:
             mask = build_attention_mask(attention_mask, position_ids, T, past_len)
         else:
             h, position_ids, mask = unpad.pack(h, position_ids, layout)

@@ -256,7 +256,7 @@ def test_heads_tp_size_does_not_divide_are_refused():
 
 
 @pytest.mark.parametrize("sizes, words", [
-    ({"cp_size": 2}, "context parallelism is not implemented yet"),
+    ({"dp_replicate_size": 2, "cp_size": 2}, "replicas of a context-parallel model"),
     ({"tp_size": 0}, "whole number >= 1"),
 ])
 def test_sizes_not_supported_are_refused(sizes, words):

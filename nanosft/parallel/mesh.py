@@ -22,8 +22,8 @@ class ParallelismConfig:
     """How the ranks split the work: dp_replicate_size (DDP replicas), dp_shard_size (FSDP2
     shards), tp_size (tensor parallel), cp_size (context parallel); their product is the world
     size. Mirrors: accelerate ParallelismConfig (field names; None reads 1)
-    Differs: the mesh keeps size-1 dims (mesh["tp"] always exists); cp_size > 1 is refused
-    (not implemented yet)."""
+    Differs: the mesh keeps size-1 dims (mesh["tp"] always exists); dp_replicate_size > 1
+    together with cp_size > 1 is refused (not implemented yet)."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -31,6 +31,7 @@ class ParallelismConfig:
     cp_size: int | None = None
     device_mesh: object = field(default=None, repr=False, compare=False)
     dp_mesh: object = field(default=None, repr=False, compare=False)
+    dp_shard_cp_mesh: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
@@ -39,10 +40,11 @@ class ParallelismConfig:
                 raise ValueError(f"ParallelismConfig({name}={value!r}) is invalid: use a whole "
                                  "number >= 1")
             setattr(self, name, value)
-        if self.cp_size > 1:
-            raise ValueError(f"ParallelismConfig(cp_size={self.cp_size}): context parallelism "
-                             "is not implemented yet; use cp_size=1 (split the work with "
-                             "dp_shard_size and tp_size)")
+        if self.dp_replicate_size > 1 and self.cp_size > 1:
+            raise ValueError(
+                f"ParallelismConfig(dp_replicate_size={self.dp_replicate_size}) together with "
+                f"cp_size={self.cp_size}: replicas of a context-parallel model are not "
+                "implemented yet; use dp_shard_size instead of dp_replicate_size")
 
     @property
     def sizes(self) -> dict:
@@ -80,6 +82,8 @@ class ParallelismConfig:
                                                 mesh_dim_names=tuple(sizes))
             # the flattened dim is kept here: torch deprecates slicing it from the root mesh
             self.dp_mesh = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            # FSDP's dim under context parallel: cp ranks hold the same weights, their grads add
+            self.dp_shard_cp_mesh = self.device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return self.device_mesh
 
     def data_parallel_group(self, device_type: str = "cpu"):

@@ -5,9 +5,10 @@ tp_plan over the mesh's "tp" dim: each decoder layer's float projections become 
 bases, DoRA magnitudes and row-parallel dropout of LoRA layers follow in tensor_parallel_peft.py),
 then FSDP2 over "dp_shard" (fully_shard per decoder layer and the root; a tensor-parallel weight
 becomes a 2-D DTensor, sharded along dp_shard and tp), or over "dp_replicate" x "dp_shard" when
-replicas stand beside another dim (HSDP), or DDP over "dp_replicate" alone. The model never sees
-the ranks. Built on distributed.py, mesh.py, fsdp.py, tensor_parallel.py and
-tensor_parallel_peft.py.
+replicas stand beside another dim (HSDP), or DDP over "dp_replicate" alone. Context parallel
+(cp_size > 1): FSDP2 over dp_shard x cp, and context_parallel.ContextParallel hands each cp rank
+its part of every row. The model never sees the ranks. Built on distributed.py, mesh.py, fsdp.py,
+tensor_parallel.py, tensor_parallel_peft.py and context_parallel.py.
 """
 
 import math
@@ -54,10 +55,11 @@ def _local_features(model, tp_size) -> None:
 
 def parallelize(model, args):
     """Lay `model` over args.parallelism_config's mesh, in place; returns the model to call (DDP's
-    wrapper when dp_replicate_size alone is > 1, else `model`). FSDP2 runs over "dp_shard", or
-    over ("dp_replicate", "dp_shard") when there are replicas beside another dim (HSDP: sharded
-    within a replica, gradients all-reduced across replicas; with dp_shard_size 1 each replica
-    holds the whole tensor-parallel piece). Mirrors: accelerate prepare_nd_parallel
+    wrapper when dp_replicate_size alone is > 1, context_parallel.ContextParallel's when cp_size
+    > 1, else `model`). FSDP2 runs over "dp_shard", or over ("dp_replicate", "dp_shard") when
+    there are replicas beside another dim (HSDP: sharded within a replica, gradients all-reduced
+    across replicas; with dp_shard_size 1 each replica holds the whole tensor-parallel piece), or
+    over dp_shard x cp under context parallel. Mirrors: accelerate prepare_nd_parallel
     Differs: a model loaded with tp_plan is refused (not yet)."""
     config = args.parallelism_config
     check_parallelism(config, get_world_size(), model)
@@ -76,6 +78,13 @@ def parallelize(model, args):
         apply_tensor_parallel(base, tp_plan=plan, mesh=mesh["tp"])  # "auto" refuses the type
         parallelize_peft_layers(base, LLAMA_TP_PLAN, mesh["tp"])
         _local_features(base, config.tp_size)
+    if config.cp_size > 1:  # context parallel: FSDP2 over dp_shard x cp, each rank its part
+        from nanosft.parallel import context_parallel
+
+        context_parallel.check_context_parallel(model, args)
+        fsdp_config = args.fsdp_config if args.fsdp else normalize_fsdp_config(True, None)
+        apply_fsdp(model, fsdp_config, args.device, mesh=config.dp_shard_cp_mesh)
+        return context_parallel.ContextParallel(model, mesh["cp"])
     replicas = config.dp_replicate_size > 1
     if config.dp_shard_size > 1 or (replicas and config.tp_size > 1):
         fsdp_config = args.fsdp_config if args.fsdp else normalize_fsdp_config(True, None)

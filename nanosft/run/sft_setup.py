@@ -24,7 +24,8 @@ def dataset_name(dataset, default):
 
 def check_arguments(args, data_collator, train_dataset, compute_loss_func) -> None:
     """The arguments TRL refuses before it builds anything (a collator passed positionally in
-    train_dataset's place, no train_dataset, DFT with a loss function of one's own)."""
+    train_dataset's place, no train_dataset, DFT with a loss function of one's own), and context
+    parallel, which nanosft's SFT loss path does not split yet."""
     if data_collator is not None and not callable(data_collator):
         raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
                         f"must be callable, got {type(data_collator).__name__}; pass "
@@ -35,6 +36,12 @@ def check_arguments(args, data_collator, train_dataset, compute_loss_func) -> No
     if args.loss_type == "dft" and compute_loss_func is not None:
         raise ValueError("SFTTrainer: loss_type='dft' sets the loss itself; drop "
                          "compute_loss_func or use loss_type='nll'.")
+    parallelism = getattr(args, "parallelism_config", None)
+    if parallelism is not None and parallelism.cp_size > 1:
+        raise ValueError(f"SFTTrainer with parallelism_config cp_size={parallelism.cp_size}: "
+                         "context parallel under SFTTrainer (its fused LM head and token metrics "
+                         "read whole rows) is not implemented yet; train with nanosft's Trainer "
+                         "or use cp_size=1.")
 
 
 def check_argument_types(processing_class, peft_config, formatting_func) -> None:
