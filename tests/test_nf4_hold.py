@@ -5,8 +5,9 @@ The base is frozen, so holding changes no number: a QLoRA Trainer run of 3 optim
 gradient accumulation 2 logs the same losses and ends with the same adapters, bit for bit, as the
 per-call run, in fp32 and in the bf16 recipe (bf16 base, NF4 computing in bf16, bf16 autocast).
 What changes is counted: bitsandbytes' CPU dequantize kernel runs once per 4-bit linear per step
-and dtype (per call: in every micro-batch's forward and again in its backward, 3.6x that here). What the hold keeps
-equals the memory ledger's row for it, and nothing is held after the step (nor in evaluation).
+and dtype (per call: in every micro-batch's forward and again in its backward, 3.6x that here).
+What the hold keeps equals the memory ledger's row for it, and nothing is held after the step (nor
+in evaluation).
 Off in reference mode; a bad value is refused naming the field.
 Run: python -m pytest -q tests/test_nf4_hold.py
 """
