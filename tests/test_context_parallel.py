@@ -9,9 +9,10 @@ relative (they reach ~5: a few fp32 ulps); every rank scores as many causal (que
 the loss of the parts summed equals the whole rows' loss.
 Under spawn: the logged loss and grad_norm of 3 optimizer steps (gradient accumulation 2,
 clipping active) and every trainable parameter afterwards equal one process within 1e-5, for full
-fine-tuning and LoRA under the three meshes and QLoRA (NF4 base) under cp (measured largest
-parameter differences: cp full 5.3e-7, LoRA 4.5e-8, QLoRA 3.0e-8; dp_shard x cp full 3.1e-7, LoRA
-3.5e-7; cp x tp full 5.3e-7, LoRA 4.5e-8).
+fine-tuning, LoRA and QLoRA (NF4 base) under the three meshes (cp x tp's QLoRA on the hidden-64
+model, whose tp pieces are whole quantization blocks; measured largest parameter differences: cp
+full 5.3e-7, LoRA 4.5e-8, QLoRA 3.0e-8; dp_shard x cp full 3.1e-7, LoRA 3.5e-7, QLoRA 6.0e-8;
+cp x tp full 5.3e-7, LoRA 4.5e-8, QLoRA 7.6e-7).
 Negative controls in the cp launch:
 - each rank's tokens at local positions 0..T_local-1, not their global ones: the logged values
   move 4.4e-4 and the parameters 3.9e-3 from one process;
@@ -19,39 +20,34 @@ Negative controls in the cp launch:
   losses and gradient norms halve.
 Trainer.evaluate after cp training (whole rows on every rank, the sharded weights gathered by
 FSDP) gives one process's eval_loss within 1e-5.
-Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; 40-60 s wall for the file on a shared 2-core machine (~40 s
-of CPU: three launches of 2-4 processes, most of it starting them).
+Hermetic: torch.multiprocessing spawn on localhost (the launches of tests/nd_launch.py, of 2 and
+4 processes, shared with the other N-D files), a tiny model (hidden 32, 2 layers), random token
+rows, one thread per process.
 Run: python -m pytest -q tests/test_context_parallel.py
 """
 
 import dataclasses
+import functools
 import os
-import socket
 from unittest import mock
 
+import nd_launch
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from tiny import join_as_rank, leave_group, tiny_model
+from nd_launch import BATCH, build, make_trainer, rows, trained
+from tiny import tiny_model
 
-from nanosft import ParallelismConfig, distributed
-from nanosft.args import TrainingArguments
-from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft import distributed
 from nanosft.loss import causal_lm_loss
 from nanosft.masking import build_attention_mask
-from nanosft.nf4 import quantize_model
 from nanosft.parallel import context_parallel
 from nanosft.parallel.context_parallel import (build_layout, load_balanced_index,
                                                online_softmax_attention, padded_length,
                                                shard_rows)
-from nanosft.peft import LoraConfig, get_peft_model
-from nanosft.trainer import Trainer
 
 VOCAB = 64
 TOL = 1e-5
-BATCH = 2  # per data-parallel rank
 
 
 # ----- single process: simulated cp ranks
@@ -133,46 +129,6 @@ def test_parts_of_the_loss_add_up_to_the_rows_loss():
 
 
 # ----- under spawn: the Trainer with parallelism_config
-def rows(n=24):
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(4, 14, (1,), generator=g))  # ragged: odd lengths, padding
-        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        out.append({"input_ids": ids,
-                    "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)]})
-    return out
-
-
-def build(mode):
-    model = tiny_model(seed=0)
-    if mode == "qlora":
-        quantize_model(model)  # NF4 base: FSDP over dp_shard x cp shards its packed bytes
-    if mode == "full":
-        return model
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                            init_lora_weights="gaussian"))
-
-
-def make_trainer(output_dir, batch_size, parallelism_config=None, mode="full"):
-    args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1,
-        save_strategy="no", use_cpu=True, optim="adamw_torch", disable_tqdm=True, seed=5,
-        max_grad_norm=0.5, report_to="none", parallelism_config=parallelism_config)
-    return Trainer(build(mode), args, train_dataset=rows(),
-                   data_collator=DataCollatorForLanguageModeling(0))
-
-
-def trained(trainer):
-    return {
-        "logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h],
-        "params": {n: distributed.to_full(p.detach()).clone()
-                   for n, p in trainer.model.named_parameters() if p.requires_grad},
-    }
-
-
 def local_positions(*args, **kwargs):
     part = shard_rows(*args, **kwargs)
     B, T = part.input_ids.shape
@@ -186,71 +142,59 @@ class WithoutCpFactor(context_parallel.ContextParallel):
         return outputs
 
 
-def _worker(rank, port, out, world_size, sizes, modes):
-    join_as_rank(rank, port, world_size)
+def _mode(mode):
+    """("qlora", True) for "wide qlora" (hidden 64: NF4 pieces under tp need whole blocks)."""
+    return mode.split()[-1], mode.startswith("wide")
+
+
+def _mesh_case(folder, sizes, modes):
     result = {}
     for mode in modes:
-        trainer = make_trainer(os.path.join(out, mode), BATCH, ParallelismConfig(**sizes), mode)
+        name, wide = _mode(mode)
+        trainer = make_trainer(os.path.join(folder, mode.replace(" ", "-")), BATCH, sizes, name,
+                               wide)
         trainer.train()
         result[mode] = trained(trainer)
-        if mode == "full" and world_size == 2:  # evaluate: whole rows on every rank
+        if mode == "full" and distributed.get_world_size() == 2:  # whole rows on every rank
             result["eval_loss"] = trainer.evaluate(rows(8))["eval_loss"]
     result["rows"] = [list(b) for b in trainer.get_train_dataloader().batch_sampler]
-    if world_size == 2:  # the negative controls
+    if distributed.get_world_size() == 2:  # the negative controls
         with mock.patch.object(context_parallel, "shard_rows", local_positions):
-            wrong = make_trainer(os.path.join(out, "local"), BATCH, ParallelismConfig(**sizes))
+            wrong = make_trainer(os.path.join(folder, "local"), BATCH, sizes)
             wrong.train()
         result["local_positions"] = trained(wrong)
         with mock.patch.object(context_parallel, "ContextParallel", WithoutCpFactor):
-            wrong = make_trainer(os.path.join(out, "factor"), BATCH, ParallelismConfig(**sizes))
+            wrong = make_trainer(os.path.join(folder, "factor"), BATCH, sizes)
             wrong.train()
         result["without_cp_factor"] = trained(wrong)
-    per_rank = [None] * world_size
+    per_rank = [None] * distributed.get_world_size()
     torch.distributed.all_gather_object(per_rank, result["rows"])
     result["per_rank_rows"] = per_rank
-    if rank == 0:
-        torch.save(result, os.path.join(out, "result.pt"))
-    leave_group()
-
-
-def launch(out, world_size, sizes, modes):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out), world_size, sizes, modes), nprocs=world_size,
-             join=True)
-    return torch.load(out / "result.pt", weights_only=False)
+    return result
 
 
 MESHES = {"cp": (2, {"cp_size": 2}), "dp_shard x cp": (4, {"dp_shard_size": 2, "cp_size": 2}),
           "cp x tp": (4, {"cp_size": 2, "tp_size": 2})}
-MODES = {"cp": ("full", "lora", "qlora"), "dp_shard x cp": ("full", "lora"),
-         "cp x tp": ("full", "lora")}
+MODES = {"cp": ("full", "lora", "qlora"), "dp_shard x cp": ("full", "lora", "qlora"),
+         "cp x tp": ("full", "lora", "wide qlora")}
+for _name, (_world_size, _sizes) in MESHES.items():
+    nd_launch.register(_world_size, f"cp/{_name}", functools.partial(
+        _mesh_case, sizes=_sizes, modes=MODES[_name]))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("cp")
-    single, results = {}, {}
+    results = {}
     for name, (world_size, sizes) in MESHES.items():
         dp = sizes.get("dp_shard_size", 1)
-        for mode in MODES[name]:
-            if (dp, mode) not in single:  # one process, the global batch
-                trainer = _train(out / f"single-{mode}-{dp}", BATCH * dp, mode)
-                single[dp, mode] = trained(trainer)
-                single[dp, mode]["eval_loss"] = trainer.evaluate(rows(8))["eval_loss"]
-        folder = out / name.replace(" ", "")
-        folder.mkdir()
-        results[name] = ({mode: single[dp, mode] for mode in MODES[name]},
-                         launch(folder, world_size, sizes, MODES[name]))
+        single = {}
+        for mode in MODES[name]:  # one process, the global batch
+            trainer, single[mode] = nd_launch.single(tmp_path_factory, BATCH * dp, *_mode(mode))
+            if mode == "full" and name == "cp":
+                single[mode] = {**single[mode],
+                                "eval_loss": trainer.evaluate(rows(8))["eval_loss"]}
+        results[name] = (single, nd_launch.results(tmp_path_factory, world_size)[f"cp/{name}"])
     return results
-
-
-def _train(folder, batch_size, mode):
-    trainer = make_trainer(str(folder), batch_size, mode=mode)
-    trainer.train()
-    return trainer
 
 
 def worst(a, b):
@@ -265,7 +209,8 @@ def test_mesh_trains_as_one_process(runs, name, mode):
     assert single["logged"][0][1] > 0.5  # clipping was active
     torch.testing.assert_close(nd["logged"], single["logged"], rtol=0, atol=TOL)
     difference = worst(nd["params"], single["params"])
-    start = {n: p.detach() for n, p in build(mode).named_parameters() if p.requires_grad}
+    start = {n: p.detach() for n, p in build(*_mode(mode)).named_parameters()
+             if p.requires_grad}
     moved = worst(single["params"], start)
     print(f"{name} {mode}: largest parameter difference from one process {difference:.2e} "
           f"(moved {moved:.2e})")
