@@ -19,7 +19,11 @@ Negative controls in the cp launch:
 - the loss returned without the cp factor (FSDP's average over cp ranks not undone): the logged
   losses and gradient norms halve.
 Trainer.evaluate after cp training (whole rows on every rank, the sharded weights gathered by
-FSDP) gives one process's eval_loss within 1e-5.
+FSDP) gives one process's eval_loss within 1e-5. SFTTrainer under dp_shard x cp (its loss from
+each cp rank's tokens, the fused head's per-token outputs gathered over cp for TRL's metrics):
+the logged loss, grad_norm, entropy, mean_token_accuracy and num_tokens of 3 steps within 1e-5 of
+one process, parameters within 1e-5 (measured 2.7e-6 at lr 1e-2); with compute_loss_func or in
+reference mode (loss paths reading the whole rows' logits) refused at construction.
 Hermetic: torch.multiprocessing spawn on localhost (the launches of tests/nd_launch.py, of 2 and
 4 processes, shared with the other N-D files), a tiny model (hidden 32, 2 layers), random token
 rows, one thread per process.
@@ -182,6 +186,53 @@ for _name, (_world_size, _sizes) in MESHES.items():
         _mesh_case, sizes=_sizes, modes=MODES[_name]))
 
 
+# SFTTrainer: prompt + completion rows (the completion one repeated token, so the token accuracy
+# moves off 0 within 3 steps), pre-tokenized; its loss from the fused head's per-token outputs
+SFT_MESH = {"dp_shard_size": 2, "cp_size": 2}
+
+
+def sft_rows():
+    out = []
+    for row in rows():
+        ids, half = row["input_ids"], len(row["input_ids"]) // 2
+        out.append({"input_ids": ids[:half] + [7] * (len(ids) - half),
+                    "completion_mask": [0] * half + [1] * (len(ids) - half)})
+    return out
+
+
+def sft_trainer(output_dir, batch_size, sizes=None):
+    from nanosft.args import SFTConfig
+    from nanosft.sft import SFTTrainer
+    from nanosft.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.train(["the cat sat on the mat", "red green blue"], vocab_size=260)
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=batch_size,
+                     gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2,
+                     logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
+                     optim="adamw_torch", disable_tqdm=True, seed=5, max_grad_norm=0.5,
+                     report_to="none", parallelism_config=sizes)
+    return SFTTrainer(tiny_model(seed=0, vocab_size=len(tokenizer)), args,
+                      train_dataset=sft_rows(), processing_class=tokenizer)
+
+
+SFT_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def sft_trained(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"logged": [[h[k] for k in SFT_LOGGED] for h in logs],
+            "params": trained(trainer)["params"]}
+
+
+def _sft_case(folder):
+    trainer = sft_trainer(folder, BATCH, SFT_MESH)
+    trainer.train()
+    return sft_trained(trainer)
+
+
+nd_launch.register(4, "cp/sft", _sft_case)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     results = {}
@@ -194,6 +245,9 @@ def runs(tmp_path_factory):
                 single[mode] = {**single[mode],
                                 "eval_loss": trainer.evaluate(rows(8))["eval_loss"]}
         results[name] = (single, nd_launch.results(tmp_path_factory, world_size)[f"cp/{name}"])
+    trainer = sft_trainer(str(tmp_path_factory.mktemp("sft")), 2 * BATCH)
+    trainer.train()
+    results["sft"] = (sft_trained(trainer), nd_launch.results(tmp_path_factory, 4)["cp/sft"])
     return results
 
 
@@ -247,20 +301,39 @@ def test_loss_without_the_cp_factor_is_wrong(runs):
 
 
 # ----- refused before any work
-def test_sft_trainer_under_cp_is_refused(tmp_path, monkeypatch):
+def test_sft_trainer_under_cp_trains_as_one_process(runs):
+    single, nd = runs["sft"]
+    accuracy = SFT_LOGGED.index("mean_token_accuracy")
+    assert len(single["logged"]) == 3 and single["logged"][-1][accuracy] > 0.2
+    # loss, grad_norm and TRL's token metrics (entropy, accuracy: the per-token outputs of the
+    # cp ranks gathered; num_tokens: each data shard counted once)
+    torch.testing.assert_close(nd["logged"], single["logged"], rtol=0, atol=TOL)
+    difference = worst(nd["params"], single["params"])
+    print(f"SFTTrainer under dp_shard x cp: largest parameter difference {difference:.2e}")
+    assert difference <= TOL
+
+
+@pytest.mark.parametrize("how", ["compute_loss_func", "reference mode"])
+def test_sft_trainer_under_cp_reading_whole_logits_is_refused(tmp_path, monkeypatch, how):
+    from nanosft import reference
     from nanosft.args import SFTConfig
     from nanosft.sft import SFTTrainer
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                      parallelism_config={"cp_size": 2})
-    with pytest.raises(ValueError, match="SFTTrainer with parallelism_config cp_size=2"):
-        SFTTrainer(tiny_model(seed=0), args, train_dataset=rows())
+    loss_func = (lambda outputs, labels, num_items_in_batch=None: outputs.loss) \
+        if how == "compute_loss_func" else None
+    if how == "reference mode":
+        monkeypatch.setattr(reference, "_enabled", True)
+    with pytest.raises(ValueError, match=f"SFTTrainer with parallelism_config cp_size=2 and {how}"):
+        SFTTrainer(tiny_model(seed=0), args, train_dataset=rows(), compute_loss_func=loss_func)
 
 
 @pytest.mark.parametrize("change, words", [
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor > 0"),
+    ({"loss_type": "dft"}, "loss_type='dft'"),
 ])
 def test_what_cp_does_not_split_is_refused(change, words):
     from types import SimpleNamespace
@@ -268,6 +341,7 @@ def test_what_cp_does_not_split_is_refused(change, words):
     from nanosft.parallel.context_parallel import check_context_parallel
 
     model = tiny_model(seed=0, **{k: v for k, v in change.items() if k == "rope_scaling"})
-    args = SimpleNamespace(label_smoothing_factor=change.get("label_smoothing_factor", 0))
+    args = SimpleNamespace(label_smoothing_factor=change.get("label_smoothing_factor", 0),
+                           loss_type=change.get("loss_type", "nll"))
     with pytest.raises(ValueError, match=words):
         check_context_parallel(model, args)
