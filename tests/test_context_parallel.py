@@ -224,10 +224,29 @@ def sft_trained(trainer):
             "params": trained(trainer)["params"]}
 
 
+def _own_tokens_only(self, outputs, logits, part, length):
+    """The negative control: each rank's per-token fields alone (zeros for the other cp ranks'
+    tokens instead of their gathered fields)."""
+    def own_piece(pieces, x, group=None):
+        for j, piece in enumerate(pieces):
+            piece.copy_(x if j == self.cp_rank else torch.zeros_like(x))
+
+    with mock.patch.object(torch.distributed, "all_gather", own_piece):
+        original_token_outputs(self, outputs, logits, part, length)
+
+
+original_token_outputs = context_parallel.ContextParallel._token_outputs
+
+
 def _sft_case(folder):
-    trainer = sft_trainer(folder, BATCH, SFT_MESH)
+    trainer = sft_trainer(os.path.join(folder, "sft"), BATCH, SFT_MESH)
     trainer.train()
-    return sft_trained(trainer)
+    result = sft_trained(trainer)
+    with mock.patch.object(context_parallel.ContextParallel, "_token_outputs", _own_tokens_only):
+        wrong = sft_trainer(os.path.join(folder, "own"), BATCH, SFT_MESH)
+        wrong.train()
+    result["own tokens only"] = sft_trained(wrong)["logged"]
+    return result
 
 
 nd_launch.register(4, "cp/sft", _sft_case)
@@ -311,6 +330,10 @@ def test_sft_trainer_under_cp_trains_as_one_process(runs):
     difference = worst(nd["params"], single["params"])
     print(f"SFTTrainer under dp_shard x cp: largest parameter difference {difference:.2e}")
     assert difference <= TOL
+    # negative control: each cp rank's metrics over its own tokens only are not one process's
+    entropy = SFT_LOGGED.index("entropy")
+    assert max(abs(a[entropy] - b[entropy]) + abs(a[accuracy] - b[accuracy])
+               for a, b in zip(nd["own tokens only"], single["logged"])) > 1e-3
 
 
 @pytest.mark.parametrize("how", ["compute_loss_func", "reference mode"])
