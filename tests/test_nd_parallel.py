@@ -296,3 +296,12 @@ def test_train_flags_make_one_parallelism_config(tmp_path, monkeypatch):
     args = build_parser().parse_args(argv[:-2])  # 2 of 4 ranks laid out: refused, named
     with pytest.raises(ValueError, match="tp_size=2 = 2 ranks, but 4 processes"):
         build_train_configs(args, args.sft_names, args.lora_names)
+
+
+def test_device_mesh_without_tp_plan_is_refused(tmp_path):
+    from nanosft.families.auto import AutoModelForCausalLM
+
+    tiny_model(seed=0).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match='device_mesh= is the mesh tp_plan splits the model over; '
+                                         'pass tp_plan="auto" with it'):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path), device_mesh=object())
