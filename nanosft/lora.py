@@ -240,6 +240,8 @@ class LoraLinear(nn.Module):
         half = A.dtype == torch.float16  # peft computes B @ A of fp16 adapters in fp32
         lora_weight = B.float() @ A.float() if half else B @ A
         weight = base_weight(self.base_layer).to(A.device)
+        if hasattr(weight, "full_tensor"):  # split by a tp_plan (a DTensor): the whole rows' norm
+            weight = weight.full_tensor()
         lora_weight = lora_weight.half() if half else lora_weight
         return dora_weight_norm(weight, lora_weight, self.scaling[name])
 

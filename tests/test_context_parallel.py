@@ -9,49 +9,49 @@ relative (they reach ~5: a few fp32 ulps); every rank scores as many causal (que
 the loss of the parts summed equals the whole rows' loss.
 Under spawn: the logged loss and grad_norm of 3 optimizer steps (gradient accumulation 2,
 clipping active) and every trainable parameter afterwards equal one process within 1e-5, for full
-fine-tuning and LoRA under the three meshes and QLoRA (NF4 base) under cp (measured largest
-parameter differences: cp full 5.3e-7, LoRA 4.5e-8, QLoRA 3.0e-8; dp_shard x cp full 3.1e-7, LoRA
-3.5e-7; cp x tp full 5.3e-7, LoRA 4.5e-8).
+fine-tuning, LoRA and QLoRA (NF4 base) under the three meshes (cp x tp's QLoRA on the hidden-64
+model, whose tp pieces are whole quantization blocks; measured largest parameter differences: cp
+full 5.3e-7, LoRA 4.5e-8, QLoRA 3.0e-8; dp_shard x cp full 3.1e-7, LoRA 3.5e-7, QLoRA 6.0e-8;
+cp x tp full 5.3e-7, LoRA 4.5e-8, QLoRA 7.6e-7).
 Negative controls in the cp launch:
 - each rank's tokens at local positions 0..T_local-1, not their global ones: the logged values
   move 4.4e-4 and the parameters 3.9e-3 from one process;
 - the loss returned without the cp factor (FSDP's average over cp ranks not undone): the logged
   losses and gradient norms halve.
 Trainer.evaluate after cp training (whole rows on every rank, the sharded weights gathered by
-FSDP) gives one process's eval_loss within 1e-5.
-Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; 40-60 s wall for the file on a shared 2-core machine (~40 s
-of CPU: three launches of 2-4 processes, most of it starting them).
+FSDP) gives one process's eval_loss within 1e-5. SFTTrainer under dp_shard x cp (its loss from
+each cp rank's tokens, the fused head's per-token outputs gathered over cp for TRL's metrics):
+the logged loss, grad_norm, entropy, mean_token_accuracy and num_tokens of 3 steps within 1e-5 of
+one process, parameters within 1e-5 (measured 2.7e-6 at lr 1e-2); with compute_loss_func or in
+reference mode (loss paths reading the whole rows' logits) refused at construction.
+Hermetic: torch.multiprocessing spawn on localhost (the launches of tests/nd_launch.py, of 2 and
+4 processes, shared with the other N-D files), a tiny model (hidden 32, 2 layers), random token
+rows, one thread per process.
 Run: python -m pytest -q tests/test_context_parallel.py
 """
 
 import dataclasses
+import functools
 import os
-import socket
 from unittest import mock
 
+import nd_launch
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from tiny import join_as_rank, leave_group, tiny_model
+from nd_launch import BATCH, build, make_trainer, rows, trained
+from tiny import tiny_model
 
-from nanosft import ParallelismConfig, distributed
-from nanosft.args import TrainingArguments
-from nanosft.collator import DataCollatorForLanguageModeling
+from nanosft import distributed
 from nanosft.loss import causal_lm_loss
 from nanosft.masking import build_attention_mask
-from nanosft.nf4 import quantize_model
 from nanosft.parallel import context_parallel
 from nanosft.parallel.context_parallel import (build_layout, load_balanced_index,
                                                online_softmax_attention, padded_length,
                                                shard_rows)
-from nanosft.peft import LoraConfig, get_peft_model
-from nanosft.trainer import Trainer
 
 VOCAB = 64
 TOL = 1e-5
-BATCH = 2  # per data-parallel rank
 
 
 # ----- single process: simulated cp ranks
@@ -133,46 +133,6 @@ def test_parts_of_the_loss_add_up_to_the_rows_loss():
 
 
 # ----- under spawn: the Trainer with parallelism_config
-def rows(n=24):
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(4, 14, (1,), generator=g))  # ragged: odd lengths, padding
-        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        out.append({"input_ids": ids,
-                    "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)]})
-    return out
-
-
-def build(mode):
-    model = tiny_model(seed=0)
-    if mode == "qlora":
-        quantize_model(model)  # NF4 base: FSDP over dp_shard x cp shards its packed bytes
-    if mode == "full":
-        return model
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                            init_lora_weights="gaussian"))
-
-
-def make_trainer(output_dir, batch_size, parallelism_config=None, mode="full"):
-    args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1,
-        save_strategy="no", use_cpu=True, optim="adamw_torch", disable_tqdm=True, seed=5,
-        max_grad_norm=0.5, report_to="none", parallelism_config=parallelism_config)
-    return Trainer(build(mode), args, train_dataset=rows(),
-                   data_collator=DataCollatorForLanguageModeling(0))
-
-
-def trained(trainer):
-    return {
-        "logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h],
-        "params": {n: distributed.to_full(p.detach()).clone()
-                   for n, p in trainer.model.named_parameters() if p.requires_grad},
-    }
-
-
 def local_positions(*args, **kwargs):
     part = shard_rows(*args, **kwargs)
     B, T = part.input_ids.shape
@@ -186,71 +146,128 @@ class WithoutCpFactor(context_parallel.ContextParallel):
         return outputs
 
 
-def _worker(rank, port, out, world_size, sizes, modes):
-    join_as_rank(rank, port, world_size)
+def _mode(mode):
+    """("qlora", True) for "wide qlora" (hidden 64: NF4 pieces under tp need whole blocks)."""
+    return mode.split()[-1], mode.startswith("wide")
+
+
+def _mesh_case(folder, sizes, modes):
     result = {}
     for mode in modes:
-        trainer = make_trainer(os.path.join(out, mode), BATCH, ParallelismConfig(**sizes), mode)
+        name, wide = _mode(mode)
+        trainer = make_trainer(os.path.join(folder, mode.replace(" ", "-")), BATCH, sizes, name,
+                               wide)
         trainer.train()
         result[mode] = trained(trainer)
-        if mode == "full" and world_size == 2:  # evaluate: whole rows on every rank
+        if mode == "full" and distributed.get_world_size() == 2:  # whole rows on every rank
             result["eval_loss"] = trainer.evaluate(rows(8))["eval_loss"]
     result["rows"] = [list(b) for b in trainer.get_train_dataloader().batch_sampler]
-    if world_size == 2:  # the negative controls
+    if distributed.get_world_size() == 2:  # the negative controls
         with mock.patch.object(context_parallel, "shard_rows", local_positions):
-            wrong = make_trainer(os.path.join(out, "local"), BATCH, ParallelismConfig(**sizes))
+            wrong = make_trainer(os.path.join(folder, "local"), BATCH, sizes)
             wrong.train()
         result["local_positions"] = trained(wrong)
         with mock.patch.object(context_parallel, "ContextParallel", WithoutCpFactor):
-            wrong = make_trainer(os.path.join(out, "factor"), BATCH, ParallelismConfig(**sizes))
+            wrong = make_trainer(os.path.join(folder, "factor"), BATCH, sizes)
             wrong.train()
         result["without_cp_factor"] = trained(wrong)
-    per_rank = [None] * world_size
+    per_rank = [None] * distributed.get_world_size()
     torch.distributed.all_gather_object(per_rank, result["rows"])
     result["per_rank_rows"] = per_rank
-    if rank == 0:
-        torch.save(result, os.path.join(out, "result.pt"))
-    leave_group()
-
-
-def launch(out, world_size, sizes, modes):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out), world_size, sizes, modes), nprocs=world_size,
-             join=True)
-    return torch.load(out / "result.pt", weights_only=False)
+    return result
 
 
 MESHES = {"cp": (2, {"cp_size": 2}), "dp_shard x cp": (4, {"dp_shard_size": 2, "cp_size": 2}),
           "cp x tp": (4, {"cp_size": 2, "tp_size": 2})}
-MODES = {"cp": ("full", "lora", "qlora"), "dp_shard x cp": ("full", "lora"),
-         "cp x tp": ("full", "lora")}
+MODES = {"cp": ("full", "lora", "qlora"), "dp_shard x cp": ("full", "lora", "qlora"),
+         "cp x tp": ("full", "lora", "wide qlora")}
+for _name, (_world_size, _sizes) in MESHES.items():
+    nd_launch.register(_world_size, f"cp/{_name}", functools.partial(
+        _mesh_case, sizes=_sizes, modes=MODES[_name]))
+
+
+# SFTTrainer: prompt + completion rows (the completion one repeated token, so the token accuracy
+# moves off 0 within 3 steps), pre-tokenized; its loss from the fused head's per-token outputs
+SFT_MESH = {"dp_shard_size": 2, "cp_size": 2}
+
+
+def sft_rows():
+    out = []
+    for row in rows():
+        ids, half = row["input_ids"], len(row["input_ids"]) // 2
+        out.append({"input_ids": ids[:half] + [7] * (len(ids) - half),
+                    "completion_mask": [0] * half + [1] * (len(ids) - half)})
+    return out
+
+
+def sft_trainer(output_dir, batch_size, sizes=None):
+    from nanosft.args import SFTConfig
+    from nanosft.sft import SFTTrainer
+    from nanosft.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.train(["the cat sat on the mat", "red green blue"], vocab_size=260)
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=batch_size,
+                     gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2,
+                     logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
+                     optim="adamw_torch", disable_tqdm=True, seed=5, max_grad_norm=0.5,
+                     report_to="none", parallelism_config=sizes)
+    return SFTTrainer(tiny_model(seed=0, vocab_size=len(tokenizer)), args,
+                      train_dataset=sft_rows(), processing_class=tokenizer)
+
+
+SFT_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def sft_trained(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"logged": [[h[k] for k in SFT_LOGGED] for h in logs],
+            "params": trained(trainer)["params"]}
+
+
+def _own_tokens_only(self, outputs, logits, part, length):
+    """The negative control: each rank's per-token fields alone (zeros for the other cp ranks'
+    tokens instead of their gathered fields)."""
+    def own_piece(pieces, x, group=None):
+        for j, piece in enumerate(pieces):
+            piece.copy_(x if j == self.cp_rank else torch.zeros_like(x))
+
+    with mock.patch.object(torch.distributed, "all_gather", own_piece):
+        original_token_outputs(self, outputs, logits, part, length)
+
+
+original_token_outputs = context_parallel.ContextParallel._token_outputs
+
+
+def _sft_case(folder):
+    trainer = sft_trainer(os.path.join(folder, "sft"), BATCH, SFT_MESH)
+    trainer.train()
+    result = sft_trained(trainer)
+    with mock.patch.object(context_parallel.ContextParallel, "_token_outputs", _own_tokens_only):
+        wrong = sft_trainer(os.path.join(folder, "own"), BATCH, SFT_MESH)
+        wrong.train()
+    result["own tokens only"] = sft_trained(wrong)["logged"]
+    return result
+
+
+nd_launch.register(4, "cp/sft", _sft_case)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("cp")
-    single, results = {}, {}
+    results = {}
     for name, (world_size, sizes) in MESHES.items():
         dp = sizes.get("dp_shard_size", 1)
-        for mode in MODES[name]:
-            if (dp, mode) not in single:  # one process, the global batch
-                trainer = _train(out / f"single-{mode}-{dp}", BATCH * dp, mode)
-                single[dp, mode] = trained(trainer)
-                single[dp, mode]["eval_loss"] = trainer.evaluate(rows(8))["eval_loss"]
-        folder = out / name.replace(" ", "")
-        folder.mkdir()
-        results[name] = ({mode: single[dp, mode] for mode in MODES[name]},
-                         launch(folder, world_size, sizes, MODES[name]))
-    return results
-
-
-def _train(folder, batch_size, mode):
-    trainer = make_trainer(str(folder), batch_size, mode=mode)
+        single = {}
+        for mode in MODES[name]:  # one process, the global batch
+            trainer, single[mode] = nd_launch.single(tmp_path_factory, BATCH * dp, *_mode(mode))
+            if mode == "full" and name == "cp":
+                single[mode] = {**single[mode],
+                                "eval_loss": trainer.evaluate(rows(8))["eval_loss"]}
+        results[name] = (single, nd_launch.results(tmp_path_factory, world_size)[f"cp/{name}"])
+    trainer = sft_trainer(str(tmp_path_factory.mktemp("sft")), 2 * BATCH)
     trainer.train()
-    return trainer
+    results["sft"] = (sft_trained(trainer), nd_launch.results(tmp_path_factory, 4)["cp/sft"])
+    return results
 
 
 def worst(a, b):
@@ -265,7 +282,8 @@ def test_mesh_trains_as_one_process(runs, name, mode):
     assert single["logged"][0][1] > 0.5  # clipping was active
     torch.testing.assert_close(nd["logged"], single["logged"], rtol=0, atol=TOL)
     difference = worst(nd["params"], single["params"])
-    start = {n: p.detach() for n, p in build(mode).named_parameters() if p.requires_grad}
+    start = {n: p.detach() for n, p in build(*_mode(mode)).named_parameters()
+             if p.requires_grad}
     moved = worst(single["params"], start)
     print(f"{name} {mode}: largest parameter difference from one process {difference:.2e} "
           f"(moved {moved:.2e})")
@@ -302,20 +320,43 @@ def test_loss_without_the_cp_factor_is_wrong(runs):
 
 
 # ----- refused before any work
-def test_sft_trainer_under_cp_is_refused(tmp_path, monkeypatch):
+def test_sft_trainer_under_cp_trains_as_one_process(runs):
+    single, nd = runs["sft"]
+    accuracy = SFT_LOGGED.index("mean_token_accuracy")
+    assert len(single["logged"]) == 3 and single["logged"][-1][accuracy] > 0.2
+    # loss, grad_norm and TRL's token metrics (entropy, accuracy: the per-token outputs of the
+    # cp ranks gathered; num_tokens: each data shard counted once)
+    torch.testing.assert_close(nd["logged"], single["logged"], rtol=0, atol=TOL)
+    difference = worst(nd["params"], single["params"])
+    print(f"SFTTrainer under dp_shard x cp: largest parameter difference {difference:.2e}")
+    assert difference <= TOL
+    # negative control: each cp rank's metrics over its own tokens only are not one process's
+    entropy = SFT_LOGGED.index("entropy")
+    assert max(abs(a[entropy] - b[entropy]) + abs(a[accuracy] - b[accuracy])
+               for a, b in zip(nd["own tokens only"], single["logged"])) > 1e-3
+
+
+@pytest.mark.parametrize("how", ["compute_loss_func", "reference mode"])
+def test_sft_trainer_under_cp_reading_whole_logits_is_refused(tmp_path, monkeypatch, how):
+    from nanosft import reference
     from nanosft.args import SFTConfig
     from nanosft.sft import SFTTrainer
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                      parallelism_config={"cp_size": 2})
-    with pytest.raises(ValueError, match="SFTTrainer with parallelism_config cp_size=2"):
-        SFTTrainer(tiny_model(seed=0), args, train_dataset=rows())
+    loss_func = (lambda outputs, labels, num_items_in_batch=None: outputs.loss) \
+        if how == "compute_loss_func" else None
+    if how == "reference mode":
+        monkeypatch.setattr(reference, "_enabled", True)
+    with pytest.raises(ValueError, match=f"SFTTrainer with parallelism_config cp_size=2 and {how}"):
+        SFTTrainer(tiny_model(seed=0), args, train_dataset=rows(), compute_loss_func=loss_func)
 
 
 @pytest.mark.parametrize("change, words", [
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor > 0"),
+    ({"loss_type": "dft"}, "loss_type='dft'"),
 ])
 def test_what_cp_does_not_split_is_refused(change, words):
     from types import SimpleNamespace
@@ -323,6 +364,7 @@ def test_what_cp_does_not_split_is_refused(change, words):
     from nanosft.parallel.context_parallel import check_context_parallel
 
     model = tiny_model(seed=0, **{k: v for k, v in change.items() if k == "rope_scaling"})
-    args = SimpleNamespace(label_smoothing_factor=change.get("label_smoothing_factor", 0))
+    args = SimpleNamespace(label_smoothing_factor=change.get("label_smoothing_factor", 0),
+                           loss_type=change.get("loss_type", "nll"))
     with pytest.raises(ValueError, match=words):
         check_context_parallel(model, args)

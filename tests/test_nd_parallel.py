@@ -10,75 +10,46 @@ dp_shard x tp, 7.1e-7 under tp; LoRA on all 7 projections 7.9e-7 and 6.0e-8), fo
 and for LoRA, whose adapters follow their base layer's plan (column-parallel base: A whole, B split
 along its output; row-parallel base: A split along its input, B whole; the local shapes are
 asserted); and Trainer.save_model under each mesh writes the files one process writes (whole
-tensors gathered from the DTensor pieces). Negative controls, in the same launch:
+tensors gathered from the DTensor pieces).
+A model already loaded with AutoModelForCausalLM.from_pretrained(tp_plan="auto",
+device_mesh=config.get_device_mesh()["tp"]) keeps its split and gets FSDP2 over dp_shard: full,
+and LoRA / DoRA injected by get_peft_model after loading (the adapters split to follow the plan),
+equal one process within 1e-5 (measured full 2.3e-7, LoRA 7.9e-7, DoRA 5.3e-7); loaded over
+other ranks than the config's tp group, or under tp_size=1, it is refused before any step.
+Negative controls, in the same launch:
 - the token count summed over all 4 ranks instead of the 2 data-parallel ones (tensor-parallel
   ranks count the same rows twice): the logged losses halve;
 - the clip norm with every value counted on every rank that holds it: grad_norm differs.
 Also: the mesh's dim names and which rows each rank reads (the tp ranks of one data shard read the
 same rows), and sizes refused before any work (product != world size, heads tp_size does not
 divide, accelerate's object accepted).
-Hermetic: torch.multiprocessing spawn on localhost, a tiny model (hidden 32, 2 layers), random
-token rows, one thread per process; ~32 s wall for the file on a shared 2-core machine.
+Hermetic: torch.multiprocessing spawn on localhost (the launches of tests/nd_launch.py, shared
+with the other N-D files), a tiny model (hidden 32, 2 layers), random token rows, one thread per
+process.
 Run: python -m pytest -q tests/test_nd_parallel.py
 """
 
+import functools
 import os
-import socket
 from unittest import mock
 
+import nd_launch
 import pytest
 import torch
-import torch.multiprocessing as mp
-from tiny import join_as_rank, leave_group, tiny_model
+from nd_launch import BATCH, largest_difference, lora_config, make_trainer, rows, trained
+from tiny import tiny_model
 
 from nanosft import ParallelismConfig, distributed
 from nanosft.args import TrainingArguments
 from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.parallel import parallelize
-from nanosft.peft import LoraConfig, get_peft_model
+from nanosft.peft import get_peft_model
 from nanosft.trainer import Trainer
 
-VOCAB = 64
 TOL = 1e-5
-BATCH = 2  # per data-parallel rank
-
-
-def rows(n=24):
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(4, 14, (1,), generator=g))  # ragged: shards pad differently
-        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        out.append({"input_ids": ids,
-                    "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)]})
-    return out
-
-
-def build(mode):
-    model = tiny_model(seed=0)
-    if mode == "full":
-        return model
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                            init_lora_weights="gaussian"))
-
-
-def make_trainer(output_dir, batch_size, parallelism_config=None, mode="full"):
-    args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1,
-        save_strategy="no", use_cpu=True, optim="adamw_torch", disable_tqdm=True, seed=5,
-        max_grad_norm=0.5, report_to="none", parallelism_config=parallelism_config)
-    return Trainer(build(mode), args, train_dataset=rows(),
-                   data_collator=DataCollatorForLanguageModeling(0))
-
-
-def trained(trainer):
-    return {
-        "logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h],
-        "params": {n: distributed.to_full(p.detach()).clone()
-                   for n, p in trainer.model.named_parameters() if p.requires_grad},
-    }
+MESHES = {"dp_shard x tp": (4, {"dp_shard_size": 2, "tp_size": 2}),
+          "tp": (2, {"tp_size": 2})}
+LOADED_MODES = ("full", "lora", "dora")
 
 
 def distributed_local(weight):
@@ -86,18 +57,18 @@ def distributed_local(weight):
     return weight.to_local().shape if hasattr(weight, "to_local") else weight.shape
 
 
-def _worker(rank, port, out, world_size, sizes):
-    join_as_rank(rank, port, world_size)
-    config = ParallelismConfig(**sizes)
-    trainer = make_trainer(os.path.join(out, "run"), BATCH, config)
+def _mesh_case(folder, sizes):
+    """Full and LoRA under `sizes`, their saved files, shapes, mesh and rows (and the negative
+    controls on 4 ranks)."""
+    trainer = make_trainer(os.path.join(folder, "run"), BATCH, sizes)
     trainer.train()
     result = trained(trainer)
-    mesh = config.get_device_mesh("cpu")
-    lora = make_trainer(os.path.join(out, "lora"), BATCH, ParallelismConfig(**sizes), "lora")
+    mesh = trainer.args.parallelism_config.get_device_mesh("cpu")
+    lora = make_trainer(os.path.join(folder, "lora"), BATCH, sizes, "lora")
     lora.train()
     result["lora"] = trained(lora)
-    trainer.save_model(os.path.join(out, "saved-full"))  # every rank: the pieces are gathered
-    lora.save_model(os.path.join(out, "saved-lora"))
+    trainer.save_model(os.path.join(folder, "saved-full"))  # every rank: the pieces are gathered
+    lora.save_model(os.path.join(folder, "saved-lora"))
     q = lora.model.get_base_model().model.layers[0].self_attn.q_proj
     o = lora.model.get_base_model().model.layers[0].self_attn.o_proj
     result["lora_local_shapes"] = [tuple(distributed_local(w)) for w in (
@@ -105,55 +76,85 @@ def _worker(rank, port, out, world_size, sizes):
         o.lora_A["default"].weight, o.lora_B["default"].weight)]
     result["mesh"] = (mesh.mesh_dim_names, tuple(mesh.shape), mesh["tp"].get_local_rank())
     result["rows"] = [list(b) for b in trainer.get_train_dataloader().batch_sampler]
-    if world_size == 4:  # the negative controls
+    if distributed.get_world_size() == 4:  # the negative controls
         original = distributed.all_reduce_sum
         over_world = mock.patch.object(distributed, "all_reduce_sum",
                                        lambda t, group=None: original(t))
         with over_world:
-            wrong = make_trainer(os.path.join(out, "world"), BATCH, ParallelismConfig(**sizes))
+            wrong = make_trainer(os.path.join(folder, "world"), BATCH, sizes)
             wrong.train()
         result["tokens_over_world"] = trained(wrong)["logged"]
         with mock.patch.object(parallelize, "_holders", lambda grad: 1):
-            wrong = make_trainer(os.path.join(out, "holders"), BATCH, ParallelismConfig(**sizes))
+            wrong = make_trainer(os.path.join(folder, "holders"), BATCH, sizes)
             wrong.train()
         result["norm_every_holder"] = trained(wrong)["logged"]
-    per_rank = [None] * world_size
+    per_rank = [None] * distributed.get_world_size()
     torch.distributed.all_gather_object(per_rank, (result["mesh"], result["rows"]))
     result["per_rank"] = per_rank
-    if rank == 0:
-        torch.save(result, os.path.join(out, "result.pt"))
-    leave_group()
+    return result
 
 
-def launch(out, world_size, sizes):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out), world_size, sizes), nprocs=world_size, join=True)
-    return torch.load(out / "result.pt", weights_only=False)
+def _loaded_trainer(folder, sizes, mode, tp_dim=lambda mesh: mesh["tp"], args_sizes=None):
+    """A Trainer of the tiny model loaded with tp_plan="auto" over tp_dim(the config's mesh)."""
+    from nanosft.families.auto import AutoModelForCausalLM
+
+    args = nd_launch.training_args(os.path.join(folder, mode), BATCH, args_sizes or sizes)
+    saved = os.path.join(folder, "model")
+    if not os.path.exists(os.path.join(saved, "config.json")):
+        if distributed.get_rank() == 0:
+            tiny_model(seed=0).save_pretrained(saved)
+        torch.distributed.barrier()
+    mesh = ParallelismConfig(**sizes).get_device_mesh("cpu") if args_sizes else \
+        args.parallelism_config.get_device_mesh("cpu")
+    model = AutoModelForCausalLM.from_pretrained(saved, tp_plan="auto",
+                                                 device_mesh=tp_dim(mesh))
+    if mode != "full":
+        tiny_model(seed=0)  # the generator's state build(mode) draws the adapters from
+        model = get_peft_model(model, lora_config(mode))
+    return Trainer(model, args, train_dataset=rows(),
+                   data_collator=DataCollatorForLanguageModeling(0))
 
 
-MESHES = {"dp_shard x tp": (4, {"dp_shard_size": 2, "tp_size": 2}),
-          "tp": (2, {"tp_size": 2})}
+def _loaded_case(folder):
+    sizes = MESHES["dp_shard x tp"][1]
+    result = {}
+    for mode in LOADED_MODES:
+        trainer = _loaded_trainer(folder, sizes, mode)
+        trainer.train()
+        result[mode] = trained(trainer)
+    refusals = {"other ranks": dict(tp_dim=lambda mesh: mesh["dp_shard"]),
+                "tp_size 1": dict(args_sizes={"dp_shard_size": 4})}
+    for name, kwargs in refusals.items():
+        trainer = _loaded_trainer(folder, sizes, "full", **kwargs)
+        try:
+            trainer.train()
+        except ValueError as error:
+            result[name] = str(error)
+    return result
+
+
+for _name, (_world_size, _sizes) in MESHES.items():
+    nd_launch.register(_world_size, f"nd/{_name}", functools.partial(_mesh_case, sizes=_sizes))
+nd_launch.register(4, "nd/loaded", _loaded_case)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("nd")
     results = {}
     for name, (world_size, sizes) in MESHES.items():
         dp = world_size // sizes["tp_size"]
-        single = make_trainer(str(out / f"single-{dp}"), BATCH * dp)
-        single.train()
-        lora = make_trainer(str(out / f"single-lora-{dp}"), BATCH * dp, mode="lora")
-        lora.train()
-        folder = out / name.replace(" ", "")
-        folder.mkdir()
-        single.save_model(str(folder / "single-full"))
-        lora.save_model(str(folder / "single-lora"))
-        results[name] = ({**trained(single), "lora": trained(lora), "folder": folder},
-                         launch(folder, world_size, sizes))
+        single, single_lora = (nd_launch.single(tmp_path_factory, BATCH * dp, mode)
+                               for mode in ("full", "lora"))
+        folder = tmp_path_factory.mktemp(name.replace(" ", ""))
+        single[0].save_model(str(folder / "single-full"))
+        single_lora[0].save_model(str(folder / "single-lora"))
+        nd = nd_launch.results(tmp_path_factory, world_size)
+        root = nd_launch.launch_root(tmp_path_factory, world_size)
+        results[name] = ({**single[1], "lora": single_lora[1], "folder": folder,
+                          "saved": nd_launch.case_folder(root, f"nd/{name}")}, nd[f"nd/{name}"])
+    results["loaded"] = ({mode: nd_launch.single(tmp_path_factory, 2 * BATCH, mode)[1]
+                          for mode in LOADED_MODES}, nd_launch.results(tmp_path_factory, 4)[
+                              "nd/loaded"])
     return results
 
 
@@ -181,6 +182,25 @@ def test_lora_under_tp_trains_as_one_process(runs, name):
     assert worst <= TOL
 
 
+@pytest.mark.parametrize("mode", LOADED_MODES)
+def test_model_loaded_with_tp_plan_trains_as_one_process(runs, mode):
+    single, nd = runs["loaded"][0][mode], runs["loaded"][1][mode]
+    assert single["logged"][0][1] > 0.5  # clipping was active
+    torch.testing.assert_close(nd["logged"], single["logged"], rtol=0, atol=TOL)
+    worst = largest_difference(nd["params"], single["params"])
+    print(f"loaded with tp_plan, dp_shard x tp, {mode}: largest parameter difference from one "
+          f"process {worst:.2e}")
+    assert worst <= TOL
+
+
+def test_model_loaded_over_other_ranks_is_refused(runs):
+    nd = runs["loaded"][1]
+    assert "loaded with tp_plan over ranks [0, 2], but parallelism_config (tp_size=2) puts rank " \
+           "0's tensor-parallel group on ranks [0, 1]" in nd["other ranks"]
+    assert "device_mesh=parallelism_config.get_device_mesh()" in nd["other ranks"]
+    assert "parallelism_config has tp_size=1" in nd["tp_size 1"]
+
+
 def test_adapters_follow_their_base_layers_plan(runs):
     # q_proj is column-parallel: A (4, 32) whole, B's 32 output rows split over tp; o_proj is
     # row-parallel: A's 32 input columns split, B (32, 4) whole (rank 0's pieces, before FSDP
@@ -194,8 +214,8 @@ def test_adapters_follow_their_base_layers_plan(runs):
 def test_save_model_writes_the_files_of_one_process(runs, name, mode):
     from safetensors.torch import load_file
 
-    folder = runs[name][0]["folder"]
-    one, nd = folder / f"single-{mode}", folder / f"saved-{mode}"
+    folder, saved = runs[name][0]["folder"], runs[name][0]["saved"]
+    one, nd = folder / f"single-{mode}", saved / f"saved-{mode}"
     assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in nd.iterdir())
     weights = "model.safetensors" if mode == "full" else "adapter_model.safetensors"
     a, b = load_file(one / weights), load_file(nd / weights)
@@ -276,3 +296,12 @@ def test_train_flags_make_one_parallelism_config(tmp_path, monkeypatch):
     args = build_parser().parse_args(argv[:-2])  # 2 of 4 ranks laid out: refused, named
     with pytest.raises(ValueError, match="tp_size=2 = 2 ranks, but 4 processes"):
         build_train_configs(args, args.sft_names, args.lora_names)
+
+
+def test_device_mesh_without_tp_plan_is_refused(tmp_path):
+    from nanosft.families.auto import AutoModelForCausalLM
+
+    tiny_model(seed=0).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match='device_mesh= is the mesh tp_plan splits the model over; '
+                                         'pass tp_plan="auto" with it'):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path), device_mesh=object())

@@ -22,80 +22,32 @@ Also asserted: each rank's 4-bit piece (codes, absmax, shape) and DoRA magnitude
 dequantizes bit-equal to the slice of the whole weight; a row-parallel dropout mask is the slice
 of the whole input's (a mask drawn on the piece is not); sizes that cut a block refused, naming
 the numbers; save_model under tp writes the QLoRA + DoRA adapter file one process writes
-(magnitudes and adapters gathered whole). Hermetic: torch.multiprocessing spawn on localhost, one
-thread a process; ~60 s wall for the file on a shared 2-core machine, 85 s under load (two
-spawns, of 2 and 4 processes, each running every mode of its meshes).
+(magnitudes and adapters gathered whole). Hermetic: torch.multiprocessing spawn on localhost (the
+launches of tests/nd_launch.py, of 2 and 4 processes, shared with the other N-D files: each runs
+every mode of its meshes), one thread a process.
 Run: python -m pytest -q tests/test_nd_parallel_qlora.py
 """
 
 import copy
+import functools
 import os
-import socket
 
+import nd_launch
 import pytest
 import torch
-import torch.multiprocessing as mp
-from tiny import join_as_rank, leave_group, tiny_model
+from nd_launch import BATCH, WIDE, build, make_trainer, trained
+from tiny import tiny_model
 from torch import nn
 
-from nanosft import ParallelismConfig, distributed
-from nanosft.args import TrainingArguments
-from nanosft.collator import DataCollatorForLanguageModeling
 from nanosft.nf4 import Linear4bit, quantize_model
 from nanosft.parallel.tensor_parallel import LLAMA_TP_PLAN
 from nanosft.parallel.tensor_parallel_peft import (RowParallelDropout, check_4bit_blocks,
                                                    split_linear4bit)
 from nanosft.peft import LoraConfig, get_peft_model
-from nanosft.trainer import Trainer
 
-VOCAB = 64
 TOL = 1e-5
-BATCH = 2  # per data-parallel rank
-SIZES = {"hidden_size": 64, "intermediate_size": 128}
-# o_proj reads hidden_size = 64 inputs: 32 columns a tp rank, half a block, so it stays float
-SKIP = ("lm_head", "o_proj")
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def rows(n=24):
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(4, 14, (1,), generator=g))  # ragged: shards pad differently
-        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        out.append({"input_ids": ids,
-                    "labels": [t if j >= length // 2 else -100 for j, t in enumerate(ids)]})
-    return out
-
-
-def build(mode):
-    model = tiny_model(seed=0, **SIZES)
-    if mode.startswith("q"):
-        quantize_model(model, skip_modules=SKIP)
-    if mode == "full":
-        return model
-    targets = ["q_proj", "v_proj"] if mode == "qlora_qv" else TARGETS  # the rest bare 4-bit
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian",
-                        use_dora="dora" in mode, lora_dropout=0.1 if "dropout" in mode else 0.0)
-    return get_peft_model(model, config)
-
-
-def make_trainer(output_dir, batch_size, mode, parallelism_config=None):
-    args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1,
-        save_strategy="no", use_cpu=True, optim="adamw_torch", disable_tqdm=True, seed=5,
-        max_grad_norm=0.5, report_to="none", parallelism_config=parallelism_config)
-    return Trainer(build(mode), args, train_dataset=rows(),
-                   data_collator=DataCollatorForLanguageModeling(0))
-
-
-def trained(trainer):
-    return {
-        "logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h],
-        "params": {n: distributed.to_full(p.detach()).clone()
-                   for n, p in trainer.model.named_parameters() if p.requires_grad},
-    }
+SIZES = WIDE  # hidden 64, MLP 128: NF4 under tp needs whole 64-value blocks on every rank
+TARGETS = nd_launch.TARGETS
 
 
 def _local_shape(t):
@@ -137,51 +89,40 @@ CASES = [(mesh, mode) for launches in LAUNCHES.values() for mesh, _, modes in la
          for mode in modes]
 
 
-def _worker(rank, port, out, world_size):
-    join_as_rank(rank, port, world_size)
+def _launch_case(folder, launches):
+    """Every mode of every mesh of one world size (the wide model), rank 0's results."""
     results = {}
-    for mesh, sizes, modes in LAUNCHES[world_size]:
+    for mesh, sizes, modes in launches:
         for mode in modes:
-            trainer = make_trainer(os.path.join(out, f"{mesh}-{mode}".replace(" ", "")), BATCH,
-                                   mode, ParallelismConfig(**sizes))
+            trainer = make_trainer(os.path.join(folder, f"{mesh}-{mode}".replace(" ", "")), BATCH,
+                                   sizes, mode, wide=True)
             trainer.train()
             results[mesh, mode] = {**trained(trainer), "pieces": pieces(trainer)
                                    if mode != "full" else {}}
             if (mesh, mode) == SAVED:  # every rank: the DTensor pieces are gathered
-                trainer.save_model(os.path.join(out, "saved"))
-    if rank == 0:
-        torch.save(results, os.path.join(out, "result.pt"))
-    leave_group()
+                trainer.save_model(os.path.join(folder, "saved"))
+    return results
 
 
-def launch(out, world_size):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out), world_size), nprocs=world_size, join=True)
-    return torch.load(out / "result.pt", weights_only=False)
+for _world_size, _launches in LAUNCHES.items():
+    nd_launch.register(_world_size, "qlora", functools.partial(_launch_case, launches=_launches))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("ndq")
-    nd, single = {}, {}
+    nd = {}
     for world_size, launches in LAUNCHES.items():
-        folder = out / f"world{world_size}"
-        folder.mkdir()
-        nd.update(launch(folder, world_size))
+        nd.update(nd_launch.results(tmp_path_factory, world_size)["qlora"])
         for mesh, sizes, modes in launches:
             dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1)
             for mode in modes:
-                if (dp, mode) not in single:
-                    trainer = make_trainer(str(out / f"single-{dp}-{mode}"), BATCH * dp, mode)
-                    trainer.train()
-                    single[dp, mode] = trained(trainer)
-                    if (mesh, mode) == SAVED:
-                        trainer.save_model(str(out / "single-saved"))
-                nd[mesh, mode]["single"] = single[dp, mode]
-    nd["folders"] = (out / "single-saved", out / "world2" / "saved")
+                trainer, single = nd_launch.single(tmp_path_factory, BATCH * dp, mode, wide=True)
+                nd[mesh, mode]["single"] = single
+                if (mesh, mode) == SAVED:
+                    single_saved = tmp_path_factory.mktemp("qlora") / "single-saved"
+                    trainer.save_model(str(single_saved))
+    root = nd_launch.launch_root(tmp_path_factory, 2)
+    nd["folders"] = (single_saved, nd_launch.case_folder(root, "qlora") / "saved")
     return nd
 
 
@@ -195,7 +136,8 @@ def test_trains_as_one_process(runs, mesh, mode):
     assert set(nd["params"]) == set(single["params"]) and single["params"]
     worst = max((nd["params"][k] - v).abs().max().item() for k, v in single["params"].items())
     logged = max(abs(a - b) for x, y in zip(nd["logged"], single["logged"]) for a, b in zip(x, y))
-    start = {n: p.detach() for n, p in build(mode).named_parameters() if p.requires_grad}
+    start = {n: p.detach() for n, p in build(mode, wide=True).named_parameters()
+             if p.requires_grad}
     moved = max((v - start[k]).abs().max().item() for k, v in single["params"].items())
     print(f"{mesh} {mode}: largest parameter difference from one process {worst:.2e} "
           f"(moved {moved:.2e}), loss / grad_norm {logged:.2e}")

@@ -189,12 +189,16 @@ class AutoModelForCausalLM:
     @staticmethod
     def from_pretrained(pretrained_model_name_or_path, *, dtype=None, quantization_config=None,
                         device_map=None, revision=None, torch_dtype=None, tp_plan=None,
-                        **kwargs):
+                        device_mesh=None, **kwargs):
         """The model in eval() mode, as transformers returns it. dtype None means "auto" (the dtype
         in config.json, as transformers 5); torch_dtype is its old name. tp_plan="auto" (under
-        torchrun) splits the decoder layers over the ranks (parallel.tensor_parallel).
+        torchrun) splits the decoder layers over the ranks (parallel.tensor_parallel), or over
+        the 1-D `device_mesh` (a parallelism config's mesh["tp"]).
         Mirrors: transformers PreTrainedModel.from_pretrained"""
         _check_kwargs(kwargs, "AutoModelForCausalLM.from_pretrained")
+        if device_mesh is not None and tp_plan is None:
+            raise ValueError("device_mesh= is the mesh tp_plan splits the model over; pass "
+                             'tp_plan="auto" with it, or drop device_mesh')
         dtype = dtype if dtype is not None else (torch_dtype if torch_dtype is not None else "auto")
         folder = hub.resolve_pretrained_path(pretrained_model_name_or_path, revision, "model")
         device = _device_from_map(device_map)
@@ -209,7 +213,7 @@ class AutoModelForCausalLM:
         if tp_plan is not None:  # applied to the loaded model, not by it (model.py sees no ranks)
             from nanosft.parallel.tensor_parallel import apply_tensor_parallel
 
-            apply_tensor_parallel(model, tp_plan)
+            apply_tensor_parallel(model, tp_plan, mesh=device_mesh)
         return model.eval()
 
     @staticmethod

@@ -242,9 +242,7 @@ class ContextParallel(nn.Module):
         above."""
         if input_ids is None or kwargs.get("inputs_embeds") is not None:
             raise ValueError("context parallel splits input_ids; pass input_ids, not inputs_embeds")
-        if kwargs.get("fused_lm_head"):
-            raise ValueError("context parallel with the fused LM head (SFTTrainer's loss path) is "
-                             "not implemented yet; train with Trainer, or use cp_size=1")
+        fused = kwargs.pop("fused_lm_head", False) and labels is not None
         part = shard_rows(input_ids, attention_mask, position_ids, labels, self.cp_size,
                           self.cp_rank, self.group)
         outputs = self.module(input_ids=part.input_ids, attention_mask=part.layout,
@@ -256,7 +254,31 @@ class ContextParallel(nn.Module):
                                ignore_index=IGNORE_INDEX, reduction="sum")
         count = part.num_items if num_items_in_batch is None else num_items_in_batch
         outputs.loss = self.cp_size * loss / torch.as_tensor(count, device=loss.device)
+        if fused:
+            self._token_outputs(outputs, logits.detach(), part, input_ids.shape[1])
         return outputs
+
+    def _token_outputs(self, outputs, logits, part, length) -> None:
+        """The fused LM head's per-token fields (SFTTrainer's token metrics), (B, length - 1) over
+        the whole rows as one process computes them: this rank's from its logits, all-gathered
+        over cp and put back at their positions. No gradient: the loss above carries it.
+        Differs: from this rank's (B, T / cp, V) logits, not tiles of the LM head."""
+        target = part.shift_labels
+        mask = target != IGNORE_INDEX
+        log_p = logits.log_softmax(-1)
+        picked = log_p.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1)
+        fields = torch.stack([picked * mask, -(log_p.exp() * log_p).sum(-1) * mask,
+                              ((logits.argmax(-1) == target) & mask).float(), mask.float()])
+        import torch.distributed as dist
+
+        pieces = [torch.empty_like(fields) for _ in range(self.cp_size)]
+        dist.all_gather(pieces, fields.contiguous(), group=self.group)
+        whole = fields.new_zeros(*fields.shape[:2], padded_length(length, self.cp_size))
+        for index, piece in zip(part.layout.key_index, pieces):
+            whole[:, :, index] = piece
+        log_probs, entropy, is_top1, label_mask = whole[:, :, :length - 1]
+        outputs.logits, outputs.log_probs, outputs.entropy = None, log_probs, entropy
+        outputs.is_top1, outputs.label_mask = is_top1.bool(), label_mask.bool()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's switch (the Trainer's no_sync on accumulation micro-batches), passed through."""
@@ -287,6 +309,10 @@ def check_context_parallel(model, args) -> None:
                          f"{base.config.rope_scaling['rope_type']!r} (frequencies from the "
                          "batch's length, which each rank sees only part of) is not implemented "
                          "yet; use cp_size=1")
+    if getattr(args, "loss_type", "nll") == "dft":
+        raise ValueError("context parallel with loss_type='dft' (its per-token weights need the "
+                         "fused head's log-probabilities with their gradient) is not implemented "
+                         "yet; use loss_type='nll' or cp_size=1")
     if args.label_smoothing_factor != 0:
         raise ValueError("context parallel with label_smoothing_factor > 0 (the Trainer's loss on "
                          "the whole rows' logits) is not implemented yet; use "

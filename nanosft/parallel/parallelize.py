@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from nanosft.distributed import all_reduce_sum, get_world_size, is_dtensor
+from nanosft.distributed import all_reduce_sum, get_rank, get_world_size, is_dtensor
 from nanosft.parallel.fsdp import apply_fsdp, normalize_fsdp_config
 from nanosft.parallel.mesh import check_parallelism
 from nanosft.parallel.tensor_parallel import (AUTO_PLAN_MODEL_TYPES, LLAMA_TP_PLAN,
@@ -53,26 +53,67 @@ def _local_features(model, tp_size) -> None:
                 m.out_features //= tp_size
 
 
+def _loaded_tp_mesh(model, config, device_type):
+    """The config's mesh for a model from_pretrained(tp_plan=..., device_mesh=...) already split:
+    its tp mesh must be this rank's tp group of the config's layout and, when another dim is
+    split too, a dim of the config's mesh (FSDP composes with DTensors of the same root mesh)."""
+    tp_mesh = next(p.device_mesh for p in model.parameters() if is_dtensor(p))
+    first = get_rank() - get_rank() % config.tp_size
+    expected, held = list(range(first, first + config.tp_size)), tp_mesh.mesh.flatten().tolist()
+    fix = ("load it with device_mesh=parallelism_config.get_device_mesh()[\"tp\"], or load it "
+           "plain and the Trainer applies the tp plan")
+    if tp_mesh.ndim != 1 or held != expected:
+        raise ValueError(f"this model was loaded with tp_plan over ranks {held}, but "
+                         f"parallelism_config (tp_size={config.tp_size}) puts rank {get_rank()}'s "
+                         f"tensor-parallel group on ranks {expected}; {fix}")
+    mesh = config.get_device_mesh(device_type)
+    if config.total_size > config.tp_size and tp_mesh._get_root_mesh() != mesh:
+        raise ValueError("this model was loaded with tp_plan over a mesh of its own; FSDP over "
+                         "the other dims needs the tp dim of parallelism_config's mesh: " + fix)
+    return mesh
+
+
+def _split_adapters(base, tp_mesh, tp_size) -> None:
+    """LoRA layers injected after the base was split (get_peft_model on a model loaded with
+    tp_plan): their adapters follow the base layer's plan, laid out as adapter_tp_plan does."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {k: styles[v]() for k, v in adapter_tp_plan(base).items() if k.endswith(".*")}
+    if plan:
+        parallelize_module(base.model, tp_mesh, plan)
+        parallelize_peft_layers(base, LLAMA_TP_PLAN, tp_mesh)
+        _local_features(base, tp_size)
+
+
 def parallelize(model, args):
     """Lay `model` over args.parallelism_config's mesh, in place; returns the model to call (DDP's
     wrapper when dp_replicate_size alone is > 1, context_parallel.ContextParallel's when cp_size
     > 1, else `model`). FSDP2 runs over "dp_shard", or over ("dp_replicate", "dp_shard") when
     there are replicas beside another dim (HSDP: sharded within a replica, gradients all-reduced
     across replicas; with dp_shard_size 1 each replica holds the whole tensor-parallel piece), or
-    over dp_shard x cp under context parallel. Mirrors: accelerate prepare_nd_parallel
-    Differs: a model loaded with tp_plan is refused (not yet)."""
+    over dp_shard x cp under context parallel. A model loaded with from_pretrained(tp_plan="auto",
+    device_mesh=config.get_device_mesh()["tp"]) keeps its split (LoRA adapters injected after it
+    are split to follow it); the rest of the plan is applied. Mirrors: accelerate
+    prepare_nd_parallel (a model with tp_size checked against the config's)"""
     config = args.parallelism_config
     check_parallelism(config, get_world_size(), model)
     if config.total_size == 1:  # one process: nothing to lay out
         return model
-    if any(is_dtensor(p) for p in model.parameters()):
-        raise ValueError("this model is already split over ranks (loaded with tp_plan); with "
-                         "parallelism_config, load it plain and the Trainer applies the plan")
+    device_type = torch.device(args.device).type
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if config.tp_size > 1:
+    loaded_split = any(is_dtensor(p) for p in model.parameters())
+    if loaded_split and config.tp_size == 1:
+        raise ValueError("this model was loaded with tp_plan (split over ranks), but "
+                         "parallelism_config has tp_size=1; set tp_size to the size of its "
+                         "device_mesh, or load it without tp_plan")
+    if loaded_split:
+        _split_adapters(base, _loaded_tp_mesh(model, config, device_type)["tp"], config.tp_size)
+    elif config.tp_size > 1:
         check_4bit_blocks(base, LLAMA_TP_PLAN, config.tp_size)
-    mesh = config.get_device_mesh(torch.device(args.device).type)
-    if config.tp_size > 1:
+    mesh = config.get_device_mesh(device_type)
+    if config.tp_size > 1 and not loaded_split:
         model_type = getattr(base.config, "model_type", "llama")
         plan = adapter_tp_plan(base) if model_type in AUTO_PLAN_MODEL_TYPES else "auto"
         apply_tensor_parallel(base, tp_plan=plan, mesh=mesh["tp"])  # "auto" refuses the type

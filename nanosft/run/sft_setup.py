@@ -25,7 +25,7 @@ def dataset_name(dataset, default):
 def check_arguments(args, data_collator, train_dataset, compute_loss_func) -> None:
     """The arguments TRL refuses before it builds anything (a collator passed positionally in
     train_dataset's place, no train_dataset, DFT with a loss function of one's own), and context
-    parallel, which nanosft's SFT loss path does not split yet."""
+    parallel with a loss path that reads whole rows' logits (reference mode, compute_loss_func)."""
     if data_collator is not None and not callable(data_collator):
         raise TypeError("SFTTrainer: data_collator (the third positional argument, as in TRL) "
                         f"must be callable, got {type(data_collator).__name__}; pass "
@@ -38,10 +38,15 @@ def check_arguments(args, data_collator, train_dataset, compute_loss_func) -> No
                          "compute_loss_func or use loss_type='nll'.")
     parallelism = getattr(args, "parallelism_config", None)
     if parallelism is not None and parallelism.cp_size > 1:
-        raise ValueError(f"SFTTrainer with parallelism_config cp_size={parallelism.cp_size}: "
-                         "context parallel under SFTTrainer (its fused LM head and token metrics "
-                         "read whole rows) is not implemented yet; train with nanosft's Trainer "
-                         "or use cp_size=1.")
+        from nanosft.reference import fast_path
+
+        if compute_loss_func is not None or fast_path("fused_lm_head_outputs") is None:
+            raise ValueError(
+                f"SFTTrainer with parallelism_config cp_size={parallelism.cp_size} and "
+                f"{'compute_loss_func' if compute_loss_func is not None else 'reference mode'}: "
+                "that loss path reads the whole rows' logits, which context parallel splits "
+                "(not implemented yet); drop it (SFTTrainer's own loss, the fused LM head's "
+                "per-token outputs, runs under cp) or use cp_size=1.")
 
 
 def check_argument_types(processing_class, peft_config, formatting_func) -> None:
