@@ -610,7 +610,39 @@ def get_peft_model_state_dict(model, state_dict=None, adapter_name="default",
         return {"prompt_embeddings": prompt_embeddings}
     state_dict = model.state_dict() if state_dict is None else state_dict
     keys = _adapter_keys(model, adapter_name)
+    if save_embedding_layers == "auto":
+        save_embedding_layers = (_embedding_targeted(model, config)
+                                 and config.trainable_token_indices is None)
+        if save_embedding_layers:
+            warnings.warn("Setting `save_embedding_layers` to `True` as embedding layers found in "
+                          "`target_modules`.")
+    if save_embedding_layers:
+        keys.update({k: k for k in _embedding_base_keys(model, state_dict)})
     return {saved: state_dict[k].detach() for saved, k in keys.items()}
+
+
+def _embedding_targeted(model, config):
+    # peft: an entry named exactly embed_tokens / lm_head, or a regex matching such a module
+    target = config.target_modules
+    if isinstance(target, str) and target != "all-linear":
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return any(re.fullmatch(target, n) for n, _ in base.named_modules()
+                   if re.match(r"(.*\.)?(embed_tokens|lm_head)$", n))
+    return isinstance(target, list) and any(k in target for k in ("embed_tokens", "lm_head"))
+
+
+def _embedding_base_keys(model, state_dict):
+    # the base weights of the input / output embeddings that carry a LoRA layer: saved whole, as
+    # peft's save_embedding_layers saves them (a resized vocabulary travels with the adapter)
+    out = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        layer = getattr(model, get, lambda: None)()
+        base = getattr(layer, "base_layer", None)
+        if not isinstance(base, (nn.Linear, nn.Embedding)):
+            continue
+        name = next(n for n, m in model.named_modules() if m is base)
+        out += [k for k in state_dict if k.startswith(name + ".")]
+    return out
 
 
 def set_peft_model_state_dict(model, state_dict, adapter_name="default", source="state_dict"):
@@ -624,6 +656,8 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     own = model.state_dict()
     # a bias a bias="all" / "lora_only" adapter saved loads into any model that has it (peft)
     keys.update({k: k for k in state_dict if k not in keys and k.endswith(".bias") and k in own})
+    # save_embedding_layers: an embedding's base weight, loaded over the model's (peft)
+    keys.update({k: k for k in state_dict if k not in keys and ".base_layer." in k and k in own})
     unexpected = sorted(set(state_dict) - set(keys))
     missing = sorted(set(keys) - set(state_dict))
     if unexpected:
@@ -664,7 +698,11 @@ def save_adapter_files(save_directory, config, state_dict, safe_serialization=Tr
     from nanosft.io import hub  # the files layer below: imported on use
 
     os.makedirs(save_directory, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    tensors, seen = {}, set()
+    for k, v in state_dict.items():  # a tied weight saved twice: the second is a copy (peft)
+        v = v.contiguous()
+        tensors[k] = v.clone() if v.data_ptr() in seen else v
+        seen.add(v.data_ptr())
     if safe_serialization:
         hub.atomic_write(os.path.join(save_directory, WEIGHTS_NAME),
                          lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

@@ -20,6 +20,11 @@ from nanosft.adapter_files import find_target_modules, pattern_value, resolve_ta
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding
 from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
+from nanosft.weight_tying import (
+    check_tied_modules, is_tied_target, module_names_tied_with_embedding, tie_lora_to_embedding)
+
+# peft's private name for the same function (peft.utils.other)
+_get_module_names_tied_with_embedding = module_names_tied_with_embedding
 
 
 class BaseTunerLayer(abc.ABC):
@@ -90,12 +95,21 @@ def inject_adapter(model, config, adapter_name="default"):
     convert = getattr(model, "convert_peft_config", None)  # a family's rewrite (MoE experts)
     if convert is not None:
         convert(config)
+    check_tied_modules(model, config)  # ensure_weight_tying: the embedding targeted, not its ties
     names = find_target_modules(model, config) if config.target_modules != [] else []
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
+    inside = [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+    tied = [n for n, _ in model.named_modules() if is_tied_target(config, n)
+            and not any(n.startswith(p + ".") for p in inside)]
+    names = [n for n in names if n not in tied] + tied  # the tied ones after the embedding
     for name in names:
         layer = _new_or_updated_layer(model.get_submodule(name), config, adapter_name, name)
         if layer is not None:
             _replace_module(model, name, layer)
+        layer = model.get_submodule(name)
+        if name in tied and isinstance(layer, LoraLinear):
+            tie_lora_to_embedding(layer, model.get_input_embeddings(), adapter_name,
+                                  config.init_lora_weights)
     if config.target_parameters:  # LoRA on parameters: product layer, imported on use
         from nanosft.expert_lora import inject_parameter_adapters
 
@@ -126,6 +140,16 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
             module.update(adapter_name, trainable)
         elif not isinstance(module, ModulesToSaveWrapper):
             _replace_module(model, name, ModulesToSaveWrapper(module, adapter_name, trainable))
+    tied = getattr(config, "modules_to_tie", None)
+    if tied:  # ensure_weight_tying: these copies read the embedding copy's weight
+        weight = model.get_input_embeddings().modules_to_save[adapter_name].weight
+        for name in tied:
+            module = model.get_submodule(name)
+            if isinstance(module, ModulesToSaveWrapper):
+                module.update(adapter_name, trainable, tied_weight=weight)
+            else:
+                _replace_module(model, name, ModulesToSaveWrapper(module, adapter_name, trainable,
+                                                                  tied_weight=weight))
 
 
 def _matches_any(to_save, name):
@@ -318,6 +342,10 @@ class LoraModel(nn.Module):
             if name == "model":
                 raise
             return getattr(self.model, name)
+
+    def _get_module_names_tied_with_embedding(self):
+        """Modules sharing the input embedding's weight. Mirrors: peft BaseTuner (same name)"""
+        return module_names_tied_with_embedding(self.model)
 
     @property
     def active_adapters(self):
