@@ -20,6 +20,7 @@ from nanosft.adapter_files import find_target_modules, pattern_value, resolve_ta
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding
 from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
+from nanosft.weighted_adapters import fill_weighted_adapter, weighted_adapter_config
 from nanosft.weight_tying import (
     check_tied_modules, is_tied_target, module_names_tied_with_embedding, tie_lora_to_embedding)
 
@@ -41,7 +42,14 @@ class BaseTunerLayer(abc.ABC):
 
 
 class LoraLayer(BaseTunerLayer):
-    """A LoRA layer to an isinstance check. Mirrors: peft LoraLayer"""
+    """A LoRA layer to an isinstance check: a tuner layer with a LoRA delta (not the trainable
+    tokens layer). Mirrors: peft LoraLayer"""
+
+    @classmethod
+    def __subclasshook__(cls, C):
+        if BaseTunerLayer.__subclasshook__(C) is not True:
+            return NotImplemented
+        return "get_delta_weight" in set().union(*(vars(k) for k in C.__mro__)) or NotImplemented
 
 
 def _replace_module(model, name, new):
@@ -378,6 +386,26 @@ class LoraModel(nn.Module):
         # the new one stays inactive; the active ones train unless the new config is for inference
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
         cast_adapter_dtype(self.model, adapter_name, autocast_adapter_dtype)
+
+    def add_weighted_adapter(self, adapters, weights, adapter_name, combination_type="svd",
+                             svd_rank=None, svd_clamp=None, svd_full_matrices=True,
+                             svd_driver=None, density=None, majority_sign_method="total"):
+        """A new (inactive, frozen) adapter: the weighted mix of `adapters`; nothing if the name
+        exists. combination_type: "cat" (exact), "svd" (exact up to `svd_rank`), "linear" and
+        the TIES / DARE / magnitude-pruning kinds (nanosft.weighted_adapters).
+        Mirrors: peft LoraModel.add_weighted_adapter"""
+        if adapter_name in self.peft_config:
+            return
+        combination_type, config = weighted_adapter_config(self, adapters, combination_type,
+                                                           svd_rank)
+        self.add_adapter(adapter_name, config)
+        for n, p in self.model.named_parameters():  # peft _freeze_adapter
+            if adapter_name in n:
+                p.requires_grad = False
+        for layer in self._layers():
+            fill_weighted_adapter(layer, adapter_name, adapters, weights, combination_type,
+                                  config.r, density, majority_sign_method, svd_clamp,
+                                  svd_full_matrices, svd_driver)
 
     def set_adapter(self, adapter_name, inference_mode=False):
         """Make `adapter_name` (a name or list) active; only its weights require grad.
