@@ -252,6 +252,13 @@ class PeftModel(nn.Module):
                             f"like {self.active_peft_config.peft_type.value}.")
         self.base_model.set_requires_grad(adapter_names, requires_grad)
 
+    def supports_lora_conversion(self, adapter_name="default"):
+        """False for prompt learning, else the LoRA model's answer.
+        Mirrors: peft PeftModel.supports_lora_conversion"""
+        if self.active_peft_config.is_prompt_learning:
+            return False
+        return self.base_model.supports_lora_conversion()
+
     def load_adapter(self, model_id, adapter_name, is_trainable=False, torch_device=None,
                      autocast_adapter_dtype=True, low_cpu_mem_usage=False, **kwargs):
         """Read a saved adapter into this model under `adapter_name` (inactive); returns the

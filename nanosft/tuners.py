@@ -351,6 +351,12 @@ class LoraModel(nn.Module):
                 raise
             return getattr(self.model, name)
 
+    def supports_lora_conversion(self, adapter_name="default"):
+        """Whether the adapter could be converted to LoRA: a LoRA layer answers no (it is LoRA
+        already), so only a model without tuner layers says yes.
+        Mirrors: peft BaseTuner.supports_lora_conversion"""
+        return not self._layers()
+
     def _get_module_names_tied_with_embedding(self):
         """Modules sharing the input embedding's weight. Mirrors: peft BaseTuner (same name)"""
         return module_names_tied_with_embedding(self.model)

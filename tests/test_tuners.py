@@ -500,3 +500,19 @@ def test_mixed_batch_refusals_use_peft_words():
                 model(X, adapter_names=names)
             messages.append(str(err.value))
         assert messages[0].startswith(messages[1]), messages
+
+
+def test_supports_lora_conversion_answers_as_peft():
+    # LoRA layers are LoRA already (no), prompt learning has no layers to convert (no)
+    ours, theirs = _pair(MLP, LoraConfig(target_modules=["lin0"]),
+                         peft.LoraConfig(target_modules=["lin0"]))
+    assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is False
+    from nanosft.adapter_files import PromptTuningConfig
+
+    def gpt2():
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16,
+                                                                    n_layer=1, n_head=4))
+    ours = get_peft_model(gpt2(), PromptTuningConfig(num_virtual_tokens=2))
+    theirs = peft.get_peft_model(gpt2(), peft.PromptTuningConfig(num_virtual_tokens=2,
+                                                                 task_type="CAUSAL_LM"))
+    assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is False
