@@ -20,7 +20,8 @@ from nanosft.adapter_files import find_target_modules, pattern_value, resolve_ta
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding
 from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
-from nanosft.weighted_adapters import fill_weighted_adapter, weighted_adapter_config
+from nanosft.weighted_adapters import (  # noqa: F401 (convert_to_lora: peft's name, re-exported)
+    convert_to_lora, fill_weighted_adapter, supports_lora_conversion, weighted_adapter_config)
 from nanosft.weight_tying import (
     check_tied_modules, is_tied_target, module_names_tied_with_embedding, tie_lora_to_embedding)
 
@@ -352,10 +353,9 @@ class LoraModel(nn.Module):
             return getattr(self.model, name)
 
     def supports_lora_conversion(self, adapter_name="default"):
-        """Whether the adapter could be converted to LoRA: a LoRA layer answers no (it is LoRA
-        already), so only a model without tuner layers says yes.
-        Mirrors: peft BaseTuner.supports_lora_conversion"""
-        return not self._layers()
+        """Whether every tuner layer's delta can become plain LoRA factors (convert_to_lora): a
+        LoRA linear's can. Mirrors: peft BaseTuner.supports_lora_conversion"""
+        return all(supports_lora_conversion(m) for m in self._layers())
 
     def _get_module_names_tied_with_embedding(self):
         """Modules sharing the input embedding's weight. Mirrors: peft BaseTuner (same name)"""

@@ -176,3 +176,84 @@ def prune(tensor, density, method, rescale=False):
         pruned = tensor * torch.bernoulli(torch.full_like(tensor, density))
         return pruned / density if rescale else pruned
     raise ValueError(f"Unknown method {method}")
+
+
+# ----------------------------------------------------------------------------- conversion
+
+def supports_lora_conversion(layer):
+    """A layer whose delta can become plain LoRA factors: a LoRA linear (not aLoRA).
+    Mirrors: peft lora.Linear.supports_lora_conversion (other tuner layers answer no)"""
+    return type(layer).__name__ == "LoraLinear" and not any(layer.use_alora.values())
+
+
+@torch.no_grad()
+def convert_to_lora(model, rank, adapter_name="default", progressbar=False, compile_kwargs=None):
+    """(LoraConfig, state dict) of a plain LoRA adapter approximating `adapter_name` layer by
+    layer: each delta's truncated SVD, B = U S and A = Vh, at `rank` (an int) or at the smallest
+    rank keeping that share of the squared singular values (a float in (0, 1]); alpha = rank.
+    Mirrors: peft convert_to_lora
+    Differs: progressbar and compile_kwargs change nothing."""
+    from nanosft.adapter_files import LoraConfig  # the files layer: imported on use
+
+    if isinstance(rank, float) and not 0 < rank <= 1:
+        raise ValueError("If rank is a float, it is interpreted as a threshold. It must be between "
+                         f"0 and 1 but got {rank}.")
+    if rank == 0:
+        raise ValueError("Passing a rank of 0 doesn't make sense, please pass a valid value.")
+    layers = [(n, m) for n, m in model.named_modules() if _is_tuner_layer(m)]
+    unsupported = {repr(type(m)) for _, m in layers if not supports_lora_conversion(m)}
+    if unsupported:
+        raise TypeError("Some module types on this model do not support LoRA conversion: "
+                        f"{', '.join(unsupported)}.")
+    if not layers:
+        raise TypeError("Could not detect any layer that supports LoRA conversion.")
+    config = getattr(model, "peft_config", {}).get(adapter_name)
+    if config is not None and config.peft_type == "LORA":
+        warnings.warn("Converting a PEFT adapter to LoRA that is already a LoRA adapter. There is "
+                      "typically no need for that.")
+    if config is not None and config.bias != "none":
+        raise ValueError(f"The adapter's config sets bias={config.bias}, this is not supported "
+                         "right now.")
+    targets = list(config.target_modules) if config is not None else []
+    rank_pattern, state_dict = {}, {}
+    for name, layer in layers:
+        delta = layer.get_delta_weight(adapter_name)
+        U, S, Vh = torch.linalg.svd(delta.float(), full_matrices=False)
+        k = rank if isinstance(rank, int) else _energy_rank(S, rank)
+        if k > U.shape[1]:
+            raise ValueError(f"The chosen rank {k} is larger than the weight shape ({U.shape[1]}), "
+                             "please choose a lower rank.")
+        short = name.removeprefix("base_model.model.")
+        if k != rank or isinstance(targets, str):
+            rank_pattern[short] = k
+        elif short not in targets:
+            targets.append(short)
+        state_dict[f"{name}.lora_A.weight"] = Vh[:k].to(delta.dtype).contiguous()
+        state_dict[f"{name}.lora_B.weight"] = (U[:, :k] * S[:k]).to(delta.dtype).contiguous()
+    kwargs = dict(rank_pattern=rank_pattern, alpha_pattern=dict(rank_pattern), exclude_modules=[],
+                  target_modules=targets, task_type=None)
+    if config is not None:
+        kwargs.update(base_model_name_or_path=config.base_model_name_or_path,
+                      layers_pattern=config.layers_pattern,
+                      layers_to_transform=config.layers_to_transform)
+    r = rank if isinstance(rank, int) else 1
+    lora_config = LoraConfig(r=r, lora_alpha=r, **kwargs)
+    if config is not None and config.modules_to_save:
+        lora_config.modules_to_save = list(config.modules_to_save)
+        for name, module in model.named_modules():
+            if isinstance(module, ModulesToSaveWrapper):
+                for param_name, param in module.modules_to_save.named_parameters():
+                    state_dict[f"{name}.{param_name.rpartition('.')[2]}"] = param.data
+    return lora_config, state_dict
+
+
+def _is_tuner_layer(module):
+    # peft BaseTunerLayer: a module with update_layer, merge and unmerge (nanosft.tuners' check)
+    names = set().union(*(vars(k) for k in type(module).__mro__))
+    return {"update_layer", "merge", "unmerge"} <= names
+
+
+def _energy_rank(S, threshold):
+    # the smallest k whose top-k singular values hold `threshold` of the total S^2
+    energy = torch.cumsum(S ** 2, dim=0)
+    return int(torch.searchsorted(energy, threshold * energy[-1]).item()) + 1
