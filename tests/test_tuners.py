@@ -503,9 +503,13 @@ def test_mixed_batch_refusals_use_peft_words():
 
 
 def test_supports_lora_conversion_answers_as_peft():
-    # LoRA layers are LoRA already (no), prompt learning has no layers to convert (no)
+    # a LoRA linear's delta converts (yes); an embedding's layer does not (no, as peft's);
+    # prompt learning has no layers to convert (no)
     ours, theirs = _pair(MLP, LoraConfig(target_modules=["lin0"]),
                          peft.LoraConfig(target_modules=["lin0"]))
+    assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is True
+    ours, theirs = _pair(EmbConv1D, LoraConfig(target_modules=["emb"]),
+                         peft.LoraConfig(target_modules=["emb"]))
     assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is False
     from nanosft.adapter_files import PromptTuningConfig
 

@@ -153,3 +153,38 @@ def test_modules_to_save_refusal_and_copy_as_peft():
             model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "mix")
         errors.append(str(caught.value))
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("rank", [2, 0.9, 1.0])
+def test_convert_to_lora_matches_peft(rank):
+    from peft.tuners.lora.conversion import convert_to_lora as theirs_convert
+
+    from nanosft.adapter_files import set_peft_model_state_dict
+    from nanosft.tuners import convert_to_lora
+
+    configs = {"one": dict(target_modules=["lin0", "lin1"], init_lora_weights=False, r=4,
+                           lora_alpha=8, modules_to_save=["conv"])}
+    ours, theirs = _pair(configs)
+    with pytest.warns(UserWarning, match="already a LoRA adapter"):
+        our_config, our_sd = convert_to_lora(ours, rank, adapter_name="one")
+    with pytest.warns(UserWarning, match="already a LoRA adapter"):
+        their_config, their_sd = theirs_convert(theirs, rank, adapter_name="one")
+    assert sorted(our_sd) == sorted(their_sd)
+    assert our_config.rank_pattern == their_config.rank_pattern
+    assert our_config.target_modules == sorted(their_config.target_modules)
+    assert our_config.modules_to_save == their_config.modules_to_save
+    for key in our_sd:
+        if key.endswith("lora_A.weight"):  # the factors' product (SVD signs are free)
+            b_key = key.replace("lora_A", "lora_B")
+            torch.testing.assert_close(our_sd[b_key] @ our_sd[key],
+                                       their_sd[b_key] @ their_sd[key], **TOL)
+        elif "lora_B" not in key:
+            torch.testing.assert_close(our_sd[key], their_sd[key], **TOL)
+    # the converted adapter loads into a fresh model and gives the original adapter's output
+    if rank != 1.0:  # a lower rank or energy share: an approximation (the one peft makes)
+        return
+    torch.manual_seed(0)  # _pair's base
+    converted = get_peft_model(EmbLinConv(), our_config)
+    set_peft_model_state_dict(converted, our_sd)
+    X = torch.randint(0, 30, (2, 16))
+    torch.testing.assert_close(converted(X), ours(X), **TOL)
