@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from nanosft.adapter_files import pattern_value
+from nanosft.lora import adapters_to_merge
 
 # model types whose experts transformers 5 fused (conversion pattern "qwen2_moe"): leaf name in a
 # target_modules list -> the parameter peft targets instead
@@ -166,6 +167,8 @@ class ParamWrapper(nn.Module):
     def forward(self, *args, **kwargs):
         """The wrapped module's forward, reading W + delta for this parameter."""
         adapter = self.active_adapters[0]
+        if self.disable_adapters and self.merged:  # disabled: the base parameter (peft's forward)
+            self.unmerge()
         if self.disable_adapters or self.merged or adapter not in self.lora_A:
             return self.base_layer(*args, **kwargs)
         if self.num_experts > 1:
@@ -182,9 +185,12 @@ class ParamWrapper(nn.Module):
         finally:
             parametrize.remove_parametrizations(module, name, leave_parametrized=False)
 
-    def merge(self):
-        """Fold the delta into the parameter. Mirrors: peft ParamWrapper.merge"""
-        for adapter in self.active_adapters:
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Fold the delta into the parameter (the active adapter, or `adapter_names`; one already
+        merged is skipped with peft's warning). Mirrors: peft ParamWrapper.merge"""
+        for adapter in adapters_to_merge(self, adapter_names):
+            if adapter not in self.lora_A:
+                continue
             param, delta = self.get_param(), self.get_delta_weight(adapter)
             if 0 in param.stride():  # an NF4 expert placeholder (nf4_experts): the delta its own
                 param.data = param.data + delta

@@ -370,6 +370,10 @@ class LoraModel(nn.Module):
     def _layers(self):
         return [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
 
+    def _param_wrappers(self):
+        # LoRA on parameters (nanosft.expert_lora.ParamWrapper): merged and unmerged as layers
+        return [m for m in self.model.modules() if hasattr(m, "parameter_name")]
+
     def _wrappers(self):
         wrappers = (ModulesToSaveWrapper, TrainableTokensWrapper)
         return [m for m in self.model.modules() if isinstance(m, wrappers)]
@@ -471,7 +475,8 @@ class LoraModel(nn.Module):
         Mirrors: peft BaseTuner.delete_adapter"""
         if adapter_name not in self.peft_config:
             raise ValueError(f"Adapter {adapter_name} does not exist")
-        if any(adapter_name in layer.merged_adapters for layer in self._layers()):
+        if any(adapter_name in layer.merged_adapters
+               for layer in self._layers() + self._param_wrappers()):
             raise ValueError(f"Cannot delete adapter(s) {[adapter_name]} while they are merged. "
                              "Please unmerge them first.")
         del self.peft_config[adapter_name]
@@ -490,12 +495,12 @@ class LoraModel(nn.Module):
     def merge_adapter(self, adapter_names=None, safe_merge=False):
         """Fold the (active) adapters into the base weights, keeping them to unmerge.
         Mirrors: peft BaseTuner.merge_adapter"""
-        for layer in self._layers():
+        for layer in self._layers() + self._param_wrappers():
             layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
 
     def unmerge_adapter(self):
         """Take every merged adapter out again. Mirrors: peft BaseTuner.unmerge_adapter"""
-        for layer in self._layers():
+        for layer in self._layers() + self._param_wrappers():
             if layer.merged:
                 layer.unmerge()
 

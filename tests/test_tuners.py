@@ -520,3 +520,31 @@ def test_supports_lora_conversion_answers_as_peft():
     theirs = peft.get_peft_model(gpt2(), peft.PromptTuningConfig(num_virtual_tokens=2,
                                                                  task_type="CAUSAL_LM"))
     assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is False
+
+
+def test_merge_and_delete_lora_on_parameters_as_peft():
+    # target_parameters: merge_adapter folds the delta in, a merged adapter refuses deletion with
+    # peft's text, disabling a merged one gives the base output, unmerge restores the weight
+    cfg = dict(target_parameters=["lin0.weight"], target_modules=[], init_lora_weights=False)
+    ours, theirs = _pair(MLP, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    X = torch.randn(4, 10)
+    base = ours.base_model.model.lin0.get_base_layer().weight.detach().clone()
+    with ours.disable_adapter():
+        base_out = ours(X)
+    for model in (ours, theirs):
+        model.merge_adapter()
+    torch.testing.assert_close(ours(X), theirs(X), **TOL)
+    errors = []
+    for model in (ours, theirs):
+        with pytest.raises(ValueError) as caught:
+            model.delete_adapter("default")
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    with pytest.warns(UserWarning, match="All adapters are already merged"):
+        ours.merge_adapter()
+    with ours.disable_adapter():
+        torch.testing.assert_close(ours(X), base_out, **TOL)
+    ours.unmerge_adapter()
+    torch.testing.assert_close(ours.base_model.model.lin0.get_base_layer().weight, base, **TOL)
+    ours.delete_adapter("default")
+    assert "default" not in ours.peft_config
