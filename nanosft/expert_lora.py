@@ -230,7 +230,7 @@ def no_parameter_message(entry, owner, parameter_names):
             "the entry (--target_parameters / --lora_target_parameters on the command line)")
 
 
-def check_each_target_parameter(model, target_parameters, found):
+def check_each_target_parameter(model, target_parameters, found, nothing_else=False):
     """Refuse an entry of target_parameters that names no parameter. Mirrors: peft's
     "target_parameters=... were set but no parameter was matched" (NoMatchingPeftModuleError when
     nothing else matched either)
@@ -239,14 +239,17 @@ def check_each_target_parameter(model, target_parameters, found):
     for t in target_parameters:
         if not any(k == t or k.endswith("." + t) for k in keys):
             names = (n for n, _ in model.named_parameters())
-            raise ValueError(no_parameter_message(t, type(model).__name__, names))
+            lead = ("No `target_modules` passed but also no `target_parameters` found. Please "
+                    "check the values for these arguments. ") if nothing_else and not found else ""
+            raise ValueError(lead + no_parameter_message(t, type(model).__name__, names))
 
 
 def inject_parameter_adapters(model, config, adapter_name, replace_module):
     """Wrap every targeted parameter's module in a ParamWrapper (the second parameter of a module
     wraps the first's wrapper). Mirrors: peft BaseTuner._inject_parameters"""
     found = find_target_parameters(model, config.target_parameters)
-    check_each_target_parameter(model, config.target_parameters, found)
+    check_each_target_parameter(model, config.target_parameters, found,
+                                nothing_else=not config.target_modules)
     wrapped = {}  # module name -> its current outermost wrapper
     for module_name, param_name in found:
         target = wrapped.get(module_name) or model.get_submodule(module_name)

@@ -105,7 +105,7 @@ def inject_adapter(model, config, adapter_name="default"):
     if convert is not None:
         convert(config)
     check_tied_modules(model, config)  # ensure_weight_tying: the embedding targeted, not its ties
-    names = find_target_modules(model, config) if config.target_modules != [] else []
+    names = find_target_modules(model, config) if config.target_modules not in ([], "") else []
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
     inside = [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
     tied = [n for n, _ in model.named_modules() if is_tied_target(config, n)

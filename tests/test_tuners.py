@@ -548,3 +548,13 @@ def test_merge_and_delete_lora_on_parameters_as_peft():
     torch.testing.assert_close(ours.base_model.model.lin0.get_base_layer().weight, base, **TOL)
     ours.delete_adapter("default")
     assert "default" not in ours.peft_config
+
+
+@pytest.mark.parametrize("target_modules", [None, [], ""])
+def test_nothing_targeted_refused_in_peft_words(target_modules):
+    lead = ("No `target_modules` passed but also no `target_parameters` found. Please check the "
+            "values for these arguments.")
+    for config_cls, wrap in ((LoraConfig, get_peft_model), (peft.LoraConfig, peft.get_peft_model)):
+        with pytest.raises(ValueError) as caught:
+            wrap(MLP(), config_cls(target_modules=target_modules, target_parameters=["foobar"]))
+        assert str(caught.value).startswith(lead)
