@@ -407,6 +407,11 @@ def load_config_file(cls, folder, subfolder=None, overrides=None):
 
     path = os.path.join(folder, subfolder or "", CONFIG_NAME)
     d = {**hub.read_json(path), **(overrides or {})}
+    if "peft_type" not in d:  # not an adapter config at all (peft: a TypeError)
+        name = cls.__name__ if cls is not None else "PeftConfig"
+        raise TypeError(f"The {name} config that is trying to be loaded is missing required keys: "
+                        f"{{'peft_type'}}. ({path} is no adapter config: peft writes peft_type "
+                        "into every one)")
     config = peft_config_from_dict(d, source=path)
     if cls is not None and not isinstance(config, cls):
         raise TypeError(f"{path} holds a {type(config).__name__}, not a {cls.__name__}")

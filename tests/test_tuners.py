@@ -558,3 +558,13 @@ def test_nothing_targeted_refused_in_peft_words(target_modules):
         with pytest.raises(ValueError) as caught:
             wrap(MLP(), config_cls(target_modules=target_modules, target_parameters=["foobar"]))
         assert str(caught.value).startswith(lead)
+
+
+def test_config_file_without_peft_type_refused_as_peft(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"foo": "bar"}))
+    texts = []
+    for config_cls in (LoraConfig, peft.LoraConfig):
+        with pytest.raises(TypeError) as caught:
+            config_cls.from_pretrained(tmp_path)
+        texts.append(str(caught.value))
+    assert texts[0].startswith(texts[1])
