@@ -143,7 +143,7 @@ class LoraConfig:
     alora_invocation_tokens: list | None = None
 
     def __post_init__(self):
-        self.peft_type = PeftType(self.peft_type)
+        self.peft_type = PeftType.LORA  # whatever was passed, as peft's __post_init__ sets it
         self.peft_version = self.peft_version or __version__
         _check_task_type(self.task_type)
         if isinstance(self.task_type, enum.Enum):
@@ -243,8 +243,9 @@ class PromptLearningConfig:
         if isinstance(self.task_type, enum.Enum):  # peft's TaskType: saved as its string
             self.task_type = self.task_type.value
         _check_task_type(self.task_type)
-        if self.peft_type is not None:
-            self.peft_type = PeftType(self.peft_type)
+        own = self.__dataclass_fields__["peft_type"].default  # a subclass's kind, as peft sets
+        if own is not None or self.peft_type is not None:
+            self.peft_type = PeftType(own if own is not None else self.peft_type)
         self.peft_version = self.peft_version or __version__
         _check_task_type(self.task_type)
 

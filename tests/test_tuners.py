@@ -568,3 +568,12 @@ def test_config_file_without_peft_type_refused_as_peft(tmp_path):
             config_cls.from_pretrained(tmp_path)
         texts.append(str(caught.value))
     assert texts[0].startswith(texts[1])
+
+
+def test_config_class_fixes_its_peft_type_as_peft():
+    from nanosft.adapter_files import PrefixTuningConfig, PromptTuningConfig
+
+    pairs = ((LoraConfig, peft.LoraConfig), (PromptTuningConfig, peft.PromptTuningConfig),
+             (PrefixTuningConfig, peft.PrefixTuningConfig))
+    for ours, theirs in pairs:
+        assert ours(peft_type="test").peft_type.value == theirs(peft_type="test").peft_type.value
