@@ -101,7 +101,16 @@ def read_config_json(path_json_file):
     import json
 
     with open(path_json_file, encoding="utf-8") as f:
-        return json.load(f)
+        return _drop_runtime_config(json.load(f))
+
+
+def _drop_runtime_config(d):
+    # runtime settings are never read from a file (peft warns and drops the key)
+    if "runtime_config" in d:
+        warnings.warn("The configuration file contains a `runtime_config` key. This is ignored. "
+                      "Runtime configurations are only valid at runtime.")
+        del d["runtime_config"]
+    return d
 
 
 @dataclasses.dataclass
@@ -407,7 +416,7 @@ def load_config_file(cls, folder, subfolder=None, overrides=None):
     from nanosft.io import hub  # the files layer below: imported on use
 
     path = os.path.join(folder, subfolder or "", CONFIG_NAME)
-    d = {**hub.read_json(path), **(overrides or {})}
+    d = {**_drop_runtime_config(hub.read_json(path)), **(overrides or {})}
     if "peft_type" not in d:  # not an adapter config at all (peft: a TypeError)
         name = cls.__name__ if cls is not None else "PeftConfig"
         raise TypeError(f"The {name} config that is trying to be loaded is missing required keys: "

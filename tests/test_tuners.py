@@ -577,3 +577,20 @@ def test_config_class_fixes_its_peft_type_as_peft():
              (PrefixTuningConfig, peft.PrefixTuningConfig))
     for ours, theirs in pairs:
         assert ours(peft_type="test").peft_type.value == theirs(peft_type="test").peft_type.value
+
+
+def test_runtime_config_in_a_file_dropped_with_peft_warning(tmp_path):
+    config = LoraConfig(target_modules=["lin0"])
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "runtime_config": {"ephemeral_gpu_offload": True}}))
+    texts = []
+    for config_cls in (LoraConfig, peft.LoraConfig):
+        with pytest.warns(UserWarning) as caught:
+            read = config_cls.from_json_file(str(path))
+        assert "runtime_config" not in read
+        texts.append([str(w.message) for w in caught if "runtime_config" in str(w.message)])
+    assert texts[0] == texts[1] and len(texts[0]) == 1
+    with pytest.warns(UserWarning, match="runtime_config"):
+        assert LoraConfig.from_pretrained(tmp_path).target_modules == ["lin0"]
