@@ -281,8 +281,15 @@ class LoraModel(nn.Module):
         """The model's generate, with per-row adapters when asked (aLoRA: the offsets found in
         the prompt hold for every step). Mirrors: peft PeftModel.generate"""
         offsets = self._alora_offsets(args, kwargs, adapter_names, alora_offsets)
-        if offsets is not None and (kwargs.get("num_beams") or 1) > 1:
+        beams = kwargs.get("num_beams")
+        if offsets is not None and (beams or 1) > 1:
             raise ValueError("Beam search not yet supported for aLoRA.")
+        if adapter_names is not None and isinstance(beams, int) and beams > 1:
+            # beam search repeats each row num_beams times: so does its adapter name
+            if not isinstance(adapter_names, (list, tuple)):
+                raise TypeError(f"Got adapter names of type {type(adapter_names)}, expected a list "
+                                "of str.")
+            adapter_names = [n for n in adapter_names for _ in range(beams)]
         with self._mixed_batch(adapter_names, offsets):
             return self.model.generate(*args, **kwargs)
 

@@ -594,3 +594,22 @@ def test_runtime_config_in_a_file_dropped_with_peft_warning(tmp_path):
     assert texts[0] == texts[1] and len(texts[0]) == 1
     with pytest.warns(UserWarning, match="runtime_config"):
         assert LoraConfig.from_pretrained(tmp_path).target_modules == ["lin0"]
+
+
+def test_beam_search_with_adapter_names_as_peft():
+    # beam search repeats every row num_beams times; each row keeps its adapter
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    kw = dict(target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    outs = []
+    for config_cls, wrap in ((LoraConfig, get_peft_model), (peft.LoraConfig, peft.get_peft_model)):
+        torch.manual_seed(0)
+        model = wrap(transformers.LlamaForCausalLM(config), config_cls(**kw))
+        model.add_adapter("other", config_cls(**kw))
+        model.eval()
+        ids = torch.tensor([[1, 5, 9], [3, 4, 7]])
+        outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                   adapter_names=["default", "other"], num_beams=3,
+                                   max_new_tokens=4, do_sample=False, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
