@@ -631,8 +631,13 @@ def get_peft_model_state_dict(model, state_dict=None, adapter_name="default",
         if save_embedding_layers:
             warnings.warn("Setting `save_embedding_layers` to `True` as embedding layers found in "
                           "`target_modules`.")
-    if save_embedding_layers:
-        keys.update({k: k for k in _embedding_base_keys(model, state_dict)})
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if save_embedding_layers and not hasattr(base, "get_input_embeddings"):
+        warnings.warn("Could not identify embedding layer(s) because the model is not a 🤗 "
+                      "transformers model.")
+    elif save_embedding_layers:
+        targeted = _embedding_targeted(model, config)
+        keys.update({k: k for k in _embedding_base_keys(model, state_dict, targeted)})
     return {saved: state_dict[k].detach() for saved, k in keys.items()}
 
 
@@ -646,17 +651,20 @@ def _embedding_targeted(model, config):
     return isinstance(target, list) and any(k in target for k in ("embed_tokens", "lm_head"))
 
 
-def _embedding_base_keys(model, state_dict):
-    # the base weights of the input / output embeddings that carry a LoRA layer: saved whole, as
-    # peft's save_embedding_layers saves them (a resized vocabulary travels with the adapter)
+def _embedding_base_keys(model, state_dict, targeted=True):
+    # the weights of the input / output embeddings, saved whole as peft's save_embedding_layers
+    # saves them (a resized vocabulary travels with the adapter): a targeted one's base layer, an
+    # untargeted one itself
     out = []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for get in ("get_input_embeddings", "get_output_embeddings"):
-        layer = getattr(model, get, lambda: None)()
-        base = getattr(layer, "base_layer", None)
-        if not isinstance(base, (nn.Linear, nn.Embedding)):
+        layer = getattr(base, get, lambda: None)()
+        module = getattr(layer, "base_layer", None) if targeted else layer
+        if module is None or (targeted and not isinstance(module, (nn.Linear, nn.Embedding))):
             continue
-        name = next(n for n, m in model.named_modules() if m is base)
-        out += [k for k in state_dict if k.startswith(name + ".")]
+        name = next((n for n, m in model.named_modules() if m is module), None)
+        if name is not None:
+            out += [k for k in state_dict if k.startswith(name + ".")]
     return out
 
 
@@ -672,7 +680,8 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     # a bias a bias="all" / "lora_only" adapter saved loads into any model that has it (peft)
     keys.update({k: k for k in state_dict if k not in keys and k.endswith(".bias") and k in own})
     # save_embedding_layers: an embedding's base weight, loaded over the model's (peft)
-    keys.update({k: k for k in state_dict if k not in keys and ".base_layer." in k and k in own})
+    embedding = set(_embedding_base_keys(model, own)) | set(_embedding_base_keys(model, own, False))
+    keys.update({k: k for k in state_dict if k not in keys and k in embedding})
     unexpected = sorted(set(state_dict) - set(keys))
     missing = sorted(set(keys) - set(state_dict))
     if unexpected:

@@ -304,7 +304,8 @@ class PeftModel(nn.Module):
             self._adapters_disabled = was_disabled
 
     def save_pretrained(self, save_directory, safe_serialization=True, selected_adapters=None,
-                        state_dict=None, is_main_process=True, **kwargs):
+                        state_dict=None, is_main_process=True, save_embedding_layers="auto",
+                        **kwargs):
         """Write each adapter's two files in peft's format (nanosft.adapter_files), "default" in
         `save_directory`, others in a subfolder of their name, and a model card; a given
         `state_dict` (whole tensors gathered under FSDP) is read instead of the model's.
@@ -319,7 +320,8 @@ class PeftModel(nn.Module):
             return
         base = getattr(self.get_base_model(), "name_or_path", None)
         for name in names:
-            state = get_peft_model_state_dict(self, state_dict=state_dict, adapter_name=name)
+            state = get_peft_model_state_dict(self, state_dict=state_dict, adapter_name=name,
+                                              save_embedding_layers=save_embedding_layers)
             config = self.peft_config[name]
             if config.base_model_name_or_path is None:  # peft fills it at save time too
                 config.base_model_name_or_path = base or None

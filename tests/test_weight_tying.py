@@ -201,3 +201,27 @@ def test_module_names_tied_with_embedding_as_peft():
     wrapped = get_peft_model(TiedLM(), LoraConfig(target_modules=["linear", "lm_head"],
                                                   ensure_weight_tying=True))
     assert wrapped._get_module_names_tied_with_embedding() == ["lm_head"]
+
+
+@pytest.mark.parametrize("targets,save", [(["linear"], True), (["linear", "embed_tokens"], False),
+                                          (["linear", "embed_tokens"], True)])
+def test_save_embedding_layers_as_peft(targets, save, tmp_path):
+    # untied model: save_embedding_layers=True writes the embeddings' weights (a targeted one's
+    # base layer), False none; each library loads the other's file
+    files = []
+    for name, (lib_config, wrap) in {"ours": (LoraConfig, get_peft_model),
+                                     "theirs": (peft.LoraConfig, peft.get_peft_model)}.items():
+        torch.manual_seed(0)
+        model = wrap(TiedLM(tie=False), lib_config(target_modules=targets, init_lora_weights=False))
+        model.save_pretrained(tmp_path / name, save_embedding_layers=save)
+        files.append(load_file(tmp_path / name / "adapter_model.safetensors"))
+    assert sorted(files[0]) == sorted(files[1])
+    assert any(k.endswith("embed_tokens.weight") or ".base_layer." in k for k in files[0]) == save
+    for k in files[0]:
+        torch.testing.assert_close(files[0][k], files[1][k], **TOL)
+    X = torch.randint(0, 40, (2, 5))
+    torch.manual_seed(3)
+    loaded = PeftModel.from_pretrained(TiedLM(tie=False), tmp_path / "theirs")
+    torch.manual_seed(3)
+    peft_loaded = peft.PeftModel.from_pretrained(TiedLM(tie=False), tmp_path / "ours")
+    torch.testing.assert_close(loaded(input_ids=X), peft_loaded(input_ids=X), **TOL)
