@@ -101,7 +101,16 @@ def read_config_json(path_json_file):
     import json
 
     with open(path_json_file, encoding="utf-8") as f:
-        return json.load(f)
+        return _drop_runtime_config(json.load(f))
+
+
+def _drop_runtime_config(d):
+    # runtime settings are never read from a file (peft warns and drops the key)
+    if "runtime_config" in d:
+        warnings.warn("The configuration file contains a `runtime_config` key. This is ignored. "
+                      "Runtime configurations are only valid at runtime.")
+        del d["runtime_config"]
+    return d
 
 
 @dataclasses.dataclass
@@ -143,7 +152,7 @@ class LoraConfig:
     alora_invocation_tokens: list | None = None
 
     def __post_init__(self):
-        self.peft_type = PeftType(self.peft_type)
+        self.peft_type = PeftType.LORA  # whatever was passed, as peft's __post_init__ sets it
         self.peft_version = self.peft_version or __version__
         _check_task_type(self.task_type)
         if isinstance(self.task_type, enum.Enum):
@@ -243,8 +252,9 @@ class PromptLearningConfig:
         if isinstance(self.task_type, enum.Enum):  # peft's TaskType: saved as its string
             self.task_type = self.task_type.value
         _check_task_type(self.task_type)
-        if self.peft_type is not None:
-            self.peft_type = PeftType(self.peft_type)
+        own = self.__dataclass_fields__["peft_type"].default  # a subclass's kind, as peft sets
+        if own is not None or self.peft_type is not None:
+            self.peft_type = PeftType(own if own is not None else self.peft_type)
         self.peft_version = self.peft_version or __version__
         _check_task_type(self.task_type)
 
@@ -406,7 +416,12 @@ def load_config_file(cls, folder, subfolder=None, overrides=None):
     from nanosft.io import hub  # the files layer below: imported on use
 
     path = os.path.join(folder, subfolder or "", CONFIG_NAME)
-    d = {**hub.read_json(path), **(overrides or {})}
+    d = {**_drop_runtime_config(hub.read_json(path)), **(overrides or {})}
+    if "peft_type" not in d:  # not an adapter config at all (peft: a TypeError)
+        name = cls.__name__ if cls is not None else "PeftConfig"
+        raise TypeError(f"The {name} config that is trying to be loaded is missing required keys: "
+                        f"{{'peft_type'}}. ({path} is no adapter config: peft writes peft_type "
+                        "into every one)")
     config = peft_config_from_dict(d, source=path)
     if cls is not None and not isinstance(config, cls):
         raise TypeError(f"{path} holds a {type(config).__name__}, not a {cls.__name__}")
@@ -610,7 +625,47 @@ def get_peft_model_state_dict(model, state_dict=None, adapter_name="default",
         return {"prompt_embeddings": prompt_embeddings}
     state_dict = model.state_dict() if state_dict is None else state_dict
     keys = _adapter_keys(model, adapter_name)
+    if save_embedding_layers == "auto":
+        save_embedding_layers = (_embedding_targeted(model, config)
+                                 and config.trainable_token_indices is None)
+        if save_embedding_layers:
+            warnings.warn("Setting `save_embedding_layers` to `True` as embedding layers found in "
+                          "`target_modules`.")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if save_embedding_layers and not hasattr(base, "get_input_embeddings"):
+        warnings.warn("Could not identify embedding layer(s) because the model is not a 🤗 "
+                      "transformers model.")
+    elif save_embedding_layers:
+        targeted = _embedding_targeted(model, config)
+        keys.update({k: k for k in _embedding_base_keys(model, state_dict, targeted)})
     return {saved: state_dict[k].detach() for saved, k in keys.items()}
+
+
+def _embedding_targeted(model, config):
+    # peft: an entry named exactly embed_tokens / lm_head, or a regex matching such a module
+    target = config.target_modules
+    if isinstance(target, str) and target != "all-linear":
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return any(re.fullmatch(target, n) for n, _ in base.named_modules()
+                   if re.match(r"(.*\.)?(embed_tokens|lm_head)$", n))
+    return isinstance(target, list) and any(k in target for k in ("embed_tokens", "lm_head"))
+
+
+def _embedding_base_keys(model, state_dict, targeted=True):
+    # the weights of the input / output embeddings, saved whole as peft's save_embedding_layers
+    # saves them (a resized vocabulary travels with the adapter): a targeted one's base layer, an
+    # untargeted one itself
+    out = []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        layer = getattr(base, get, lambda: None)()
+        module = getattr(layer, "base_layer", None) if targeted else layer
+        if module is None or (targeted and not isinstance(module, (nn.Linear, nn.Embedding))):
+            continue
+        name = next((n for n, m in model.named_modules() if m is module), None)
+        if name is not None:
+            out += [k for k in state_dict if k.startswith(name + ".")]
+    return out
 
 
 def set_peft_model_state_dict(model, state_dict, adapter_name="default", source="state_dict"):
@@ -624,6 +679,9 @@ def set_peft_model_state_dict(model, state_dict, adapter_name="default", source=
     own = model.state_dict()
     # a bias a bias="all" / "lora_only" adapter saved loads into any model that has it (peft)
     keys.update({k: k for k in state_dict if k not in keys and k.endswith(".bias") and k in own})
+    # save_embedding_layers: an embedding's base weight, loaded over the model's (peft)
+    embedding = set(_embedding_base_keys(model, own)) | set(_embedding_base_keys(model, own, False))
+    keys.update({k: k for k in state_dict if k not in keys and k in embedding})
     unexpected = sorted(set(state_dict) - set(keys))
     missing = sorted(set(keys) - set(state_dict))
     if unexpected:
@@ -664,7 +722,11 @@ def save_adapter_files(save_directory, config, state_dict, safe_serialization=Tr
     from nanosft.io import hub  # the files layer below: imported on use
 
     os.makedirs(save_directory, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    tensors, seen = {}, set()
+    for k, v in state_dict.items():  # a tied weight saved twice: the second is a copy (peft)
+        v = v.contiguous()
+        tensors[k] = v.clone() if v.data_ptr() in seen else v
+        seen.add(v.data_ptr())
     if safe_serialization:
         hub.atomic_write(os.path.join(save_directory, WEIGHTS_NAME),
                          lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

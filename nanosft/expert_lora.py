@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from nanosft.adapter_files import pattern_value
+from nanosft.lora import adapters_to_merge
 
 # model types whose experts transformers 5 fused (conversion pattern "qwen2_moe"): leaf name in a
 # target_modules list -> the parameter peft targets instead
@@ -166,6 +167,8 @@ class ParamWrapper(nn.Module):
     def forward(self, *args, **kwargs):
         """The wrapped module's forward, reading W + delta for this parameter."""
         adapter = self.active_adapters[0]
+        if self.disable_adapters and self.merged:  # disabled: the base parameter (peft's forward)
+            self.unmerge()
         if self.disable_adapters or self.merged or adapter not in self.lora_A:
             return self.base_layer(*args, **kwargs)
         if self.num_experts > 1:
@@ -182,9 +185,12 @@ class ParamWrapper(nn.Module):
         finally:
             parametrize.remove_parametrizations(module, name, leave_parametrized=False)
 
-    def merge(self):
-        """Fold the delta into the parameter. Mirrors: peft ParamWrapper.merge"""
-        for adapter in self.active_adapters:
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Fold the delta into the parameter (the active adapter, or `adapter_names`; one already
+        merged is skipped with peft's warning). Mirrors: peft ParamWrapper.merge"""
+        for adapter in adapters_to_merge(self, adapter_names):
+            if adapter not in self.lora_A:
+                continue
             param, delta = self.get_param(), self.get_delta_weight(adapter)
             if 0 in param.stride():  # an NF4 expert placeholder (nf4_experts): the delta its own
                 param.data = param.data + delta
@@ -224,7 +230,7 @@ def no_parameter_message(entry, owner, parameter_names):
             "the entry (--target_parameters / --lora_target_parameters on the command line)")
 
 
-def check_each_target_parameter(model, target_parameters, found):
+def check_each_target_parameter(model, target_parameters, found, nothing_else=False):
     """Refuse an entry of target_parameters that names no parameter. Mirrors: peft's
     "target_parameters=... were set but no parameter was matched" (NoMatchingPeftModuleError when
     nothing else matched either)
@@ -233,14 +239,17 @@ def check_each_target_parameter(model, target_parameters, found):
     for t in target_parameters:
         if not any(k == t or k.endswith("." + t) for k in keys):
             names = (n for n, _ in model.named_parameters())
-            raise ValueError(no_parameter_message(t, type(model).__name__, names))
+            lead = ("No `target_modules` passed but also no `target_parameters` found. Please "
+                    "check the values for these arguments. ") if nothing_else and not found else ""
+            raise ValueError(lead + no_parameter_message(t, type(model).__name__, names))
 
 
 def inject_parameter_adapters(model, config, adapter_name, replace_module):
     """Wrap every targeted parameter's module in a ParamWrapper (the second parameter of a module
     wraps the first's wrapper). Mirrors: peft BaseTuner._inject_parameters"""
     found = find_target_parameters(model, config.target_parameters)
-    check_each_target_parameter(model, config.target_parameters, found)
+    check_each_target_parameter(model, config.target_parameters, found,
+                                nothing_else=not config.target_modules)
     wrapped = {}  # module name -> its current outermost wrapper
     for module_name, param_name in found:
         target = wrapped.get(module_name) or model.get_submodule(module_name)

@@ -487,17 +487,19 @@ class ModulesToSaveWrapper(nn.Module):
     """Keeps the frozen `original_module`; trains a full copy under `modules_to_save.<adapter>`.
     Mirrors: peft ModulesToSaveWrapper"""
 
-    def __init__(self, module, adapter_name, trainable=True):
+    def __init__(self, module, adapter_name, trainable=True, tied_weight=None):
         super().__init__()
         self.original_module = module.requires_grad_(False)
         self.modules_to_save = nn.ModuleDict()
         self.active_adapter = adapter_name
         self.disable_adapters = False
-        self.update(adapter_name, trainable)
+        self.update(adapter_name, trainable, tied_weight)
 
-    def update(self, adapter_name, trainable=True):
-        """Add a trained copy for `adapter_name`. Mirrors: peft ModulesToSaveWrapper.update"""
-        trained_copy = copy.deepcopy(self.original_module).requires_grad_(trainable)
+    def update(self, adapter_name, trainable=True, tied_weight=None):
+        """Add a trained copy for `adapter_name`; `tied_weight`: the copy reads that weight (the
+        embedding's trained copy, for a tied LM head). Mirrors: peft ModulesToSaveWrapper.update"""
+        memo = {id(self.original_module.weight): tied_weight} if tied_weight is not None else {}
+        trained_copy = copy.deepcopy(self.original_module, memo).requires_grad_(trainable)
         self.modules_to_save[adapter_name] = trained_copy
         if adapter_name != self.active_adapter:
             trained_copy.requires_grad_(False)

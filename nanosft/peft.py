@@ -252,6 +252,13 @@ class PeftModel(nn.Module):
                             f"like {self.active_peft_config.peft_type.value}.")
         self.base_model.set_requires_grad(adapter_names, requires_grad)
 
+    def supports_lora_conversion(self, adapter_name="default"):
+        """False for prompt learning, else the LoRA model's answer.
+        Mirrors: peft PeftModel.supports_lora_conversion"""
+        if self.active_peft_config.is_prompt_learning:
+            return False
+        return self.base_model.supports_lora_conversion()
+
     def load_adapter(self, model_id, adapter_name, is_trainable=False, torch_device=None,
                      autocast_adapter_dtype=True, low_cpu_mem_usage=False, **kwargs):
         """Read a saved adapter into this model under `adapter_name` (inactive); returns the
@@ -297,7 +304,8 @@ class PeftModel(nn.Module):
             self._adapters_disabled = was_disabled
 
     def save_pretrained(self, save_directory, safe_serialization=True, selected_adapters=None,
-                        state_dict=None, is_main_process=True, **kwargs):
+                        state_dict=None, is_main_process=True, save_embedding_layers="auto",
+                        **kwargs):
         """Write each adapter's two files in peft's format (nanosft.adapter_files), "default" in
         `save_directory`, others in a subfolder of their name, and a model card; a given
         `state_dict` (whole tensors gathered under FSDP) is read instead of the model's.
@@ -312,7 +320,8 @@ class PeftModel(nn.Module):
             return
         base = getattr(self.get_base_model(), "name_or_path", None)
         for name in names:
-            state = get_peft_model_state_dict(self, state_dict=state_dict, adapter_name=name)
+            state = get_peft_model_state_dict(self, state_dict=state_dict, adapter_name=name,
+                                              save_embedding_layers=save_embedding_layers)
             config = self.peft_config[name]
             if config.base_model_name_or_path is None:  # peft fills it at save time too
                 config.base_model_name_or_path = base or None

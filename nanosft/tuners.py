@@ -20,6 +20,13 @@ from nanosft.adapter_files import find_target_modules, pattern_value, resolve_ta
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding
 from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
+from nanosft.weighted_adapters import (  # noqa: F401 (convert_to_lora: peft's name, re-exported)
+    convert_to_lora, fill_weighted_adapter, supports_lora_conversion, weighted_adapter_config)
+from nanosft.weight_tying import (
+    check_tied_modules, is_tied_target, module_names_tied_with_embedding, tie_lora_to_embedding)
+
+# peft's private name for the same function (peft.utils.other)
+_get_module_names_tied_with_embedding = module_names_tied_with_embedding
 
 
 class BaseTunerLayer(abc.ABC):
@@ -36,7 +43,14 @@ class BaseTunerLayer(abc.ABC):
 
 
 class LoraLayer(BaseTunerLayer):
-    """A LoRA layer to an isinstance check. Mirrors: peft LoraLayer"""
+    """A LoRA layer to an isinstance check: a tuner layer with a LoRA delta (not the trainable
+    tokens layer). Mirrors: peft LoraLayer"""
+
+    @classmethod
+    def __subclasshook__(cls, C):
+        if BaseTunerLayer.__subclasshook__(C) is not True:
+            return NotImplemented
+        return "get_delta_weight" in set().union(*(vars(k) for k in C.__mro__)) or NotImplemented
 
 
 def _replace_module(model, name, new):
@@ -90,12 +104,21 @@ def inject_adapter(model, config, adapter_name="default"):
     convert = getattr(model, "convert_peft_config", None)  # a family's rewrite (MoE experts)
     if convert is not None:
         convert(config)
-    names = find_target_modules(model, config) if config.target_modules != [] else []
+    check_tied_modules(model, config)  # ensure_weight_tying: the embedding targeted, not its ties
+    names = find_target_modules(model, config) if config.target_modules not in ([], "") else []
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
+    inside = [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+    tied = [n for n, _ in model.named_modules() if is_tied_target(config, n)
+            and not any(n.startswith(p + ".") for p in inside)]
+    names = [n for n in names if n not in tied] + tied  # the tied ones after the embedding
     for name in names:
         layer = _new_or_updated_layer(model.get_submodule(name), config, adapter_name, name)
         if layer is not None:
             _replace_module(model, name, layer)
+        layer = model.get_submodule(name)
+        if name in tied and isinstance(layer, LoraLinear):
+            tie_lora_to_embedding(layer, model.get_input_embeddings(), adapter_name,
+                                  config.init_lora_weights)
     if config.target_parameters:  # LoRA on parameters: product layer, imported on use
         from nanosft.expert_lora import inject_parameter_adapters
 
@@ -126,6 +149,16 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
             module.update(adapter_name, trainable)
         elif not isinstance(module, ModulesToSaveWrapper):
             _replace_module(model, name, ModulesToSaveWrapper(module, adapter_name, trainable))
+    tied = getattr(config, "modules_to_tie", None)
+    if tied:  # ensure_weight_tying: these copies read the embedding copy's weight
+        weight = model.get_input_embeddings().modules_to_save[adapter_name].weight
+        for name in tied:
+            module = model.get_submodule(name)
+            if isinstance(module, ModulesToSaveWrapper):
+                module.update(adapter_name, trainable, tied_weight=weight)
+            else:
+                _replace_module(model, name, ModulesToSaveWrapper(module, adapter_name, trainable,
+                                                                  tied_weight=weight))
 
 
 def _matches_any(to_save, name):
@@ -248,8 +281,15 @@ class LoraModel(nn.Module):
         """The model's generate, with per-row adapters when asked (aLoRA: the offsets found in
         the prompt hold for every step). Mirrors: peft PeftModel.generate"""
         offsets = self._alora_offsets(args, kwargs, adapter_names, alora_offsets)
-        if offsets is not None and (kwargs.get("num_beams") or 1) > 1:
+        beams = kwargs.get("num_beams")
+        if offsets is not None and (beams or 1) > 1:
             raise ValueError("Beam search not yet supported for aLoRA.")
+        if adapter_names is not None and isinstance(beams, int) and beams > 1:
+            # beam search repeats each row num_beams times: so does its adapter name
+            if not isinstance(adapter_names, (list, tuple)):
+                raise TypeError(f"Got adapter names of type {type(adapter_names)}, expected a list "
+                                "of str.")
+            adapter_names = [n for n in adapter_names for _ in range(beams)]
         with self._mixed_batch(adapter_names, offsets):
             return self.model.generate(*args, **kwargs)
 
@@ -319,6 +359,15 @@ class LoraModel(nn.Module):
                 raise
             return getattr(self.model, name)
 
+    def supports_lora_conversion(self, adapter_name="default"):
+        """Whether every tuner layer's delta can become plain LoRA factors (convert_to_lora): a
+        LoRA linear's can. Mirrors: peft BaseTuner.supports_lora_conversion"""
+        return all(supports_lora_conversion(m) for m in self._layers())
+
+    def _get_module_names_tied_with_embedding(self):
+        """Modules sharing the input embedding's weight. Mirrors: peft BaseTuner (same name)"""
+        return module_names_tied_with_embedding(self.model)
+
     @property
     def active_adapters(self):
         """The active adapter names, a list. Mirrors: peft BaseTuner.active_adapters"""
@@ -327,6 +376,10 @@ class LoraModel(nn.Module):
 
     def _layers(self):
         return [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+
+    def _param_wrappers(self):
+        # LoRA on parameters (nanosft.expert_lora.ParamWrapper): merged and unmerged as layers
+        return [m for m in self.model.modules() if hasattr(m, "parameter_name")]
 
     def _wrappers(self):
         wrappers = (ModulesToSaveWrapper, TrainableTokensWrapper)
@@ -350,6 +403,26 @@ class LoraModel(nn.Module):
         # the new one stays inactive; the active ones train unless the new config is for inference
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
         cast_adapter_dtype(self.model, adapter_name, autocast_adapter_dtype)
+
+    def add_weighted_adapter(self, adapters, weights, adapter_name, combination_type="svd",
+                             svd_rank=None, svd_clamp=None, svd_full_matrices=True,
+                             svd_driver=None, density=None, majority_sign_method="total"):
+        """A new (inactive, frozen) adapter: the weighted mix of `adapters`; nothing if the name
+        exists. combination_type: "cat" (exact), "svd" (exact up to `svd_rank`), "linear" and
+        the TIES / DARE / magnitude-pruning kinds (nanosft.weighted_adapters).
+        Mirrors: peft LoraModel.add_weighted_adapter"""
+        if adapter_name in self.peft_config:
+            return
+        combination_type, config = weighted_adapter_config(self, adapters, combination_type,
+                                                           svd_rank)
+        self.add_adapter(adapter_name, config)
+        for n, p in self.model.named_parameters():  # peft _freeze_adapter
+            if adapter_name in n:
+                p.requires_grad = False
+        for layer in self._layers():
+            fill_weighted_adapter(layer, adapter_name, adapters, weights, combination_type,
+                                  config.r, density, majority_sign_method, svd_clamp,
+                                  svd_full_matrices, svd_driver)
 
     def set_adapter(self, adapter_name, inference_mode=False):
         """Make `adapter_name` (a name or list) active; only its weights require grad.
@@ -409,7 +482,8 @@ class LoraModel(nn.Module):
         Mirrors: peft BaseTuner.delete_adapter"""
         if adapter_name not in self.peft_config:
             raise ValueError(f"Adapter {adapter_name} does not exist")
-        if any(adapter_name in layer.merged_adapters for layer in self._layers()):
+        if any(adapter_name in layer.merged_adapters
+               for layer in self._layers() + self._param_wrappers()):
             raise ValueError(f"Cannot delete adapter(s) {[adapter_name]} while they are merged. "
                              "Please unmerge them first.")
         del self.peft_config[adapter_name]
@@ -428,12 +502,12 @@ class LoraModel(nn.Module):
     def merge_adapter(self, adapter_names=None, safe_merge=False):
         """Fold the (active) adapters into the base weights, keeping them to unmerge.
         Mirrors: peft BaseTuner.merge_adapter"""
-        for layer in self._layers():
+        for layer in self._layers() + self._param_wrappers():
             layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
 
     def unmerge_adapter(self):
         """Take every merged adapter out again. Mirrors: peft BaseTuner.unmerge_adapter"""
-        for layer in self._layers():
+        for layer in self._layers() + self._param_wrappers():
             if layer.merged:
                 layer.unmerge()
 

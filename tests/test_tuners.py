@@ -500,3 +500,116 @@ def test_mixed_batch_refusals_use_peft_words():
                 model(X, adapter_names=names)
             messages.append(str(err.value))
         assert messages[0].startswith(messages[1]), messages
+
+
+def test_supports_lora_conversion_answers_as_peft():
+    # a LoRA linear's delta converts (yes); an embedding's layer does not (no, as peft's);
+    # prompt learning has no layers to convert (no)
+    ours, theirs = _pair(MLP, LoraConfig(target_modules=["lin0"]),
+                         peft.LoraConfig(target_modules=["lin0"]))
+    assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is True
+    ours, theirs = _pair(EmbConv1D, LoraConfig(target_modules=["emb"]),
+                         peft.LoraConfig(target_modules=["emb"]))
+    assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is False
+    from nanosft.adapter_files import PromptTuningConfig
+
+    def gpt2():
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16,
+                                                                    n_layer=1, n_head=4))
+    ours = get_peft_model(gpt2(), PromptTuningConfig(num_virtual_tokens=2))
+    theirs = peft.get_peft_model(gpt2(), peft.PromptTuningConfig(num_virtual_tokens=2,
+                                                                 task_type="CAUSAL_LM"))
+    assert ours.supports_lora_conversion() is theirs.supports_lora_conversion() is False
+
+
+def test_merge_and_delete_lora_on_parameters_as_peft():
+    # target_parameters: merge_adapter folds the delta in, a merged adapter refuses deletion with
+    # peft's text, disabling a merged one gives the base output, unmerge restores the weight
+    cfg = dict(target_parameters=["lin0.weight"], target_modules=[], init_lora_weights=False)
+    ours, theirs = _pair(MLP, LoraConfig(**cfg), peft.LoraConfig(**cfg))
+    X = torch.randn(4, 10)
+    base = ours.base_model.model.lin0.get_base_layer().weight.detach().clone()
+    with ours.disable_adapter():
+        base_out = ours(X)
+    for model in (ours, theirs):
+        model.merge_adapter()
+    torch.testing.assert_close(ours(X), theirs(X), **TOL)
+    errors = []
+    for model in (ours, theirs):
+        with pytest.raises(ValueError) as caught:
+            model.delete_adapter("default")
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    with pytest.warns(UserWarning, match="All adapters are already merged"):
+        ours.merge_adapter()
+    with ours.disable_adapter():
+        torch.testing.assert_close(ours(X), base_out, **TOL)
+    ours.unmerge_adapter()
+    torch.testing.assert_close(ours.base_model.model.lin0.get_base_layer().weight, base, **TOL)
+    ours.delete_adapter("default")
+    assert "default" not in ours.peft_config
+
+
+@pytest.mark.parametrize("target_modules", [None, [], ""])
+def test_nothing_targeted_refused_in_peft_words(target_modules):
+    lead = ("No `target_modules` passed but also no `target_parameters` found. Please check the "
+            "values for these arguments.")
+    for config_cls, wrap in ((LoraConfig, get_peft_model), (peft.LoraConfig, peft.get_peft_model)):
+        with pytest.raises(ValueError) as caught:
+            wrap(MLP(), config_cls(target_modules=target_modules, target_parameters=["foobar"]))
+        assert str(caught.value).startswith(lead)
+
+
+def test_config_file_without_peft_type_refused_as_peft(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"foo": "bar"}))
+    texts = []
+    for config_cls in (LoraConfig, peft.LoraConfig):
+        with pytest.raises(TypeError) as caught:
+            config_cls.from_pretrained(tmp_path)
+        texts.append(str(caught.value))
+    assert texts[0].startswith(texts[1])
+
+
+def test_config_class_fixes_its_peft_type_as_peft():
+    from nanosft.adapter_files import PrefixTuningConfig, PromptTuningConfig
+
+    pairs = ((LoraConfig, peft.LoraConfig), (PromptTuningConfig, peft.PromptTuningConfig),
+             (PrefixTuningConfig, peft.PrefixTuningConfig))
+    for ours, theirs in pairs:
+        assert ours(peft_type="test").peft_type.value == theirs(peft_type="test").peft_type.value
+
+
+def test_runtime_config_in_a_file_dropped_with_peft_warning(tmp_path):
+    config = LoraConfig(target_modules=["lin0"])
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "runtime_config": {"ephemeral_gpu_offload": True}}))
+    texts = []
+    for config_cls in (LoraConfig, peft.LoraConfig):
+        with pytest.warns(UserWarning) as caught:
+            read = config_cls.from_json_file(str(path))
+        assert "runtime_config" not in read
+        texts.append([str(w.message) for w in caught if "runtime_config" in str(w.message)])
+    assert texts[0] == texts[1] and len(texts[0]) == 1
+    with pytest.warns(UserWarning, match="runtime_config"):
+        assert LoraConfig.from_pretrained(tmp_path).target_modules == ["lin0"]
+
+
+def test_beam_search_with_adapter_names_as_peft():
+    # beam search repeats every row num_beams times; each row keeps its adapter
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    kw = dict(target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    outs = []
+    for config_cls, wrap in ((LoraConfig, get_peft_model), (peft.LoraConfig, peft.get_peft_model)):
+        torch.manual_seed(0)
+        model = wrap(transformers.LlamaForCausalLM(config), config_cls(**kw))
+        model.add_adapter("other", config_cls(**kw))
+        model.eval()
+        ids = torch.tensor([[1, 5, 9], [3, 4, 7]])
+        outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                   adapter_names=["default", "other"], num_beams=3,
+                                   max_new_tokens=4, do_sample=False, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
