@@ -396,10 +396,10 @@ class LoraMultiheadAttention(nn.Module):
     Args as LoraLinear's; DoRA, aLoRA, lora_bias and mixed adapter batches are refused.
     Mirrors: peft lora.MultiheadAttention
     Differs: forward swaps W + s B A in for one call where peft merges, runs and unmerges in
-    place; lora_bias refused (peft makes the biases, never trains
-    them). Kept from peft 0.21.2: out_proj's delta counts twice (its merge adds the delta, then
-    out_proj's own merge adds it again), in forward and merge alike, so peft's files give peft's
-    outputs; the gradient flows through one copy, as in peft."""
+    place; lora_bias refused (peft makes the biases, never trains them). Kept from peft 0.21.2:
+    out_proj's delta counts twice (its merge adds the delta, then out_proj's own merge adds it
+    again), in forward and merge alike, so peft's files give peft's outputs; the gradient flows
+    through one copy, as in peft."""
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False,
