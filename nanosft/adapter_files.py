@@ -463,9 +463,11 @@ def is_conv1d(module):
 
 
 def is_lora_target(module):
-    """Whether LoRA can wrap `module`: a linear, 4-bit linear, Conv1D, embedding, or a LoRA layer
-    already there (a second adapter). Mirrors: peft LoraModel._create_new_module's dispatch"""
-    return (isinstance(module, (*_LINEAR, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    """Whether LoRA can wrap `module`: a linear, 4-bit linear, Conv1D, embedding, convolution,
+    multi-head attention, or a LoRA layer already there (a second adapter).
+    Mirrors: peft LoraModel._create_new_module's dispatch"""
+    return (isinstance(module, (*_LINEAR, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                                nn.MultiheadAttention))
             or is_conv1d(module) or hasattr(module, "lora_A")
             or hasattr(module, "lora_embedding_A"))
 
@@ -574,7 +576,8 @@ def find_target_modules(model, config):
         if not is_lora_target(module):
             raise ValueError(f"Target module {n!r} is a {type(module).__name__}, not a linear "
                              "layer: LoRA wraps torch.nn.Linear, Linear4bit, transformers' "
-                             f"Conv1D, nn.Conv1d/2d/3d and torch.nn.Embedding, e.g. {linear}")
+                             "Conv1D, nn.Conv1d/2d/3d, torch.nn.Embedding and "
+                             f"nn.MultiheadAttention, e.g. {linear}")
     return names
 
 

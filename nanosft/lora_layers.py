@@ -1,10 +1,12 @@
-"""LoRA and DoRA on the other module types peft wraps: `nn.Embedding` (LoraEmbedding) and
-`nn.Conv1d/2d/3d` (LoraConv), with the same adapter surface as lora.LoraLinear (adapters keyed by
-name, merge / unmerge, active and disabled adapters). Not on the walkthrough's path, whose 2.7 is
+"""LoRA and DoRA on the other module types peft wraps: `nn.Embedding` (LoraEmbedding),
+`nn.Conv1d/2d/3d` (LoraConv) and, LoRA only, `nn.MultiheadAttention` (LoraMultiheadAttention), with
+the same adapter surface as lora.LoraLinear (adapters keyed by name, merge / unmerge, active and
+disabled adapters). Not on the walkthrough's path, whose 2.7 is
 LoraLinear.forward: kept here so lora.py reads beside it.
 Papers: LoRA (2106.09685), DoRA (2402.09353).
 """
 
+import contextlib
 import math
 import warnings
 
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanosft.lora import DoraMagnitude, LoraLinear, adapters_to_merge
+from nanosft.lora import AdapterLinear, DoraMagnitude, LoraLinear, adapters_to_merge
 
 
 class LoraEmbedding(nn.Module):
@@ -364,6 +366,237 @@ class LoraConv(nn.Module):
             base_result = conv_fn(x, base.weight, None, base.stride, base.padding, base.dilation,
                                   base.groups)
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_B(lora_A(x)) * scaling
+
+
+
+@contextlib.contextmanager
+def _swapped(module, name, tensor):
+    # `module.<name>` reads `tensor` for one call, then the original object is set back (a
+    # parameter re-registers, last in order; FSDP's plain-tensor views go back as they were)
+    original = getattr(module, name)
+    delattr(module, name)
+    setattr(module, name, tensor)  # a plain tensor: an attribute, not a parameter
+    try:
+        yield
+    finally:
+        delattr(module, name)
+        setattr(module, name, original)
+
+
+def _from_base(name):
+    # an attribute of the wrapped nn.MultiheadAttention, read through the LoRA layer
+    return property(lambda self: getattr(self.base_layer, name))
+
+
+class LoraMultiheadAttention(nn.Module):
+    """A frozen nn.MultiheadAttention plus low-rank adapters on its fused q/k/v projection
+    (`in_proj_weight` [3E, E]: lora_A [r, E], lora_B [3E, r]) and on `out_proj` (a LoraLinear put
+    in its place). torch's attention reads both weights directly, never calling a linear's forward,
+    so each call runs on W + s B A swapped in for the call; gradients reach only A and B.
+    Args as LoraLinear's; DoRA, aLoRA, lora_bias and mixed adapter batches are refused.
+    Mirrors: peft lora.MultiheadAttention
+    Differs: forward swaps W + s B A in for one call where peft merges, runs and unmerges in
+    place; lora_bias refused (peft makes the biases, never trains them). Kept from peft 0.21.2:
+    out_proj's delta counts twice (its merge adds the delta, then out_proj's own merge adds it
+    again), in forward and merge alike, so peft's files give peft's outputs; the gradient flows
+    through one copy, as in peft."""
+
+    def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
+                 use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False,
+                 use_alora=False):
+        super().__init__()
+        if not getattr(base_layer, "_qkv_same_embed_dim", True):
+            raise ValueError("Only same embed for query/key/value is supported as of now for "
+                             "MultiheadAttention (this one has kdim/vdim != embed_dim and separate "
+                             "q/k/v weights); target another module or build it without kdim/vdim")
+        self._refuse(use_dora, use_alora, lora_bias)
+        if not isinstance(base_layer.out_proj, nn.Linear):
+            raise TypeError("out_proj must be an instance of nn.Linear for MultiheadAttention, got "
+                            f"{type(base_layer.out_proj).__name__}")
+        self.base_layer = base_layer
+        self.in_features = base_layer.embed_dim
+        self.out_features = 3 * base_layer.embed_dim  # q, k and v stacked in in_proj_weight
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.lora_dropout = nn.ModuleDict()  # kept for peft's surface; the merged call has none
+        self.lora_magnitude_vector = nn.ModuleDict()  # stays empty: no DoRA here
+        self.r, self.lora_alpha, self.scaling, self.use_rslora = {}, {}, {}, {}
+        self.use_dora, self.lora_bias = {}, {}
+        self.merged_adapters = []
+        self.active_adapters = [adapter_name]
+        self.disable_adapters = False
+        common = dict(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora,
+                      init_lora_weights=init_lora_weights)
+        # RNG order as peft: out_proj's adapter is drawn here, then in update_layer once more
+        base_layer.out_proj = LoraLinear(base_layer.out_proj, adapter_name, **common)
+        self.update_layer(adapter_name, **common)
+
+    merged = LoraLinear.merged
+    get_base_layer = LoraLinear.get_base_layer
+    _all_available_adapter_names = LoraLinear._all_available_adapter_names
+    reset_lora_parameters = LoraLinear.reset_lora_parameters
+    get_delta_weight = LoraLinear.get_delta_weight  # B @ A * s, [3E, E]
+
+    # what code reading an nn.MultiheadAttention asks of it (out_proj: the plain linear)
+    embed_dim, kdim, vdim = _from_base("embed_dim"), _from_base("kdim"), _from_base("vdim")
+    num_heads, head_dim = _from_base("num_heads"), _from_base("head_dim")
+    dropout, batch_first = _from_base("dropout"), _from_base("batch_first")
+    _qkv_same_embed_dim = _from_base("_qkv_same_embed_dim")
+    in_proj_weight, in_proj_bias = _from_base("in_proj_weight"), _from_base("in_proj_bias")
+    bias_k, bias_v = _from_base("bias_k"), _from_base("bias_v")
+    add_zero_attn = _from_base("add_zero_attn")
+
+    @property
+    def out_proj(self):
+        """The base's output projection, unwrapped. Mirrors: peft MultiheadAttention.out_proj"""
+        return self.base_layer.out_proj.get_base_layer()
+
+    def merge_masks(self, *args, **kwargs):
+        """The base's mask merging. Mirrors: nn.MultiheadAttention.merge_masks"""
+        return self.base_layer.merge_masks(*args, **kwargs)
+
+    @staticmethod
+    def _refuse(use_dora, use_alora, lora_bias):
+        if use_dora:
+            raise ValueError("MultiheadAttention does not support DoRA (yet), please set use_dora "
+                             "to False")
+        if use_alora:
+            raise ValueError("MultiheadAttention does not support aLoRA (yet), please set "
+                             "use_alora to False")
+        if lora_bias:
+            raise ValueError("MultiheadAttention does not support lora_bias here (peft creates the "
+                             "biases but its merged forward never uses them); set lora_bias=False")
+
+    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
+                     init_lora_weights=True, lora_bias=False, use_dora=False, use_alora=False):
+        """Add adapter `adapter_name` to in_proj (A [r, E], B [3E, r]) and to out_proj.
+        Mirrors: peft MultiheadAttention.update_layer"""
+        self._refuse(use_dora, use_alora, lora_bias)
+        if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+            raise ValueError(f"MultiheadAttention adapter {adapter_name!r}: r (the LoRA rank) must "
+                             f"be a positive int, got r={r!r}; pass e.g. r=8")
+        if init_lora_weights not in (True, False, "gaussian"):
+            raise ValueError(f"MultiheadAttention adapter {adapter_name!r}: init_lora_weights="
+                             f"{init_lora_weights!r} is not implemented; use True (peft's "
+                             "default), False or 'gaussian'")
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = lora_alpha
+        self.lora_dropout[adapter_name] = (nn.Dropout(p=lora_dropout) if lora_dropout > 0.0
+                                           else nn.Identity())
+        self.lora_A[adapter_name] = AdapterLinear(self.in_features, r, bias=False)
+        self.lora_B[adapter_name] = AdapterLinear(r, self.out_features, bias=False)
+        self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        self.use_rslora[adapter_name] = use_rslora
+        self.use_dora[adapter_name] = False
+        self.lora_bias[adapter_name] = False
+        self.reset_lora_parameters(adapter_name, init_lora_weights)
+        w = self.out_proj.weight  # peft places the adapters by out_proj's device and dtype
+        for d in (self.lora_A, self.lora_B):
+            d[adapter_name] = d[adapter_name].to(device=w.device, dtype=w.dtype)
+        self.base_layer.out_proj.update_layer(adapter_name, r, lora_alpha, lora_dropout,
+                                              use_rslora, init_lora_weights=init_lora_weights)
+        self.set_adapter(self.active_adapters)
+
+    def set_adapter(self, adapter_names):
+        """Activate `adapter_names` here and on out_proj. Mirrors: peft set_adapter"""
+        LoraLinear.set_adapter(self, adapter_names)
+        self.base_layer.out_proj.set_adapter(adapter_names)
+
+    def enable_adapters(self, enabled):
+        """All adapters on or off (out_proj's layer keeps its own switch, as in peft).
+        Mirrors: peft BaseTunerLayer.enable_adapters"""
+        LoraLinear.enable_adapters(self, enabled)
+
+    def delete_adapter(self, adapter_name):
+        """Drop one adapter here and on out_proj. Mirrors: peft delete_adapter"""
+        self.base_layer.out_proj.delete_adapter(adapter_name)
+        LoraLinear.delete_adapter(self, adapter_name)
+
+    @torch.no_grad()
+    def merge(self, safe_merge=False, adapter_names=None):
+        """Add the deltas to in_proj_weight and out_proj's weight (out_proj's twice, as peft
+        0.21.2). Mirrors: peft MultiheadAttention.merge"""
+        names = adapters_to_merge(self, adapter_names)
+        base, out_proj = self.base_layer, self.base_layer.out_proj
+        for name in [n for n in names if n in self.lora_A]:
+            dtype = out_proj.base_layer.weight.dtype
+            w_in = base.in_proj_weight.data + self.get_delta_weight(name).to(dtype)
+            w_out = out_proj.base_layer.weight.data + out_proj.get_delta_weight(name).to(dtype)
+            if safe_merge and not (torch.isfinite(w_in).all() and torch.isfinite(w_out).all()):
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems "
+                                 "to be broken")
+            base.in_proj_weight.data = w_in
+            out_proj.base_layer.weight.data = w_out
+            out_proj.merge(adapter_names=[name])  # peft's second add of out_proj's delta
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self):
+        """Subtract the merged deltas again, last first. Mirrors: peft MultiheadAttention.unmerge"""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        base, out_proj = self.base_layer, self.base_layer.out_proj
+        dtype = out_proj.base_layer.weight.dtype
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            base.in_proj_weight.data = base.in_proj_weight.data - self.get_delta_weight(name).to(
+                dtype)
+            out_proj.base_layer.weight.data = (out_proj.base_layer.weight.data
+                                               - out_proj.get_delta_weight(name).to(dtype))
+        out_proj.unmerge()  # the second copies, as peft
+
+    def unload_and_optionally_merge_module(self, merge, safe_merge, adapter_names):
+        """The plain nn.MultiheadAttention (merged first if asked), out_proj unwrapped too.
+        Mirrors: peft MultiheadAttention.unload_and_optionally_merge_module"""
+        if merge:
+            self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        self.base_layer.out_proj = self.out_proj
+        return self.base_layer
+
+    def _restore_weights(self):
+        """Nothing to do: forward and merge keep the base's parameters registered (peft re-registers
+        them after its in-place merge). Mirrors: peft MultiheadAttention._restore_weights"""
+
+    def _weights_with_deltas(self):
+        # in_proj's and out_proj's W + s B A for one call; no gradient to W (peft detaches it)
+        out_proj = self.base_layer.out_proj
+        w_in = self.base_layer.in_proj_weight.detach()
+        w_out = out_proj.base_layer.weight.detach()
+        for name in [n for n in self.active_adapters if n in self.lora_A]:
+            w_in = w_in + self.get_delta_weight(name).to(w_out.dtype)
+            delta = out_proj.get_delta_weight(name).to(w_out.dtype)
+            w_out = w_out + delta + delta.detach()  # value: two deltas; gradient: one (peft)
+        return w_in, w_out
+
+    def forward(self, query, *args, adapter_names=None, **kwargs):
+        """The base attention with the active adapters' deltas in both projections; returns
+        (attn_output, attn_weights) in the query's dtype.
+        Mirrors: peft MultiheadAttention.forward"""
+        if adapter_names is not None:
+            raise TypeError("lora.MultiheadAttention does not support mixed adapter batches.")
+        previous_dtype = query.dtype
+        out_proj = self.base_layer.out_proj
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            result = self.base_layer(query, *args, **kwargs)
+        elif self.merged:
+            result = self.base_layer(query, *args, **kwargs)
+        else:
+            if out_proj.merged or out_proj.active_adapters != self.active_adapters:
+                raise ValueError("The out_proj layer of MultiheadAttention has merged layers but "
+                                 "MultiheadAttention itself doesn't; please ensure that either "
+                                 "both or none have merged layers (merge and set adapters on the "
+                                 "MultiheadAttention layer, not on its out_proj)")
+            w_in, w_out = self._weights_with_deltas()
+            with _swapped(self.base_layer, "in_proj_weight", w_in), \
+                    _swapped(out_proj.base_layer, "weight", w_out):
+                result = self.base_layer(query, *args, **kwargs)
+        attn_output, attn_weights = result
+        if attn_weights is not None:
+            attn_weights = attn_weights.to(previous_dtype)
+        return attn_output.to(previous_dtype), attn_weights
 
 
 # ----------------------------------------------------------------------------- around the adapters

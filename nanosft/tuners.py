@@ -1,9 +1,10 @@
 """The tuner surface: LoRA put into any nn.Module, and peft's adapter API around it.
 
 `inject_adapter` swaps each targeted module (nn.Linear, 4-bit linear, transformers' Conv1D,
-nn.Embedding) for a LoRA layer, or adds an adapter to the LoRA layer already there; `LoraModel`
-holds the model (names read `base_model.model....`) and carries peft's `LoraModel` / `BaseTuner`
-methods: several adapters by name, the active set, merge / unmerge in place, unload, delete.
+nn.Embedding, nn.Conv1d/2d/3d, nn.MultiheadAttention) for a LoRA layer, or adds an adapter to the
+LoRA layer already there; `LoraModel` holds the model (names read `base_model.model....`) and
+carries peft's `LoraModel` / `BaseTuner` methods: several adapters by name, the active set,
+merge / unmerge in place, unload, delete.
 `BaseTunerLayer` and `LoraLayer` are what peft's isinstance checks ask for. Kept apart from
 peft.py (walkthrough 2.6's forward) and lora.py (2.7's forward) so neither is read through it.
 """
@@ -18,7 +19,7 @@ from torch import nn
 from nanosft.alora import alora_offsets, is_alora_batch
 from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
-from nanosft.lora_layers import LoraConv, LoraEmbedding
+from nanosft.lora_layers import LoraConv, LoraEmbedding, LoraMultiheadAttention
 from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
 from nanosft.weighted_adapters import (  # noqa: F401 (convert_to_lora: peft's name, re-exported)
     convert_to_lora, fill_weighted_adapter, supports_lora_conversion, weighted_adapter_config)
@@ -65,6 +66,12 @@ def _new_or_updated_layer(target, config, adapter_name, name):
     common = dict(r=r, lora_alpha=alpha, lora_dropout=config.lora_dropout,
                   use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights)
     use_alora = config.alora_invocation_tokens is not None
+    if isinstance(target, (LoraMultiheadAttention, nn.MultiheadAttention)):  # refuses aLoRA, DoRA
+        extra = dict(lora_bias=config.lora_bias, use_dora=config.use_dora, use_alora=use_alora)
+        if isinstance(target, LoraMultiheadAttention):
+            target.update_layer(adapter_name, **extra, **common)
+            return None
+        return LoraMultiheadAttention(target, adapter_name, **extra, **common)
     if use_alora and not isinstance(target, LoraLinear) and (
             not _is_linear_target(target)):
         raise ValueError(f"{type(target).__name__} does not support aLoRA (yet), please set "
@@ -343,7 +350,8 @@ class LoraModel(nn.Module):
             return args, {**kwargs, "adapter_names": adapter_names, **extra}
         handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
                    for m in self.model.modules()
-                   if isinstance(m, (LoraLinear, LoraEmbedding, TrainableTokensWrapper))]
+                   if isinstance(m, (LoraLinear, LoraEmbedding, TrainableTokensWrapper,
+                                     LoraMultiheadAttention))]
         try:
             yield
         finally:
@@ -528,6 +536,10 @@ class LoraModel(nn.Module):
             elif isinstance(module, TrainableTokensWrapper):
                 replaced.append(name)
                 _replace_module(self.model, name, module.unload(merge, safe_merge, adapter_names))
+            elif isinstance(module, LoraMultiheadAttention):  # its out_proj is unwrapped too
+                replaced.append(name)
+                _replace_module(self.model, name, module.unload_and_optionally_merge_module(
+                    merge, safe_merge, adapter_names))
             elif isinstance(module, BaseTunerLayer):
                 if merge:
                     module.merge(safe_merge=safe_merge, adapter_names=adapter_names)
