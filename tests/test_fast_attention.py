@@ -14,9 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanosft.fast import attention
 from nanosft.fast.attention import BF16_MAX_KEYS, scaled_dot_product_attention
 from nanosft.model import CausalLM, ModelConfig
 from nanosft.reference import reference_mode
+
+
+@pytest.fixture(autouse=True)
+def enabled(monkeypatch):
+    monkeypatch.setattr(attention, "ENABLED", True)  # opt-in (module docstring)
 
 
 def _ulp(t, dtype):

@@ -7,18 +7,25 @@ with AVX512-BF16); the two meet near 300 keys. fp16 (no native fp16 units on mos
 5-6x the fp32 time at every length measured, 50 to 400 keys. So on CPU the half-precision inputs
 go through the fp32 kernel, with autocast off inside (it would cast them back), and the output is
 rounded once to the input dtype: the kernel accumulates in fp32 either way, and its output is
-within 1 ulp of the half-precision kernel's (tested). Off in reference mode.
+closer to attention in float64 than the half-precision kernel's (tested). Off in reference mode
+and, for now, opt-in (NANOSFT_FP32_ATTENTION=1, or ENABLED = True): the fp32 copies it saves for
+backward are not yet in the memory ledger, and in no-grad forwards it would leave transformers'
+bf16 logits bit for bit, so it applies to training (grad enabled) only.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
+
+ENABLED = os.environ.get("NANOSFT_FP32_ATTENTION", "").strip() not in ("", "0")
 
 # above this many keys torch's bf16 kernel is as fast or faster (measured crossover ~300)
 BF16_MAX_KEYS = 256
 
 
 def _use_fp32(q, k) -> bool:
-    if q.device.type != "cpu":
+    if not ENABLED or q.device.type != "cpu" or not torch.is_grad_enabled():
         return False
     if q.dtype == torch.float16:
         return True

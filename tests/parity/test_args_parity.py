@@ -74,7 +74,7 @@ def test_sft_config_defaults_equal_trl(tmp_path):
         "pad_to_multiple_of",
     ):
         assert name in shared, name
-    assert only_ours == {"overwrite_output_dir", "peak_flops"}
+    assert only_ours == {"overwrite_output_dir", "peak_flops", "nf4_dequantize"}
 
 
 def test_sft_config_bf16_follows_fp16_like_trl(tmp_path):
