@@ -36,7 +36,7 @@ from unittest import mock
 import nd_launch
 import pytest
 import torch
-from nd_launch import BATCH, largest_difference, lora_config, make_trainer, rows, trained
+from nd_launch import BATCH, lora_config, make_trainer, rows, trained
 from tiny import tiny_model
 
 from nanosft import ParallelismConfig, distributed
@@ -135,7 +135,6 @@ def _loaded_case(folder):
 
 for _name, (_world_size, _sizes) in MESHES.items():
     nd_launch.register(_world_size, f"nd/{_name}", functools.partial(_mesh_case, sizes=_sizes))
-nd_launch.register(4, "nd/loaded", _loaded_case)
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +151,6 @@ def runs(tmp_path_factory):
         root = nd_launch.launch_root(tmp_path_factory, world_size)
         results[name] = ({**single[1], "lora": single_lora[1], "folder": folder,
                           "saved": nd_launch.case_folder(root, f"nd/{name}")}, nd[f"nd/{name}"])
-    results["loaded"] = ({mode: nd_launch.single(tmp_path_factory, 2 * BATCH, mode)[1]
-                          for mode in LOADED_MODES}, nd_launch.results(tmp_path_factory, 4)[
-                              "nd/loaded"])
     return results
 
 
@@ -180,25 +176,6 @@ def test_lora_under_tp_trains_as_one_process(runs, name):
     worst = max((nd["params"][k] - v).abs().max().item() for k, v in single["params"].items())
     print(f"{name} LoRA: largest adapter difference from one process {worst:.2e}")
     assert worst <= TOL
-
-
-@pytest.mark.parametrize("mode", LOADED_MODES)
-def test_model_loaded_with_tp_plan_trains_as_one_process(runs, mode):
-    single, nd = runs["loaded"][0][mode], runs["loaded"][1][mode]
-    assert single["logged"][0][1] > 0.5  # clipping was active
-    torch.testing.assert_close(nd["logged"], single["logged"], rtol=0, atol=TOL)
-    worst = largest_difference(nd["params"], single["params"])
-    print(f"loaded with tp_plan, dp_shard x tp, {mode}: largest parameter difference from one "
-          f"process {worst:.2e}")
-    assert worst <= TOL
-
-
-def test_model_loaded_over_other_ranks_is_refused(runs):
-    nd = runs["loaded"][1]
-    assert "loaded with tp_plan over ranks [0, 2], but parallelism_config (tp_size=2) puts rank " \
-           "0's tensor-parallel group on ranks [0, 1]" in nd["other ranks"]
-    assert "device_mesh=parallelism_config.get_device_mesh()" in nd["other ranks"]
-    assert "parallelism_config has tp_size=1" in nd["tp_size 1"]
 
 
 def test_adapters_follow_their_base_layers_plan(runs):

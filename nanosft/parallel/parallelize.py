@@ -67,10 +67,7 @@ def _loaded_tp_mesh(model, config, device_type):
                          f"parallelism_config (tp_size={config.tp_size}) puts rank {get_rank()}'s "
                          f"tensor-parallel group on ranks {expected}; {fix}")
     mesh = config.get_device_mesh(device_type)
-    root = tp_mesh._get_root_mesh()
-    same = (root is mesh or (root.mesh_dim_names == mesh.mesh_dim_names
-                             and torch.equal(root.mesh, mesh.mesh)))
-    if config.total_size > config.tp_size and not same:
+    if config.total_size > config.tp_size and tp_mesh._get_root_mesh() != mesh:
         raise ValueError("this model was loaded with tp_plan over a mesh of its own; FSDP over "
                          "the other dims needs the tp dim of parallelism_config's mesh: " + fix)
     return mesh
