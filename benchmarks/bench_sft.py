@@ -29,9 +29,6 @@ import sys
 import tempfile
 import time
 
-# nanosft's fp32 attention for short half-precision CPU rows (opt-in), as RESULTS.md was taken
-os.environ.setdefault("NANOSFT_FP32_ATTENTION", "1")
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402

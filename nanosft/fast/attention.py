@@ -8,9 +8,9 @@ with AVX512-BF16); the two meet near 300 keys. fp16 (no native fp16 units on mos
 go through the fp32 kernel, with autocast off inside (it would cast them back), and the output is
 rounded once to the input dtype: the kernel accumulates in fp32 either way, and its output is
 closer to attention in float64 than the half-precision kernel's (tested). Off in reference mode
-and, for now, opt-in (NANOSFT_FP32_ATTENTION=1, or ENABLED = True): the fp32 copies it saves for
-backward are not yet in the memory ledger, and in no-grad forwards it would leave transformers'
-bf16 logits bit for bit, so it applies to training (grad enabled) only.
+and with NANOSFT_FP32_ATTENTION=0 (or ENABLED = False). Training (grad enabled) only: a no-grad
+forward keeps transformers' bf16 logits bit for bit. The fp32 copies it saves for backward are
+in the memory ledger (nanosft.memory.activations.sdpa_bytes asks `takes_fp32`).
 """
 
 import os
@@ -18,18 +18,22 @@ import os
 import torch
 import torch.nn.functional as F
 
-ENABLED = os.environ.get("NANOSFT_FP32_ATTENTION", "").strip() not in ("", "0")
+ENABLED = os.environ.get("NANOSFT_FP32_ATTENTION", "1").strip() not in ("", "0")
 
 # above this many keys torch's bf16 kernel is as fast or faster (measured crossover ~300)
 BF16_MAX_KEYS = 256
 
 
-def _use_fp32(q, k) -> bool:
-    if not ENABLED or q.device.type != "cpu" or not torch.is_grad_enabled():
+def takes_fp32(dtype, keys, device_type="cpu") -> bool:
+    """Whether a training SDPA of `dtype` inputs over `keys` keys runs through the fp32 kernel
+    (also what the memory ledger asks, nanosft.memory.activations.sdpa_saves)."""
+    if not ENABLED or device_type != "cpu":
         return False
-    if q.dtype == torch.float16:
-        return True
-    return q.dtype == torch.bfloat16 and k.shape[-2] <= BF16_MAX_KEYS
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and keys <= BF16_MAX_KEYS)
+
+
+def _use_fp32(q, k) -> bool:
+    return torch.is_grad_enabled() and takes_fp32(q.dtype, k.shape[-2], q.device.type)
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None,

@@ -7,10 +7,14 @@ lm_head and loss. nanosft.memory sums them into the ledger's activations row.
 Paper: activation recomputation 1604.06174.
 """
 
+import torch
+
+from nanosft.fast import attention
 from nanosft.memory.plan import (
     DTYPE_BYTES, FFN_NORM_TYPES, FUSED_TYPES, QK_NORM_TYPES, layer_linears, lora_targets,
     nf4_quantizable, parameter_shapes,
 )
+from nanosft.reference import reference_mode_enabled
 
 
 class _Saved:
@@ -21,6 +25,20 @@ class _Saved:
 
     def add(self, name, numel, nbytes):
         self.bytes[name] = numel * nbytes
+
+
+def sdpa_bytes(plan, device_type, q_bytes, s):
+    """Bytes per element of what SDPA keeps for backward, and whether it runs through
+    nanosft.fast.attention's fp32 kernel (short half-precision CPU rows, training, not in reference
+    mode): that path keeps fp32 copies of q, k, v and its fp32 output, and o_proj then reads the
+    output cast back to q's dtype, a new tensor. q_bytes: q's element size as it reaches SDPA
+    (half: the weights' dtype, or the autocast one); s: SDPA's dtype without the path."""
+    if q_bytes != 2 or reference_mode_enabled():
+        return s, False
+    half = plan.dtype if DTYPE_BYTES[plan.dtype] == 2 else "bfloat16"
+    if attention.takes_fp32(getattr(torch, half), plan.max_length, device_type):
+        return 4, True
+    return s, False
 
 
 def _norm(saved, tag, N, C, rg, trainable, wd):
@@ -145,22 +163,24 @@ def layer_saved_bytes(config, plan, first=False, device_type="cpu", layer_idx=0)
     qk_lora = plan.full or bool({"q_proj", "k_proj", "qkv_proj"} & ctx["targets"])
     if (q_rg or k_rg) and layer_idx == (0 if qk_lora else 1):
         saved.add("rope_cos_sin", 2 * T * D, wd)
+    # RoPE's product with the (weights' dtype) tables gives q in the weights' dtype
+    sb, fp32 = sdpa_bytes(plan, device_type, wd, s)
     if attn_rg:
-        saved.add("sdpa.q", N * H * D, s)
-        saved.add("sdpa.k", N * KV * D, s)
+        saved.add("sdpa.q", N * H * D, sb)
+        saved.add("sdpa.k", N * KV * D, sb)
         # v is not copied on its way to SDPA: with qkv fused, it keeps the whole output alive,
-        # unless autocast hands SDPA a copy (a 4-bit base returns float32)
-        whole = fused and out_bytes("qkv_proj") == s
-        saved.add("sdpa.v", N * ((H + 2 * KV) if whole else KV) * D, s)
-        saved.add("sdpa.out", N * H * D, s)
+        # unless autocast (or the fp32 path) hands SDPA a copy (a 4-bit base returns float32)
+        whole = fused and out_bytes("qkv_proj") == sb
+        saved.add("sdpa.v", N * ((H + 2 * KV) if whole else KV) * D, sb)
+        saved.add("sdpa.out", N * H * D, sb)
         saved.add("sdpa.logsumexp", B * H * T, 4)
         window = _sliding_window(config, layer_idx)
         if window is not None and T > window:  # full rows: one (1, 1, T, T) mask, in SDPA's dtype
-            saved.add("sdpa.window_mask", T * T, s)
+            saved.add("sdpa.window_mask", T * T, sb)
     # SDPA's output is laid out as its q: (B, T, H, D) in memory when q is a transposed view, so
     # o_proj reads it as is; Phi-3's partial RoPE concatenates q (B, H, T, D), and o_proj's
     # (B, T, H * D) input is then a copy
-    o_input = "o_proj.input" if fused else "sdpa.out"
+    o_input = "o_proj.input" if fused else "sdpa.out_cast" if fp32 else "sdpa.out"
     o_rg = _linear(saved, ctx, "o_proj", o_input, s, H * D, C, attn_rg)
     h_rg = rg or o_rg
     if config.model_type in FFN_NORM_TYPES:  # Gemma 3 norms the attention output before the add

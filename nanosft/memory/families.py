@@ -20,7 +20,7 @@ Papers: Switch Transformer 2101.03961, GPT-NeoX-20B 2204.06745, OLMo 2 2501.0065
 """
 
 from nanosft.memory.activations import (
-    _biased_linears, _layer_norm, _linear, _norm, _Saved, _sliding_window,
+    _biased_linears, _layer_norm, _linear, _norm, _Saved, _sliding_window, sdpa_bytes,
 )
 from nanosft.memory.plan import (
     DTYPE_BYTES, GATED_DELTANET_LINEARS, expert_size, is_moe_layer, layer_linears, lora_targets,
@@ -106,19 +106,22 @@ def _attention(saved, ctx, config, layer_idx, x_name, x_rg):
                 saved.add("attn.probs", B * H * T * (T + 1), pd)
         o_input = "o_proj.input"  # (B, H, T, D) out, transposed to (B, T, H * D): a copy
     else:
+        # q reaches SDPA in the weights' dtype (RoPE's tables are in it); Cohere 2 casts back
+        q_bytes = out("q_proj") if t == "cohere2" else wd
+        sb, fp32 = sdpa_bytes(plan, ctx["device_type"], q_bytes, s)
         if attn_rg:  # SDPA keeps all it reads once any of q, k, v needs grad
-            saved.add("sdpa.q", N * H * D, s)
-            saved.add("sdpa.k", N * KV * D, s)
+            saved.add("sdpa.q", N * H * D, sb)
+            saved.add("sdpa.k", N * KV * D, sb)
             # GPT-NeoX's v is a view of the fused (N, 3 C) output and keeps all of it alive,
-            # unless autocast hands SDPA a copy (a 4-bit base returns float32)
-            whole = t == "gpt_neox" and out("query_key_value") == s
-            saved.add("sdpa.v", N * (3 * C if whole else KV * D), s)
-            saved.add("sdpa.out", N * H * D, s)
+            # unless autocast (or the fp32 path) hands SDPA a copy (a 4-bit base returns float32)
+            whole = t == "gpt_neox" and out("query_key_value") == sb
+            saved.add("sdpa.v", N * (3 * C if whole else KV * D), sb)
+            saved.add("sdpa.out", N * H * D, sb)
             saved.add("sdpa.logsumexp", B * H * T, 4)
             if window is not None and T > window:
-                saved.add("sdpa.window_mask", T * T, s)
+                saved.add("sdpa.window_mask", T * T, sb)
         # partial RoPE concatenates q (B, H, T, D): o_proj's (B, T, H * D) input is then a copy
-        o_input = "o_proj.input" if partial else "sdpa.out"
+        o_input = "o_proj.input" if partial else "sdpa.out_cast" if fp32 else "sdpa.out"
     o_lin = {"gpt_neox": "dense", "lfm2": "out_proj"}.get(t, "o_proj")
     # with nothing before it needing grad, o_proj's own LoRA still keeps its input
     return _linear(saved, ctx, o_lin, o_input, s, H * D, C, attn_rg)
@@ -409,11 +412,12 @@ def _gated_attention(saved, ctx, config, layer_idx, x_name, x_rg):
     attn_rg = q_rg or k_rg or v_rg
     if (q_rg or k_rg) and _rope_saved_first(config, ctx, layer_idx):  # RoPE reads q and k only
         saved.add("rope_cos_sin", 2 * T * rotary_dim(config), wd)
+    sb, _ = sdpa_bytes(plan, ctx["device_type"], wd, s)  # (its output is copied below anyway)
     if attn_rg:  # SDPA keeps all it reads once any of q, k, v needs grad
-        saved.add("sdpa.q", N * H * D, s)
-        saved.add("sdpa.k", N * KV * D, s)
-        saved.add("sdpa.v", N * KV * D, s)
-        saved.add("sdpa.out", N * H * D, s)
+        saved.add("sdpa.q", N * H * D, sb)
+        saved.add("sdpa.k", N * KV * D, sb)
+        saved.add("sdpa.v", N * KV * D, sb)
+        saved.add("sdpa.out", N * H * D, sb)
         saved.add("sdpa.logsumexp", B * H * T, 4)
         saved.add("attn.gate_sigmoid", N * H * D, out("q_proj"))  # (y's gradient reads it)
     if q_rg:  # the gate's gradient reads SDPA's output transposed to (B, T, H D): a copy
@@ -457,6 +461,7 @@ def _gemma4_layer(saved, ctx, config, i, first):
     kind, out = config.layer_types[i], ctx["out_bytes"]
     shared = config.kv_sharing_modes[i] == "reuse"
     s = ad or wd
+    sb, fp32 = sdpa_bytes(plan, ctx["device_type"], wd, s)
     I = config.intermediate_size * (2 if config.use_double_wide_mlp and shared else 1)
     rg = full or not first
     # the first layer's input is a view of cat(embeddings, per-layer inputs): that storage
@@ -480,17 +485,21 @@ def _gemma4_layer(saved, ctx, config, i, first):
         _gemma4_norm(saved, "v_norm", N * KV, D, v_rg, full, v_name, out("k_proj"), scale=False)
         attn_rg = q_rg or k_rg or v_rg
         if attn_rg:
-            saved.add("sdpa.k", N * KV * D, s)
-            saved.add("sdpa.v", N * KV * D, s)
+            saved.add("sdpa.k", N * KV * D, sb)
+            saved.add("sdpa.v", N * KV * D, sb)
+    elif attn_rg and fp32:  # the fp32 path copies the shared k and v anew in every layer
+        saved.add("sdpa.k", N * KV * D, sb)
+        saved.add("sdpa.v", N * KV * D, sb)
     elif attn_rg and s != max(out("k_proj"), wd):  # SDPA casts the shared (RoPE'd) k anew
         saved.add("sdpa.k_cast_again", N * KV * D, s)
     if attn_rg:
-        saved.add("sdpa.q", N * H * D, s)
-        saved.add("sdpa.out", N * H * D, s)
+        saved.add("sdpa.q", N * H * D, sb)
+        saved.add("sdpa.out", N * H * D, sb)
         saved.add("sdpa.logsumexp", B * H * T, 4)
         if kind == "sliding_attention" and T > config.sliding_window:
-            saved.add("sdpa.window_mask", T * T, s)
-    o_rg = _linear(saved, ctx, "o_proj", "sdpa.out", s, H * D, C, attn_rg)
+            saved.add("sdpa.window_mask", T * T, sb)
+    o_input = "sdpa.out_cast" if fp32 else "sdpa.out"
+    o_rg = _linear(saved, ctx, "o_proj", o_input, s, H * D, C, attn_rg)
     _gemma4_norm(saved, "post_attention_layernorm", N, C, o_rg, full, "o_proj.out", out("o_proj"))
     h_rg = rg or o_rg
     n2_rg = _gemma4_norm(saved, "pre_feedforward_layernorm", N, C, h_rg, full, "h_mid", wd)
