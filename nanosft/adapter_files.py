@@ -12,6 +12,8 @@ two files. Nothing here builds or runs a layer, so this module sits below peft.p
 
 import dataclasses
 import enum
+import importlib.metadata
+import json
 import math
 import os
 import re
@@ -113,6 +115,36 @@ def _drop_runtime_config(d):
     return d
 
 
+def _get_commit_hash(pkg_name):
+    """The commit a package was pip-installed from (its direct_url.json's vcs_info), else None.
+    Mirrors: peft.config._get_commit_hash"""
+    try:
+        dist = importlib.metadata.distribution(pkg_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for path in dist.files or []:
+        if path.name == "direct_url.json":
+            vcs_info = json.loads(dist.locate_file(path).read_text()).get("vcs_info") or {}
+            if "commit_id" in vcs_info:
+                return vcs_info["commit_id"]
+    return None
+
+
+def _peft_version():
+    """What a new config records as peft_version: `__version__`, with "@<commit>" (or "@UNKNOWN")
+    after a dev version, whose number alone does not say which code wrote the file.
+    Mirrors: peft PeftConfigMixin._get_peft_version"""
+    if ".dev" not in __version__:
+        return __version__
+    try:
+        commit = _get_commit_hash("peft") or "UNKNOWN"
+    except Exception:  # never fail a config over its version string
+        warnings.warn("A dev version of PEFT is used but there was an error while trying to "
+                      "determine the commit hash. The version is recorded with @UNKNOWN.")
+        commit = "UNKNOWN"
+    return f"{__version__}@{commit}"
+
+
 @dataclasses.dataclass
 class LoraConfig:
     """LoRA hyper-parameters, peft's field names and defaults (target_modules None: q_proj, v_proj).
@@ -153,7 +185,7 @@ class LoraConfig:
 
     def __post_init__(self):
         self.peft_type = PeftType.LORA  # whatever was passed, as peft's __post_init__ sets it
-        self.peft_version = self.peft_version or __version__
+        self.peft_version = self.peft_version or _peft_version()
         _check_task_type(self.task_type)
         if isinstance(self.task_type, enum.Enum):
             self.task_type = TaskType(self.task_type.value)
@@ -255,7 +287,7 @@ class PromptLearningConfig:
         own = self.__dataclass_fields__["peft_type"].default  # a subclass's kind, as peft sets
         if own is not None or self.peft_type is not None:
             self.peft_type = PeftType(own if own is not None else self.peft_type)
-        self.peft_version = self.peft_version or __version__
+        self.peft_version = self.peft_version or _peft_version()
         _check_task_type(self.task_type)
 
     @property
