@@ -349,7 +349,10 @@ class PromptTuningConfig(PromptLearningConfig):
         text_ok = self.prompt_tuning_init_text and has_tokenizer
         # loading a saved adapter (inference_mode) needs no text: the embeddings come from the file
         if self.prompt_tuning_init == "TEXT" and not self.inference_mode and not text_ok:
-            raise ValueError("prompt_tuning_init='TEXT' needs prompt_tuning_init_text and a "
+            missing = ("tokenizer_name_or_path" if not has_tokenizer else
+                       "prompt_tuning_init_text")  # peft's wording, the tokenizer asked first
+            raise ValueError(f"When prompt_tuning_init='TEXT', {missing} can't be None: "
+                             "prompt_tuning_init='TEXT' needs prompt_tuning_init_text and a "
                              "tokenizer (tokenizer=... or tokenizer_name_or_path=...)")
 
 
@@ -572,8 +575,9 @@ def resolve_target_modules(model, config):
             return list(DEFAULT_TARGET_MODULES[model_type])
         if config.target_parameters:  # no default: the parameters alone, None kept (as peft)
             return None
-        raise ValueError(f"no default target_modules for model_type={model_type!r}; "
-                         "set LoraConfig.target_modules or target_parameters")
+        raise ValueError("Please specify `target_modules` in `peft_config`: there is no "
+                         f"default target_modules for model_type={model_type!r}; set "
+                         "LoraConfig.target_modules or target_parameters")
     if isinstance(target, str) and target.lower() == "all-linear":
         return linear_layer_names(model)  # lm_head excluded
     return target
