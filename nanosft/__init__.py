@@ -19,6 +19,7 @@ _LAZY_NAMES = {
     "PeftModel": "nanosft.peft",
     "PeftModelForCausalLM": "nanosft.peft",
     "PeftType": "nanosft.adapter_files",
+    "PEFT_TYPE_TO_PREFIX_MAPPING": "nanosft.adapter_files",
     "PeftConfig": "nanosft.adapter_files",
     "PromptLearningConfig": "nanosft.adapter_files",
     "PromptTuningInit": "nanosft.adapter_files",

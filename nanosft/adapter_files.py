@@ -66,6 +66,23 @@ class PeftType(str, enum.Enum):
     PREFIX_TUNING = "PREFIX_TUNING"
 
 
+# the prefix of each method's parameter names (peft's state-dict keys: "lora_A", ...)
+PEFT_TYPE_TO_PREFIX_MAPPING = {PeftType.LORA: "lora_", PeftType.PROMPT_TUNING: "prompt_tuning_",
+                               PeftType.P_TUNING: "p_tuning_",
+                               PeftType.PREFIX_TUNING: "prefix_tuning_"}
+
+
+def warn_if_name_in_prefix(adapter_name, peft_type):
+    """An adapter named like part of its method's prefix ("lora" in "lora_") confuses peft's key
+    mapping when its file is read back: warned, as peft warns. Mirrors: peft get_peft_model's
+    and PeftModel.add_adapter's check"""
+    prefix = PEFT_TYPE_TO_PREFIX_MAPPING.get(peft_type)
+    if prefix and adapter_name in prefix:
+        warnings.warn(f"Adapter name '{adapter_name}' should not be contained in the prefix "
+                      f"'{prefix}'. This may lead to reinitialization of the adapter weights "
+                      "during loading. Pick another adapter name.")
+
+
 class PromptTuningInit(str, enum.Enum):
     """How prompt tuning's virtual tokens start: the embeddings of a text, of random vocabulary
     tokens, or nn.Embedding's N(0, 1). Mirrors: peft PromptTuningInit"""

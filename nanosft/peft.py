@@ -23,7 +23,8 @@ from nanosft.adapter_files import (  # noqa: F401
     PrefixTuningConfig, PromptEncoderConfig, PromptLearningConfig, PromptTuningConfig,
     PromptTuningInit, TaskType, find_target_modules, get_peft_model_state_dict,
     load_adapter_files, pattern_value, peft_config_from_dict, prompt_init_token_ids,
-    resolve_target_modules, save_adapter_files, set_peft_model_state_dict, target_module_matches)
+    resolve_target_modules, save_adapter_files, set_peft_model_state_dict, target_module_matches,
+    warn_if_name_in_prefix)
 from nanosft.generation import generate_uncached
 from nanosft.lora import (  # noqa: F401
     LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
@@ -206,6 +207,7 @@ class PeftModel(nn.Module):
         Mirrors: peft PeftModel.add_adapter"""
         if adapter_name in self.peft_config:
             raise ValueError(f"Adapter with name '{adapter_name}' already exists.")
+        warn_if_name_in_prefix(adapter_name, peft_config.peft_type)
         if peft_config.peft_type != self.peft_type:
             raise ValueError(f"Cannot combine adapters with different peft types. Found "
                              f"{self.peft_type} and {peft_config.peft_type}.")
@@ -530,6 +532,7 @@ def get_peft_model(model, peft_config, adapter_name="default", mixed=False,
     Differs: the config is copied, so the caller's object is not mutated; LoraConfig's task_type
     defaults to CAUSAL_LM, which a module without a config (no causal LM) gets as None."""
     peft_config = dataclasses.replace(peft_config)
+    warn_if_name_in_prefix(adapter_name, peft_config.peft_type)
     name = getattr(model, "name_or_path", None)
     peft_config.base_model_name_or_path = name or peft_config.base_model_name_or_path
     cls = _model_class(model, peft_config)

@@ -1,8 +1,11 @@
 """Errors peft's own tests match by text, raised by nanosft with peft 0.21.2's words first (and
 nanosft's fix after them): a TEXT prompt-tuning init without a tokenizer, and LoRA on a model
-whose type has no default target modules.
+whose type has no default target modules; and the warning for an adapter named inside its
+method's prefix ("lora" in "lora_"), from get_peft_model and add_adapter.
 Run: python -m pytest -q tests/parity/test_peft_error_texts_parity.py
 """
+
+import warnings
 
 import peft
 import pytest
@@ -51,3 +54,38 @@ def test_no_default_target_modules():
     assert theirs.startswith("Please specify `target_modules`")
     assert ours.startswith("Please specify `target_modules` in `peft_config`")
     assert "model_type='not-a-known-type'" in ours  # which model type had no default
+
+
+def test_prefix_mapping_matches_peft():
+    from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING as theirs
+
+    for peft_type, prefix in nanosft.PEFT_TYPE_TO_PREFIX_MAPPING.items():
+        assert theirs[peft.PeftType(peft_type.value)] == prefix
+
+
+def _name_warnings(lib, name, add):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    config = lib.LoraConfig(r=2, target_modules=["lin"])
+    with pytest.warns() as caught:
+        warnings.warn("marker")  # (so an empty record is not an error)
+        model = lib.get_peft_model(Net(), config, adapter_name="other" if add else name)
+        if add:
+            model.add_adapter(name, config)
+    return [str(w.message) for w in caught if "should not be contained" in str(w.message)]
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["get_peft_model", "add_adapter"])
+@pytest.mark.parametrize("name", ["lora", "ora_", "adapter"])
+def test_adapter_name_inside_the_prefix_warns_as_peft(name, add):
+    theirs = _name_warnings(peft, name, add)
+    ours = _name_warnings(nanosft, name, add)
+    assert len(ours) == len(theirs) == (name != "adapter")
+    for o, t in zip(ours, theirs):
+        assert o.startswith(t)
