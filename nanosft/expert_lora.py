@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from nanosft.adapter_files import pattern_value
-from nanosft.lora import adapters_to_merge
+from nanosft.lora import adapters_to_merge, peft_repr
 
 # model types whose experts transformers 5 fused (conversion pattern "qwen2_moe"): leaf name in a
 # target_modules list -> the parameter peft targets instead
@@ -124,6 +124,9 @@ class ParamWrapper(nn.Module):
         param = self.get_param()
         for linear in (self.lora_A[adapter_name], self.lora_B[adapter_name]):
             linear.to(param.device, param.dtype if param.is_floating_point() else None)
+
+    def __repr__(self):  # the parameter named first, as peft prints it
+        return peft_repr(self, "ParamWrapper", f"\n  parameter_name='{self.parameter_name}',")
 
     def get_base_layer(self):
         """The module that holds the parameter (under any nested wrappers)."""

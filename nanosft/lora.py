@@ -116,6 +116,13 @@ class AdapterLinear(nn.Linear):
         return super().forward(x)
 
 
+def peft_repr(module, name, first_line=""):
+    """The module's print under peft's name for its layer, `lora.<name>(...)`, so a printed model
+    reads as peft's does. Mirrors: peft's LoRA layers' __repr__"""
+    body = nn.Module.__repr__(module)[len(type(module).__name__) + 1:]
+    return f"lora.{name}({first_line}{body}"
+
+
 class LoraLinear(nn.Module):
     """A frozen base linear plus low-rank adapters by name: y = base(x) + B(A(dropout(x))) * s.
     This is the walkthrough's `Linear4bit` of 2.7 (peft's LoRA layer; over a float base, its
@@ -181,6 +188,9 @@ class LoraLinear(nn.Module):
         """The wrapped frozen layer (2.7: `base_layer=self.get_base_layer()`).
         Mirrors: peft BaseTunerLayer.get_base_layer"""
         return self.base_layer
+
+    def __repr__(self):
+        return peft_repr(self, "Linear")
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
                      use_dora=False, init_lora_weights=True, lora_bias=False, use_alora=False):
@@ -489,6 +499,13 @@ class ModulesToSaveWrapper(nn.Module):
 
     def __init__(self, module, adapter_name, trainable=True, tied_weight=None):
         super().__init__()
+        # containers have no forward to wrap; an adapter layer is trained by its own adapter
+        containers = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+        if isinstance(module, containers) or isinstance(getattr(module, "lora_A", None),
+                                                        nn.ModuleDict):
+            raise TypeError(f"modules_to_save cannot be applied to modules of type "
+                            f"{module.__class__}: name a module with a forward of its own in "
+                            "modules_to_save (e.g. one entry of the container)")
         self.original_module = module.requires_grad_(False)
         self.modules_to_save = nn.ModuleDict()
         self.active_adapter = adapter_name
@@ -542,10 +559,16 @@ class ModulesToSaveWrapper(nn.Module):
             return self.original_module
         return self.modules_to_save[self.active_adapter]
 
-    @property
-    def weight(self):
-        """The active module's weight. Mirrors: peft ModulesToSaveWrapper.weight"""
-        return self._active_module().weight
+    def __getattr__(self, name):
+        """What the wrapper itself lacks (weight, bias, ...) is read off the active module, so
+        code reaching into the wrapped layer still works. Mirrors: peft
+        AuxiliaryTrainingWrapper.__getattr__ (transient delegation)"""
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            if name in ("original_module", "modules_to_save"):  # not set yet: no recursion
+                raise
+            return getattr(self._active_module(), name)
 
     def forward(self, *args, **kwargs):
         """Run the active trained copy (the original when disabled or none is active).
@@ -554,14 +577,17 @@ class ModulesToSaveWrapper(nn.Module):
 
 
 def prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                    gradient_checkpointing_kwargs=None):
+                                    gradient_checkpointing_kwargs=None, auto_clear_cache=True):
     """Freeze everything, upcast fp16/bf16 (non-4-bit) params to fp32; 4-bit: checkpointing on.
+    auto_clear_cache: hand the CUDA allocator's cache of the half-precision copies back.
     Mirrors: peft prepare_model_for_kbit_training (an opt-in step TRL skips)"""
     kwargs = gradient_checkpointing_kwargs or {}
     for p in model.parameters():
         p.requires_grad = False
         if p.dtype in (torch.float16, torch.bfloat16):  # norms, embeddings, lm_head; not NF4 codes
             p.data = p.data.float()
+    if auto_clear_cache and torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if is_quantized(model) and use_gradient_checkpointing:
         if kwargs.get("use_reentrant", True):  # else no grad reaches the frozen embeddings' output
             model.enable_input_require_grads()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanosft.lora import AdapterLinear, DoraMagnitude, LoraLinear, adapters_to_merge
+from nanosft.lora import AdapterLinear, DoraMagnitude, LoraLinear, adapters_to_merge, peft_repr
 
 
 class LoraEmbedding(nn.Module):
@@ -152,6 +152,9 @@ class LoraEmbedding(nn.Module):
         return F.embedding(x, weight, padding_idx=base.padding_idx, max_norm=base.max_norm,
                            norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,
                            sparse=base.sparse)
+
+    def __repr__(self):
+        return peft_repr(self, "Embedding")
 
     def forward(self, x, adapter_names=None):
         """Base rows plus each active adapter's low-rank rows.
@@ -325,6 +328,9 @@ class LoraConv(nn.Module):
             self.base_layer.weight.data = weight.to(self.base_layer.weight.dtype)
             if self.lora_B[name].bias is not None:
                 self.base_layer.bias.data -= self.lora_B[name].bias * self.scaling[name]
+
+    def __repr__(self):
+        return peft_repr(self, type(self.base_layer).__name__)
 
     def forward(self, x, adapter_names=None):
         """Base output plus each active adapter's low-rank convolution.
@@ -568,6 +574,9 @@ class LoraMultiheadAttention(nn.Module):
             delta = out_proj.get_delta_weight(name).to(w_out.dtype)
             w_out = w_out + delta + delta.detach()  # value: two deltas; gradient: one (peft)
         return w_in, w_out
+
+    def __repr__(self):
+        return peft_repr(self, "MultiheadAttention")
 
     def forward(self, query, *args, adapter_names=None, **kwargs):
         """The base attention with the active adapters' deltas in both projections; returns

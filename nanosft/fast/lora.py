@@ -248,7 +248,8 @@ def add_lora(layer, x, result):
         A, B = layer.lora_A[name], layer.lora_B[name]
         if (A.bias is not None or B.bias is not None or A.weight.dtype != B.weight.dtype
                 or A.weight.dtype != layer.lora_A[names[0]].weight.dtype
-                or A.weight.dtype not in (torch.float32, torch.bfloat16)):
+                or A.weight.dtype not in (torch.float32, torch.bfloat16)
+                or isinstance(layer.scaling[name], torch.Tensor)):  # (nanosft.hotswap's)
             return None
     with torch.autocast(x.device.type, enabled=False):
         for name in names:

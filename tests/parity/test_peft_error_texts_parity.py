@@ -89,3 +89,55 @@ def test_adapter_name_inside_the_prefix_warns_as_peft(name, add):
     assert len(ours) == len(theirs) == (name != "adapter")
     for o, t in zip(ours, theirs):
         assert o.startswith(t)
+
+
+class _WithContainer(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.other_layer = nn.Linear(4, 4)
+        self.module = {
+            "ModuleDict": lambda: nn.ModuleDict({"a": nn.Linear(4, 4)}),
+            "ModuleList": lambda: nn.ModuleList([nn.Linear(4, 4)]),
+            "ParameterDict": lambda: nn.ParameterDict({"a": nn.Parameter(torch.ones(4))}),
+            "ParameterList": lambda: nn.ParameterList([nn.Parameter(torch.ones(4))]),
+        }[kind]()
+
+    def forward(self, x):
+        return self.other_layer(x)
+
+
+def _type_error(lib, kind):
+    config = lib.LoraConfig(r=2, target_modules=["other_layer"], modules_to_save=["module"])
+    with pytest.raises(TypeError) as caught:
+        lib.get_peft_model(_WithContainer(kind), config)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["ModuleDict", "ModuleList", "ParameterDict", "ParameterList"])
+def test_modules_to_save_on_a_container_raises_as_peft(kind):
+    theirs, ours = _type_error(peft, kind), _type_error(nanosft, kind)
+    assert theirs.startswith("modules_to_save cannot be applied to modules of type")
+    assert ours.startswith(theirs)
+
+
+def test_modules_to_save_on_an_adapter_layer_raises():
+    model = nanosft.get_peft_model(_WithContainer("ModuleList"),
+                                   nanosft.LoraConfig(r=2, target_modules=["other_layer"]))
+    with pytest.raises(TypeError, match="modules_to_save cannot be applied to modules of type"):
+        nanosft.lora.ModulesToSaveWrapper(model.base_model.model.other_layer, "x")
+
+
+@pytest.mark.parametrize("auto_clear_cache", [True, False])
+def test_kbit_preparation_clears_the_cuda_cache_as_peft(auto_clear_cache):
+    from unittest import mock
+
+    calls = {}
+    for lib in (peft, nanosft.peft):
+        model = nn.Sequential(nn.Linear(4, 4)).to(torch.float16)
+        with mock.patch("torch.cuda.is_available", return_value=True), \
+                mock.patch("torch.cuda.empty_cache") as empty_cache:
+            lib.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False,
+                                                auto_clear_cache=auto_clear_cache)
+        calls[lib.__name__] = empty_cache.call_count
+        assert model[0].weight.dtype == torch.float32
+    assert calls["nanosft.peft"] == calls["peft"] == int(auto_clear_cache)
