@@ -166,7 +166,8 @@ def _peft_version():
 class LoraConfig:
     """LoRA hyper-parameters, peft's field names and defaults (target_modules None: q_proj, v_proj).
     SFTTrainer's `peft_config`. Mirrors: peft LoraConfig
-    Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False or "gaussian"."""
+    Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False, "gaussian"
+    or "orthogonal"."""
     r: int = 8
     lora_alpha: int = 8
     lora_dropout: float = 0.0
@@ -213,8 +214,13 @@ class LoraConfig:
         if self.layers_pattern and self.layers_to_transform is None:
             raise ValueError("When `layers_pattern` is specified, `layers_to_transform` must "
                              "also be specified. ")
-        if self.use_dora and self.lora_bias:
-            raise ValueError("DoRA does not support lora_bias yet, set it to False")
+        if self.lora_bias and self.init_lora_weights not in (True, False):  # peft's checks
+            raise ValueError("The argument lora_bias=True is only supported with "
+                             "init_lora_weights=True or False, got init_lora_weights="
+                             f"{self.init_lora_weights} instead.")
+        if self.lora_bias and self.use_dora:
+            raise ValueError("The argument lora_bias=True is not supported for DoRA, please pass "
+                             "use_dora=False")
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError("LoraConfig.r must be a positive integer (the adapter rank), "
                              f"got r={self.r!r}")
@@ -227,9 +233,10 @@ class LoraConfig:
         if self.bias not in ("none", "all", "lora_only"):
             raise ValueError("LoraConfig.bias must be 'none', 'all' or 'lora_only', "
                              f"got {self.bias!r}")
-        if self.init_lora_weights not in (True, False, "gaussian"):
+        if self.init_lora_weights not in (True, False, "gaussian", "orthogonal"):
             raise ValueError(f"LoraConfig.init_lora_weights={self.init_lora_weights!r} is not "
-                             "implemented; use True (peft's default), False or 'gaussian'")
+                             "implemented; use True (peft's default), False, 'gaussian' or "
+                             "'orthogonal'")
         if isinstance(self.target_modules, (set, tuple)):
             self.target_modules = sorted(self.target_modules)
         if isinstance(self.exclude_modules, (set, tuple)):

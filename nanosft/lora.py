@@ -116,6 +116,24 @@ class AdapterLinear(nn.Linear):
         return super().forward(x)
 
 
+@torch.no_grad()
+def _orthogonal_init(layer, name):
+    """init_lora_weights="orthogonal": the rows of one random orthogonal (r, r) matrix split
+    between A (odd rows) and B (even rows), so B A = 0 at the start while neither is zero; drawn
+    in peft's order, so the same seed gives peft's weights.
+    Mirrors: peft LoraLayer.orthogonal_init"""
+    A, B, rank = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.r[name]
+    if A.dim() != 2:
+        raise ValueError("init_lora_weights='orthogonal' is for linear layers; use True or "
+                         f"'gaussian' for {type(layer.base_layer).__name__}")
+    if rank % 2:
+        raise ValueError("Orthogonal initialization requires the LoRA rank to be even, got "
+                         f"{rank} instead.")
+    Q, _ = torch.linalg.qr(torch.randn(rank, rank))
+    A.copy_(torch.randn(A.shape[1], rank // 2).mm(Q[0::2]).T / 10.0)
+    B.copy_(torch.randn(rank // 2, B.shape[0]).T.mm(Q[1::2]) / 10.0)
+
+
 def peft_repr(module, name, first_line=""):
     """The module's print under peft's name for its layer, `lora.<name>(...)`, so a printed model
     reads as peft's does. Mirrors: peft's LoRA layers' __repr__"""
@@ -200,10 +218,10 @@ class LoraLinear(nn.Module):
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a "
                              f"positive int, got r={r!r}; pass e.g. r=8")
-        if init_lora_weights not in (True, False, "gaussian"):
+        if init_lora_weights not in (True, False, "gaussian", "orthogonal"):
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: init_lora_weights="
                              f"{init_lora_weights!r} is not implemented; use True (peft's "
-                             "default), False or 'gaussian'")
+                             "default), False, 'gaussian' or 'orthogonal'")
         self.r[adapter_name] = r
         self.lora_alpha[adapter_name] = lora_alpha
         dropout = nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
@@ -234,6 +252,8 @@ class LoraLinear(nn.Module):
         Mirrors: peft LoraLayer.reset_lora_parameters"""
         if init_lora_weights is False:
             return
+        if init_lora_weights == "orthogonal":
+            return _orthogonal_init(self, adapter_name)
         A = self.lora_A[adapter_name].weight
         if init_lora_weights == "gaussian":
             nn.init.normal_(A, std=1 / self.r[adapter_name])
