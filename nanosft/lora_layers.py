@@ -147,6 +147,24 @@ class LoraEmbedding(nn.Module):
                 remaining = [sorted(self.lora_embedding_A)[0]]
             self.set_adapter(remaining)
 
+    def _embed_scale(self, dtype):
+        """The factor a scaled embedding (Gemma 3's) multiplies its rows by inside its own forward:
+        base_layer(x) carries it, so the adapter's rows take it too (None: no such factor).
+        Mirrors: peft BaseTunerLayer._get_embed_scale"""
+        scale = getattr(self.base_layer, "embed_scale", None)
+        if isinstance(scale, (int, float)):
+            return torch.tensor(scale, dtype=dtype, device=self.base_layer.weight.device)
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            return scale.to(dtype)
+        if scale is not None:
+            warnings.warn(f"Found embed_scale attribute with shape {tuple(scale.shape)}, expected "
+                          "scalar. Embedding scaling will not be applied to the LoRA rows.")
+        return None
+
+    def _scaled(self, rows):
+        scale = self._embed_scale(rows.dtype)
+        return rows if scale is None else rows * scale
+
     def _embed(self, x, weight):
         base = self.base_layer  # the base's padding_idx, max_norm, ... as peft passes them
         return F.embedding(x, weight, padding_idx=base.padding_idx, max_norm=base.max_norm,
@@ -169,7 +187,8 @@ class LoraEmbedding(nn.Module):
                 if name in self.lora_embedding_A:
                     rows = [i for i, n in enumerate(adapter_names) if n == name]
                     after_A = self._embed(x[rows], self.lora_embedding_A[name].T)
-                    delta = after_A @ self.lora_embedding_B[name].T * self.scaling[name]
+                    delta = self._scaled(after_A @ self.lora_embedding_B[name].T
+                                         * self.scaling[name])
                     result[rows] = result[rows] + delta.to(result.dtype)
             return result
         if self.merged:
@@ -181,6 +200,7 @@ class LoraEmbedding(nn.Module):
             after_A = self._embed(x, self.lora_embedding_A[name].T)  # (B, T, r)
             lora_result = (after_A @ self.lora_embedding_B[name].T) * self.scaling[name]
             if not self.use_dora[name]:
+                lora_result = self._scaled(lora_result)
                 result = result + lora_result
                 continue
             # DoRA 4.3: the norm is a constant (no gradient); m / ||.|| scales base and update alike
@@ -188,7 +208,8 @@ class LoraEmbedding(nn.Module):
             delta = ((B @ A).T * self.scaling[name]).detach()
             norm = self._dora_norm(name, self.base_layer.weight, delta).detach()
             mag_norm_scale = self.lora_magnitude_vector[name].weight / norm  # (dim,)
-            result = mag_norm_scale * result + mag_norm_scale * lora_result
+            # (the scale after the norm, as peft: the norm is of the unscaled table)
+            result = mag_norm_scale * result + self._scaled(mag_norm_scale * lora_result)
         return result.to(result_dtype)
 
 
