@@ -148,6 +148,9 @@ class LoraLinear(nn.Module):
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
     Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
 
+    # the per-adapter dicts of trainable weights (peft's adapter_layer_names)
+    adapter_layer_names = ("lora_A", "lora_B", "lora_magnitude_vector")
+
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False,
                  use_alora=False):

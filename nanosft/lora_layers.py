@@ -23,6 +23,8 @@ class LoraEmbedding(nn.Module):
     adapter starts as the identity; DoRA scales each output channel by m / ||E^T + s B A||.
     Mirrors: peft lora.Embedding, DoraEmbeddingLayer"""
 
+    adapter_layer_names = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, use_dora=False):
         super().__init__()
@@ -242,6 +244,7 @@ class LoraConv(nn.Module):
         self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights,
                           lora_bias, use_dora)
 
+    adapter_layer_names = LoraLinear.adapter_layer_names
     merged = LoraLinear.merged
     weight = LoraLinear.weight
     bias = LoraLinear.bias
