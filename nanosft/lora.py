@@ -148,8 +148,10 @@ class LoraLinear(nn.Module):
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
     Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
 
-    # the per-adapter dicts of trainable weights (peft's adapter_layer_names)
+    # the per-adapter dicts: of trainable weights, and of settings (peft's names for the two)
     adapter_layer_names = ("lora_A", "lora_B", "lora_magnitude_vector")
+    other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout", "use_rslora", "use_dora",
+                         "lora_bias", "use_alora")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False,
@@ -373,9 +375,8 @@ class LoraLinear(nn.Module):
     def delete_adapter(self, adapter_name):
         """Drop one adapter's modules and settings; a deleted active adapter hands over to the
         remaining ones (or the first left, by name). Mirrors: peft BaseTunerLayer.delete_adapter"""
-        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_magnitude_vector", "r",
-                     "lora_alpha", "scaling", "use_rslora", "use_dora", "lora_bias", "use_alora"):
-            if adapter_name in getattr(self, attr, {}):  # LoraConv shares this, has no use_alora
+        for attr in self.adapter_layer_names + self.other_param_names:
+            if adapter_name in getattr(self, attr):
                 getattr(self, attr).pop(adapter_name)
         if adapter_name in self.active_adapters:
             remaining = [n for n in self.active_adapters if n != adapter_name]

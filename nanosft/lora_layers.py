@@ -24,6 +24,7 @@ class LoraEmbedding(nn.Module):
     Mirrors: peft lora.Embedding, DoraEmbeddingLayer"""
 
     adapter_layer_names = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+    other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout", "use_dora")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, use_dora=False):
@@ -139,8 +140,7 @@ class LoraEmbedding(nn.Module):
 
     def delete_adapter(self, adapter_name):
         """Drop one adapter. Mirrors: peft BaseTunerLayer.delete_adapter"""
-        for attr in ("lora_embedding_A", "lora_embedding_B", "lora_dropout", "r", "lora_alpha",
-                     "scaling", "use_dora", "lora_magnitude_vector"):
+        for attr in self.adapter_layer_names + self.other_param_names:
             if adapter_name in getattr(self, attr):
                 getattr(self, attr).pop(adapter_name)
         if adapter_name in self.active_adapters:
@@ -245,6 +245,7 @@ class LoraConv(nn.Module):
                           lora_bias, use_dora)
 
     adapter_layer_names = LoraLinear.adapter_layer_names
+    other_param_names = LoraLinear.other_param_names[:-1]  # (no aLoRA on convolutions)
     merged = LoraLinear.merged
     weight = LoraLinear.weight
     bias = LoraLinear.bias
@@ -461,6 +462,8 @@ class LoraMultiheadAttention(nn.Module):
         base_layer.out_proj = LoraLinear(base_layer.out_proj, adapter_name, **common)
         self.update_layer(adapter_name, **common)
 
+    adapter_layer_names = LoraLinear.adapter_layer_names
+    other_param_names = LoraLinear.other_param_names[:-1]  # (no aLoRA here)
     merged = LoraLinear.merged
     get_base_layer = LoraLinear.get_base_layer
     _all_available_adapter_names = LoraLinear._all_available_adapter_names

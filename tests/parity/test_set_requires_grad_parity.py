@@ -49,3 +49,25 @@ def test_requires_grad_follows_peft():
     assert any(first.values()) and not all(first.values())
     assert all(v for n, v in switched.items() if ".a1" in n)
     assert not any(off.values())
+
+
+def _after_delete(lib):
+    torch.manual_seed(0)
+    model = lib.get_peft_model(Net(), lib.LoraConfig(target_modules=["layers.0", "emb"]))
+    model.add_adapter("a1", lib.LoraConfig(target_modules=["layers.0", "emb"]))
+    model.delete_adapter("a1")
+    left = {}
+    for name in ("layers.0", "emb"):
+        layer = model.base_model.model.get_submodule(name)
+        names = layer.adapter_layer_names + layer.other_param_names
+        left[name] = [n for n in names if hasattr(layer, n) and "a1" in getattr(layer, n)]
+        assert [n for n in names if hasattr(layer, n) and "default" in getattr(layer, n)]
+    return left, model.active_adapters
+
+
+def test_delete_adapter_clears_every_named_dict_as_peft():
+    ours, theirs = _after_delete(nanosft), _after_delete(peft)
+    assert ours == theirs == ({"layers.0": [], "emb": []}, ["default"])
+    for cls, names in ((nanosft.lora.LoraLinear, ("lora_A", "lora_B", "r", "scaling")),
+                       (nanosft.lora_layers.LoraEmbedding, ("lora_embedding_A", "scaling"))):
+        assert set(names) <= set(cls.adapter_layer_names + cls.other_param_names)
