@@ -27,6 +27,7 @@ __version__ = PEFT_FORMAT_VERSION  # what a new config records as peft_version (
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 BIN_WEIGHTS_NAME = "adapter_model.bin"  # safe_serialization=False
+INIT_LORA_WEIGHTS = (True, False, "gaussian", "orthogonal")  # the LoRA inits nanosft draws
 PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft is_prompt_learning
 
 # adapter_config.json keys of peft features nanosft does not implement, with peft's defaults
@@ -35,13 +36,18 @@ _LORA_UNUSED = {
     "arrow_config": None,
     "auto_mapping": None, "corda_config": None, "eva_config": None,
     "kasa_config": None, "layer_replication": None,
-    "loftq_config": {}, "lora_ga_config": None, "megatron_config": None,
+    "loftq_config": {}, "lora_ga_config": None,
     "megatron_core": "megatron.core", "monteclora_config": None, "qalora_group_size": 16,
     "revision": None,
     "use_bdlora": None, "use_qalora": False,
     "velora_config": None}
 # keys that change nothing nanosft computes, whatever their value
 _HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "loftq_config"}
+
+
+class PeftWarning(UserWarning):
+    """The category of the warnings peft gives about an adapter's set-up (e.g. lora_bias on a
+    layer without bias). Mirrors: peft PeftWarning"""
 
 
 class TaskType(str, enum.Enum):
@@ -117,7 +123,8 @@ def _drop_runtime_config(d):
 class LoraConfig:
     """LoRA hyper-parameters, peft's field names and defaults (target_modules None: q_proj, v_proj).
     SFTTrainer's `peft_config`. Mirrors: peft LoraConfig
-    Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False or "gaussian"."""
+    Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False, "gaussian" or
+    "orthogonal"; megatron_config refused."""
     r: int = 8
     lora_alpha: int = 8
     lora_dropout: float = 0.0
@@ -150,6 +157,8 @@ class LoraConfig:
     ensure_weight_tying: bool = False
     # aLoRA: the adapter acts only from the last occurrence of these token ids on
     alora_invocation_tokens: list | None = None
+    # peft's Megatron-LM parallel layers: not implemented, refused when set
+    megatron_config: dict | None = None
 
     def __post_init__(self):
         self.peft_type = PeftType.LORA  # whatever was passed, as peft's __post_init__ sets it
@@ -164,8 +173,20 @@ class LoraConfig:
         if self.layers_pattern and self.layers_to_transform is None:
             raise ValueError("When `layers_pattern` is specified, `layers_to_transform` must "
                              "also be specified. ")
-        if self.use_dora and self.lora_bias:
-            raise ValueError("DoRA does not support lora_bias yet, set it to False")
+        if isinstance(self.target_parameters, str):
+            raise TypeError("`target_parameters` must be a list of strings or None.")
+        if self.use_dora and self.megatron_config:
+            raise ValueError("DoRA does not support megatron_core, please set `use_dora=False`.")
+        if self.megatron_config:
+            raise ValueError("LoraConfig.megatron_config is set, but nanosft has no Megatron-LM "
+                             "parallel layers; remove it (or use peft itself)")
+        if self.lora_bias and self.init_lora_weights not in (True, False):
+            raise ValueError("The argument lora_bias=True is only supported with "
+                             "init_lora_weights=True or False, got "
+                             f"init_lora_weights={self.init_lora_weights} instead.")
+        if self.lora_bias and self.use_dora:
+            raise ValueError("The argument lora_bias=True is not supported for DoRA, please pass "
+                             "use_dora=False")
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError("LoraConfig.r must be a positive integer (the adapter rank), "
                              f"got r={self.r!r}")
@@ -175,12 +196,12 @@ class LoraConfig:
                 raise ValueError(f"LoraConfig.{f.name}={value!r} is invalid: give a finite number "
                                  f"(peft's default is {f.default!r}); with nan/inf the adapter's "
                                  "output is nan/inf")
-        if self.bias not in ("none", "all", "lora_only"):
-            raise ValueError("LoraConfig.bias must be 'none', 'all' or 'lora_only', "
-                             f"got {self.bias!r}")
-        if self.init_lora_weights not in (True, False, "gaussian"):
+        # an unknown `bias` is refused when the model is wrapped, as peft does
+        # (nanosft.tuners.check_bias): a config alone may still be written and read
+        if self.init_lora_weights not in INIT_LORA_WEIGHTS:
             raise ValueError(f"LoraConfig.init_lora_weights={self.init_lora_weights!r} is not "
-                             "implemented; use True (peft's default), False or 'gaussian'")
+                             "implemented; use True (peft's default), False, 'gaussian' or "
+                             "'orthogonal'")
         if isinstance(self.target_modules, (set, tuple)):
             self.target_modules = sorted(self.target_modules)
         if isinstance(self.exclude_modules, (set, tuple)):

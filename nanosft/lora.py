@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanosft.adapter_files import INIT_LORA_WEIGHTS, PeftWarning
 from nanosft.alora import alora_delta
 from nanosft.nf4 import Linear4bit, is_quantized
 from nanosft.reference import fast_path
@@ -52,6 +53,15 @@ def dora_weight_norm(weight, lora_weight, scaling):
     DoRA 4.1 | Mirrors: peft DoraLinearLayer.get_weight_norm"""
     weight = weight + scaling * lora_weight
     return torch.linalg.norm(weight, dim=1).to(weight.dtype)
+
+
+def warn_lora_bias_without_bias(base_layer, lora_bias):
+    """lora_B's bias can train on a base without bias, but never be merged: say so up front.
+    Mirrors: peft LoraLayer.update_layer (its PeftWarning)"""
+    if lora_bias and getattr(base_layer, "bias", None) is None:
+        warnings.warn(f"`lora_bias=True` was passed but the targeted layer of type "
+                      f"{type(base_layer).__name__} has no bias. This means that merging LoRA "
+                      "weights won't be possible.", PeftWarning)
 
 
 def adapters_to_merge(layer, adapter_names=None):
@@ -190,10 +200,14 @@ class LoraLinear(nn.Module):
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a "
                              f"positive int, got r={r!r}; pass e.g. r=8")
-        if init_lora_weights not in (True, False, "gaussian"):
+        if init_lora_weights not in INIT_LORA_WEIGHTS:
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: init_lora_weights="
                              f"{init_lora_weights!r} is not implemented; use True (peft's "
-                             "default), False or 'gaussian'")
+                             "default), False, 'gaussian' or 'orthogonal'")
+        if init_lora_weights == "orthogonal" and r % 2:
+            raise ValueError("Orthogonal initialization requires the LoRA rank to be even, got "
+                             f"{r} instead.")
+        warn_lora_bias_without_bias(self.base_layer, lora_bias)
         self.r[adapter_name] = r
         self.lora_alpha[adapter_name] = lora_alpha
         dropout = nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
@@ -206,7 +220,10 @@ class LoraLinear(nn.Module):
         self.use_dora[adapter_name] = use_dora
         self.lora_bias[adapter_name] = lora_bias
         self.use_alora[adapter_name] = use_alora
-        self.reset_lora_parameters(adapter_name, init_lora_weights)
+        if init_lora_weights == "orthogonal":
+            self.orthogonal_init(adapter_name)
+        else:
+            self.reset_lora_parameters(adapter_name, init_lora_weights)
         # to the base's device, and its dtype if floating (4-bit uint8 weights leave fp32 adapters)
         w = self.base_layer.weight
         dtype = w.dtype if w.dtype.is_floating_point else None
@@ -232,6 +249,18 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B[adapter_name].weight)
         if self.lora_B[adapter_name].bias is not None:
             nn.init.zeros_(self.lora_B[adapter_name].bias)
+
+    def orthogonal_init(self, adapter_name):
+        """A and B from the odd and even rows of one random orthogonal r x r matrix, so B A = 0
+        while neither is zero. Mirrors: peft LoraLayer.orthogonal_init (its draws, in its order)"""
+        r = self.r[adapter_name]
+        Q, _ = torch.linalg.qr(torch.randn(r, r))
+        A = torch.randn(self.in_features, r // 2).mm(Q[0::2, :]).T / 10.0
+        B = torch.randn(r // 2, self.out_features).T.mm(Q[1::2, :]) / 10.0
+        dtype = self.base_layer.weight.dtype
+        dtype = dtype if dtype.is_floating_point else A.dtype
+        self.lora_A[adapter_name].weight = nn.Parameter(A.contiguous().to(dtype))
+        self.lora_B[adapter_name].weight = nn.Parameter(B.contiguous().to(dtype))
 
     @torch.no_grad()
     def _dora_init_norm(self, name):
@@ -316,8 +345,8 @@ class LoraLinear(nn.Module):
             bias = self.lora_B[name].bias
             if bias is not None:
                 if self.base_layer.bias is None:
-                    raise RuntimeError("Impossible to merge LoRA with lora_bias=True because the "
-                                       "base layer has no bias.")
+                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because "
+                                       "the base layer has no bias.")
                 self.base_layer.bias.data += (bias * self.scaling[name]).to(bias.dtype)
             set_base_weight(self.base_layer, weight)
             self.merged_adapters.append(name)
