@@ -735,12 +735,10 @@ class LoadResult:
 
 # ----------------------------------------------------------------------------- the two files
 
-def save_adapter_files(save_directory, config, state_dict, safe_serialization=True,
-                       has_model_config=True):
-    """Write adapter_model.safetensors (or .bin) and adapter_config.json (each atomically) and a
-    README.md model card, as peft does. Mirrors: peft PeftModel.save_pretrained (its file writing)
-    Differs: the card holds peft's front matter only; the config is saved with inference_mode=True,
-    as peft's."""
+def save_adapter_files(save_directory, config, state_dict, safe_serialization=True):
+    """Write adapter_model.safetensors (or .bin) and adapter_config.json (each atomically), as
+    peft does (the model card: write_model_card). Mirrors: peft PeftModel.save_pretrained (its
+    file writing); the config is saved with inference_mode=True, as peft's."""
     import torch
 
     from nanosft.io import hub  # the files layer below: imported on use
@@ -759,22 +757,56 @@ def save_adapter_files(save_directory, config, state_dict, safe_serialization=Tr
                          lambda tmp: torch.save(tensors, tmp))
     config_dict = {**config.to_dict(), "inference_mode": True}
     hub.write_json(config_dict, os.path.join(save_directory, CONFIG_NAME), sort_keys=True)
-    write_model_card(save_directory, config, has_model_config)
 
 
-def write_model_card(save_directory, config, has_model_config=True):
-    """README.md with the Hub's front matter (library_name: peft, base_model, tags), kept if the
-    folder has one. Mirrors: peft PeftModel.create_or_update_model_card"""
+def write_model_card(save_directory, peft_type, base_model=None, is_transformers=True,
+                     model_tags=(), causal_lm=False):
+    """README.md with the Hub's front matter (library_name: peft, base_model, tags, pipeline_tag)
+    and a "- PEFT <version>" line under "### Framework versions"; an existing card keeps its text
+    and metadata and gets these added. `base_model`: the base's name_or_path, if it has one.
+    Mirrors: peft PeftModel.create_or_update_model_card, _get_peft_specific_model_tags
+    Differs: without huggingface_hub (the `hub` extra) a new card is the front matter alone and an
+    existing one is left as it is."""
     path = os.path.join(save_directory, "README.md")
-    if os.path.exists(path):
+    try:
+        from huggingface_hub import ModelCard, ModelCardData
+    except ImportError:
+        if not os.path.exists(path):
+            _write_bare_model_card(path, peft_type, base_model, is_transformers)
         return
+    exists = os.path.exists(path)
+    card = ModelCard.load(path) if exists else ModelCard.from_template(ModelCardData())
+    card.data["library_name"] = "peft"
+    tags = set(model_tags or []) | set(_peft_tags(peft_type, base_model, is_transformers))
+    if tags:
+        card.data["tags"] = sorted(tags)
+    if causal_lm and not card.data.pipeline_tag:
+        card.data.pipeline_tag = "text-generation"
+    if is_transformers and base_model:
+        card.data["base_model"] = base_model
+    lines = card.text.splitlines()
+    heading, version_line = "### Framework versions", f"- PEFT {__version__}"
+    if version_line not in lines:
+        if heading in lines:
+            lines.insert(lines.index(heading) + 2, version_line)
+        else:
+            lines.append(f"{heading}\n\n{version_line}")
+    card.text = "\n".join(lines)
+    card.save(path)
+
+
+def _peft_tags(peft_type, base_model, is_transformers):
+    # peft's own tags: the base's library, the method, the base model the adapter belongs to
+    tags = ["transformers"] if is_transformers else []
+    tags += ["lora"] if peft_type == "LORA" else []
+    return tags + ([f"base_model:adapter:{base_model}"] if base_model else [])
+
+
+def _write_bare_model_card(path, peft_type, base_model, is_transformers):
     lines = ["---", "library_name: peft"]
-    base = config.base_model_name_or_path
-    if has_model_config and base:
-        lines.append(f"base_model: {base}")
-    tags = ([f"base_model:adapter:{base}"] if has_model_config and base else [])
-    tags += [config.peft_type.value.lower()] if config.peft_type == "LORA" else []
-    tags += ["transformers"] if has_model_config else []
+    if is_transformers and base_model:
+        lines.append(f"base_model: {base_model}")
+    tags = _peft_tags(peft_type, base_model, is_transformers)
     if tags:
         lines += ["tags:"] + [f"- {t}" for t in tags]
     lines += ["---", "", "# Model Card", "", "An adapter written by nanosft in peft's format.", ""]

@@ -92,6 +92,8 @@ class ParamWrapper(nn.Module):
         r, lora_alpha: the rank per expert and the scale numerator (scaling = lora_alpha / r).
     """
 
+    adapter_layer_names = ("lora_A", "lora_B")
+
     def __init__(self, base_layer, parameter_name, adapter_name="default", r=8, lora_alpha=8,
                  use_rslora=False, init_lora_weights=True):
         super().__init__()

@@ -131,7 +131,10 @@ class LoraLinear(nn.Module):
     This is the walkthrough's `Linear4bit` of 2.7 (peft's LoRA layer; over a float base, its
     `Linear`), not nf4.Linear4bit, which is its base_layer.
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
-    Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
+    Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy;
+    adapter_layer_names lists only the dicts this layer has."""
+
+    adapter_layer_names = ("lora_A", "lora_B", "lora_magnitude_vector")  # what holds weights
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False,
@@ -514,15 +517,32 @@ class LoraLinear(nn.Module):
 
 class ModulesToSaveWrapper(nn.Module):
     """Keeps the frozen `original_module`; trains a full copy under `modules_to_save.<adapter>`.
-    Mirrors: peft ModulesToSaveWrapper"""
+    Attributes it lacks (`weight`, `bias`, ...) are read from the active copy, or from the
+    original when adapters are off or none of its copies is active.
+    Mirrors: peft ModulesToSaveWrapper (AuxiliaryTrainingWrapper)"""
+
+    adapter_layer_names = ("modules_to_save",)
 
     def __init__(self, module, adapter_name, trainable=True, tied_weight=None):
         super().__init__()
         self.original_module = module.requires_grad_(False)
         self.modules_to_save = nn.ModuleDict()
-        self.active_adapter = adapter_name
+        self._active_adapter = adapter_name  # a name, or None: none of its copies is active
         self.disable_adapters = False
         self.update(adapter_name, trainable, tied_weight)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)  # its own modules and parameters
+        except AttributeError:
+            pass
+        if "_modules" not in self.__dict__:  # not built yet: no recursion into the lookups below
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        if self.disable_adapters or not self.active_adapters:
+            return getattr(self.original_module, name)
+        if self._active_adapter in self.modules_to_save:
+            return getattr(self.modules_to_save[self._active_adapter], name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def update(self, adapter_name, trainable=True, tied_weight=None):
         """Add a trained copy for `adapter_name`; `tied_weight`: the copy reads that weight (the
@@ -530,17 +550,23 @@ class ModulesToSaveWrapper(nn.Module):
         memo = {id(self.original_module.weight): tied_weight} if tied_weight is not None else {}
         trained_copy = copy.deepcopy(self.original_module, memo).requires_grad_(trainable)
         self.modules_to_save[adapter_name] = trained_copy
-        if adapter_name != self.active_adapter:
+        if adapter_name != self._active_adapter:
             trained_copy.requires_grad_(False)
 
     @property
+    def active_adapter(self):
+        """The active adapter's name; None when none of this wrapper's copies is active."""
+        return self._active_adapter
+
+    @property
     def active_adapters(self):
-        """The active adapter, as a list. Mirrors: peft AuxiliaryTrainingWrapper.active_adapters"""
-        return [self.active_adapter]
+        """The active adapter as a list ([] for none). Mirrors: peft
+        AuxiliaryTrainingWrapper.active_adapters"""
+        return [] if self._active_adapter is None else [self._active_adapter]
 
     def set_adapter(self, adapter_names, inference_mode=False):
-        """Use (and train) the copy of the one active adapter this wrapper holds.
-        Mirrors: peft ModulesToSaveWrapper.set_adapter"""
+        """Use (and train) the copy of the one active adapter this wrapper holds; none active
+        when it holds none of them. Mirrors: peft ModulesToSaveWrapper.set_adapter, _set_adapter"""
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         held = [n for n in names if n in self.modules_to_save]
         if len(held) > 1:
@@ -548,33 +574,28 @@ class ModulesToSaveWrapper(nn.Module):
                              f"got {held}")
         for key, module in self.modules_to_save.items():
             module.requires_grad_(key in held and not inference_mode)
-        self.active_adapter = held[0] if held else names[0] if names else None
+        self._active_adapter = held[0] if held else None
 
     def enable_adapters(self, enabled):
         """Off: the original module runs. Mirrors: peft ModulesToSaveWrapper.enable_adapters"""
         if enabled:
-            self.set_adapter(self.active_adapter)
+            self.set_adapter(self.active_adapters)
         else:
             self.modules_to_save.requires_grad_(False)
         self.disable_adapters = not enabled
 
     def delete_adapter(self, adapter_name, new_active_adapters=None):
-        """Drop one trained copy. Mirrors: peft ModulesToSaveWrapper.delete_adapter"""
-        if adapter_name in self.modules_to_save:
-            del self.modules_to_save[adapter_name]
-        if self.active_adapter == adapter_name:
-            left = [n for n in (new_active_adapters or []) if n in self.modules_to_save]
-            self.active_adapter = left[0] if left else None
+        """Drop one trained copy; the new active adapters' copy (if held) takes over.
+        Mirrors: peft ModulesToSaveWrapper.delete_adapter"""
+        if adapter_name not in self.modules_to_save:
+            return
+        del self.modules_to_save[adapter_name]
+        self.set_adapter(new_active_adapters or [])
 
     def _active_module(self):
-        if self.disable_adapters or self.active_adapter not in self.modules_to_save:
+        if self.disable_adapters or self._active_adapter not in self.modules_to_save:
             return self.original_module
-        return self.modules_to_save[self.active_adapter]
-
-    @property
-    def weight(self):
-        """The active module's weight. Mirrors: peft ModulesToSaveWrapper.weight"""
-        return self._active_module().weight
+        return self.modules_to_save[self._active_adapter]
 
     def forward(self, *args, **kwargs):
         """Run the active trained copy (the original when disabled or none is active).

@@ -24,6 +24,8 @@ class LoraEmbedding(nn.Module):
     adapter starts as the identity; DoRA scales each output channel by m / ||E^T + s B A||.
     Mirrors: peft lora.Embedding, DoraEmbeddingLayer"""
 
+    adapter_layer_names = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, use_dora=False, lora_bias=False):
         super().__init__()
@@ -197,6 +199,8 @@ class LoraConv(nn.Module):
     kernel, stride and padding into r channels, lora_B a 1x..x1 conv back out; y = base(x) +
     B(A(dropout(x))) * s; DoRA scales each output channel by m / ||W + s B A||.
     Mirrors: peft lora.Conv1d / Conv2d / Conv3d (_ConvNd), _DoraConvNdLayer"""
+
+    adapter_layer_names = LoraLinear.adapter_layer_names
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False):
@@ -411,6 +415,8 @@ class LoraMultiheadAttention(nn.Module):
     out_proj's delta counts twice (its merge adds the delta, then out_proj's own merge adds it
     again), in forward and merge alike, so peft's files give peft's outputs; the gradient flows
     through one copy, as in peft."""
+
+    adapter_layer_names = ("lora_A", "lora_B")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False,

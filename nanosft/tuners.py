@@ -484,9 +484,8 @@ class LoraModel(nn.Module):
         """Switch gradients of the named adapters' weights on or off, active or not.
         Mirrors: peft BaseTuner.set_requires_grad"""
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
-        for layer in self._layers():
-            for attr in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A",
-                         "lora_embedding_B"):
+        for layer in self._layers() + self._param_wrappers():
+            for attr in getattr(layer, "adapter_layer_names", ()):
                 for name in names:
                     if name in getattr(layer, attr, {}):
                         getattr(layer, attr)[name].requires_grad_(requires_grad)

@@ -207,3 +207,58 @@ def test_a_different_set_of_target_parameters_refused_as_peft():
             target_modules=[], target_parameters=["embed.weight"]))))
         assert "other" not in model.peft_config
     assert results[0] == results[1] and results[0][0] == "ValueError"
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin0 = nn.Linear(10, 20)
+        self.lin1 = nn.Linear(20, 2)
+
+    def forward(self, X):
+        return self.lin1(self.lin0(X))
+
+
+@pytest.mark.parametrize("existing", [None, "---\nmeta: hello\n---\nThis is a model card\n"])
+def test_model_card_as_peft(tmp_path, existing):
+    # a new card: huggingface_hub's template with peft's metadata; an existing one keeps its own
+    pytest.importorskip("huggingface_hub")
+    cards = []
+    for lib_get, lib_config, folder in ((get_peft_model, LoraConfig, tmp_path / "ours"),
+                                        (peft.get_peft_model, peft.LoraConfig, tmp_path / "peft")):
+        folder.mkdir()
+        if existing is not None:
+            (folder / "README.md").write_text(existing)
+        lib_get(MLP(), lib_config(target_modules=["lin0"])).save_pretrained(folder)
+        cards.append((folder / "README.md").read_text())
+    assert cards[0] == cards[1]
+    assert "library_name: peft" in cards[0] and "- PEFT 0.21.2" in cards[0]
+
+
+def test_modules_to_save_copies_follow_the_active_adapter_as_peft():
+    # three adapters, two with modules_to_save: which copy is active, trains and is read through
+    # the wrapper (its `weight`, `bias`), after add / set / delete, as peft's
+    states = []
+    for lib_get, lib_config in ((get_peft_model, LoraConfig),
+                                (peft.get_peft_model, peft.LoraConfig)):
+        model = lib_get(MLP(), lib_config(target_modules=["lin0"], modules_to_save=["lin1"]),
+                        adapter_name="a0")
+        model.add_adapter("a1", lib_config(target_modules=["lin0"]))
+        model.add_adapter("a2", lib_config(target_modules=["lin0"], modules_to_save=["lin1"]))
+        state = []
+        for step in ("a1", "a2", "a0", "del a0", "del a1", "del a2"):
+            if step.startswith("del"):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model.delete_adapter(step[4:])
+            else:
+                model.set_adapter(step)
+            wrapper = model.base_model.model.lin1
+            copies = wrapper.modules_to_save
+            reads = [n for n, m in copies.items() if wrapper.weight is m.weight
+                     and wrapper.bias is m.bias]
+            state.append((step, list(wrapper.active_adapters), sorted(copies), reads,
+                          sorted(n for n, m in copies.items() if m.weight.requires_grad),
+                          model.modules_to_save))
+        states.append(state)
+    assert states[0] == states[1]
