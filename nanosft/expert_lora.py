@@ -93,6 +93,7 @@ class ParamWrapper(nn.Module):
     """
 
     adapter_layer_names = ("lora_A", "lora_B")
+    other_param_names = ("r", "lora_alpha", "scaling")
 
     def __init__(self, base_layer, parameter_name, adapter_name="default", r=8, lora_alpha=8,
                  use_rslora=False, init_lora_weights=True):

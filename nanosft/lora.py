@@ -135,6 +135,9 @@ class LoraLinear(nn.Module):
     adapter_layer_names lists only the dicts this layer has."""
 
     adapter_layer_names = ("lora_A", "lora_B", "lora_magnitude_vector")  # what holds weights
+    # the per-adapter settings, keyed by adapter name too
+    other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout", "use_dora", "use_rslora",
+                         "lora_bias")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False,
@@ -522,9 +525,15 @@ class ModulesToSaveWrapper(nn.Module):
     Mirrors: peft ModulesToSaveWrapper (AuxiliaryTrainingWrapper)"""
 
     adapter_layer_names = ("modules_to_save",)
+    other_param_names = ()
 
     def __init__(self, module, adapter_name, trainable=True, tied_weight=None):
         super().__init__()
+        # containers have no forward of their own: a trained copy of one could never run
+        containers = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+        if isinstance(module, containers):
+            raise TypeError(f"modules_to_save cannot be applied to modules of type "
+                            f"{type(module)}; name the modules inside it instead")
         self.original_module = module.requires_grad_(False)
         self.modules_to_save = nn.ModuleDict()
         self._active_adapter = adapter_name  # a name, or None: none of its copies is active

@@ -25,6 +25,7 @@ class LoraEmbedding(nn.Module):
     Mirrors: peft lora.Embedding, DoraEmbeddingLayer"""
 
     adapter_layer_names = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+    other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout", "use_dora")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, use_dora=False, lora_bias=False):
@@ -201,6 +202,7 @@ class LoraConv(nn.Module):
     Mirrors: peft lora.Conv1d / Conv2d / Conv3d (_ConvNd), _DoraConvNdLayer"""
 
     adapter_layer_names = LoraLinear.adapter_layer_names
+    other_param_names = LoraLinear.other_param_names
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False):
@@ -417,6 +419,7 @@ class LoraMultiheadAttention(nn.Module):
     through one copy, as in peft."""
 
     adapter_layer_names = ("lora_A", "lora_B")
+    other_param_names = ("r", "lora_alpha", "scaling")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, init_lora_weights=True, lora_bias=False, use_dora=False,

@@ -23,6 +23,7 @@ class TrainableTokensLayer(nn.Module):
     adapter. Mirrors: peft TrainableTokensLayer"""
 
     adapter_layer_names = ("trainable_tokens_delta",)
+    other_param_names = ("token_indices",)
 
     def __init__(self, base_layer, adapter_name, token_indices=None, tied_adapter=None):
         super().__init__()

@@ -262,3 +262,44 @@ def test_modules_to_save_copies_follow_the_active_adapter_as_peft():
                           model.modules_to_save))
         states.append(state)
     assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("container", [
+    lambda: nn.ModuleDict({"a": nn.Linear(4, 4)}), lambda: nn.ModuleList([nn.Linear(4, 4)]),
+    lambda: nn.ParameterDict({"a": nn.Parameter(torch.ones(2))}),
+    lambda: nn.ParameterList([nn.Parameter(torch.ones(2))])])
+def test_modules_to_save_on_a_container_refused_as_peft(container):
+    raised = []
+    for lib_get, lib_config in ((get_peft_model, LoraConfig),
+                                (peft.get_peft_model, peft.LoraConfig)):
+        model = MLP()
+        model.box = container()
+        raised.append(_raised(lambda: lib_get(model, lib_config(target_modules=["lin0"],
+                                                                modules_to_save=["box"]))))
+    assert raised[0][0] == raised[1][0] == "TypeError"
+    assert raised[0][1].startswith(raised[1][1])  # peft's words, then how to fix it
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(target_modules=["linear", "embed", "conv2d"]), dict(target_modules=["linear"],
+                                                              use_dora=True),
+    dict(target_modules=[], target_parameters=["linear.weight"])])
+def test_deleted_adapter_leaves_no_entry_in_the_layer_dicts(kwargs):
+    # adapter_layer_names / other_param_names: every dict a layer keys by adapter name, as
+    # peft's LoraLayer names them (ours: those this layer has)
+    from operator import attrgetter
+
+    model = get_peft_model(Net(), LoraConfig(**kwargs))
+    model.add_adapter("other", LoraConfig(**kwargs))
+    model.delete_adapter("other")
+    peft_names = set(peft.tuners.lora.LoraLayer.adapter_layer_names
+                     + peft.tuners.lora.LoraLayer.other_param_names)
+    seen = 0
+    for _, module in model.named_modules():
+        names = getattr(module, "adapter_layer_names", ()) + getattr(module, "other_param_names",
+                                                                     ())
+        assert set(names) <= peft_names
+        for attr in names:
+            assert "other" not in attrgetter(attr)(module)
+            seen += "default" in attrgetter(attr)(module)
+    assert seen >= 4
