@@ -29,6 +29,7 @@ __version__ = PEFT_FORMAT_VERSION  # what a new config records as peft_version (
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 BIN_WEIGHTS_NAME = "adapter_model.bin"  # safe_serialization=False
+INIT_LORA_WEIGHTS = (True, False, "gaussian", "orthogonal")  # the LoRA inits nanosft draws
 PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft is_prompt_learning
 
 # adapter_config.json keys of peft features nanosft does not implement, with peft's defaults
@@ -37,13 +38,18 @@ _LORA_UNUSED = {
     "arrow_config": None,
     "auto_mapping": None, "corda_config": None, "eva_config": None,
     "kasa_config": None, "layer_replication": None,
-    "loftq_config": {}, "lora_ga_config": None, "megatron_config": None,
+    "loftq_config": {}, "lora_ga_config": None,
     "megatron_core": "megatron.core", "monteclora_config": None, "qalora_group_size": 16,
     "revision": None,
     "use_bdlora": None, "use_qalora": False,
     "velora_config": None}
 # keys that change nothing nanosft computes, whatever their value
 _HARMLESS = {"auto_mapping", "revision", "megatron_core", "qalora_group_size", "loftq_config"}
+
+
+class PeftWarning(UserWarning):
+    """The category of the warnings peft gives about an adapter's set-up (e.g. lora_bias on a
+    layer without bias). Mirrors: peft PeftWarning"""
 
 
 class TaskType(str, enum.Enum):
@@ -166,8 +172,8 @@ def _peft_version():
 class LoraConfig:
     """LoRA hyper-parameters, peft's field names and defaults (target_modules None: q_proj, v_proj).
     SFTTrainer's `peft_config`. Mirrors: peft LoraConfig
-    Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False, "gaussian"
-    or "orthogonal"."""
+    Differs: task_type defaults to "CAUSAL_LM"; init_lora_weights only True, False, "gaussian" or
+    "orthogonal"; megatron_config refused."""
     r: int = 8
     lora_alpha: int = 8
     lora_dropout: float = 0.0
@@ -200,6 +206,8 @@ class LoraConfig:
     ensure_weight_tying: bool = False
     # aLoRA: the adapter acts only from the last occurrence of these token ids on
     alora_invocation_tokens: list | None = None
+    # peft's Megatron-LM parallel layers: not implemented, refused when set
+    megatron_config: dict | None = None
 
     def __post_init__(self):
         self.peft_type = PeftType.LORA  # whatever was passed, as peft's __post_init__ sets it
@@ -214,10 +222,17 @@ class LoraConfig:
         if self.layers_pattern and self.layers_to_transform is None:
             raise ValueError("When `layers_pattern` is specified, `layers_to_transform` must "
                              "also be specified. ")
-        if self.lora_bias and self.init_lora_weights not in (True, False):  # peft's checks
+        if isinstance(self.target_parameters, str):
+            raise TypeError("`target_parameters` must be a list of strings or None.")
+        if self.use_dora and self.megatron_config:
+            raise ValueError("DoRA does not support megatron_core, please set `use_dora=False`.")
+        if self.megatron_config:
+            raise ValueError("LoraConfig.megatron_config is set, but nanosft has no Megatron-LM "
+                             "parallel layers; remove it (or use peft itself)")
+        if self.lora_bias and self.init_lora_weights not in (True, False):
             raise ValueError("The argument lora_bias=True is only supported with "
-                             "init_lora_weights=True or False, got init_lora_weights="
-                             f"{self.init_lora_weights} instead.")
+                             "init_lora_weights=True or False, got "
+                             f"init_lora_weights={self.init_lora_weights} instead.")
         if self.lora_bias and self.use_dora:
             raise ValueError("The argument lora_bias=True is not supported for DoRA, please pass "
                              "use_dora=False")
@@ -230,10 +245,9 @@ class LoraConfig:
                 raise ValueError(f"LoraConfig.{f.name}={value!r} is invalid: give a finite number "
                                  f"(peft's default is {f.default!r}); with nan/inf the adapter's "
                                  "output is nan/inf")
-        if self.bias not in ("none", "all", "lora_only"):
-            raise ValueError("LoraConfig.bias must be 'none', 'all' or 'lora_only', "
-                             f"got {self.bias!r}")
-        if self.init_lora_weights not in (True, False, "gaussian", "orthogonal"):
+        # an unknown `bias` is refused when the model is wrapped, as peft does
+        # (nanosft.tuners.check_bias): a config alone may still be written and read
+        if self.init_lora_weights not in INIT_LORA_WEIGHTS:
             raise ValueError(f"LoraConfig.init_lora_weights={self.init_lora_weights!r} is not "
                              "implemented; use True (peft's default), False, 'gaussian' or "
                              "'orthogonal'")
@@ -774,12 +788,10 @@ class LoadResult:
 
 # ----------------------------------------------------------------------------- the two files
 
-def save_adapter_files(save_directory, config, state_dict, safe_serialization=True,
-                       has_model_config=True):
-    """Write adapter_model.safetensors (or .bin) and adapter_config.json (each atomically) and a
-    README.md model card, as peft does. Mirrors: peft PeftModel.save_pretrained (its file writing)
-    Differs: the card holds peft's front matter only; the config is saved with inference_mode=True,
-    as peft's."""
+def save_adapter_files(save_directory, config, state_dict, safe_serialization=True):
+    """Write adapter_model.safetensors (or .bin) and adapter_config.json (each atomically), as
+    peft does (the model card: write_model_card). Mirrors: peft PeftModel.save_pretrained (its
+    file writing); the config is saved with inference_mode=True, as peft's."""
     import torch
 
     from nanosft.io import hub  # the files layer below: imported on use
@@ -798,22 +810,56 @@ def save_adapter_files(save_directory, config, state_dict, safe_serialization=Tr
                          lambda tmp: torch.save(tensors, tmp))
     config_dict = {**config.to_dict(), "inference_mode": True}
     hub.write_json(config_dict, os.path.join(save_directory, CONFIG_NAME), sort_keys=True)
-    write_model_card(save_directory, config, has_model_config)
 
 
-def write_model_card(save_directory, config, has_model_config=True):
-    """README.md with the Hub's front matter (library_name: peft, base_model, tags), kept if the
-    folder has one. Mirrors: peft PeftModel.create_or_update_model_card"""
+def write_model_card(save_directory, peft_type, base_model=None, is_transformers=True,
+                     model_tags=(), causal_lm=False):
+    """README.md with the Hub's front matter (library_name: peft, base_model, tags, pipeline_tag)
+    and a "- PEFT <version>" line under "### Framework versions"; an existing card keeps its text
+    and metadata and gets these added. `base_model`: the base's name_or_path, if it has one.
+    Mirrors: peft PeftModel.create_or_update_model_card, _get_peft_specific_model_tags
+    Differs: without huggingface_hub (the `hub` extra) a new card is the front matter alone and an
+    existing one is left as it is."""
     path = os.path.join(save_directory, "README.md")
-    if os.path.exists(path):
+    try:
+        from huggingface_hub import ModelCard, ModelCardData
+    except ImportError:
+        if not os.path.exists(path):
+            _write_bare_model_card(path, peft_type, base_model, is_transformers)
         return
+    exists = os.path.exists(path)
+    card = ModelCard.load(path) if exists else ModelCard.from_template(ModelCardData())
+    card.data["library_name"] = "peft"
+    tags = set(model_tags or []) | set(_peft_tags(peft_type, base_model, is_transformers))
+    if tags:
+        card.data["tags"] = sorted(tags)
+    if causal_lm and not card.data.pipeline_tag:
+        card.data.pipeline_tag = "text-generation"
+    if is_transformers and base_model:
+        card.data["base_model"] = base_model
+    lines = card.text.splitlines()
+    heading, version_line = "### Framework versions", f"- PEFT {__version__}"
+    if version_line not in lines:
+        if heading in lines:
+            lines.insert(lines.index(heading) + 2, version_line)
+        else:
+            lines.append(f"{heading}\n\n{version_line}")
+    card.text = "\n".join(lines)
+    card.save(path)
+
+
+def _peft_tags(peft_type, base_model, is_transformers):
+    # peft's own tags: the base's library, the method, the base model the adapter belongs to
+    tags = ["transformers"] if is_transformers else []
+    tags += ["lora"] if peft_type == "LORA" else []
+    return tags + ([f"base_model:adapter:{base_model}"] if base_model else [])
+
+
+def _write_bare_model_card(path, peft_type, base_model, is_transformers):
     lines = ["---", "library_name: peft"]
-    base = config.base_model_name_or_path
-    if has_model_config and base:
-        lines.append(f"base_model: {base}")
-    tags = ([f"base_model:adapter:{base}"] if has_model_config and base else [])
-    tags += [config.peft_type.value.lower()] if config.peft_type == "LORA" else []
-    tags += ["transformers"] if has_model_config else []
+    if is_transformers and base_model:
+        lines.append(f"base_model: {base_model}")
+    tags = _peft_tags(peft_type, base_model, is_transformers)
     if tags:
         lines += ["tags:"] + [f"- {t}" for t in tags]
     lines += ["---", "", "# Model Card", "", "An adapter written by nanosft in peft's format.", ""]

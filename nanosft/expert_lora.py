@@ -82,15 +82,18 @@ class DeltaProxy(nn.Module):
 
 
 class ParamWrapper(nn.Module):
-    """LoRA on one parameter of the wrapped module: during forward it reads W + scaling * B A
-    (per expert for a 3-D W). Mirrors: peft lora.ParamWrapper
-    Differs: one adapter at a time; no dropout, DoRA or bias, which peft refuses here too.
+    """LoRA on one parameter of the wrapped module: during forward it reads W + the active
+    adapters' scaling * B A (per expert for a 3-D W). Mirrors: peft lora.ParamWrapper
+    Differs: no dropout, DoRA or bias, which peft refuses here too.
 
     Args:
         base_layer: the module holding the parameter, or another ParamWrapper around it.
         parameter_name: the parameter's name on that module ("gate_up_proj", "weight").
         r, lora_alpha: the rank per expert and the scale numerator (scaling = lora_alpha / r).
     """
+
+    adapter_layer_names = ("lora_A", "lora_B")
+    other_param_names = ("r", "lora_alpha", "scaling")
 
     def __init__(self, base_layer, parameter_name, adapter_name="default", r=8, lora_alpha=8,
                  use_rslora=False, init_lora_weights=True):
@@ -109,6 +112,12 @@ class ParamWrapper(nn.Module):
         self.r, self.lora_alpha, self.scaling = {}, {}, {}
         self.active_adapters, self.merged_adapters = [adapter_name], []
         self.disable_adapters = False
+        self.add_adapter(adapter_name, r, lora_alpha, use_rslora, init_lora_weights)
+
+    def add_adapter(self, adapter_name, r=8, lora_alpha=8, use_rslora=False,
+                    init_lora_weights=True):
+        """One more adapter on the same parameter (it stays inactive until set_adapter).
+        Mirrors: peft ParamWrapper.update_layer"""
         E = self.num_experts
         # RNG order as peft: A's and B's constructor draws, then A drawn again
         self.lora_A[adapter_name] = nn.Linear(self.in_features, r * E, bias=False)
@@ -124,6 +133,23 @@ class ParamWrapper(nn.Module):
         param = self.get_param()
         for linear in (self.lora_A[adapter_name], self.lora_B[adapter_name]):
             linear.to(param.device, param.dtype if param.is_floating_point() else None)
+        self.set_adapter(self.active_adapters)
+
+    def set_adapter(self, adapter_names):
+        """Make `adapter_names` active; only their A and B require grad.
+        Mirrors: peft BaseTunerLayer.set_adapter"""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for layer in (self.lora_A, self.lora_B):
+            for key, module in layer.items():
+                module.requires_grad_(key in names)
+        self.active_adapters = names
+
+    def delete_adapter(self, adapter_name):
+        """Drop one adapter's A and B. Mirrors: peft BaseTunerLayer.delete_adapter"""
+        for d in (self.lora_A, self.lora_B, self.r, self.lora_alpha, self.scaling):
+            if adapter_name in d:
+                del d[adapter_name]
+        self.active_adapters = [a for a in self.active_adapters if a != adapter_name]
 
     def __repr__(self):  # the parameter named first, as peft prints it
         return peft_repr(self, "ParamWrapper", f"\n  parameter_name='{self.parameter_name}',")
@@ -168,16 +194,17 @@ class ParamWrapper(nn.Module):
         return delta.to(self.get_param().dtype)
 
     def forward(self, *args, **kwargs):
-        """The wrapped module's forward, reading W + delta for this parameter."""
-        adapter = self.active_adapters[0]
+        """The wrapped module's forward, reading W + the active adapters' deltas for this
+        parameter. Mirrors: peft ParamWrapper._activate_lora"""
+        adapters = [a for a in self.active_adapters if a in self.lora_A]
         if self.disable_adapters and self.merged:  # disabled: the base parameter (peft's forward)
             self.unmerge()
-        if self.disable_adapters or self.merged or adapter not in self.lora_A:
+        if self.disable_adapters or self.merged or not adapters:
             return self.base_layer(*args, **kwargs)
-        if self.num_experts > 1:
-            proxy = FactorsProxy(*self.get_delta_factors(adapter))
+        if len(adapters) == 1 and self.num_experts > 1:  # the factors: no E x out x in delta
+            proxy = FactorsProxy(*self.get_delta_factors(adapters[0]))
         else:
-            proxy = DeltaProxy(self.get_delta_weight(adapter))
+            proxy = DeltaProxy(sum(self.get_delta_weight(a) for a in adapters))
         module, name = self.get_base_layer(), self.parameter_name
         requires_grad = getattr(module, name).requires_grad
         parametrize.register_parametrization(module, name, proxy)
@@ -189,8 +216,8 @@ class ParamWrapper(nn.Module):
             parametrize.remove_parametrizations(module, name, leave_parametrized=False)
 
     def merge(self, safe_merge=False, adapter_names=None):
-        """Fold the delta into the parameter (the active adapter, or `adapter_names`; one already
-        merged is skipped with peft's warning). Mirrors: peft ParamWrapper.merge"""
+        """Fold the delta into the parameter (the active adapters, or `adapter_names`; one
+        already merged is skipped with peft's warning). Mirrors: peft ParamWrapper.merge"""
         for adapter in adapters_to_merge(self, adapter_names):
             if adapter not in self.lora_A:
                 continue
@@ -207,14 +234,25 @@ class ParamWrapper(nn.Module):
             self.get_param().data -= self.get_delta_weight(self.merged_adapters.pop())
 
 
+def _unwrapped_name(module_name):
+    # a module inside adapter layers is named with ".base_layer" (one per wrapper): without them
+    # it has the name a target_parameters entry is written against
+    while ".base_layer" in module_name:
+        head, _, tail = module_name.rpartition(".base_layer")
+        module_name = head + tail
+    return module_name
+
+
 def find_target_parameters(model, target_parameters):
     """(module name, parameter name) of each targeted parameter in named_modules order, a module
-    named under any wrapper around it. Mirrors: peft BaseTuner._inject_parameters (its matching)"""
+    named without the adapter layers around it. Mirrors: peft BaseTuner._inject_parameters (its
+    matching, strip_base_layer_from_name)"""
     targets = sorted(set(target_parameters))
     found = []
     for module_name, module in model.named_modules():
         if isinstance(module, ParamWrapper):
             continue
+        module_name = _unwrapped_name(module_name)
         for param_name, _ in module.named_parameters(recurse=False):
             key = f"{module_name}.{param_name}"
             if key in targets or any(key.endswith("." + t) for t in targets):
@@ -253,14 +291,40 @@ def inject_parameter_adapters(model, config, adapter_name, replace_module):
     found = find_target_parameters(model, config.target_parameters)
     check_each_target_parameter(model, config.target_parameters, found,
                                 nothing_else=not config.target_modules)
-    wrapped = {}  # module name -> its current outermost wrapper
     for module_name, param_name in found:
-        target = wrapped.get(module_name) or model.get_submodule(module_name)
+        target = model.get_submodule(module_name)
+        if hasattr(target, "base_layer") and not isinstance(target, ParamWrapper):
+            base = target.get_base_layer()
+            raise ValueError(f"Trying to wrap an `nn.Parameter` of layer '{module_name}' of type "
+                             f"{type(base).__name__}, which is not a valid target. Make sure that "
+                             "this layer is not also targeted with `target_modules`. For some "
+                             "models, PEFT will do this automatically, try setting "
+                             "`target_modules=[]` to prevent it.")
         key = f"{module_name}.{param_name}"
-        layer = ParamWrapper(target, param_name, adapter_name,
-                             r=pattern_value(config.rank_pattern, key, config.r),
-                             lora_alpha=pattern_value(config.alpha_pattern, key, config.lora_alpha),
-                             use_rslora=config.use_rslora,
-                             init_lora_weights=config.init_lora_weights)
+        settings = dict(r=pattern_value(config.rank_pattern, key, config.r),
+                        lora_alpha=pattern_value(config.alpha_pattern, key, config.lora_alpha),
+                        use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights)
+        existing = target
+        while isinstance(existing, ParamWrapper) and existing.parameter_name != param_name:
+            existing = existing.base_layer
+        if isinstance(existing, ParamWrapper):  # a further adapter on an already wrapped parameter
+            existing.add_adapter(adapter_name, **settings)
+            continue
+        # the outermost wrapper so far is wrapped again (one wrapper per parameter)
+        layer = ParamWrapper(target, param_name, adapter_name, **settings)
         replace_module(model, module_name, layer)
-        wrapped[module_name] = layer
+
+
+def check_same_target_parameters(configs, config):
+    """Refuse a further adapter whose target_parameters differ from another adapter's: which
+    parameter an A and B belong to is only their wrapper's nesting depth.
+    Mirrors: peft LoraModel._check_new_adapter_config (target_parameters)"""
+    if not config.target_parameters:
+        return
+    mine = set(config.target_parameters)
+    for name, other in configs.items():
+        theirs = getattr(other, "target_parameters", None)
+        if other is not config and theirs and set(theirs) != mine:
+            raise ValueError("When using multiple adapters with `target_parameters`, all adapters "
+                             f"must target the same set of parameters, but got {sorted(mine)} for "
+                             f"the new adapter and {sorted(theirs)} for adapter '{name}'.")

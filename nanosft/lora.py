@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanosft.adapter_files import INIT_LORA_WEIGHTS, PeftWarning
 from nanosft.alora import alora_delta
 from nanosft.nf4 import Linear4bit, is_quantized
 from nanosft.reference import fast_path
@@ -52,6 +53,15 @@ def dora_weight_norm(weight, lora_weight, scaling):
     DoRA 4.1 | Mirrors: peft DoraLinearLayer.get_weight_norm"""
     weight = weight + scaling * lora_weight
     return torch.linalg.norm(weight, dim=1).to(weight.dtype)
+
+
+def warn_lora_bias_without_bias(base_layer, lora_bias):
+    """lora_B's bias can train on a base without bias, but never be merged: say so up front.
+    Mirrors: peft LoraLayer.update_layer (its PeftWarning)"""
+    if lora_bias and getattr(base_layer, "bias", None) is None:
+        warnings.warn(f"`lora_bias=True` was passed but the targeted layer of type "
+                      f"{type(base_layer).__name__} has no bias. This means that merging LoRA "
+                      "weights won't be possible.", PeftWarning)
 
 
 def adapters_to_merge(layer, adapter_names=None):
@@ -116,24 +126,6 @@ class AdapterLinear(nn.Linear):
         return super().forward(x)
 
 
-@torch.no_grad()
-def _orthogonal_init(layer, name):
-    """init_lora_weights="orthogonal": the rows of one random orthogonal (r, r) matrix split
-    between A (odd rows) and B (even rows), so B A = 0 at the start while neither is zero; drawn
-    in peft's order, so the same seed gives peft's weights.
-    Mirrors: peft LoraLayer.orthogonal_init"""
-    A, B, rank = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.r[name]
-    if A.dim() != 2:
-        raise ValueError("init_lora_weights='orthogonal' is for linear layers; use True or "
-                         f"'gaussian' for {type(layer.base_layer).__name__}")
-    if rank % 2:
-        raise ValueError("Orthogonal initialization requires the LoRA rank to be even, got "
-                         f"{rank} instead.")
-    Q, _ = torch.linalg.qr(torch.randn(rank, rank))
-    A.copy_(torch.randn(A.shape[1], rank // 2).mm(Q[0::2]).T / 10.0)
-    B.copy_(torch.randn(rank // 2, B.shape[0]).T.mm(Q[1::2]) / 10.0)
-
-
 def peft_repr(module, name, first_line=""):
     """The module's print under peft's name for its layer, `lora.<name>(...)`, so a printed model
     reads as peft's does. Mirrors: peft's LoRA layers' __repr__"""
@@ -146,12 +138,13 @@ class LoraLinear(nn.Module):
     This is the walkthrough's `Linear4bit` of 2.7 (peft's LoRA layer; over a float base, its
     `Linear`), not nf4.Linear4bit, which is its base_layer.
     Walkthrough 2.7 | Mirrors: peft lora.Linear and lora.bnb.Linear4bit (LoraLayer)
-    Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy."""
+    Differs: one class for float and 4-bit bases; DoRA merge takes the unmerged weight on a copy;
+    adapter_layer_names lists only the dicts this layer has."""
 
     # the per-adapter dicts: of trainable weights, and of settings (peft's names for the two)
     adapter_layer_names = ("lora_A", "lora_B", "lora_magnitude_vector")
     other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout", "use_rslora", "use_dora",
-                         "lora_bias", "use_alora")
+                         "lora_bias")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
                  use_rslora=False, use_dora=False, init_lora_weights=True, lora_bias=False,
@@ -223,10 +216,14 @@ class LoraLinear(nn.Module):
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: r (the LoRA rank) must be a "
                              f"positive int, got r={r!r}; pass e.g. r=8")
-        if init_lora_weights not in (True, False, "gaussian", "orthogonal"):
+        if init_lora_weights not in INIT_LORA_WEIGHTS:
             raise ValueError(f"LoraLinear adapter {adapter_name!r}: init_lora_weights="
                              f"{init_lora_weights!r} is not implemented; use True (peft's "
                              "default), False, 'gaussian' or 'orthogonal'")
+        if init_lora_weights == "orthogonal" and r % 2:
+            raise ValueError("Orthogonal initialization requires the LoRA rank to be even, got "
+                             f"{r} instead.")
+        warn_lora_bias_without_bias(self.base_layer, lora_bias)
         self.r[adapter_name] = r
         self.lora_alpha[adapter_name] = lora_alpha
         dropout = nn.Dropout(p=lora_dropout) if lora_dropout > 0.0 else nn.Identity()
@@ -239,7 +236,10 @@ class LoraLinear(nn.Module):
         self.use_dora[adapter_name] = use_dora
         self.lora_bias[adapter_name] = lora_bias
         self.use_alora[adapter_name] = use_alora
-        self.reset_lora_parameters(adapter_name, init_lora_weights)
+        if init_lora_weights == "orthogonal":
+            self.orthogonal_init(adapter_name)
+        else:
+            self.reset_lora_parameters(adapter_name, init_lora_weights)
         # to the base's device, and its dtype if floating (4-bit uint8 weights leave fp32 adapters)
         w = self.base_layer.weight
         dtype = w.dtype if w.dtype.is_floating_point else None
@@ -257,8 +257,6 @@ class LoraLinear(nn.Module):
         Mirrors: peft LoraLayer.reset_lora_parameters"""
         if init_lora_weights is False:
             return
-        if init_lora_weights == "orthogonal":
-            return _orthogonal_init(self, adapter_name)
         A = self.lora_A[adapter_name].weight
         if init_lora_weights == "gaussian":
             nn.init.normal_(A, std=1 / self.r[adapter_name])
@@ -267,6 +265,18 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B[adapter_name].weight)
         if self.lora_B[adapter_name].bias is not None:
             nn.init.zeros_(self.lora_B[adapter_name].bias)
+
+    def orthogonal_init(self, adapter_name):
+        """A and B from the odd and even rows of one random orthogonal r x r matrix, so B A = 0
+        while neither is zero. Mirrors: peft LoraLayer.orthogonal_init (its draws, in its order)"""
+        r = self.r[adapter_name]
+        Q, _ = torch.linalg.qr(torch.randn(r, r))
+        A = torch.randn(self.in_features, r // 2).mm(Q[0::2, :]).T / 10.0
+        B = torch.randn(r // 2, self.out_features).T.mm(Q[1::2, :]) / 10.0
+        dtype = self.base_layer.weight.dtype
+        dtype = dtype if dtype.is_floating_point else A.dtype
+        self.lora_A[adapter_name].weight = nn.Parameter(A.contiguous().to(dtype))
+        self.lora_B[adapter_name].weight = nn.Parameter(B.contiguous().to(dtype))
 
     @torch.no_grad()
     def _dora_init_norm(self, name):
@@ -351,8 +361,8 @@ class LoraLinear(nn.Module):
             bias = self.lora_B[name].bias
             if bias is not None:
                 if self.base_layer.bias is None:
-                    raise RuntimeError("Impossible to merge LoRA with lora_bias=True because the "
-                                       "base layer has no bias.")
+                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because "
+                                       "the base layer has no bias.")
                 self.base_layer.bias.data += (bias * self.scaling[name]).to(bias.dtype)
             set_base_weight(self.base_layer, weight)
             self.merged_adapters.append(name)
@@ -375,8 +385,8 @@ class LoraLinear(nn.Module):
     def delete_adapter(self, adapter_name):
         """Drop one adapter's modules and settings; a deleted active adapter hands over to the
         remaining ones (or the first left, by name). Mirrors: peft BaseTunerLayer.delete_adapter"""
-        for attr in self.adapter_layer_names + self.other_param_names:
-            if adapter_name in getattr(self, attr):
+        for attr in self.adapter_layer_names + self.other_param_names + ("use_alora",):
+            if adapter_name in getattr(self, attr, {}):  # (use_alora: LoraLinear's own)
                 getattr(self, attr).pop(adapter_name)
         if adapter_name in self.active_adapters:
             remaining = [n for n in self.active_adapters if n != adapter_name]
@@ -519,7 +529,12 @@ class LoraLinear(nn.Module):
 
 class ModulesToSaveWrapper(nn.Module):
     """Keeps the frozen `original_module`; trains a full copy under `modules_to_save.<adapter>`.
-    Mirrors: peft ModulesToSaveWrapper"""
+    Attributes it lacks (`weight`, `bias`, ...) are read from the active copy, or from the
+    original when adapters are off or none of its copies is active.
+    Mirrors: peft ModulesToSaveWrapper (AuxiliaryTrainingWrapper)"""
+
+    adapter_layer_names = ("modules_to_save",)
+    other_param_names = ()
 
     def __init__(self, module, adapter_name, trainable=True, tied_weight=None):
         super().__init__()
@@ -532,9 +547,22 @@ class ModulesToSaveWrapper(nn.Module):
                             "modules_to_save (e.g. one entry of the container)")
         self.original_module = module.requires_grad_(False)
         self.modules_to_save = nn.ModuleDict()
-        self.active_adapter = adapter_name
+        self._active_adapter = adapter_name  # a name, or None: none of its copies is active
         self.disable_adapters = False
         self.update(adapter_name, trainable, tied_weight)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)  # its own modules and parameters
+        except AttributeError:
+            pass
+        if "_modules" not in self.__dict__:  # not built yet: no recursion into the lookups below
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        if self.disable_adapters or not self.active_adapters:
+            return getattr(self.original_module, name)
+        if self._active_adapter in self.modules_to_save:
+            return getattr(self.modules_to_save[self._active_adapter], name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def update(self, adapter_name, trainable=True, tied_weight=None):
         """Add a trained copy for `adapter_name`; `tied_weight`: the copy reads that weight (the
@@ -542,17 +570,23 @@ class ModulesToSaveWrapper(nn.Module):
         memo = {id(self.original_module.weight): tied_weight} if tied_weight is not None else {}
         trained_copy = copy.deepcopy(self.original_module, memo).requires_grad_(trainable)
         self.modules_to_save[adapter_name] = trained_copy
-        if adapter_name != self.active_adapter:
+        if adapter_name != self._active_adapter:
             trained_copy.requires_grad_(False)
 
     @property
+    def active_adapter(self):
+        """The active adapter's name; None when none of this wrapper's copies is active."""
+        return self._active_adapter
+
+    @property
     def active_adapters(self):
-        """The active adapter, as a list. Mirrors: peft AuxiliaryTrainingWrapper.active_adapters"""
-        return [self.active_adapter]
+        """The active adapter as a list ([] for none). Mirrors: peft
+        AuxiliaryTrainingWrapper.active_adapters"""
+        return [] if self._active_adapter is None else [self._active_adapter]
 
     def set_adapter(self, adapter_names, inference_mode=False):
-        """Use (and train) the copy of the one active adapter this wrapper holds.
-        Mirrors: peft ModulesToSaveWrapper.set_adapter"""
+        """Use (and train) the copy of the one active adapter this wrapper holds; none active
+        when it holds none of them. Mirrors: peft ModulesToSaveWrapper.set_adapter, _set_adapter"""
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         held = [n for n in names if n in self.modules_to_save]
         if len(held) > 1:
@@ -560,39 +594,28 @@ class ModulesToSaveWrapper(nn.Module):
                              f"got {held}")
         for key, module in self.modules_to_save.items():
             module.requires_grad_(key in held and not inference_mode)
-        self.active_adapter = held[0] if held else names[0] if names else None
+        self._active_adapter = held[0] if held else None
 
     def enable_adapters(self, enabled):
         """Off: the original module runs. Mirrors: peft ModulesToSaveWrapper.enable_adapters"""
         if enabled:
-            self.set_adapter(self.active_adapter)
+            self.set_adapter(self.active_adapters)
         else:
             self.modules_to_save.requires_grad_(False)
         self.disable_adapters = not enabled
 
     def delete_adapter(self, adapter_name, new_active_adapters=None):
-        """Drop one trained copy. Mirrors: peft ModulesToSaveWrapper.delete_adapter"""
-        if adapter_name in self.modules_to_save:
-            del self.modules_to_save[adapter_name]
-        if self.active_adapter == adapter_name:
-            left = [n for n in (new_active_adapters or []) if n in self.modules_to_save]
-            self.active_adapter = left[0] if left else None
+        """Drop one trained copy; the new active adapters' copy (if held) takes over.
+        Mirrors: peft ModulesToSaveWrapper.delete_adapter"""
+        if adapter_name not in self.modules_to_save:
+            return
+        del self.modules_to_save[adapter_name]
+        self.set_adapter(new_active_adapters or [])
 
     def _active_module(self):
-        if self.disable_adapters or self.active_adapter not in self.modules_to_save:
+        if self.disable_adapters or self._active_adapter not in self.modules_to_save:
             return self.original_module
-        return self.modules_to_save[self.active_adapter]
-
-    def __getattr__(self, name):
-        """What the wrapper itself lacks (weight, bias, ...) is read off the active module, so
-        code reaching into the wrapped layer still works. Mirrors: peft
-        AuxiliaryTrainingWrapper.__getattr__ (transient delegation)"""
-        try:
-            return super().__getattr__(name)  # parameters, buffers, submodules
-        except AttributeError:
-            if name in ("original_module", "modules_to_save"):  # not set yet: no recursion
-                raise
-            return getattr(self._active_module(), name)
+        return self.modules_to_save[self._active_adapter]
 
     def forward(self, *args, **kwargs):
         """Run the active trained copy (the original when disabled or none is active).

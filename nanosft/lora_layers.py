@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanosft.lora import AdapterLinear, DoraMagnitude, LoraLinear, adapters_to_merge, peft_repr
+from nanosft.lora import (
+    AdapterLinear, DoraMagnitude, LoraLinear, adapters_to_merge, peft_repr,
+    warn_lora_bias_without_bias)
 
 
 class LoraEmbedding(nn.Module):
@@ -27,7 +29,7 @@ class LoraEmbedding(nn.Module):
     other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout", "use_dora")
 
     def __init__(self, base_layer, adapter_name="default", r=8, lora_alpha=8, lora_dropout=0.0,
-                 use_rslora=False, init_lora_weights=True, use_dora=False):
+                 use_rslora=False, init_lora_weights=True, use_dora=False, lora_bias=False):
         super().__init__()
         self.base_layer = base_layer
         self.in_features = base_layer.num_embeddings
@@ -42,7 +44,7 @@ class LoraEmbedding(nn.Module):
         self.active_adapters = [adapter_name]
         self.disable_adapters = False
         self.update_layer(adapter_name, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights,
-                          use_dora)
+                          use_dora, lora_bias)
 
     merged = LoraLinear.merged
     weight = LoraLinear.weight
@@ -50,8 +52,12 @@ class LoraEmbedding(nn.Module):
     _all_available_adapter_names = LoraLinear._all_available_adapter_names
 
     def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, use_rslora=False,
-                     init_lora_weights=True, use_dora=False):
+                     init_lora_weights=True, use_dora=False, lora_bias=False):
         """Add adapter `adapter_name`. Mirrors: peft lora.Embedding.update_layer"""
+        if lora_bias:  # peft names the layer class; here the base's, as nn.Embedding is wrapped
+            raise ValueError(f"lora_bias={lora_bias} is not supported for "
+                             f"{type(self.base_layer).__name__}: the embedding adapter has no "
+                             "bias; set lora_bias=False or leave this layer out of target_modules")
         self.r[adapter_name] = r
         self.lora_alpha[adapter_name] = lora_alpha
         self.use_dora[adapter_name] = use_dora
@@ -63,11 +69,9 @@ class LoraEmbedding(nn.Module):
         self.lora_embedding_A[adapter_name] = nn.Parameter(A)
         self.lora_embedding_B[adapter_name] = nn.Parameter(B)
         self.scaling[adapter_name] = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
-        if init_lora_weights is True:  # peft: A zeros, B normal (the reverse of Linear's)
+        if init_lora_weights:  # peft: A zeros, B normal (the reverse of Linear's), whatever
+            # init was asked for ("gaussian", "orthogonal" included)
             nn.init.zeros_(self.lora_embedding_A[adapter_name])
-            nn.init.normal_(self.lora_embedding_B[adapter_name])
-        elif init_lora_weights == "gaussian":
-            nn.init.normal_(self.lora_embedding_A[adapter_name], std=1 / r)
             nn.init.normal_(self.lora_embedding_B[adapter_name])
         if use_dora:  # m starts as the per-channel norm of E^T + s B A
             with torch.no_grad():
@@ -227,7 +231,8 @@ class LoraConv(nn.Module):
         if r % base_layer.groups:
             raise ValueError(f"Targeting a {type(base_layer).__name__} with groups="
                              f"{base_layer.groups} and rank {r}. Currently, support is limited to "
-                             "conv layers where the rank is divisible by groups.")
+                             "conv layers where the rank is divisible by groups. Either choose a "
+                             "different rank or do not target this specific layer.")
         self.base_layer = base_layer
         self.in_features = base_layer.in_channels
         self.out_features = base_layer.out_channels
@@ -245,7 +250,7 @@ class LoraConv(nn.Module):
                           lora_bias, use_dora)
 
     adapter_layer_names = LoraLinear.adapter_layer_names
-    other_param_names = LoraLinear.other_param_names[:-1]  # (no aLoRA on convolutions)
+    other_param_names = LoraLinear.other_param_names
     merged = LoraLinear.merged
     weight = LoraLinear.weight
     bias = LoraLinear.bias
@@ -261,6 +266,10 @@ class LoraConv(nn.Module):
         """Add adapter `adapter_name` (A: the base's kernel into r channels; B: 1x1 out).
         Mirrors: peft _ConvNd.update_layer"""
         base = self.base_layer
+        if init_lora_weights not in (True, False, "gaussian"):  # peft's reset_lora_parameters
+            raise ValueError(f"Unknown initialization init_lora_weights={init_lora_weights!r} "
+                             f"for a LoRA {type(base).__name__}; use True, False or 'gaussian'")
+        warn_lora_bias_without_bias(base, lora_bias)
         conv = type(base)
         ones = (1,) * (base.weight.dim() - 2)
         self.r[adapter_name] = r
@@ -325,6 +334,9 @@ class LoraConv(nn.Module):
                                       "groups > 1!")
         names = adapters_to_merge(self, adapter_names)
         for name in [n for n in names if n in self.lora_A]:
+            if self.lora_B[name].bias is not None and self.base_layer.bias is None:
+                raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the "
+                                   "base layer has no bias.")
             delta = self.get_delta_weight(name)
             weight = self.base_layer.weight.data + delta
             if self.use_dora[name]:  # m / ||W0 + dW|| per channel; the norm cached to unmerge
@@ -463,7 +475,7 @@ class LoraMultiheadAttention(nn.Module):
         self.update_layer(adapter_name, **common)
 
     adapter_layer_names = LoraLinear.adapter_layer_names
-    other_param_names = LoraLinear.other_param_names[:-1]  # (no aLoRA here)
+    other_param_names = LoraLinear.other_param_names
     merged = LoraLinear.merged
     get_base_layer = LoraLinear.get_base_layer
     _all_available_adapter_names = LoraLinear._all_available_adapter_names

@@ -24,7 +24,7 @@ from nanosft.adapter_files import (  # noqa: F401
     PromptTuningInit, TaskType, find_target_modules, get_peft_model_state_dict,
     load_adapter_files, pattern_value, peft_config_from_dict, prompt_init_token_ids,
     resolve_target_modules, save_adapter_files, set_peft_model_state_dict, target_module_matches,
-    warn_if_name_in_prefix)
+    warn_if_name_in_prefix, write_model_card)
 from nanosft.generation import generate_uncached
 from nanosft.lora import (  # noqa: F401
     LoraLinear, ModulesToSaveWrapper, prepare_model_for_kbit_training)
@@ -125,6 +125,15 @@ class PeftModel(nn.Module):
         if self.peft_type != "LORA":
             return [self.active_adapter]
         return self.base_model.active_adapters
+
+    @property
+    def modules_to_save(self):
+        """Every adapter's modules_to_save names as one set (None for none).
+        Mirrors: peft PeftModel.modules_to_save"""
+        names = set()
+        for config in self.peft_config.values():
+            names.update(getattr(config, "modules_to_save", None) or [])
+        return names or None
 
     def get_base_model(self):
         """The wrapped model itself. Mirrors: peft PeftModel.get_base_model"""
@@ -328,8 +337,12 @@ class PeftModel(nn.Module):
             if config.base_model_name_or_path is None:  # peft fills it at save time too
                 config.base_model_name_or_path = base or None
             folder = save_directory if name == "default" else os.path.join(save_directory, name)
-            save_adapter_files(folder, config, state, safe_serialization=safe_serialization,
-                               has_model_config=hasattr(self.get_base_model(), "config"))
+            save_adapter_files(folder, config, state, safe_serialization=safe_serialization)
+        model = self.get_base_model()
+        write_model_card(save_directory, self.active_peft_config.peft_type, base_model=base,
+                         is_transformers=hasattr(model, "config"),
+                         model_tags=getattr(model, "model_tags", None),
+                         causal_lm=isinstance(self, PeftModelForCausalLM))
 
     def push_to_hub(self, repo_id, commit_message="Upload adapter", private=None, token=None,
                     **kwargs):

@@ -22,6 +22,9 @@ class TrainableTokensLayer(nn.Module):
     """The trained rows of `base_layer` (nn.Embedding, or the nn.Linear of a tied LM head), per
     adapter. Mirrors: peft TrainableTokensLayer"""
 
+    adapter_layer_names = ("trainable_tokens_delta",)
+    other_param_names = ("token_indices",)
+
     def __init__(self, base_layer, adapter_name, token_indices=None, tied_adapter=None):
         super().__init__()
         self.base_layer = base_layer

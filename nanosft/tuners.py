@@ -77,10 +77,11 @@ def _new_or_updated_layer(target, config, adapter_name, name):
         raise ValueError(f"{type(target).__name__} does not support aLoRA (yet), please set "
                          "use_alora to False")
     if isinstance(target, LoraEmbedding) or isinstance(target, nn.Embedding):
+        extra = dict(lora_bias=config.lora_bias, use_dora=config.use_dora)
         if isinstance(target, LoraEmbedding):
-            target.update_layer(adapter_name, use_dora=config.use_dora, **common)
+            target.update_layer(adapter_name, **extra, **common)
             return None
-        return LoraEmbedding(target, adapter_name, use_dora=config.use_dora, **common)
+        return LoraEmbedding(target, adapter_name, **extra, **common)
     if isinstance(target, (LoraConv, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         extra = dict(lora_bias=config.lora_bias, use_dora=config.use_dora)
         if isinstance(target, LoraConv):
@@ -97,6 +98,13 @@ def _new_or_updated_layer(target, config, adapter_name, name):
         config.fan_in_fan_out = True
     return LoraLinear(target, adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
                       use_alora=use_alora, **common)
+
+
+def check_bias(config):
+    """Refuse a `bias` setting other than "none", "all" and "lora_only" before any layer changes.
+    Mirrors: peft LoraModel._mark_only_adapters_as_trainable (its NotImplementedError)"""
+    if config.bias not in ("none", "all", "lora_only"):
+        raise NotImplementedError(f"Requested bias: {config.bias}, is not implemented.")
 
 
 def _is_linear_target(module):
@@ -148,6 +156,8 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
             p.requires_grad = False
     to_save = config.modules_to_save or []
     for name, module in list(model.named_modules()):
+        if to_save and ".lora_" in name and _matches_any(to_save, name):
+            _refuse_inside_tuner_layer(model, name, ModulesToSaveWrapper, adapter_name)
         if not to_save or ".lora_" in name or ".modules_to_save." in name:
             continue
         if name.endswith(".original_module") or not _matches_any(to_save, name):
@@ -166,6 +176,19 @@ def mark_only_adapters_as_trainable(model, config, adapter_name="default"):
             else:
                 _replace_module(model, name, ModulesToSaveWrapper(module, adapter_name, trainable,
                                                                   tied_weight=weight))
+
+
+def _refuse_inside_tuner_layer(model, name, wrapper_cls, adapter_name):
+    # a modules_to_save entry equal to the adapter name matches the LoRA layers' own
+    # `lora_A.<adapter>` modules: wrapping those is never meant
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = model.get_submodule(".".join(parts[:i]))
+        if isinstance(parent, BaseTunerLayer):
+            raise ValueError(f"You are trying to target a module with {wrapper_cls} that is a "
+                             f"child of {type(parent)}. This is almost certainly not the intended "
+                             f"behavior. Please ensure that the adapter name, '{adapter_name}', "
+                             "does not conflict with any of the targeted modules.")
 
 
 def _matches_any(to_save, name):
@@ -268,6 +291,7 @@ class LoraModel(nn.Module):
         self.model = model
         self.peft_config = peft_config
         self.active_adapter = adapter_name
+        check_bias(peft_config[adapter_name])
         self.targeted_module_names = inject_adapter(model, peft_config[adapter_name], adapter_name)
         mark_only_adapters_as_trainable(model, peft_config[adapter_name], adapter_name)
         add_trainable_tokens(model, peft_config[adapter_name], adapter_name)
@@ -400,6 +424,11 @@ class LoraModel(nn.Module):
                 c.bias != "none" for c in self.peft_config.values()):
             raise ValueError("LoraModel supports only 1 adapter with bias. When using multiple "
                              "adapters, set bias to 'none' for all adapters.")
+        check_bias(config)
+        if config.target_parameters:  # product layer, imported on use
+            from nanosft.expert_lora import check_same_target_parameters
+
+            check_same_target_parameters(self.peft_config, config)
         self.peft_config[adapter_name] = config
         try:
             inject_adapter(self.model, config, adapter_name)
@@ -442,6 +471,11 @@ class LoraModel(nn.Module):
                           "lora_embedding_B"):
                     if hasattr(layer, d):
                         getattr(layer, d).requires_grad_(False)
+        for wrapper in self._param_wrappers():
+            wrapper.set_adapter(adapter_name)
+            if inference_mode:
+                wrapper.lora_A.requires_grad_(False)
+                wrapper.lora_B.requires_grad_(False)
         for wrapper in self._wrappers():
             wrapper.set_adapter(adapter_name, inference_mode)
         self.active_adapter = adapter_name
@@ -450,8 +484,8 @@ class LoraModel(nn.Module):
         """Switch gradients of the named adapters' weights on or off, active or not.
         Mirrors: peft BaseTuner.set_requires_grad"""
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
-        for layer in self._layers():
-            for attr in getattr(layer, "adapter_layer_names", ("lora_A", "lora_B")):
+        for layer in self._layers() + self._param_wrappers():
+            for attr in getattr(layer, "adapter_layer_names", ()):
                 for name in names:
                     if name in getattr(layer, attr, {}):
                         getattr(layer, attr)[name].requires_grad_(requires_grad)
@@ -499,7 +533,7 @@ class LoraModel(nn.Module):
             new_active = sorted(self.peft_config)[:1]
             warnings.warn(f"Adapter {adapter_name} was active which is now deleted. Setting active "
                           f"adapter to {new_active[0]}.")
-        for layer in self._layers():
+        for layer in self._layers() + self._param_wrappers():
             layer.delete_adapter(adapter_name)
             layer.set_adapter(new_active)
         for wrapper in self._wrappers():
