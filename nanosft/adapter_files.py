@@ -208,6 +208,8 @@ class LoraConfig:
     alora_invocation_tokens: list | None = None
     # peft's Megatron-LM parallel layers: not implemented, refused when set
     megatron_config: dict | None = None
+    # {module type: LoRA layer class} registered by _register_custom_module; never saved
+    _custom_modules: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.peft_type = PeftType.LORA  # whatever was passed, as peft's __post_init__ sets it
@@ -267,6 +269,7 @@ class LoraConfig:
         """The adapter_config.json dict, key for key as peft writes it.
         Mirrors: peft PeftConfig.to_dict"""
         fields = dataclasses.asdict(self)
+        del fields["_custom_modules"]  # classes, not settings: peft does not save them either
         fields["peft_type"] = self.peft_type.value  # json-ready strings, as peft writes them
         if isinstance(fields["task_type"], enum.Enum):
             fields["task_type"] = fields["task_type"].value
@@ -283,6 +286,13 @@ class LoraConfig:
 
     from_json_file = staticmethod(read_config_json)
 
+    def _register_custom_module(self, mapping):
+        """Wrap modules of the types in `mapping` ({module type: LoRA layer class}) with that
+        class, called as LoraLinear is (base layer, adapter name, r, lora_alpha, ...). Not saved:
+        register again after loading the config. Mirrors: peft LoraConfig._register_custom_module
+        Differs: the class gets LoraLinear's keyword arguments, not peft's `config=` and kwargs."""
+        self._custom_modules = {**(self._custom_modules or {}), **mapping}
+
     def save_pretrained(self, save_directory, **kwargs):
         """Write adapter_config.json into `save_directory`.
         Mirrors: peft PeftConfig.save_pretrained"""
@@ -292,6 +302,14 @@ class LoraConfig:
     def from_pretrained(cls, pretrained_model_name_or_path, subfolder=None, **kwargs):
         """Read adapter_config.json from a folder. Mirrors: peft PeftConfig.from_pretrained"""
         return load_config_file(cls, pretrained_model_name_or_path, subfolder, kwargs)
+
+
+def custom_layer_class(config, module):
+    """The LoRA layer class registered for `module`'s type (_register_custom_module), or None."""
+    for key, cls in (getattr(config, "_custom_modules", None) or {}).items():
+        if isinstance(module, key):
+            return cls
+    return None
 
 
 @dataclasses.dataclass
@@ -647,7 +665,7 @@ def find_target_modules(model, config):
                              f"names); its linear layers are named {linear}")
     for n in names:
         module = model.get_submodule(n)
-        if not is_lora_target(module):
+        if not is_lora_target(module) and custom_layer_class(config, module) is None:
             raise ValueError(f"Target module {n!r} is a {type(module).__name__}, not a linear "
                              "layer: LoRA wraps torch.nn.Linear, Linear4bit, transformers' "
                              "Conv1D, nn.Conv1d/2d/3d, torch.nn.Embedding and "

@@ -151,7 +151,10 @@ class LoraLinear(nn.Module):
                  use_alora=False):
         super().__init__()
         fan_in_fan_out = _fan_in_fan_out(base_layer)
-        if not isinstance(base_layer, (nn.Linear, Linear4bit)) and not fan_in_fan_out:
+        # a subclass registered for another module type (_register_custom_module) wraps any
+        # module with in_features and out_features
+        custom = type(self) is not LoraLinear and hasattr(base_layer, "out_features")
+        if not isinstance(base_layer, (nn.Linear, Linear4bit)) and not (fan_in_fan_out or custom):
             raise TypeError(f"LoraLinear: base_layer must be nn.Linear, nanosft.nf4.Linear4bit or "
                             f"transformers' Conv1D, got {type(base_layer).__name__}")
         self.base_layer = base_layer

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from nanosft.alora import alora_offsets, is_alora_batch
-from nanosft.adapter_files import find_target_modules, pattern_value, resolve_target_modules
+from nanosft.adapter_files import (
+    custom_layer_class, find_target_modules, is_lora_target, pattern_value,
+    resolve_target_modules)
 from nanosft.lora import LoraLinear, ModulesToSaveWrapper
 from nanosft.lora_layers import LoraConv, LoraEmbedding, LoraMultiheadAttention
 from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
@@ -66,6 +68,13 @@ def _new_or_updated_layer(target, config, adapter_name, name):
     common = dict(r=r, lora_alpha=alpha, lora_dropout=config.lora_dropout,
                   use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights)
     use_alora = config.alora_invocation_tokens is not None
+    custom = None if isinstance(target, BaseTunerLayer) else custom_layer_class(config, target)
+    if custom is not None:  # a registered class (peft's dynamic dispatch) comes first
+        if not is_lora_target(target):
+            warnings.warn(f"Unsupported layer type '{type(target)}' encountered, proceed at your "
+                          "own risk.", UserWarning)
+        return custom(target, adapter_name, use_dora=config.use_dora, lora_bias=config.lora_bias,
+                      use_alora=use_alora, **common)
     if isinstance(target, (LoraMultiheadAttention, nn.MultiheadAttention)):  # refuses aLoRA, DoRA
         extra = dict(lora_bias=config.lora_bias, use_dora=config.use_dora, use_alora=use_alora)
         if isinstance(target, LoraMultiheadAttention):
