@@ -37,7 +37,7 @@ PROMPT_LEARNING_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")  # peft i
 _LORA_UNUSED = {
     "arrow_config": None,
     "auto_mapping": None, "corda_config": None, "eva_config": None,
-    "kasa_config": None, "layer_replication": None,
+    "kasa_config": None,
     "loftq_config": {}, "lora_ga_config": None,
     "megatron_core": "megatron.core", "monteclora_config": None, "qalora_group_size": 16,
     "revision": None,
@@ -208,6 +208,9 @@ class LoraConfig:
     alora_invocation_tokens: list | None = None
     # peft's Megatron-LM parallel layers: not implemented, refused when set
     megatron_config: dict | None = None
+    # [[start, end), ...]: the decoder rebuilt from these ranges of its layers, weights shared,
+    # each copy with its own adapter (nanosft.layer_replication)
+    layer_replication: list | None = None
     # {module type: LoRA layer class} registered by _register_custom_module; never saved
     _custom_modules: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 

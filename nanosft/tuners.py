@@ -26,7 +26,8 @@ from nanosft.trainable_tokens import TrainableTokensWrapper, tied_module_names
 from nanosft.weighted_adapters import (  # noqa: F401 (convert_to_lora: peft's name, re-exported)
     convert_to_lora, fill_weighted_adapter, supports_lora_conversion, weighted_adapter_config)
 from nanosft.weight_tying import (
-    check_tied_modules, is_tied_target, module_names_tied_with_embedding, tie_lora_to_embedding)
+    check_tied_modules, is_tied_target, module_names_tied_with_embedding, tie_lora_to_embedding,
+    untie_config_if_diverged)
 
 # peft's private name for the same function (peft.utils.other)
 _get_module_names_tied_with_embedding = module_names_tied_with_embedding
@@ -128,6 +129,10 @@ def inject_adapter(model, config, adapter_name="default"):
     convert = getattr(model, "convert_peft_config", None)  # a family's rewrite (MoE experts)
     if convert is not None:
         convert(config)
+    if config.layer_replication:  # product layer, imported on use (peft: _prepare_model)
+        from nanosft.layer_replication import replicate_layers
+
+        replicate_layers(model, config.layer_replication)
     check_tied_modules(model, config)  # ensure_weight_tying: the embedding targeted, not its ties
     names = find_target_modules(model, config) if config.target_modules not in ([], "") else []
     config.target_modules = resolve_target_modules(model, config)  # saved resolved, as peft does
@@ -549,9 +554,16 @@ class LoraModel(nn.Module):
             wrapper.delete_adapter(adapter_name, new_active)
         self.active_adapter = new_active
 
+    def _check_merge_allowed(self):
+        # a replicated layer shares its base weights with its copies: a merge would change them all
+        # Differs: peft's check reads the adapter dict for the key, so it never refuses
+        if any(getattr(c, "layer_replication", None) for c in self.peft_config.values()):
+            raise ValueError("Cannot merge LORA layers when base model layers are replicated")
+
     def merge_adapter(self, adapter_names=None, safe_merge=False):
         """Fold the (active) adapters into the base weights, keeping them to unmerge.
         Mirrors: peft BaseTuner.merge_adapter"""
+        self._check_merge_allowed()
         for layer in self._layers() + self._param_wrappers():
             layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
 
@@ -593,7 +605,10 @@ class LoraModel(nn.Module):
 
     def merge_and_unload(self, progressbar=False, safe_merge=False, adapter_names=None):
         """Merge the adapters and return the plain model. Mirrors: peft merge_and_unload"""
-        return self._unload_and_optionally_merge(True, safe_merge, adapter_names)
+        self._check_merge_allowed()
+        model = self._unload_and_optionally_merge(True, safe_merge, adapter_names)
+        untie_config_if_diverged(model)
+        return model
 
     def unload(self):
         """Return the plain model with the adapters dropped, not merged. Mirrors: peft unload"""

@@ -133,3 +133,22 @@ def tie_lora_to_embedding(layer, embedding, adapter_name, init_lora_weights=True
             source.data.copy_(lora.weight.data.reshape(source.shape))
         lora.weight = nn.Parameter(source.t(), requires_grad=lora.weight.requires_grad)
 
+
+
+def untie_config_if_diverged(model):
+    """After a merge: a config that still says tie_word_embeddings=True while the input and output
+    embeddings now hold different weights (a merged embedding adapter) is set to False, with a
+    warning, so saving and reloading does not tie them again.
+    Mirrors: peft BaseTuner._unload_and_optionally_merge (its tie_word_embeddings fix)"""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    try:
+        out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return
+    out_w, in_w = getattr(out_emb, "weight", None), getattr(in_emb, "weight", None)
+    if out_w is not None and in_w is not None and out_w.data_ptr() != in_w.data_ptr():
+        config.tie_word_embeddings = False
+        warnings.warn("Input and output embeddings are no longer tied after merging. Setting "
+                      "`tie_word_embeddings=False` in the model config.")

@@ -283,10 +283,10 @@ def test_errors_name_the_culprit(tmp_path):
         PeftModelForCausalLM.from_pretrained(_model(), tmp_path / "d")
     config = json.loads((tmp_path / "d" / "adapter_config.json").read_text())
     (tmp_path / "d" / "adapter_config.json").write_text(
-        json.dumps({**config, "layer_replication": [[0, 1]]})
+        json.dumps({**config, "use_qalora": True})
     )
     # a peft feature nanosft lacks is refused, the file named
-    with pytest.raises(ValueError, match=r"d.adapter_config\.json sets layer_replication="):
+    with pytest.raises(ValueError, match=r"d.adapter_config\.json sets use_qalora="):
         PeftModelForCausalLM.from_pretrained(_model(num_hidden_layers=3), tmp_path / "d")
 
 
