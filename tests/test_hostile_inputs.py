@@ -295,7 +295,8 @@ def test_a_csv_without_datasets_installed_is_one_paragraph(tmp_path, capsys, mon
 
 def test_an_abbreviated_flag_suggests_what_it_abbreviates(tmp_path, capsys):
     code, output = run(_train(tmp_path, "--lr", "1e-3"), capsys)
-    assert_clean_failure(code, output, 2, "'--lr'", "did you mean --learning_rate or --lora_r or --layer_replication?")
+    assert_clean_failure(code, output, 2, "'--lr'",
+                         "did you mean --learning_rate or --lora_r or --layer_replication?")
 
 
 def test_memory_fsdp_reads_as_train_fsdp_and_ranks_are_nproc_per_node(capsys):
